@@ -1,0 +1,61 @@
+"""Accelerators dsforge knows: memory and dense BF16 peak FLOP/s.
+
+Peaks are the vendors' dense (no sparsity) BF16 tensor-core figures; they are the MFU
+denominator (docs/flops.md). A device that is not in the table has no peak: MFU is then
+reported as not available rather than computed against a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1024**2
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPU:
+    key: str  # the name used in recipes (`cluster.gpu`)
+    name: str
+    memory_bytes: int  # total device memory as the driver reports it
+    peak_bf16_flops: float  # dense, per GPU, FLOP/s
+    # Lower-case substrings of torch.cuda.get_device_name() that identify this GPU. All must match.
+    match: tuple[str, ...]
+
+
+# Ordered most specific first: "H100 PCIe" and "H100 NVL" must be tried before plain "H100".
+GPUS: tuple[GPU, ...] = (
+    GPU(key="h100-pcie", name="NVIDIA H100 PCIe", memory_bytes=81559 * MiB,
+        peak_bf16_flops=756e12, match=("h100", "pcie")),
+    GPU(key="h100-nvl", name="NVIDIA H100 NVL", memory_bytes=95830 * MiB,
+        peak_bf16_flops=835e12, match=("h100", "nvl")),
+    GPU(key="h100", name="NVIDIA H100 SXM", memory_bytes=81559 * MiB,
+        peak_bf16_flops=989e12, match=("h100",)),
+    GPU(key="h200", name="NVIDIA H200", memory_bytes=143771 * MiB,
+        peak_bf16_flops=989e12, match=("h200",)),
+    GPU(key="a100-40gb", name="NVIDIA A100 40GB", memory_bytes=40960 * MiB,
+        peak_bf16_flops=312e12, match=("a100", "40gb")),
+    GPU(key="a100", name="NVIDIA A100 80GB", memory_bytes=81920 * MiB,
+        peak_bf16_flops=312e12, match=("a100",)),
+    GPU(key="l40s", name="NVIDIA L40S", memory_bytes=46068 * MiB,
+        peak_bf16_flops=362e12, match=("l40s",)),
+    GPU(key="b200", name="NVIDIA B200", memory_bytes=183359 * MiB,
+        peak_bf16_flops=2250e12, match=("b200",)),
+)
+
+GPU_KEYS: tuple[str, ...] = tuple(g.key for g in GPUS)
+
+
+def gpu_by_key(key: str) -> GPU:
+    for gpu in GPUS:
+        if gpu.key == key:
+            return gpu
+    raise KeyError(key)
+
+
+def gpu_for_device_name(device_name: str) -> GPU | None:
+    """The table entry for a torch device name, most specific first; None when unknown."""
+    lowered = device_name.lower()
+    for gpu in GPUS:
+        if all(part in lowered for part in gpu.match):
+            return gpu
+    return None

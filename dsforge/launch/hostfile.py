@@ -1,0 +1,96 @@
+"""DeepSpeed-format hostfiles (`host slots=N`, `#` comments), parsed strictly.
+
+Rules (docs/validation.md): H1 one `host slots=N` per line and no duplicate hosts; H2 host
+tokens are hostname/IP characters only and never start with `-` (ssh would read an option);
+H3 a hostfile that was named but does not exist is an error, never a silent fallback to
+localhost (DeepSpeed only warns). `parse_hostfile` is pure; `read_hostfile` adds the file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from dsforge.recipe.problems import Problem, RecipeError
+
+_LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)$")
+_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hostfile:
+    hosts: tuple[tuple[str, int], ...]  # (host, slots) in file order = rank order
+    source: str = "<hostfile>"
+
+    @property
+    def total_slots(self) -> int:
+        return sum(slots for _, slots in self.hosts)
+
+    @property
+    def node_slots(self) -> tuple[int, ...]:
+        return tuple(slots for _, slots in self.hosts)
+
+    @property
+    def hostnames(self) -> tuple[str, ...]:
+        return tuple(host for host, _ in self.hosts)
+
+
+def read_hostfile(path: str | Path) -> Hostfile:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError([Problem(rule="H3", fields={"hostfile": str(path)},
+                                   message="hostfile not found (dsforge never falls back to "
+                                           "running on localhost)",
+                                   fix="check the path, or leave out --hostfile for a local run")])
+    return parse_hostfile(path.read_text().splitlines(), source=str(path))
+
+
+def parse_hostfile(lines: Iterable[str], source: str = "<hostfile>") -> Hostfile:
+    """Parse hostfile lines; raises RecipeError listing every bad line."""
+    hosts: list[tuple[str, int]] = []
+    first_seen: dict[str, int] = {}
+    problems: list[Problem] = []
+    for number, line in enumerate(lines, start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        where = {f"{source}:{number}": text}
+        parsed = _parse_line(text, where, problems)
+        if parsed is None:
+            continue
+        host, slots = parsed
+        if host in first_seen:
+            problems.append(Problem(rule="H1", fields=where,
+                                    message=f"duplicate host (first on line {first_seen[host]})",
+                                    fix="list each host once with its total slots"))
+            continue
+        first_seen[host] = number
+        hosts.append((host, slots))
+    if not hosts and not problems:
+        problems.append(Problem(rule="H1", fields={"hostfile": source}, message="no hosts",
+                                fix="add lines such as `node1 slots=8`"))
+    if problems:
+        raise RecipeError(problems)
+    return Hostfile(hosts=tuple(hosts), source=source)
+
+
+def _parse_line(text: str, where: dict, problems: list[Problem]) -> tuple[str, int] | None:
+    match = _LINE.match(text)
+    if not match:
+        problems.append(Problem(rule="H1", fields=where, message="expected `host slots=N`",
+                                fix="write one host per line, e.g. `worker-1 slots=8`"))
+        return None
+    host, slots = match["host"], match["slots"]
+    if not _HOST.match(host):
+        problems.append(Problem(rule="H2", fields=where,
+                                message="host names may hold only letters, digits, '.', '-', "
+                                        "'_' and ':' and may not start with '-'",
+                                fix="use the plain hostname or IP address"))
+        return None
+    if not slots.isdigit() or int(slots) < 1:
+        problems.append(Problem(rule="H1", fields=where, message="slots must be a whole number >= 1",
+                                fix="e.g. slots=8 for a node with 8 GPUs"))
+        return None
+    return host, int(slots)

@@ -1,0 +1,10 @@
+"""The recipe: schema, strict loading, resolution against a world, validation."""
+
+from dsforge.recipe.loader import load_recipe
+from dsforge.recipe.problems import Problem, RecipeError
+from dsforge.recipe.resolve import Layout, Resolved, Topology, resolve, topology_for
+from dsforge.recipe.schema import Recipe
+from dsforge.recipe.validate import validate
+
+__all__ = ["Layout", "Problem", "Recipe", "RecipeError", "Resolved", "Topology", "load_recipe",
+           "resolve", "topology_for", "validate"]

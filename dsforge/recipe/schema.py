@@ -1,0 +1,281 @@
+"""The recipe: one frozen, keyword-only dataclass per YAML section.
+
+Rules that concern one section only are checked in that section's __post_init__ and raised
+together (RecipeError). Rules that span sections or need the world size live in
+`dsforge.recipe.validate`. Field names are the public recipe interface (docs/recipe.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dsforge.estimate.hardware import GPU_KEYS
+from dsforge.recipe.problems import Checks, did_you_mean
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Checkpointing = Literal["none", "selective", "full"]
+Offload = Literal["none", "cpu"]
+LrDecay = Literal["cosine", "linear", "constant"]
+
+
+def _positive(checks: Checks, rule: str, section: str, **values: int | float | None) -> None:
+    for name, value in values.items():
+        if value is not None:
+            checks.require(value > 0, rule, {f"{section}.{name}": value}, "must be > 0",
+                           f"set {section}.{name} to a positive value")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int = 2
+    ffn_hidden_size: int  # per expert
+    frequency: int = 1  # every Nth layer is an MoE layer (Megatron moe_layer_freq)
+    aux_loss_coeff: float = 0.01  # load-balancing loss weight
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        _positive(c, "M1", "model.moe", num_experts=self.num_experts,
+                  ffn_hidden_size=self.ffn_hidden_size, frequency=self.frequency)
+        c.require(0 < self.top_k <= self.num_experts, "E2",
+                  {"model.moe.top_k": self.top_k, "model.moe.num_experts": self.num_experts},
+                  "top_k must be between 1 and num_experts",
+                  f"set model.moe.top_k in 1..{max(self.num_experts, 1)}")
+        c.require(self.aux_loss_coeff >= 0, "M1", {"model.moe.aux_loss_coeff": self.aux_loss_coeff},
+                  "must be >= 0", "use 0 to disable the load-balancing loss")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, SwiGLU MLP, rotary embeddings, optional GQA and MoE."""
+
+    preset: str | None = None  # applied by the loader; kept to say where the numbers came from
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int | None = None  # None = num_attention_heads (no GQA)
+    kv_channels: int | None = None  # head dim; None = hidden_size / num_attention_heads
+    vocab_size: int
+    max_seq_len: int
+    tie_embeddings: bool = False
+    bias: bool = False  # bias in linear layers
+    rotary_base: int = 10000
+    norm_epsilon: float = 1e-5
+    init_std: float = 0.02
+    moe: MoEConfig | None = None
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        _positive(c, "M1", "model", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                  ffn_hidden_size=self.ffn_hidden_size,
+                  num_attention_heads=self.num_attention_heads, num_kv_heads=self.num_kv_heads,
+                  kv_channels=self.kv_channels, vocab_size=self.vocab_size,
+                  max_seq_len=self.max_seq_len, rotary_base=self.rotary_base,
+                  norm_epsilon=self.norm_epsilon, init_std=self.init_std)
+        if self.num_kv_heads and self.num_attention_heads > 0:
+            c.require(self.num_attention_heads % self.num_kv_heads == 0, "M2",
+                      {"model.num_attention_heads": self.num_attention_heads,
+                       "model.num_kv_heads": self.num_kv_heads},
+                      "num_attention_heads must be a multiple of num_kv_heads (query groups)",
+                      f"use num_kv_heads in {_divisors(self.num_attention_heads)}")
+        if self.kv_channels is None and self.num_attention_heads > 0:
+            c.require(self.hidden_size % self.num_attention_heads == 0, "T2",
+                      {"model.hidden_size": self.hidden_size,
+                       "model.num_attention_heads": self.num_attention_heads},
+                      "hidden_size must be divisible by num_attention_heads",
+                      "change one of them, or set model.kv_channels (the head dimension)")
+        if self.moe is not None:
+            c.require(self.moe.frequency <= self.num_layers, "M3",
+                      {"model.moe.frequency": self.moe.frequency,
+                       "model.num_layers": self.num_layers},
+                      "the MoE layer frequency exceeds the number of layers, so only layer 0 "
+                      "would be MoE", "use a frequency <= num_layers (1 = every layer)")
+        c.raise_if_any()
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Megatron's moe_layer_freq=N convention: layer i is MoE when i % N == 0."""
+        return self.moe is not None and layer % self.moe.frequency == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # virtual stages per pipeline rank; 1 = plain 1F1B
+    ep: int = 1  # expert parallel, carved out of the data-parallel ranks
+    etp: int | None = None  # expert tensor parallel; None = tp (Megatron-Core default)
+    cp: int = 1  # context parallel (not supported yet: must stay 1)
+    dp: int = -1  # -1 = the rest of the world
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        for name in ("tp", "pp", "vpp", "ep", "cp"):
+            value = getattr(self, name)
+            c.require(value >= 1, "P3", {f"parallel.{name}": value}, "must be >= 1",
+                      f"set parallel.{name} to 1 or more")
+        if self.etp is not None:
+            c.require(self.etp >= 1, "P3", {"parallel.etp": self.etp}, "must be >= 1",
+                      "set parallel.etp to 1 or more, or leave it out to use tp")
+        c.require(self.dp == -1 or self.dp >= 1, "P3", {"parallel.dp": self.dp},
+                  "must be >= 1, or -1 for the rest of the world", "use dp: -1")
+        c.require(not self.sequence_parallel or self.tp > 1, "T3",
+                  {"parallel.sequence_parallel": True, "parallel.tp": self.tp},
+                  "sequence parallelism splits along the tensor-parallel group and needs tp > 1",
+                  "set parallel.sequence_parallel: false, or tp >= 2")
+        c.require(self.vpp == 1 or self.pp > 1, "L3",
+                  {"parallel.vpp": self.vpp, "parallel.pp": self.pp},
+                  "virtual pipeline stages need pipeline parallelism",
+                  "set parallel.vpp: 1, or pp >= 2")
+        c.require(self.cp == 1, "T5", {"parallel.cp": self.cp},
+                  "context parallelism is not supported by dsforge yet",
+                  "set parallel.cp: 1")
+        c.raise_if_any()
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp if self.etp is not None else self.tp
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    stage: int = 1
+    offload_optimizer: Offload = "none"
+    offload_params: Offload = "none"
+    # Share of optimizer state offloaded when offload_optimizer=cpu; < 1 keeps the rest on GPU
+    # (DeepSpeed's offload_optimizer.ratio, stage 3 only).
+    offload_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        c.require(self.stage in (0, 1, 2, 3), "Z1", {"zero.stage": self.stage},
+                  "ZeRO stage must be 0, 1, 2 or 3", "set zero.stage to one of 0, 1, 2, 3")
+        c.require(self.offload_params == "none" or self.stage == 3, "Z4",
+                  {"zero.offload_params": self.offload_params, "zero.stage": self.stage},
+                  "parameter offload exists only in ZeRO stage 3 (DeepSpeed silently ignores it "
+                  "below)", "set zero.stage: 3, or zero.offload_params: none")
+        c.require(self.offload_optimizer == "none" or self.stage >= 1, "Z4",
+                  {"zero.offload_optimizer": self.offload_optimizer, "zero.stage": self.stage},
+                  "optimizer offload needs ZeRO stage 1, 2 or 3",
+                  "set zero.stage >= 1, or zero.offload_optimizer: none")
+        c.require(0 < self.offload_ratio <= 1, "Z4", {"zero.offload_ratio": self.offload_ratio},
+                  "must be in (0, 1]", "use 1.0 to offload all optimizer state")
+        if self.offload_ratio < 1:
+            c.require(self.stage == 3 and self.offload_optimizer == "cpu", "Z4",
+                      {"zero.offload_ratio": self.offload_ratio, "zero.stage": self.stage,
+                       "zero.offload_optimizer": self.offload_optimizer},
+                      "partial optimizer offload (ratio < 1) needs ZeRO stage 3 with "
+                      "offload_optimizer: cpu", "set zero.offload_ratio: 1.0, or stage 3 + cpu")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    seq_len: int
+    # Any two of global_batch, micro_batch, grad_accum fix the third (with dp):
+    # global_batch = micro_batch x grad_accum x dp. grad_accum is the number of microbatches
+    # per optimizer step, which is also what a pipeline schedule runs per step.
+    global_batch: int | None = None  # sequences per optimizer step
+    micro_batch: int = 1  # sequences per rank per microbatch
+    grad_accum: int | None = None
+    steps: int
+    lr: float
+    min_lr_ratio: float = 0.1  # final lr / peak lr for cosine decay
+    lr_decay: LrDecay = "cosine"
+    warmup_steps: int = 0  # linear learning-rate warmup
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    precision: Precision = "bf16"
+    activation_checkpointing: Checkpointing = "none"
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        _positive(c, "B2", "train", seq_len=self.seq_len, global_batch=self.global_batch,
+                  micro_batch=self.micro_batch, grad_accum=self.grad_accum)
+        _positive(c, "R1", "train", steps=self.steps, lr=self.lr, adam_eps=self.adam_eps)
+        c.require(0 <= self.warmup_steps < max(self.steps, 1), "R1",
+                  {"train.warmup_steps": self.warmup_steps, "train.steps": self.steps},
+                  "warmup must be >= 0 and shorter than the run",
+                  "use warmup_steps < steps")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            c.require(value >= 0, "R1", {f"train.{name}": value}, "must be >= 0",
+                      f"set train.{name} to 0 or more")
+        for name in ("adam_beta1", "adam_beta2", "min_lr_ratio"):
+            value = getattr(self, name)
+            upper_ok = value <= 1 if name == "min_lr_ratio" else value < 1
+            c.require(value >= 0 and upper_ok, "R1", {f"train.{name}": value},
+                      "must be in [0, 1)" if name != "min_lr_ratio" else "must be in [0, 1]",
+                      "typical values: adam_beta1 0.9, adam_beta2 0.95, min_lr_ratio 0.1")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: str = "synthetic"  # "synthetic" or the path of a token file
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        c.require(bool(self.source.strip()), "D1", {"data.source": self.source},
+                  "must not be empty", "use 'synthetic' or the path of a token file")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    nodes: int = 1
+    gpus_per_node: int
+    gpu: str | None = None  # a key of dsforge.estimate.hardware.GPUS
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        _positive(c, "C1", "cluster", nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+        if self.gpu is not None:
+            c.require(self.gpu in GPU_KEYS, "C2", {"cluster.gpu": self.gpu}, "unknown GPU",
+                      f"use one of {', '.join(GPU_KEYS)}.{did_you_mean(self.gpu, GPU_KEYS)}")
+        c.raise_if_any()
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    name: str
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    zero: ZeroConfig = ZeroConfig()
+    train: TrainConfig
+    data: DataConfig = DataConfig()
+    cluster: ClusterConfig | None = None
+
+    @property
+    def schedule(self) -> str:
+        """Pipeline schedule the recipe asks for: none, 1f1b or interleaved."""
+        if self.parallel.pp == 1:
+            return "none"
+        return "interleaved" if self.parallel.vpp > 1 else "1f1b"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
