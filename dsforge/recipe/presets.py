@@ -29,6 +29,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                          num_attention_heads=32, num_kv_heads=8, vocab_size=32000,
                          max_seq_len=32768, rotary_base=1000000,
                          moe=dict(num_experts=8, top_k=2, ffn_hidden_size=14336, frequency=1)),
+    # A small MoE for one to a few nodes: 4.61B parameters, 1.44B active (8 experts, top-2).
+    "moe-4b": dict(num_layers=24, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16,
+                   num_kv_heads=4, vocab_size=32000, max_seq_len=4096,
+                   moe=dict(num_experts=8, top_k=2, ffn_hidden_size=3584, frequency=1)),
     # Tiny sizes for CPU runs and tests; byte-level vocabulary (256).
     "tiny": dict(num_layers=4, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
                  num_kv_heads=2, vocab_size=256, max_seq_len=256),

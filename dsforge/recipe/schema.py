@@ -216,6 +216,9 @@ class TrainConfig:
                   {"train.warmup_steps": self.warmup_steps, "train.steps": self.steps},
                   "warmup must be >= 0 and shorter than the run",
                   "use warmup_steps < steps")
+        c.require(self.warmup_steps != 1, "R2", {"train.warmup_steps": 1},
+                  "DeepSpeed's warmup schedulers warm up over at least 2 steps and would "
+                  "silently use 2", "use warmup_steps: 0 (none) or 2 or more")
         for name in ("weight_decay", "grad_clip"):
             value = getattr(self, name)
             c.require(value >= 0, "R1", {f"train.{name}": value}, "must be >= 0",

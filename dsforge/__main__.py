@@ -1,0 +1,3 @@
+from dsforge.cli import main
+
+main()

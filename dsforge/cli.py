@@ -1,0 +1,82 @@
+"""The `dsforge` command: thin click commands that load, call one function and print."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from dsforge.recipe import RecipeError, Resolved, load_recipe, resolve, topology_for
+from dsforge.recipe.problems import Problem, errors
+
+EXIT_INVALID = 2
+
+
+def _recipe_options(command):
+    """RECIPE plus the world (--world-size | --hostfile) and --set overrides."""
+    command = click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
+                           help="Override a recipe field, typed like YAML. Repeatable.")(command)
+    command = click.option("--hostfile", type=click.Path(dir_okay=False),
+                           help="DeepSpeed hostfile; the world size is its total slots.")(command)
+    command = click.option("--world-size", type=click.IntRange(min=1),
+                           help="Number of GPUs (ranks) to plan for.")(command)
+    return click.argument("recipe", type=click.Path(dir_okay=False))(command)
+
+
+def resolve_or_exit(recipe_path: str, overrides: tuple[str, ...], world_size: int | None,
+                    hostfile: str | None) -> Resolved:
+    """Load, validate and resolve; on any error print every problem and exit 2."""
+    if world_size is not None and hostfile is not None:
+        raise click.UsageError("give either --world-size or --hostfile, not both")
+    try:
+        from dsforge.launch.hostfile import read_hostfile
+
+        parsed_hostfile = read_hostfile(hostfile) if hostfile else None
+        recipe = load_recipe(recipe_path, overrides)
+        topology, problems = topology_for(recipe, world_size=world_size, hostfile=parsed_hostfile)
+        if problems:
+            raise RecipeError(problems)
+        return resolve(recipe, topology)
+    except RecipeError as exc:
+        _print_problems(recipe_path, exc.problems)
+        sys.exit(EXIT_INVALID)
+
+
+def _print_problems(source: str, problems: tuple[Problem, ...]) -> None:
+    count = len(errors(problems))
+    click.echo(f"{source}: {count} error{'s' if count != 1 else ''}", err=True)
+    for problem in problems:
+        click.echo(f"  {problem.severity}: {problem}", err=True)
+
+
+@click.group()
+@click.version_option(package_name="dsforge")
+def main() -> None:
+    """dsforge: one YAML recipe -> a DeepSpeed ZeRO + Megatron-Core training job."""
+
+
+@main.command()
+@_recipe_options
+def validate(recipe, world_size, hostfile, overrides):
+    """Check RECIPE against every rule; exit 0 if valid, 2 with all problems otherwise."""
+    resolved = resolve_or_exit(recipe, overrides, world_size, hostfile)
+    for warning in resolved.warnings:
+        click.echo(f"  warning: {warning}", err=True)
+    lay = resolved.layout
+    click.echo(f"{recipe}: valid for world size {lay.world_size} (dp {lay.dp} x tp {lay.tp} x "
+               f"pp {lay.pp}, grad_accum {lay.grad_accum})")
+
+
+@main.command()
+@_recipe_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def plan(recipe, world_size, hostfile, overrides, as_json):
+    """Show how RECIPE will be laid out, its configs, memory, bubble and FLOPs."""
+    from dsforge.plan import build_plan, render_plan
+
+    resolved = resolve_or_exit(recipe, overrides, world_size, hostfile)
+    result = build_plan(resolved)
+    click.echo(json.dumps(result, indent=2) if as_json else render_plan(result), nl=not as_json)
+    if as_json:
+        click.echo()

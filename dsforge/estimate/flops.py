@@ -1,0 +1,51 @@
+"""Training FLOPs per token: the one formula dsforge uses for MFU and HFU (docs/flops.md).
+
+model FLOPs per token = 6 * N + 12 * L * s * (heads * head_dim)
+
+  N  active parameters that take part in a matmul: attention Q/K/V/O, the MLP (MoE: the
+     top_k routed experts and the router), and the output layer h x V (counted even when
+     tied to the embedding, because the projection is still computed). Not counted: the
+     embedding lookup (a gather), norms, biases and elementwise ops.
+  6  = 2 FLOPs per multiply-add in the forward pass x 3 (backward costs twice the forward).
+  12 * L * s * (heads * head_dim): attention scores QK^T and the weighted sum AV, each
+     2 * s * heads * head_dim FLOPs per token in the forward pass, x 3 for backward. The full
+     s x s score matrix is counted; the causal mask is NOT halved (the PaLM/nanoGPT/torchtitan
+     convention; Megatron-LM halves it). Query heads are counted, so GQA does not reduce it.
+
+HFU adds recomputed work: full activation checkpointing re-runs every forward pass
+(hardware = 4/3 x model FLOPs); selective recomputes the attention core forward only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsforge.estimate.params import count_params
+from dsforge.recipe.schema import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlopsPerToken:
+    model: float  # what MFU counts
+    hardware: float  # what HFU counts: model + recomputation
+
+
+def attention_flops_forward(m: ModelConfig, seq_len: int) -> float:
+    """QK^T and AV for one token through all layers, forward only, full score matrix."""
+    return 4.0 * m.num_layers * seq_len * m.num_attention_heads * m.head_dim
+
+
+def flops_per_token(m: ModelConfig, seq_len: int, checkpointing: str = "none") -> FlopsPerToken:
+    matmul_forward = 2.0 * count_params(m).matmul_active
+    attention_forward = attention_flops_forward(m, seq_len)
+    model = 3.0 * (matmul_forward + attention_forward)
+    recompute = {"none": 0.0, "selective": attention_forward,
+                 "full": matmul_forward + attention_forward}[checkpointing]
+    return FlopsPerToken(model=model, hardware=model + recompute)
+
+
+def mfu(tokens_per_second_per_gpu: float, flops_per_token_: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation in [0, 1]; None when the peak is unknown (CPU, unknown GPU)."""
+    if not peak_flops:
+        return None
+    return tokens_per_second_per_gpu * flops_per_token_ / peak_flops

@@ -1,0 +1,202 @@
+"""Peak memory per GPU: model states per ZeRO stage, activations, buffers (docs/memory-and-bubble.md).
+
+Everything is per pipeline rank (ranks hold different layers, the embedding and the output
+layer), and the reported figure is the worst rank. Bytes, not GiB.
+
+Model states (Rajbhandari et al., ZeRO; Psi = parameters on this GPU after TP/PP/EP, N = the
+data-parallel ranks that share them: dp for dense weights, expert-dp for expert weights),
+mixed precision with Adam:
+  params     2 Psi            (stage 3: 2 Psi / N)
+  grads      2 Psi            (stages 2, 3: 2 Psi / N)
+  optimizer  12 Psi           (stages 1-3: 12 Psi / N): fp32 master weights + Adam m and v
+  -> 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N: the published ZeRO formulas.
+Buffers (DeepSpeed's implementation, as its estimators count it):
+  fp32 gradient partition used by the optimizer step: 4 Psi / N (stage 0: 4 Psi)
+  ZeRO-3 working set: the largest layer gathered, 16-bit weights and grads (4 x its params)
+  ZeRO reduce bucket: 2 bytes x reduce_bucket_size elements (stages 1-3)
+fp32 training keeps 4-byte params and grads and 8 bytes of Adam state, and no extra copy.
+Optimizer offload moves optimizer state and the fp32 gradient partition to the CPU.
+
+Activations (Korthikanti et al. 2022, re-derived for SwiGLU, GQA and no dropout) per layer,
+per microbatch, 16-bit, with fused (flash) attention, in units of s*b (tokens):
+  attention: norm input 2h, QKV input 2h, Q 2*heads*d, K and V 4*groups*d, core output 2*heads*d
+  MLP:       norm input 2h, fc1 input 2h, fc1 output 4*ffn (gate and up), fc2 input 2*ffn
+  MoE MLP:   router input 2h, then per routed copy (top_k): fc1 input 2h, fc1 out 4*ffn_e,
+             fc2 input 2*ffn_e
+Tensor parallelism divides everything except the norm and linear inputs (8h), which sequence
+parallelism divides too. Unfused attention adds the s x s scores and probabilities
+(4 * heads * s bytes per token). Selective checkpointing drops that s x s term; full
+checkpointing keeps only each layer's input (2h, /tp with SP) plus one layer recomputed.
+Pipeline ranks hold several microbatches at once: 1F1B rank r holds min(pp - r, m); the
+interleaved schedule holds (pp - r - 1) * 2 + (v - 1) * pp + 1 model-chunk microbatches
+(Megatron-Core's warmup count + 1), i.e. (1 + (p-1)/(p v)) x the 1F1B memory on rank 0.
+The last rank adds the logits: 2-byte logits and 4-byte fp32 loss inputs over the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from dsforge.estimate.params import attention_params, mlp_params, padded_vocab_size, router_params
+from dsforge.recipe.resolve import Layout
+from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig
+
+# DeepSpeed's default zero_optimization.reduce_bucket_size (elements); translate sets it.
+REDUCE_BUCKET_SIZE = 500_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    pipeline_rank: int = 0  # which pipeline rank this is (the worst one when reported)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def to_dict(self) -> dict[str, float]:
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "pipeline_rank"}
+        return {**{k: int(v) for k, v in values.items()}, "total": int(self.total)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStates:
+    params: float
+    grads: float
+    optimizer: float
+    fp32_grads: float  # DeepSpeed's fp32 gradient partition for the optimizer step
+
+
+def model_states(psi: float, *, stage: int, shards: int, precision: str = "bf16",
+                 offload_optimizer_ratio: float = 0.0, offload_params: bool = False) -> ModelStates:
+    """Bytes of model states for `psi` parameters shared by `shards` data-parallel ranks."""
+    half = precision != "fp32"
+    param_bytes, grad_bytes, optim_bytes = (2, 2, 12) if half else (4, 4, 8)
+    on_gpu = 1.0 - offload_optimizer_ratio
+    params = 0.0 if offload_params else param_bytes * psi / (shards if stage == 3 else 1)
+    return ModelStates(
+        params=params,
+        grads=grad_bytes * psi / (shards if stage >= 2 else 1),
+        optimizer=on_gpu * optim_bytes * psi / (shards if stage >= 1 else 1),
+        fp32_grads=on_gpu * (4 * psi / (shards if stage >= 1 else 1) if half else 0.0),
+    )
+
+
+def stage_layers(num_layers: int, pp: int, vpp: int, rank: int) -> list[int]:
+    """Layer indices on pipeline rank `rank`: model chunk c holds global chunk c*pp + rank."""
+    per_chunk = num_layers // (pp * vpp)
+    return [layer for chunk in range(vpp)
+            for layer in range((chunk * pp + rank) * per_chunk, (chunk * pp + rank + 1) * per_chunk)]
+
+
+@dataclass(frozen=True)
+class _StageParams:
+    dense: float  # sharded over dp by ZeRO
+    expert: float  # sharded over expert-dp by ZeRO
+    largest_layer: float
+
+
+def stage_params(m: ModelConfig, layout: Layout, rank: int) -> _StageParams:
+    """Parameters on one GPU of pipeline rank `rank` after TP, PP and EP."""
+    tp, h = layout.tp, m.hidden_size
+    dense = expert = largest = 0.0
+    for layer in stage_layers(m.num_layers, layout.pp, layout.vpp, rank):
+        layer_dense = attention_params(m) / tp + 2 * h
+        layer_expert = 0.0
+        if m.is_moe_layer(layer):
+            layer_dense += router_params(m)
+            layer_expert = (m.moe.num_experts / layout.ep) * mlp_params(m, m.moe.ffn_hidden_size) / layout.etp
+        else:
+            layer_dense += mlp_params(m, m.ffn_hidden_size) / tp
+        dense, expert = dense + layer_dense, expert + layer_expert
+        largest = max(largest, layer_dense + layer_expert)
+    vocab_shard = padded_vocab_size(m.vocab_size, tp) * h / tp
+    if rank == 0:
+        dense += vocab_shard
+    if rank == layout.pp - 1:
+        dense += h  # final norm
+        if not m.tie_embeddings or layout.pp > 1:
+            dense += vocab_shard
+    largest = max(largest, vocab_shard)
+    return _StageParams(dense=dense, expert=expert, largest_layer=largest)
+
+
+def layer_activation_bytes(m: ModelConfig, layer: int, *, seq_len: int, micro_batch: int,
+                           layout: Layout, checkpointing: str, fused_attention: bool = True) -> float:
+    """Activation bytes one layer keeps for one microbatch until its backward pass."""
+    tokens, h, d = seq_len * micro_batch, m.hidden_size, m.head_dim
+    tp = layout.tp
+    split_inputs = tp if layout.sequence_parallel else 1
+    if checkpointing == "full":
+        return 2 * h * tokens / split_inputs
+    inputs = 8 * h / split_inputs  # two norm inputs, QKV input, MLP fc1 (or router) input
+    attention = (2 * m.num_attention_heads * d + 4 * m.query_groups * d + 2 * m.num_attention_heads * d) / tp
+    if not fused_attention and checkpointing == "none":
+        attention += 4 * m.num_attention_heads * seq_len / tp
+    if m.is_moe_layer(layer):
+        routed = m.moe.top_k * (2 * h + 6 * m.moe.ffn_hidden_size / layout.etp)
+        mlp = routed
+    else:
+        mlp = 6 * m.ffn_hidden_size / tp
+    return (inputs + attention + mlp) * tokens
+
+
+def activation_bytes(m: ModelConfig, train: TrainConfig, layout: Layout, rank: int,
+                     fused_attention: bool = True) -> float:
+    """Peak activation bytes on pipeline rank `rank`, with the schedule's in-flight microbatches."""
+    kw = dict(seq_len=train.seq_len, micro_batch=layout.micro_batch, layout=layout,
+              fused_attention=fused_attention)
+    layers = stage_layers(m.num_layers, layout.pp, layout.vpp, rank)
+    per_microbatch = sum(layer_activation_bytes(m, i, checkpointing=train.activation_checkpointing, **kw)
+                         for i in layers)
+    in_flight = _microbatches_in_flight(layout, rank)
+    total = per_microbatch * in_flight
+    if train.activation_checkpointing == "full":  # one layer's full activations while recomputing
+        total += max(layer_activation_bytes(m, i, checkpointing="none", **kw) for i in layers)
+    if rank == layout.pp - 1:  # 2-byte logits + fp32 copy for the loss, vocab split over tp
+        vocab = padded_vocab_size(m.vocab_size, layout.tp)
+        total += 6 * train.seq_len * layout.micro_batch * vocab / layout.tp
+    return total
+
+
+def _microbatches_in_flight(layout: Layout, rank: int) -> float:
+    """Microbatches (in whole-rank units) whose activations rank `rank` holds at its peak."""
+    pp, vpp, m = layout.pp, layout.vpp, layout.num_microbatches
+    if pp == 1:
+        return 1.0
+    if vpp == 1:
+        return float(min(pp - rank, m))
+    chunks = min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, m * vpp)
+    return chunks / vpp
+
+
+def estimate_memory(*, model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layout: Layout,
+                    fused_attention: bool = True) -> MemoryEstimate:
+    """Peak bytes per GPU on the most loaded pipeline rank."""
+    per_rank = [_rank_memory(model, train, zero, layout, rank, fused_attention)
+                for rank in range(layout.pp)]
+    return max(per_rank, key=lambda est: est.total)
+
+
+def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layout: Layout,
+                 rank: int, fused_attention: bool) -> MemoryEstimate:
+    psi = stage_params(model, layout, rank)
+    ratio = zero.offload_ratio if zero.offload_optimizer == "cpu" else 0.0
+    kw = dict(stage=zero.stage, precision=train.precision, offload_optimizer_ratio=ratio,
+              offload_params=zero.offload_params == "cpu")
+    dense = model_states(psi.dense, shards=layout.dp, **kw)
+    expert = model_states(psi.expert, shards=layout.edp, **kw)
+    buffers = dense.fp32_grads + expert.fp32_grads
+    if zero.stage >= 1:
+        buffers += 2 * min(REDUCE_BUCKET_SIZE, psi.dense + psi.expert)
+    if zero.stage == 3:
+        buffers += 4 * psi.largest_layer
+    return MemoryEstimate(
+        params=dense.params + expert.params, grads=dense.grads + expert.grads,
+        optimizer=dense.optimizer + expert.optimizer,
+        activations=activation_bytes(model, train, layout, rank, fused_attention),
+        buffers=buffers, pipeline_rank=rank)

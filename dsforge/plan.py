@@ -1,0 +1,167 @@
+"""`dsforge plan`: everything about a resolved recipe that can be known without a process.
+
+`build_plan` gathers the layout, rank groups, engine configs and estimates into one JSON-able
+dict (the --json output, whose top-level keys scripts rely on); `render_plan` prints it for
+people.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
+from dsforge.estimate.flops import flops_per_token
+from dsforge.estimate.hardware import gpu_by_key
+from dsforge.estimate.memory import estimate_memory
+from dsforge.estimate.params import count_params, padded_vocab_size
+from dsforge.recipe.resolve import Resolved
+from dsforge.recipe.schema import ZeroConfig
+from dsforge.recipe.problems import errors
+from dsforge.recipe.validate import validate
+from dsforge.translate.deepspeed_config import deepspeed_config
+from dsforge.translate.groups import rank_groups
+from dsforge.translate.megatron import gpt_model_kwargs, parallel_state_kwargs, transformer_config_kwargs
+
+GiB = 1024**3
+
+
+def build_plan(resolved: Resolved) -> dict[str, Any]:
+    recipe, layout = resolved.recipe, resolved.layout
+    model, train, zero = recipe.model, recipe.train, recipe.zero
+    params = count_params(model)
+    flops = flops_per_token(model, train.seq_len, train.activation_checkpointing)
+    memory = estimate_memory(model=model, train=train, zero=zero, layout=layout)
+    warnings = [str(p) for p in resolved.warnings]
+    plan = {
+        "name": recipe.name,
+        "layout": {**dataclasses.asdict(layout), "num_microbatches": layout.num_microbatches},
+        "groups": rank_groups(layout),
+        "nodes": _node_summary(resolved),
+        "deepspeed": deepspeed_config(train=train, zero=zero, layout=layout),
+        "megatron": {
+            "parallel_state": parallel_state_kwargs(layout),
+            "transformer_config": transformer_config_kwargs(model=model, train=train, layout=layout),
+            "gpt_model": gpt_model_kwargs(model=model, layout=layout),
+        },
+        "params": {"total": params.total, "active": params.active,
+                   "padded_vocab_size": padded_vocab_size(model.vocab_size, layout.tp)},
+        "flops_per_token": flops.model,
+        "hardware_flops_per_token": flops.hardware,
+        "memory_bytes": memory.to_dict(),
+        "memory_worst_pipeline_rank": memory.pipeline_rank,
+        "memory_by_zero_stage": _memory_by_stage(resolved),
+        "gpu": _gpu_fit(resolved, memory.total, warnings),
+        "bubble_fraction": bubble_fraction(layout.pp, layout.vpp, layout.num_microbatches),
+        "bubble_share_of_step": bubble_share_of_step(layout.pp, layout.vpp, layout.num_microbatches),
+        "warnings": warnings,
+    }
+    return plan
+
+
+def _node_summary(resolved: Resolved) -> dict[str, Any]:
+    top, tp = resolved.topology, resolved.layout.tp
+    if top.node_slots is None:
+        return {"node_slots": None, "tp_within_node": None}
+    within = all(top.node_of(g * tp) == top.node_of(g * tp + tp - 1)
+                 for g in range(top.world_size // tp))
+    return {"node_slots": list(top.node_slots), "tp_within_node": within}
+
+
+def _memory_by_stage(resolved: Resolved) -> dict[str, int | None]:
+    """Estimated peak bytes per GPU for ZeRO 0-3, all else unchanged (None: that stage is invalid)."""
+    recipe, layout = resolved.recipe, resolved.layout
+    result: dict[str, int | None] = {}
+    for stage in range(4):
+        candidate = dataclasses.replace(recipe, zero=ZeroConfig(stage=stage))
+        if errors(validate(candidate, resolved.topology)):
+            result[str(stage)] = None
+            continue
+        est = estimate_memory(model=recipe.model, train=recipe.train, zero=candidate.zero, layout=layout)
+        result[str(stage)] = int(est.total)
+    return result
+
+
+def _gpu_fit(resolved: Resolved, total: float, warnings: list[str]) -> dict[str, Any] | None:
+    cluster = resolved.recipe.cluster
+    if cluster is None or cluster.gpu is None:
+        return None
+    gpu = gpu_by_key(cluster.gpu)
+    fits = total <= gpu.memory_bytes
+    if not fits:
+        warnings.append(f"[FIT] estimated {total / GiB:.1f} GiB per GPU exceeds the "
+                        f"{gpu.name}'s {gpu.memory_bytes / GiB:.0f} GiB. Fix: raise the ZeRO "
+                        "stage, tp or pp, enable activation checkpointing, or lower micro_batch")
+    return {"key": gpu.key, "name": gpu.name, "memory_bytes": gpu.memory_bytes, "fits": fits}
+
+
+def render_plan(plan: dict[str, Any]) -> str:
+    sections = [_render_layout(plan), _render_groups(plan), _render_model(plan),
+                _render_memory(plan), _render_pipeline(plan), _render_deepspeed(plan)]
+    if plan["warnings"]:
+        sections.append("Warnings\n" + "\n".join(f"  {w}" for w in plan["warnings"]))
+    return "\n\n".join(sections) + "\n"
+
+
+def _render_layout(plan: dict[str, Any]) -> str:
+    lay = plan["layout"]
+    return (f"Plan: {plan['name']}\n"
+            f"  world {lay['world_size']} = dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}"
+            f" (x cp {lay['cp']}); vpp {lay['vpp']}; ep {lay['ep']} (etp {lay['etp']}, expert-dp {lay['edp']})\n"
+            f"  sequence parallel: {'on' if lay['sequence_parallel'] else 'off'}; schedule: {lay['schedule']}\n"
+            f"  batch: global {lay['global_batch']} = micro {lay['micro_batch']} x grad_accum "
+            f"{lay['grad_accum']} x dp {lay['dp']}; {lay['num_microbatches']} microbatches per step")
+
+
+def _render_groups(plan: dict[str, Any]) -> str:
+    nodes = plan["nodes"]
+    if nodes["tp_within_node"] is None:
+        where = "node size unknown (pass --hostfile or add a cluster: section)"
+    else:
+        where = "TP groups stay inside a node" if nodes["tp_within_node"] else "TP groups SPAN nodes"
+    lines = [f"Rank groups (Megatron-Core RankGenerator, order tp-cp-ep-dp-pp); {where}"]
+    for name, groups in plan["groups"].items():
+        shown = " ".join(str(g) for g in groups[:4]).replace(" ", "").replace("][", "] [")
+        more = f" ... ({len(groups)} groups)" if len(groups) > 4 else ""
+        lines.append(f"  {name:>4}: {shown}{more}")
+    return "\n".join(lines)
+
+
+def _render_model(plan: dict[str, Any]) -> str:
+    p = plan["params"]
+    return (f"Model\n  parameters: {p['total'] / 1e9:.3f} B total, {p['active'] / 1e9:.3f} B active"
+            f" per token; vocabulary padded to {p['padded_vocab_size']}\n"
+            f"  FLOPs per token: {plan['flops_per_token'] / 1e9:.2f} GFLOP model (MFU), "
+            f"{plan['hardware_flops_per_token'] / 1e9:.2f} GFLOP with recomputation (HFU)")
+
+
+def _render_memory(plan: dict[str, Any]) -> str:
+    m = plan["memory_bytes"]
+    stage = plan["deepspeed"]["zero_optimization"]["stage"]
+    parts = ", ".join(f"{k} {m[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations", "buffers"))
+    lines = [f"Memory per GPU (estimate, GiB, worst pipeline rank {plan['memory_worst_pipeline_rank']}, ZeRO {stage})",
+             f"  {parts}", f"  total {m['total'] / GiB:.2f}"]
+    gpu = plan["gpu"]
+    if gpu:
+        verdict = "fits" if gpu["fits"] else "DOES NOT FIT"
+        lines[-1] += f" of {gpu['memory_bytes'] / GiB:.0f} on {gpu['name']}: {verdict}"
+    stages = " | ".join(f"ZeRO {s}: " + (f"{v / GiB:.1f}" if v is not None else "n/a (not with pp>1)")
+                        for s, v in plan["memory_by_zero_stage"].items())
+    lines.append(f"  by stage: {stages}")
+    return "\n".join(lines)
+
+
+def _render_pipeline(plan: dict[str, Any]) -> str:
+    lay = plan["layout"]
+    if lay["pp"] == 1:
+        return "Pipeline\n  none (pp = 1): no bubble"
+    formula = "(p-1)/(v*m)" if lay["vpp"] > 1 else "(p-1)/m"
+    return (f"Pipeline ({lay['schedule']})\n  bubble {formula} = {plan['bubble_fraction']:.2%} of ideal "
+            f"compute time; {plan['bubble_share_of_step']:.2%} of the step")
+
+
+def _render_deepspeed(plan: dict[str, Any]) -> str:
+    import json
+
+    return "DeepSpeed config\n" + "\n".join(
+        "  " + line for line in json.dumps(plan["deepspeed"], indent=2).splitlines())

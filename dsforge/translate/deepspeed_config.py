@@ -1,0 +1,80 @@
+"""Recipe -> DeepSpeed config dict (pure). tests/unit/test_translate.py feeds every generated
+config to DeepSpeed's own DeepSpeedConfig, which must accept it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsforge.estimate.memory import REDUCE_BUCKET_SIZE
+from dsforge.recipe.resolve import Layout
+from dsforge.recipe.schema import TrainConfig, ZeroConfig
+
+# dsforge prints its own progress; keep DeepSpeed's per-step log out of the way.
+_STEPS_PER_PRINT = 1_000_000
+
+
+def deepspeed_config(*, train: TrainConfig, zero: ZeroConfig, layout: Layout) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        # DeepSpeed checks train_batch_size == micro x grad_accum x its data-parallel size.
+        "train_batch_size": layout.global_batch,
+        "train_micro_batch_size_per_gpu": layout.micro_batch,
+        "gradient_accumulation_steps": layout.grad_accum,
+        "gradient_clipping": train.grad_clip,
+        "steps_per_print": _STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero_section(zero),
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2],
+            "eps": train.adam_eps, "weight_decay": train.weight_decay}},
+        "scheduler": scheduler_section(train),
+    }
+    config.update(precision_section(train.precision))
+    return config
+
+
+def precision_section(precision: str) -> dict[str, Any]:
+    """Exactly one of bf16/fp16 is enabled (rule Z3); fp32 enables neither."""
+    if precision == "bf16":
+        return {"bf16": {"enabled": True}}
+    if precision == "fp16":
+        # Dynamic loss scaling (loss_scale 0), DeepSpeed's recommended defaults.
+        return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                         "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}}
+    return {}
+
+
+def zero_section(zero: ZeroConfig) -> dict[str, Any]:
+    section: dict[str, Any] = {"stage": zero.stage}
+    if zero.stage >= 1:
+        section["reduce_bucket_size"] = REDUCE_BUCKET_SIZE
+        section["contiguous_gradients"] = True
+    if zero.offload_optimizer == "cpu":
+        # DeepSpeed then uses its own CPU Adam for the config's AdamW (rule Z5 holds by
+        # construction: dsforge never passes a client optimizer).
+        offload: dict[str, Any] = {"device": "cpu", "pin_memory": True}
+        if zero.offload_ratio < 1:
+            offload["ratio"] = zero.offload_ratio
+        section["offload_optimizer"] = offload
+    if zero.offload_params == "cpu":
+        section["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return section
+
+
+def scheduler_section(train: TrainConfig) -> dict[str, Any]:
+    """DeepSpeed's warmup schedulers: linear warmup, then cosine / linear / no decay.
+
+    DeepSpeed warms up over at least 2 steps (it raises 0 and 1 to 2), so "no warmup" is
+    expressed as a warmup that starts at the peak (rule R2 rejects warmup_steps: 1).
+    """
+    warmup = max(train.warmup_steps, 1)
+    start_ratio = 0.0 if train.warmup_steps else 1.0
+    if train.lr_decay == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": train.steps, "warmup_num_steps": warmup,
+            "warmup_min_ratio": start_ratio, "cos_min_ratio": train.min_lr_ratio,
+            "warmup_type": "linear"}}
+    params = {"warmup_min_lr": start_ratio * train.lr, "warmup_max_lr": train.lr,
+              "warmup_num_steps": warmup, "warmup_type": "linear"}
+    if train.lr_decay == "linear":
+        return {"type": "WarmupDecayLR", "params": {**params, "total_num_steps": train.steps}}
+    return {"type": "WarmupLR", "params": params}
