@@ -163,13 +163,14 @@ def _build(cls: type, raw: Any, path: str, problems: list[Problem]) -> Any:
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    before = len(problems)
     for key in raw:
         if key not in fields:
             where = f"{path}.{key}" if path else str(key)
             problems.append(Problem(rule="Z6", fields={where: raw[key]}, message="unknown key",
                                     fix=f"remove it.{did_you_mean(str(key), fields)} "
                                         f"Known keys here: {', '.join(fields)}"))
+    # Unknown keys do not stop the section's own rules from running: all problems at once.
+    before = len(problems)
     kwargs = {}
     for name, f in fields.items():
         where = f"{path}.{name}" if path else name

@@ -1,0 +1,44 @@
+"""Shared helpers: the repository layout and a way to build recipes from small changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsforge.recipe.loader import apply_overrides, build_recipe, parse_overrides
+from dsforge.recipe.problems import RecipeError
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
+HOSTFILES = sorted((REPO / "hostfiles").glob("*"))
+
+# A small valid dense recipe; tests change it with dotted overrides.
+BASE = {
+    "name": "t",
+    "model": {"preset": "tiny"},
+    "parallel": {"tp": 1, "pp": 1, "dp": -1},
+    "zero": {"stage": 1},
+    "train": {"seq_len": 64, "global_batch": 8, "micro_batch": 1, "steps": 10, "lr": 1e-3,
+              "precision": "fp32"},
+}
+
+
+def make_recipe(*overrides: str, base: dict | None = None):
+    """A Recipe from BASE with `section.field=value` overrides applied."""
+    return build_recipe(apply_overrides(base or BASE, parse_overrides(overrides)))
+
+
+def rule_ids(exc_or_problems) -> set[str]:
+    problems = exc_or_problems.problems if isinstance(exc_or_problems, RecipeError) else exc_or_problems
+    return {p.rule for p in problems}
+
+
+@pytest.fixture
+def recipe_file(tmp_path):
+    """Write YAML text to a file and return its path."""
+    def write(text: str, name: str = "r.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+    return write

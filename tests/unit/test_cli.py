@@ -1,0 +1,95 @@
+"""The dsforge command: exit codes, problem lists, plan output (text and JSON)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from dsforge.cli import main
+from tests.conftest import REPO
+
+EXAMPLE = str(REPO / "recipes" / "70b_pp4.yaml")
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_validate_exits_0_for_a_valid_recipe():
+    result = run("validate", EXAMPLE)
+    assert result.exit_code == 0, result.output
+    assert "valid for world size 32 (dp 2 x tp 4 x pp 4, grad_accum 128)" in result.output
+
+
+def test_validate_exits_2_with_every_problem():
+    result = run("validate", EXAMPLE, "--set", "parallel.vpp=6", "--set", "parallel.tp=3",
+                 "--set", "zero.stage=2")
+    assert result.exit_code == 2
+    out = result.output
+    assert "errors" in out
+    for rule in ("[P2]", "[L2]", "[T1]", "[Z2]"):
+        assert rule in out
+    assert "use vpp in {1, 2, 4, 5, 10, 20}" in out
+
+
+def test_validate_with_a_hostfile_uses_its_slots():
+    ok = run("validate", EXAMPLE, "--hostfile", str(REPO / "hostfiles" / "8nodes_4gpu.txt"))
+    assert ok.exit_code == 0, ok.output
+    wrong = run("validate", EXAMPLE, "--hostfile", str(REPO / "hostfiles" / "2nodes.txt"))
+    assert wrong.exit_code == 2 and "[Y4]" in wrong.output and "total slots" in wrong.output
+
+
+def test_missing_hostfile_and_both_world_options():
+    assert "[H3]" in run("validate", EXAMPLE, "--hostfile", "nope.txt").output
+    both = run("validate", EXAMPLE, "--world-size", "32", "--hostfile", "x")
+    assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_warnings_print_but_do_not_fail():
+    result = run("validate", EXAMPLE, "--set", "cluster.nodes=16", "--set", "cluster.gpus_per_node=2")
+    assert result.exit_code == 0 and "warning: [P4]" in result.output
+
+
+def test_plan_json_has_the_documented_keys():
+    result = run("plan", EXAMPLE, "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    for key in ("layout", "deepspeed", "megatron", "params", "flops_per_token", "memory_bytes",
+                "bubble_fraction", "warnings"):
+        assert key in plan
+    assert set(plan["layout"]) >= {"world_size", "dp", "tp", "pp", "vpp", "ep", "grad_accum",
+                                   "num_microbatches"}
+    assert set(plan["memory_bytes"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    assert set(plan["params"]) >= {"total", "active"}
+    assert plan["megatron"]["parallel_state"]["virtual_pipeline_model_parallel_size"] == 5
+    assert plan["deepspeed"]["gradient_accumulation_steps"] == 128
+    assert plan["bubble_fraction"] == pytest.approx(3 / (5 * 128))
+    assert plan["nodes"]["tp_within_node"] is True
+
+
+def test_plan_text_shows_layout_groups_memory_and_bubble():
+    result = run("plan", EXAMPLE)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "world 32 = dp 2 x tp 4 x pp 4" in out
+    assert "tp: [0,1,2,3] [4,5,6,7]" in out and "TP groups stay inside a node" in out
+    assert "by stage: ZeRO 0:" in out and "n/a (not with pp>1)" in out
+    assert "bubble (p-1)/(v*m)" in out and "70.554 B total" in out
+    assert '"stage": 1' in out
+
+
+def test_plan_with_overrides_and_world_size():
+    result = run("plan", str(REPO / "recipes" / "tiny.yaml"), "--set", "parallel.dp=-1",
+                 "--world-size", "4", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["layout"]["dp"] == 4
+
+
+def test_console_script_runs_as_a_module():
+    result = subprocess.run([sys.executable, "-m", "dsforge", "validate", EXAMPLE],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,174 @@
+"""FLOPs, MFU, memory and bubble estimates against hand computation, DeepSpeed and anchors."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
+from dsforge.estimate.flops import flops_per_token, mfu
+from dsforge.estimate.hardware import gpu_by_key, gpu_for_device_name
+from dsforge.estimate.memory import (REDUCE_BUCKET_SIZE, estimate_memory, model_states,
+                                     stage_layers)
+from dsforge.estimate.params import count_params, padded_vocab_size
+from dsforge.recipe import Topology, resolve
+from tests.conftest import make_recipe
+
+GiB = 1024**3
+
+
+def test_flops_per_token_by_hand_for_the_tiny_model():
+    model = make_recipe().model
+    h, ffn, kv, layers, vocab, seq = 64, 176, 32, 4, 256, 64
+    matmul = layers * (2 * h * h + 2 * h * kv + 3 * h * ffn) + vocab * h
+    attention = 12 * layers * seq * h  # 4 heads x 16 = h
+    assert flops_per_token(model, seq).model == 6 * matmul + attention
+    full = flops_per_token(model, seq, "full")
+    assert full.hardware == pytest.approx(4 / 3 * full.model)
+    selective = flops_per_token(model, seq, "selective")
+    assert selective.hardware == selective.model + 4 * layers * seq * h
+
+
+def test_moe_flops_count_only_active_experts():
+    model = make_recipe("model.preset=tiny-moe").model
+    dense_equivalent = make_recipe("model.preset=tiny", "model.ffn_hidden_size=192").model
+    # top-2 of 96-wide experts = the matmuls of one 192-wide MLP, plus a 64x4 router per layer.
+    router = 4 * 64 * 4
+    assert flops_per_token(model, 64).model == flops_per_token(dense_equivalent, 64).model + 6 * router
+
+
+def test_mfu_is_none_without_a_peak():
+    assert mfu(1000.0, 1e9, None) is None
+    assert mfu(1000.0, 1e9, 1e13) == pytest.approx(0.1)
+
+
+def test_recomputes_the_published_mpt_7b_mfu():
+    # MosaicML MPT-7B on 8 H100: 10,643 tok/s/GPU at seq 2048 -> 46.4% MFU with the same
+    # 6N + 12 L H s convention. MPT-7B: 32 layers, d=4096, 32 heads, ffn 4d (GELU: 2 matmuls),
+    # vocab 50432 tied. Our SwiGLU accounting with ffn = 4d*2/3 gives the same 8 d^2 per layer.
+    model = make_recipe("model.num_layers=32", "model.hidden_size=4096",
+                        "model.ffn_hidden_size=10923", "model.num_attention_heads=32",
+                        "model.num_kv_heads=32", "model.vocab_size=50432",
+                        "model.max_seq_len=2048", "model.tie_embeddings=true",
+                        "train.seq_len=2048").model
+    value = mfu(10643, flops_per_token(model, 2048).model, gpu_by_key("h100").peak_bf16_flops)
+    assert value == pytest.approx(0.464, abs=0.01)
+
+
+def test_peak_table_matches_most_specific_first():
+    assert gpu_for_device_name("NVIDIA H100 PCIe").key == "h100-pcie"
+    assert gpu_for_device_name("NVIDIA H100 NVL").key == "h100-nvl"
+    assert gpu_for_device_name("NVIDIA H100 80GB HBM3").key == "h100"
+    assert gpu_for_device_name("NVIDIA A100-SXM4-40GB").key == "a100-40gb"
+    assert gpu_for_device_name("NVIDIA H200").peak_bf16_flops == 989e12
+    assert gpu_for_device_name("Intel Xeon CPU") is None
+
+
+@pytest.mark.parametrize("stage, expected", [
+    (0, 16.0), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8),
+])
+def test_model_states_follow_the_published_zero_formulas(stage, expected):
+    states = model_states(1.0, stage=stage, shards=8)
+    assert states.params + states.grads + states.optimizer == pytest.approx(expected)
+
+
+def test_zero2_matches_deepspeeds_estimator_exactly():
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    psi, gpus = 7_000_000_000, 16
+    _, ds_gpu = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=8, num_nodes=2,
+                                                      cpu_offload=False)
+    s = model_states(psi, stage=2, shards=gpus)
+    assert s.params + s.grads + s.optimizer + s.fp32_grads == pytest.approx(ds_gpu, abs=1)
+
+
+def test_zero3_matches_deepspeeds_estimator_plus_the_16bit_partition():
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    psi, largest, gpus = 7_000_000_000, 200_000_000, 16
+    _, ds_gpu, _ = estimate_zero3_model_states_mem_needs(
+        psi, largest, num_gpus_per_node=8, num_nodes=2, cpu_offload=False)
+    s = model_states(psi, stage=3, shards=gpus)
+    ours = s.params + s.grads + s.optimizer + s.fp32_grads + 4 * largest
+    # DeepSpeed's ZeRO-3 estimator leaves out the 2-byte parameter partition (2 Psi / N).
+    assert ours - 2 * psi / gpus == pytest.approx(ds_gpu, abs=1)
+
+
+def test_offload_moves_optimizer_state_off_the_gpu():
+    s = model_states(1.0, stage=2, shards=4, offload_optimizer_ratio=1.0)
+    assert s.optimizer == 0 and s.fp32_grads == 0 and s.params == 2
+    assert model_states(1.0, stage=3, shards=4, offload_params=True).params == 0
+
+
+def test_stage_layers_follow_megatrons_interleaved_assignment():
+    # 8 layers, pp 2, vpp 2: chunk size 2; rank 0 holds global chunks 0 and 2.
+    assert stage_layers(8, 2, 2, 0) == [0, 1, 4, 5]
+    assert stage_layers(8, 2, 2, 1) == [2, 3, 6, 7]
+    assert stage_layers(8, 2, 1, 1) == [4, 5, 6, 7]
+
+
+def _memory(*overrides, world=8):
+    resolved = resolve(make_recipe(*overrides), Topology(world_size=world))
+    r = resolved.recipe
+    return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout)
+
+
+def test_interleaving_raises_activation_memory_by_the_megatron_factor():
+    from dsforge.estimate.memory import activation_bytes, layer_activation_bytes
+
+    base = ("model.num_layers=16", "parallel.pp=4", "train.global_batch=16",
+            "train.activation_checkpointing=full")
+    plain = resolve(make_recipe(*base), Topology(world_size=4))
+    inter = resolve(make_recipe(*base, "parallel.vpp=2"), Topology(world_size=4))
+    kw = dict(seq_len=64, micro_batch=1, layout=plain.layout)
+    stored = layer_activation_bytes(plain.recipe.model, 0, checkpointing="full", **kw)
+    recomputed = layer_activation_bytes(plain.recipe.model, 0, checkpointing="none", **kw)
+    # Rank 0 holds 4 layers. In flight: 1F1B pp = 4 microbatches; interleaved
+    # ((p-1)*2 + (v-1)*p + 1) / v = 11/2 = 5.5 = 4 x (1 + (p-1)/(p v)). Plus one layer recomputed.
+    for resolved, in_flight in ((plain, 4), (inter, 5.5)):
+        r = resolved.recipe
+        assert activation_bytes(r.model, r.train, resolved.layout, 0) == pytest.approx(
+            in_flight * 4 * stored + recomputed)
+
+
+def test_checkpointing_and_sequence_parallel_reduce_activations():
+    none = _memory("parallel.tp=2", world=2).activations
+    sp = _memory("parallel.tp=2", "parallel.sequence_parallel=true", world=2).activations
+    full = _memory("parallel.tp=2", "train.activation_checkpointing=full", world=2).activations
+    assert full < sp < none
+
+
+def test_higher_zero_stages_use_less_memory():
+    totals = [_memory(f"zero.stage={s}").total for s in range(4)]
+    assert totals[0] > totals[1] > totals[2] > totals[3]
+
+
+def test_70b_pp4_estimate_by_hand():
+    """Model states of the worst rank of the issue's example recipe, from the formulas."""
+    from dsforge.recipe.loader import load_recipe
+    from tests.conftest import REPO
+
+    recipe = load_recipe(REPO / "recipes" / "70b_pp4.yaml")
+    resolved = resolve(recipe, Topology(world_size=32))
+    est = estimate_memory(model=recipe.model, train=resolved.recipe.train, zero=recipe.zero,
+                          layout=resolved.layout)
+    m = recipe.model
+    layer = (count_params(m).total - 2 * m.vocab_size * m.hidden_size - m.hidden_size) / 80
+    per_layer_gpu = (layer - 2 * m.hidden_size) / 4 + 2 * m.hidden_size  # norms not split
+    last_rank = 20 * per_layer_gpu + padded_vocab_size(m.vocab_size, 4) * m.hidden_size / 4 + m.hidden_size
+    assert est.pipeline_rank == 3
+    assert est.params == pytest.approx(2 * last_rank)
+    assert est.optimizer == pytest.approx(12 * last_rank / 2)
+    assert est.buffers == pytest.approx(4 * last_rank / 2 + 2 * REDUCE_BUCKET_SIZE)
+    assert 40 * GiB < est.total < 60 * GiB
+
+
+def test_bubble_definitions():
+    assert bubble_fraction(1, 1, 8) == 0 == bubble_share_of_step(1, 1, 8)
+    assert bubble_fraction(4, 1, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction(4, 2, 8) == pytest.approx(3 / 16)
+    assert bubble_share_of_step(4, 1, 8) == pytest.approx(3 / 11)
+
+
+def test_vocab_padding():
+    assert padded_vocab_size(128256, 4) == 128512
+    assert padded_vocab_size(256, 1) == 256 and padded_vocab_size(256, 4) == 512

@@ -1,0 +1,169 @@
+"""Translation checked by the engines' own config classes: DeepSpeedConfig, TransformerConfig."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+
+from dsforge.recipe import load_recipe, resolve, topology_for, validate
+from dsforge.recipe.problems import errors
+from dsforge.translate.deepspeed_config import deepspeed_config
+from dsforge.translate.groups import rank_groups
+from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
+                                        parallel_state_kwargs, transformer_config_kwargs)
+from dsforge.recipe import Topology
+from tests.conftest import RECIPES, make_recipe
+
+
+class _DataParallel:
+    """The one mpu method DeepSpeedConfig asks: how many data-parallel ranks share a batch."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.size
+
+
+@pytest.fixture(scope="module")
+def deepspeed_comm(tmp_path_factory):
+    """A one-rank gloo world so DeepSpeedConfig consults the mpu for the data-parallel size."""
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import deepspeed
+    store = tmp_path_factory.mktemp("dist") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+    dist.destroy_process_group()
+
+
+def _resolved(path, *overrides):
+    recipe = load_recipe(path, overrides)
+    topology, problems = topology_for(recipe)
+    assert not problems
+    return recipe, topology
+
+
+def _check_with_deepspeed(resolved):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    r, lay = resolved.recipe, resolved.layout
+    config = deepspeed_config(train=r.train, zero=r.zero, layout=lay)
+    ds = DeepSpeedConfig(config, mpu=_DataParallel(lay.dp))
+    assert ds.train_batch_size == lay.global_batch
+    assert ds.gradient_accumulation_steps == lay.grad_accum
+    assert ds.zero_optimization_stage == r.zero.stage
+    assert ds.bfloat16_config.enabled == (r.train.precision == "bf16")
+    assert ds.float16_config.enabled == (r.train.precision == "fp16")
+    assert ds.gradient_clipping == r.train.grad_clip
+    return ds
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_deepspeed_accepts_every_recipe_at_every_valid_stage(deepspeed_comm, path, stage):
+    recipe, topology = _resolved(path, f"zero.stage={stage}")
+    problems = errors(validate(recipe, topology))
+    if problems:  # the only stage rejections are ZeRO 2/3 with pipeline parallelism
+        assert {p.rule for p in problems} == {"Z2"} and recipe.parallel.pp > 1 and stage >= 2
+        return
+    _check_with_deepspeed(resolve(recipe, topology))
+
+
+@pytest.mark.parametrize("overrides, device", [
+    (("zero.stage=2", "zero.offload_optimizer=cpu"), "cpu"),
+    (("zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu"), "cpu"),
+    (("zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_ratio=0.3"), "cpu"),
+])
+def test_deepspeed_accepts_offload(deepspeed_comm, overrides, device):
+    resolved = resolve(make_recipe(*overrides), Topology(world_size=8))
+    ds = _check_with_deepspeed(resolved)
+    assert ds.zero_config.offload_optimizer.device == device
+    if "zero.offload_params=cpu" in overrides:
+        assert ds.zero_config.offload_param.device == "cpu"
+    if "zero.offload_ratio=0.3" in overrides:
+        assert ds.zero_config.offload_optimizer.ratio == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_deepspeed_accepts_precisions_and_schedules(deepspeed_comm, precision, decay):
+    resolved = resolve(make_recipe(f"train.precision={precision}", f"train.lr_decay={decay}",
+                                   "train.warmup_steps=0"), Topology(world_size=8))
+    _check_with_deepspeed(resolved)
+
+
+def test_deepspeed_rejects_a_misspelled_zero_key(deepspeed_comm):
+    """The check has teeth: DeepSpeed's pydantic model forbids unknown zero keys."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    resolved = resolve(make_recipe(), Topology(world_size=8))
+    config = deepspeed_config(train=resolved.recipe.train, zero=resolved.recipe.zero,
+                              layout=resolved.layout)
+    config["zero_optimization"]["stgae"] = 1
+    with pytest.raises(Exception, match="stgae"):
+        DeepSpeedConfig(config, mpu=_DataParallel(resolved.layout.dp))
+
+
+def test_scheduler_without_warmup_starts_at_the_peak():
+    train = make_recipe("train.warmup_steps=0").train
+    resolved = resolve(make_recipe("train.warmup_steps=0"), Topology(world_size=8))
+    section = deepspeed_config(train=train, zero=resolved.recipe.zero, layout=resolved.layout)["scheduler"]
+    assert section["type"] == "WarmupCosineLR" and section["params"]["warmup_min_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_megatron_accepts_every_recipe(path):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    recipe, topology = _resolved(path)
+    resolved = resolve(recipe, topology)
+    r, lay = resolved.recipe, resolved.layout
+    kwargs = transformer_config_kwargs(model=r.model, train=r.train, layout=lay)
+    config = build_transformer_config(kwargs)
+    assert config.num_layers == r.model.num_layers
+    assert config.num_query_groups == r.model.query_groups
+    assert config.sequence_parallel == lay.sequence_parallel
+    assert (config.num_moe_experts or 0) == (r.model.moe.num_experts if r.model.moe else 0)
+    inspect.signature(parallel_state.initialize_model_parallel).bind(**parallel_state_kwargs(lay))
+    inspect.signature(GPTModel.__init__).bind(None, config, None, **gpt_model_kwargs(model=r.model, layout=lay))
+
+
+def test_checkpointing_translates_to_megatron_recompute():
+    for mode, granularity in (("none", None), ("selective", "selective"), ("full", "full")):
+        resolved = resolve(make_recipe(f"train.activation_checkpointing={mode}"), Topology(world_size=8))
+        r = resolved.recipe
+        config = build_transformer_config(transformer_config_kwargs(
+            model=r.model, train=r.train, layout=resolved.layout))
+        assert config.recompute_granularity == granularity
+
+
+def _covers_world_once(groups, world):
+    flat = sorted(rank for group in groups for rank in group)
+    return flat == list(range(world))
+
+
+def test_rank_groups_of_the_70b_example():
+    recipe, topology = _resolved(RECIPES[0].parent / "70b_pp4.yaml")
+    groups = rank_groups(resolve(recipe, topology).layout)
+    assert groups["tp"][:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["pp"][0] == [0, 8, 16, 24] and groups["dp"][0] == [0, 4]
+    for name in ("tp", "pp", "dp"):
+        assert _covers_world_once(groups[name], 32)
+
+
+def test_expert_groups_are_carved_out_of_data_parallel():
+    recipe, topology = _resolved(RECIPES[0].parent / "moe_32gpu_tp4_ep2.yaml")
+    layout = resolve(recipe, topology).layout
+    groups = rank_groups(layout)
+    assert (layout.dp, layout.ep, layout.edp) == (8, 2, 4)
+    assert groups["ep"][0] == [0, 4] and len(groups["edp"][0]) == 4
+    assert all(len(g) == 4 for g in groups["etp"])
+    for name in ("ep", "etp", "edp"):
+        assert _covers_world_once(groups[name], 32)
