@@ -7,8 +7,9 @@ import sys
 
 import click
 
+from dsforge.launch.hostfile import read_hostfile
 from dsforge.recipe import RecipeError, Resolved, load_recipe, resolve, topology_for
-from dsforge.recipe.problems import Problem, errors
+from dsforge.problems import Problem, errors
 
 EXIT_INVALID = 2
 
@@ -29,11 +30,19 @@ def resolve_or_exit(recipe_path: str, overrides: tuple[str, ...], world_size: in
     """Load, validate and resolve; on any error print every problem and exit 2."""
     if world_size is not None and hostfile is not None:
         raise click.UsageError("give either --world-size or --hostfile, not both")
+    problems: list[Problem] = []
+    parsed_hostfile = recipe = None
     try:
-        from dsforge.launch.hostfile import read_hostfile
-
         parsed_hostfile = read_hostfile(hostfile) if hostfile else None
+    except RecipeError as exc:
+        problems.extend(exc.problems)
+    try:
         recipe = load_recipe(recipe_path, overrides)
+    except RecipeError as exc:
+        problems.extend(exc.problems)
+    try:
+        if problems:  # report hostfile and recipe problems together
+            raise RecipeError(problems)
         topology, problems = topology_for(recipe, world_size=world_size, hostfile=parsed_hostfile)
         if problems:
             raise RecipeError(problems)

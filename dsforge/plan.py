@@ -17,7 +17,7 @@ from dsforge.estimate.memory import estimate_memory
 from dsforge.estimate.params import count_params, padded_vocab_size
 from dsforge.recipe.resolve import Resolved
 from dsforge.recipe.schema import ZeroConfig
-from dsforge.recipe.problems import errors
+from dsforge.problems import errors
 from dsforge.recipe.validate import validate
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.groups import rank_groups
@@ -68,18 +68,27 @@ def _node_summary(resolved: Resolved) -> dict[str, Any]:
     return {"node_slots": list(top.node_slots), "tp_within_node": within}
 
 
-def _memory_by_stage(resolved: Resolved) -> dict[str, int | None]:
-    """Estimated peak bytes per GPU for ZeRO 0-3, all else unchanged (None: that stage is invalid)."""
+def _memory_by_stage(resolved: Resolved) -> dict[str, dict[str, Any]]:
+    """Estimated peak bytes per GPU at ZeRO 0-3, all else unchanged, or the rules that reject it."""
     recipe, layout = resolved.recipe, resolved.layout
-    result: dict[str, int | None] = {}
+    result: dict[str, dict[str, Any]] = {}
     for stage in range(4):
-        candidate = dataclasses.replace(recipe, zero=ZeroConfig(stage=stage))
-        if errors(validate(candidate, resolved.topology)):
-            result[str(stage)] = None
-            continue
-        est = estimate_memory(model=recipe.model, train=recipe.train, zero=candidate.zero, layout=layout)
-        result[str(stage)] = int(est.total)
+        candidate = dataclasses.replace(recipe, zero=_zero_at_stage(recipe.zero, stage))
+        rejected = sorted({p.rule for p in errors(validate(candidate, resolved.topology))})
+        total = None
+        if not rejected:
+            total = int(estimate_memory(model=recipe.model, train=recipe.train,
+                                        zero=candidate.zero, layout=layout).total)
+        result[str(stage)] = {"total": total, "rejected_by": rejected}
     return result
+
+
+def _zero_at_stage(zero: ZeroConfig, stage: int) -> ZeroConfig:
+    """The recipe's ZeRO options carried to another stage, where that stage allows them."""
+    return ZeroConfig(stage=stage,
+                      offload_optimizer=zero.offload_optimizer if stage >= 1 else "none",
+                      offload_params=zero.offload_params if stage == 3 else "none",
+                      offload_ratio=zero.offload_ratio if stage == 3 else 1.0)
 
 
 def _gpu_fit(resolved: Resolved, total: float, warnings: list[str]) -> dict[str, Any] | None:
@@ -145,8 +154,10 @@ def _render_memory(plan: dict[str, Any]) -> str:
     if gpu:
         verdict = "fits" if gpu["fits"] else "DOES NOT FIT"
         lines[-1] += f" of {gpu['memory_bytes'] / GiB:.0f} on {gpu['name']}: {verdict}"
-    stages = " | ".join(f"ZeRO {s}: " + (f"{v / GiB:.1f}" if v is not None else "n/a (not with pp>1)")
-                        for s, v in plan["memory_by_zero_stage"].items())
+    stages = " | ".join(
+        f"ZeRO {s}: " + (f"{v['total'] / GiB:.1f}" if v["total"] is not None
+                         else f"rejected ({', '.join(v['rejected_by'])})")
+        for s, v in plan["memory_by_zero_stage"].items())
     lines.append(f"  by stage: {stages}")
     return "\n".join(lines)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dsforge.recipe.loader import apply_overrides, build_recipe, parse_overrides
-from dsforge.recipe.problems import RecipeError
+from dsforge.problems import RecipeError
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))

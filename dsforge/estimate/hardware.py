@@ -30,6 +30,9 @@ GPUS: tuple[GPU, ...] = (
         peak_bf16_flops=835e12, match=("h100", "nvl")),
     GPU(key="h100", name="NVIDIA H100 SXM", memory_bytes=81559 * MiB,
         peak_bf16_flops=989e12, match=("h100",)),
+    # Grace Hopper: before "h200", whose substring its name contains. 96 GB HBM3 variant.
+    GPU(key="gh200", name="NVIDIA GH200", memory_bytes=97871 * MiB,
+        peak_bf16_flops=989e12, match=("gh200",)),
     GPU(key="h200", name="NVIDIA H200", memory_bytes=143771 * MiB,
         peak_bf16_flops=989e12, match=("h200",)),
     GPU(key="a100-40gb", name="NVIDIA A100 40GB", memory_bytes=40960 * MiB,

@@ -10,8 +10,11 @@ mixed precision with Adam:
   grads      2 Psi            (stages 2, 3: 2 Psi / N)
   optimizer  12 Psi           (stages 1-3: 12 Psi / N): fp32 master weights + Adam m and v
   -> 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N: the published ZeRO formulas.
-Buffers (DeepSpeed's implementation, as its estimators count it):
-  fp32 gradient partition used by the optimizer step: 4 Psi / N (stage 0: 4 Psi)
+Buffers (DeepSpeed's implementation):
+  fp32 gradient partition used by the optimizer step: 4 Psi / N (stage 0: 4 Psi).
+  With it, ZeRO-2 equals DeepSpeed's estimate_zero2_model_states_mem_needs exactly
+  (2 Psi + 18 Psi/N); ZeRO-3 exceeds estimate_zero3_model_states_mem_needs by the 2 Psi/N
+  partition of 16-bit parameters, which that estimator leaves out (both tested).
   ZeRO-3 working set: the largest layer gathered, 16-bit weights and grads (4 x its params)
   ZeRO reduce bucket: 2 bytes x reduce_bucket_size elements (stages 1-3)
 fp32 training keeps 4-byte params and grads and 8 bytes of Adam state, and no extra copy.

@@ -24,16 +24,16 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def attention_params(m: ModelConfig) -> int:
+def attention_params(m: ModelConfig, with_bias: bool = True) -> int:
     q_width, kv_width = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
     weights = m.hidden_size * (q_width + 2 * kv_width) + q_width * m.hidden_size
-    biases = (q_width + 2 * kv_width + m.hidden_size) if m.bias else 0
+    biases = (q_width + 2 * kv_width + m.hidden_size) if m.bias and with_bias else 0
     return weights + biases
 
 
-def mlp_params(m: ModelConfig, ffn: int) -> int:
+def mlp_params(m: ModelConfig, ffn: int, with_bias: bool = True) -> int:
     """One SwiGLU MLP of width `ffn`: fc1 produces gate and up (2*ffn), fc2 projects back."""
-    return 3 * m.hidden_size * ffn + ((2 * ffn + m.hidden_size) if m.bias else 0)
+    return 3 * m.hidden_size * ffn + ((2 * ffn + m.hidden_size) if m.bias and with_bias else 0)
 
 
 def router_params(m: ModelConfig) -> int:
@@ -53,18 +53,19 @@ def count_params(m: ModelConfig, vocab_size: int | None = None) -> ParamCounts:
     """Counts for the whole model; `vocab_size` overrides the model's (e.g. the padded one)."""
     vocab = vocab_size or m.vocab_size
     h, norms = m.hidden_size, 2 * m.hidden_size
-    attention = attention_params(m)
+    attention, attention_matmul = attention_params(m), attention_params(m, with_bias=False)
     total = active = matmul = 0
     for layer in range(m.num_layers):
         if m.is_moe_layer(layer):
             expert = mlp_params(m, m.moe.ffn_hidden_size)
+            expert_matmul = mlp_params(m, m.moe.ffn_hidden_size, with_bias=False)
             total += attention + router_params(m) + m.moe.num_experts * expert + norms
             active += attention + router_params(m) + m.moe.top_k * expert + norms
-            matmul += attention + router_params(m) + m.moe.top_k * expert
+            matmul += attention_matmul + router_params(m) + m.moe.top_k * expert_matmul
         else:
             dense = attention + mlp_params(m, m.ffn_hidden_size) + norms
             total, active = total + dense, active + dense
-            matmul += attention + mlp_params(m, m.ffn_hidden_size)
+            matmul += attention_matmul + mlp_params(m, m.ffn_hidden_size, with_bias=False)
     embedding = vocab * h
     output = 0 if m.tie_embeddings else vocab * h
     final_norm = h

@@ -11,7 +11,7 @@ import re
 import shlex
 from typing import Mapping
 
-from dsforge.recipe.problems import Problem, RecipeError
+from dsforge.problems import Problem, RecipeError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from dsforge.recipe.problems import Problem, RecipeError
+from dsforge.problems import Problem, RecipeError
 
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)$")
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
@@ -89,7 +89,7 @@ def _parse_line(text: str, where: dict, problems: list[Problem]) -> tuple[str, i
                                         "'_' and ':' and may not start with '-'",
                                 fix="use the plain hostname or IP address"))
         return None
-    if not slots.isdigit() or int(slots) < 1:
+    if not re.fullmatch(r"[0-9]+", slots) or int(slots) < 1:  # not isdigit(): it accepts '²'
         problems.append(Problem(rule="H1", fields=where, message="slots must be a whole number >= 1",
                                 fix="e.g. slots=8 for a node with 8 GPUs"))
         return None

@@ -1,7 +1,7 @@
 """The recipe: schema, strict loading, resolution against a world, validation."""
 
 from dsforge.recipe.loader import load_recipe
-from dsforge.recipe.problems import Problem, RecipeError
+from dsforge.problems import Problem, RecipeError
 from dsforge.recipe.resolve import Layout, Resolved, Topology, resolve, topology_for
 from dsforge.recipe.schema import Recipe
 from dsforge.recipe.validate import validate

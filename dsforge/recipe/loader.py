@@ -20,7 +20,7 @@ from typing import Any, Iterable, Literal, Union
 import yaml
 
 from dsforge.recipe.presets import PRESETS, apply_preset
-from dsforge.recipe.problems import Problem, RecipeError, did_you_mean
+from dsforge.problems import Problem, RecipeError, did_you_mean
 from dsforge.recipe.schema import Recipe
 
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from dsforge.launch.hostfile import Hostfile
-from dsforge.recipe.problems import Problem, RecipeError, errors
+from dsforge.problems import Problem, RecipeError, errors
 from dsforge.recipe.schema import Recipe
 
 
@@ -60,7 +60,7 @@ class Layout:
 
 @dataclass(frozen=True, kw_only=True)
 class Resolved:
-    recipe: Recipe  # parallel.dp, train.global_batch and train.grad_accum are concrete
+    recipe: Recipe  # parallel.dp and the train batch sizes are concrete
     layout: Layout
     topology: Topology
     warnings: tuple[Problem, ...] = ()
@@ -115,19 +115,28 @@ def data_parallel_size(recipe: Recipe, world_size: int) -> int | None:
     return world_size // model_parallel if world_size % model_parallel == 0 else None
 
 
-def batch_sizes(recipe: Recipe, dp: int) -> tuple[int, int] | None:
-    """(global_batch, grad_accum) for dp, or None when they do not fit (rules B1/B2 report it)."""
+@dataclass(frozen=True)
+class BatchSizes:
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+
+
+def batch_sizes(recipe: Recipe, dp: int) -> BatchSizes | None:
+    """global = micro x grad_accum x dp from the values given; None when they do not fit
+    (rules B1/B2 report why). Any two fix the third; alone, micro_batch defaults to 1."""
     t = recipe.train
-    per_accum_step = t.micro_batch * dp
-    if t.global_batch is not None and t.grad_accum is not None:
-        ok = t.global_batch == per_accum_step * t.grad_accum
-        return (t.global_batch, t.grad_accum) if ok else None
-    if t.global_batch is not None:
-        if t.global_batch % per_accum_step:
-            return None
-        return t.global_batch, t.global_batch // per_accum_step
-    grad_accum = t.grad_accum if t.grad_accum is not None else 1
-    return per_accum_step * grad_accum, grad_accum
+    given, micro, accum = t.global_batch, t.micro_batch, t.grad_accum
+    if given is not None and accum is not None and micro is None:
+        micro, remainder = divmod(given, accum * dp)
+        return BatchSizes(given, micro, accum) if micro and not remainder else None
+    micro = micro or 1
+    if given is None:
+        return BatchSizes(micro * (accum or 1) * dp, micro, accum or 1)
+    accum_needed, remainder = divmod(given, micro * dp)
+    if remainder or not accum_needed or accum not in (None, accum_needed):
+        return None
+    return BatchSizes(given, micro, accum_needed)
 
 
 def resolve(recipe: Recipe, topology: Topology) -> Resolved:
@@ -139,14 +148,16 @@ def resolve(recipe: Recipe, topology: Topology) -> Resolved:
         raise RecipeError(problems)
     p, world = recipe.parallel, topology.world_size
     dp = data_parallel_size(recipe, world)
-    global_batch, grad_accum = batch_sizes(recipe, dp)
+    batch = batch_sizes(recipe, dp)
     concrete = dataclasses.replace(
         recipe,
         parallel=dataclasses.replace(p, dp=dp, etp=p.expert_tp),
-        train=dataclasses.replace(recipe.train, global_batch=global_batch, grad_accum=grad_accum),
+        train=dataclasses.replace(recipe.train, global_batch=batch.global_batch,
+                                  micro_batch=batch.micro_batch, grad_accum=batch.grad_accum),
     )
     layout = Layout(world_size=world, dp=dp, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep,
                     etp=p.expert_tp, edp=world // (p.expert_tp * p.ep * p.pp),
-                    sequence_parallel=p.sequence_parallel, micro_batch=recipe.train.micro_batch,
-                    grad_accum=grad_accum, global_batch=global_batch, schedule=recipe.schedule)
+                    sequence_parallel=p.sequence_parallel, micro_batch=batch.micro_batch,
+                    grad_accum=batch.grad_accum, global_batch=batch.global_batch,
+                    schedule=recipe.schedule)
     return Resolved(recipe=concrete, layout=layout, topology=topology, warnings=tuple(problems))

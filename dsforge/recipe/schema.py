@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dsforge.estimate.hardware import GPU_KEYS
-from dsforge.recipe.problems import Checks, did_you_mean
+from dsforge.problems import Checks, did_you_mean
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Checkpointing = Literal["none", "selective", "full"]
@@ -190,8 +190,9 @@ class TrainConfig:
     # Any two of global_batch, micro_batch, grad_accum fix the third (with dp):
     # global_batch = micro_batch x grad_accum x dp. grad_accum is the number of microbatches
     # per optimizer step, which is also what a pipeline schedule runs per step.
+    # With only one given (or none), micro_batch is 1 and grad_accum follows.
     global_batch: int | None = None  # sequences per optimizer step
-    micro_batch: int = 1  # sequences per rank per microbatch
+    micro_batch: int | None = None  # sequences per rank per microbatch
     grad_accum: int | None = None
     steps: int
     lr: float

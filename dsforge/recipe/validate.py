@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from dsforge.recipe.problems import Problem
+from dsforge.problems import Problem
 from dsforge.recipe.resolve import Topology, batch_sizes, data_parallel_size
 from dsforge.recipe.schema import Recipe
 
@@ -30,7 +30,7 @@ def validate(recipe: Recipe, topology: Topology | None) -> list[Problem]:
     """Every violated rule for this recipe in this world (topology None: world-free rules)."""
     dp = data_parallel_size(recipe, topology.world_size) if topology else None
     sizes = batch_sizes(recipe, dp) if dp else None
-    ctx = _Context(topology=topology, dp=dp, grad_accum=sizes[1] if sizes else None)
+    ctx = _Context(topology=topology, dp=dp, grad_accum=sizes.grad_accum if sizes else None)
     return [problem for rule in RULES for problem in rule(recipe, ctx)]
 
 
@@ -81,19 +81,32 @@ def batch_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     if ctx.dp is None or ctx.grad_accum is not None:
         return
     t, dp = recipe.train, ctx.dp
+    fields = {"train.global_batch": t.global_batch, "train.micro_batch": t.micro_batch,
+              "train.grad_accum": t.grad_accum, "dp": dp}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if t.micro_batch is None:  # global and grad_accum given: micro_batch must come out whole
+        step = t.grad_accum * dp
+        yield Problem(rule="B2", fields=fields,
+                      message=f"global_batch is not a positive multiple of grad_accum x dp = {step}",
+                      fix=f"use global_batch {_near(t.global_batch, step)}, or leave out grad_accum")
+        return
     step = t.micro_batch * dp
-    fields = {"train.global_batch": t.global_batch, "train.micro_batch": t.micro_batch, "dp": dp}
-    if t.grad_accum is not None:
-        yield Problem(rule="B1", fields={**fields, "train.grad_accum": t.grad_accum},
+    if t.global_batch % step == 0 and t.global_batch >= step:
+        yield Problem(rule="B1", fields=fields,
                       message=f"micro_batch x grad_accum x dp = {step * t.grad_accum}, not "
                               "global_batch",
-                      fix="leave out one of global_batch and grad_accum so it is derived")
+                      fix="leave out one of global_batch, micro_batch and grad_accum so it is derived")
         return
-    lower = max(step, t.global_batch // step * step)
+    micro_choices = [m for m in _divisors(t.global_batch) if t.global_batch % (m * dp) == 0]
     yield Problem(rule="B2", fields=fields,
-                  message=f"global_batch is not divisible by micro_batch x dp = {step}",
-                  fix=f"use global_batch {lower} or {lower + step}, or a micro_batch in "
-                      f"{_choices([m for m in _divisors(t.global_batch) if t.global_batch % (m * dp) == 0])}")
+                  message=f"global_batch is not a positive multiple of micro_batch x dp = {step}",
+                  fix=f"use global_batch {_near(t.global_batch, step)}"
+                      + (f", or a micro_batch in {_choices(micro_choices)}" if micro_choices else ""))
+
+
+def _near(value: int, step: int) -> str:
+    lower = max(step, value // step * step)
+    return f"{lower}" if lower > value else f"{lower} or {lower + step}"
 
 
 def pipeline_layers(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:

@@ -45,6 +45,8 @@ def test_validate_with_a_hostfile_uses_its_slots():
 
 def test_missing_hostfile_and_both_world_options():
     assert "[H3]" in run("validate", EXAMPLE, "--hostfile", "nope.txt").output
+    both_bad = run("validate", EXAMPLE, "--hostfile", "nope.txt", "--set", "train.stepz=1")
+    assert "[H3]" in both_bad.output and "[Z6]" in both_bad.output
     both = run("validate", EXAMPLE, "--world-size", "32", "--hostfile", "x")
     assert both.exit_code == 2 and "not both" in both.output
 
@@ -69,6 +71,17 @@ def test_plan_json_has_the_documented_keys():
     assert plan["deepspeed"]["gradient_accumulation_steps"] == 128
     assert plan["bubble_fraction"] == pytest.approx(3 / (5 * 128))
     assert plan["nodes"]["tp_within_node"] is True
+    assert plan["memory_by_zero_stage"]["2"] == {"total": None, "rejected_by": ["Z2"]}
+    assert plan["memory_by_zero_stage"]["1"]["total"] == plan["memory_bytes"]["total"]
+
+
+def test_stage_comparison_keeps_the_recipes_offload():
+    args = ("plan", str(REPO / "recipes" / "7b_4gpu_zero3.yaml"), "--json")
+    plain = json.loads(run(*args).output)
+    offload = json.loads(run(*args, "--set", "zero.offload_optimizer=cpu").output)
+    assert offload["memory_by_zero_stage"]["3"]["total"] == offload["memory_bytes"]["total"]
+    assert offload["memory_bytes"]["total"] < plain["memory_bytes"]["total"]
+    assert offload["memory_by_zero_stage"]["0"] == plain["memory_by_zero_stage"]["0"]
 
 
 def test_plan_text_shows_layout_groups_memory_and_bubble():
@@ -77,7 +90,7 @@ def test_plan_text_shows_layout_groups_memory_and_bubble():
     out = result.output
     assert "world 32 = dp 2 x tp 4 x pp 4" in out
     assert "tp: [0,1,2,3] [4,5,6,7]" in out and "TP groups stay inside a node" in out
-    assert "by stage: ZeRO 0:" in out and "n/a (not with pp>1)" in out
+    assert "by stage: ZeRO 0:" in out and "ZeRO 2: rejected (Z2)" in out
     assert "bubble (p-1)/(v*m)" in out and "70.554 B total" in out
     assert '"stage": 1' in out
 

@@ -28,6 +28,12 @@ def test_flops_per_token_by_hand_for_the_tiny_model():
     assert selective.hardware == selective.model + 4 * layers * seq * h
 
 
+def test_biases_are_parameters_but_not_matmul_flops():
+    plain, biased = make_recipe().model, make_recipe("model.bias=true").model
+    assert count_params(biased).total > count_params(plain).total
+    assert flops_per_token(biased, 64).model == flops_per_token(plain, 64).model
+
+
 def test_moe_flops_count_only_active_experts():
     model = make_recipe("model.preset=tiny-moe").model
     dense_equivalent = make_recipe("model.preset=tiny", "model.ffn_hidden_size=192").model
@@ -60,6 +66,7 @@ def test_peak_table_matches_most_specific_first():
     assert gpu_for_device_name("NVIDIA H100 80GB HBM3").key == "h100"
     assert gpu_for_device_name("NVIDIA A100-SXM4-40GB").key == "a100-40gb"
     assert gpu_for_device_name("NVIDIA H200").peak_bf16_flops == 989e12
+    assert gpu_for_device_name("NVIDIA GH200 480GB").key == "gh200"
     assert gpu_for_device_name("Intel Xeon CPU") is None
 
 

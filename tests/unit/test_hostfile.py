@@ -8,7 +8,7 @@ import pytest
 
 from dsforge.launch.env import export_commands
 from dsforge.launch.hostfile import parse_hostfile, read_hostfile
-from dsforge.recipe.problems import RecipeError
+from dsforge.problems import RecipeError
 from tests.conftest import HOSTFILES, rule_ids
 
 
@@ -23,6 +23,7 @@ def test_parses_hosts_slots_and_comments():
     ("node-1 slots=", "H1"),
     ("node-1 slots=0", "H1"),
     ("node-1 slots=two", "H1"),
+    ("node-1 slots=\u00b2", "H1"),
     ("node-1 slots=8 extra", "H1"),
     ("node-1 gpus=8", "H1"),
     ("-oProxyCommand=evil slots=8", "H2"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsforge.recipe.loader import load_recipe, parse_overrides
-from dsforge.recipe.problems import RecipeError
+from dsforge.problems import RecipeError
 from tests.conftest import REPO, make_recipe, rule_ids
 
 GOOD = """

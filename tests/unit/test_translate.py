@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from dsforge.recipe import load_recipe, resolve, topology_for, validate
-from dsforge.recipe.problems import errors
+from dsforge.problems import errors
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.groups import rank_groups
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,

@@ -6,7 +6,7 @@ import pytest
 
 from dsforge.launch.hostfile import parse_hostfile
 from dsforge.recipe import Topology, resolve, topology_for, validate
-from dsforge.recipe.problems import RecipeError
+from dsforge.problems import RecipeError
 from tests.conftest import make_recipe, rule_ids
 
 MOE = ("model.preset=tiny-moe",)
@@ -169,10 +169,20 @@ def test_resolve_derives_dp_and_grad_accum_without_mutating():
     (("train.global_batch=null", "train.grad_accum=3"), (24, 3)),
     (("train.global_batch=null",), (8, 1)),
     (("train.global_batch=32", "train.grad_accum=4"), (32, 4)),
+    (("train.global_batch=64", "train.grad_accum=4", "train.micro_batch=null"), (64, 4)),
 ])
 def test_any_two_batch_values_fix_the_third(given, expected):
     lay = resolve(make_recipe(*given), Topology(world_size=8)).layout
     assert (lay.global_batch, lay.grad_accum) == expected
+    assert lay.global_batch == lay.micro_batch * lay.grad_accum * lay.dp
+
+
+def test_micro_batch_is_derived_from_global_batch_and_grad_accum():
+    recipe = make_recipe("train.global_batch=64", "train.grad_accum=4", "train.micro_batch=null")
+    resolved = resolve(recipe, Topology(world_size=8))
+    assert resolved.layout.micro_batch == 2 and resolved.recipe.train.micro_batch == 2
+    bad = rules_for("train.global_batch=60", "train.grad_accum=4", "train.micro_batch=null")
+    assert bad == {"B2"}
 
 
 def test_resolve_refuses_an_invalid_recipe():
