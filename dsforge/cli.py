@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from pathlib import Path
 
 import click
 
@@ -89,3 +91,48 @@ def plan(recipe, world_size, hostfile, overrides, as_json):
     click.echo(json.dumps(result, indent=2) if as_json else render_plan(result), nl=not as_json)
     if as_json:
         click.echo()
+
+
+@main.command()
+@_recipe_options
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where metrics, the resolved recipe and the manifest go "
+                   "[default: runs/NAME-TIMESTAMP].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True, help="auto = cuda when a GPU is visible, else cpu.")
+@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto",
+              show_default=True, help="auto = nccl on GPUs, gloo on CPU.")
+@click.option("--step-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds a step may take before its rank is declared stuck and the job ends.")
+@click.option("--timeout", type=float, default=None, help="Wall-clock limit for the whole job.")
+def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_timeout, timeout):
+    """Train RECIPE on this machine: validate, then start the ranks with DeepSpeed's launcher."""
+    from dsforge.launch.local import RankOptions, launch_command, run_job
+    from dsforge.recipe.loader import dump_recipe
+
+    if hostfile is not None:
+        raise click.UsageError("multi-node runs from a hostfile are not supported yet; "
+                               "leave out --hostfile to run on this machine")
+    resolved = resolve_or_exit(recipe, overrides, world_size, hostfile)
+    for warning in resolved.warnings:
+        click.echo(f"  warning: {warning}", err=True)
+    run_dir = _new_run_dir(run_dir, resolved.recipe.name)
+    (run_dir / "recipe.yaml").write_text(dump_recipe(resolved.recipe))
+    options = RankOptions(device=device, backend=backend, step_timeout_s=step_timeout)
+    command = launch_command(world_size=resolved.layout.world_size, run_dir=run_dir, options=options)
+    click.echo(f"dsforge: {resolved.layout.world_size} ranks, run directory {run_dir}", err=True)
+    code = run_job(command, timeout_s=timeout)
+    if code != 0:
+        click.echo(f"dsforge: job failed (exit code {code}); see the first failing rank above",
+                   err=True)
+    sys.exit(code)
+
+
+def _new_run_dir(run_dir: Path | None, name: str) -> Path:
+    if run_dir is None:
+        run_dir = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise click.UsageError(f"--run-dir {run_dir} is not empty; choose a new directory so no "
+                               "earlier run's metrics are mixed in")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir

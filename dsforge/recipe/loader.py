@@ -34,6 +34,11 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
     return build_recipe(apply_overrides(raw, parse_overrides(overrides)))
 
 
+def dump_recipe(recipe: Recipe) -> str:
+    """YAML that load_recipe reads back into an equal Recipe (every field explicit)."""
+    return yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise RecipeError([Problem(rule="Y6", fields={"recipe": str(path)},

@@ -17,6 +17,7 @@ Precision = Literal["bf16", "fp16", "fp32"]
 Checkpointing = Literal["none", "selective", "full"]
 Offload = Literal["none", "cpu"]
 LrDecay = Literal["cosine", "linear", "constant"]
+TokenDtype = Literal["uint16", "uint32"]
 
 
 def _positive(checks: Checks, rule: str, section: str, **values: int | float | None) -> None:
@@ -207,9 +208,14 @@ class TrainConfig:
     precision: Precision = "bf16"
     activation_checkpointing: Checkpointing = "none"
     seed: int = 1234
+    timing_warmup: int = 1  # first steps left out of timing summaries (marked in metrics)
 
     def __post_init__(self) -> None:
         c = Checks()
+        c.require(0 <= self.timing_warmup < max(self.steps, 1), "R1",
+                  {"train.timing_warmup": self.timing_warmup, "train.steps": self.steps},
+                  "must be >= 0 and leave at least one measured step",
+                  "use timing_warmup < steps")
         _positive(c, "B2", "train", seq_len=self.seq_len, global_batch=self.global_batch,
                   micro_batch=self.micro_batch, grad_accum=self.grad_accum)
         _positive(c, "R1", "train", steps=self.steps, lr=self.lr, adam_eps=self.adam_eps)
@@ -236,6 +242,7 @@ class TrainConfig:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     source: str = "synthetic"  # "synthetic" or the path of a token file
+    token_dtype: TokenDtype = "uint16"  # element type of the token file
 
     def __post_init__(self) -> None:
         c = Checks()

@@ -28,6 +28,10 @@ def deepspeed_config(*, train: TrainConfig, zero: ZeroConfig, layout: Layout) ->
             "eps": train.adam_eps, "weight_decay": train.weight_decay}},
         "scheduler": scheduler_section(train),
     }
+    if layout.pp > 1:
+        # Megatron-Core's schedule runs the backward passes, not engine.backward(); step() is
+        # then the accumulation boundary that reduces, clips and updates.
+        config["managed_gradient_accumulation"] = False
     config.update(precision_section(train.precision))
     return config
 

@@ -1,0 +1,68 @@
+"""Two modules dsforge plugs into Megatron-Core's local layer spec.
+
+- RMSNorm that works with sequence parallelism: the local spec's torch norm refuses it. The
+  weight is marked `sequence_parallel` and its gradient is summed over the tensor-parallel
+  group inside autograd (each TP rank only saw its slice of the sequence), so the result is
+  right before DeepSpeed's gradient hooks see it, for every ZeRO stage.
+- Core attention on torch's scaled_dot_product_attention: flash/memory-efficient kernels on
+  GPU (no s x s matrix), a fused kernel on CPU; causal, with grouped KV heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _SumGradOverTensorParallel(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the tensor-parallel group."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron.core import parallel_state
+
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.sequence_parallel = config.sequence_parallel
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel  # Megatron's marker
+
+    def forward(self, x):
+        weight = self.weight
+        if self.sequence_parallel:
+            weight = _SumGradOverTensorParallel.apply(weight)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+
+class SDPAttention(nn.Module):
+    """Megatron DotProductAttention's interface on F.scaled_dot_product_attention."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        # Megatron passes [seq, batch, heads, head_dim]; SDPA wants [batch, heads, seq, head_dim].
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each KV head
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        seq, batch = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)

@@ -1,0 +1,89 @@
+"""Per-step metrics: computed on every rank, written by the reporting rank.
+
+The reporting rank is rank 0 of the last pipeline stage (tp rank 0, dp rank 0): it has the
+loss. Step records go to metrics.jsonl as they happen; warmup steps carry `"warmup": true`
+and are left out of the summary (medians over the measured steps).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dsforge.estimate.flops import mfu
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    step: int
+    warmup: bool
+    loss: float
+    grad_norm: float | None
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float | None  # None: no known peak (CPU or an unknown GPU)
+    hfu: float | None
+    peak_memory_bytes: int
+    memory_source: str  # what peak_memory_bytes measures
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
+    # Linux reports ru_maxrss in KiB: the whole process's peak resident memory, not a split
+    # into parameters / activations.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+
+
+def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, step_time_s: float,
+                tokens_per_step: int, world_size: int, flops_per_token: float,
+                hardware_flops_per_token: float, peak_flops: float | None,
+                device: torch.device) -> StepRecord:
+    tokens_per_s = tokens_per_step / step_time_s
+    per_gpu = tokens_per_s / world_size
+    memory, source = peak_memory(device)
+    return StepRecord(step=step, warmup=warmup, loss=loss,
+                      grad_norm=None if grad_norm is None else float(grad_norm), lr=lr,
+                      step_time_s=step_time_s, tokens_per_s=tokens_per_s,
+                      tokens_per_s_per_gpu=per_gpu, mfu=mfu(per_gpu, flops_per_token, peak_flops),
+                      hfu=mfu(per_gpu, hardware_flops_per_token, peak_flops),
+                      peak_memory_bytes=memory, memory_source=source)
+
+
+class MetricsWriter:
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: list[StepRecord] = []
+
+    def write(self, record: StepRecord) -> None:
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(asdict(record)) + "\n")
+
+    def summary(self) -> dict:
+        measured = [r for r in self.records if not r.warmup] or self.records
+        mfus = [r.mfu for r in measured if r.mfu is not None]
+        return {
+            "steps": len(self.records), "measured_steps": len(measured),
+            "final_loss": self.records[-1].loss if self.records else None,
+            "median_step_time_s": statistics.median(r.step_time_s for r in measured),
+            "median_tokens_per_s": statistics.median(r.tokens_per_s for r in measured),
+            "median_tokens_per_s_per_gpu": statistics.median(r.tokens_per_s_per_gpu for r in measured),
+            "median_mfu": statistics.median(mfus) if mfus else None,
+            "peak_memory_bytes": max(r.peak_memory_bytes for r in self.records),
+        }
+
+
+def format_summary(summary: dict) -> str:
+    mfu_text = f"{summary['median_mfu']:.1%}" if summary["median_mfu"] is not None else "n/a"
+    return (f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}; median over "
+            f"{summary['measured_steps']} measured steps: {summary['median_step_time_s'] * 1e3:.1f} ms/step, "
+            f"{summary['median_tokens_per_s']:,.0f} tok/s ({summary['median_tokens_per_s_per_gpu']:,.0f} per GPU), "
+            f"MFU {mfu_text}")

@@ -1,0 +1,117 @@
+"""The program each rank runs: `python -m dsforge.runtime.rank --run-dir D`.
+
+The launcher wrote D/recipe.yaml (the resolved recipe); every rank re-resolves it against
+WORLD_SIZE (pure and deterministic, so all ranks agree) and trains. The order in which
+parallelism is applied is written once, in dsforge/runtime/engine.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from dsforge.recipe import Topology, load_recipe, resolve
+
+REPORT_EVERY_STEP = 1
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dsforge.runtime.rank")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    parser.add_argument("--step-timeout", type=float, default=300.0,
+                        help="seconds a step may take before the rank is declared stuck")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def pick_device(choice: str, backend: str) -> tuple[torch.device, str]:
+    use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    return device, backend
+
+
+class Watchdog:
+    """Ends the rank when a step makes no progress for `timeout_s`, naming rank and step.
+
+    A hung collective never returns, so the check runs on its own thread; it dumps every
+    thread's Python stack before exiting so the stuck call is visible.
+    """
+
+    def __init__(self, timeout_s: float, rank: int):
+        self.timeout_s, self.rank = timeout_s, rank
+        self.step, self.deadline = -1, None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, daemon=True, name="dsforge-watchdog").start()
+
+    def arm(self, step: int) -> None:
+        with self._lock:
+            self.step, self.deadline = step, time.monotonic() + self.timeout_s
+
+    def disarm(self) -> None:
+        with self._lock:
+            self.deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            with self._lock:
+                expired = self.deadline is not None and time.monotonic() > self.deadline
+                step = self.step
+            if expired:
+                print(f"dsforge: rank {self.rank} stuck: step {step} made no progress for "
+                      f"{self.timeout_s:.0f}s (a hung collective?). Python stacks:",
+                      file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                os._exit(3)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+    rank = int(os.environ.get("RANK", 0))
+    step = -1
+    try:
+        from dsforge.runtime.trainer import Trainer
+
+        recipe = load_recipe(args.run_dir / "recipe.yaml")
+        resolved = resolve(recipe, Topology(world_size=int(os.environ.get("WORLD_SIZE", 1))))
+        device, backend = pick_device(args.device, args.backend)
+        watchdog = Watchdog(args.step_timeout, rank)
+        trainer = Trainer(resolved, device=device, backend=backend, run_dir=args.run_dir,
+                          collective_timeout_s=args.step_timeout)
+        for step in range(resolved.recipe.train.steps):
+            watchdog.arm(step)
+            trainer.train_step(step)
+        watchdog.disarm()
+        trainer.finish()
+    except Exception:
+        print(f"dsforge: rank {rank} failed at step {step}:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        # Skip interpreter teardown: process-group destructors can block on dead peers.
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

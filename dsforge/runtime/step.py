@@ -1,0 +1,71 @@
+"""One optimizer step: forward/backward over the step's microbatches, then DeepSpeed's update.
+
+Two paths, one per kind of layout:
+- pp = 1: DeepSpeed drives gradient accumulation itself (engine forward/backward/step per
+  microbatch; its ZeRO 2/3 hooks reduce and partition gradients per backward). Every ZeRO
+  stage works here.
+- pp > 1: Megatron-Core's schedule (1F1B, or interleaved 1F1B over the virtual stages) runs
+  every forward and backward; DeepSpeed runs with managed_gradient_accumulation=false, so
+  `engine.step()` is the accumulation boundary: it reduces the accumulated gradients over the
+  data-parallel group (ZeRO 0/1), clips and steps. The schedule divides each microbatch loss
+  by the number of microbatches, as DeepSpeed's own backward would.
+Both return the step's mean loss on this rank (None on pipeline ranks without the loss).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from dsforge.runtime.data import Microbatch
+
+
+def _loss_of(chunk_output: torch.Tensor) -> torch.Tensor:
+    """GPTModel returns per-token cross entropy [batch, seq] when given labels."""
+    return chunk_output.float().mean()
+
+
+def step_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
+    losses = []
+    for mb in batches:
+        out = engine(mb.tokens.to(device), mb.position_ids.to(device), None,
+                     labels=mb.labels.to(device))
+        loss = _loss_of(out)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
+
+
+def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
+                   micro_batch: int, device) -> torch.Tensor | None:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    # Every model chunk walks the same microbatches in order; each uses what it needs
+    # (tokens on the first stage, labels on the last).
+    iterators = [iter(batches) for _ in chunks]
+    results = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, device=device),
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=micro_batch,
+        forward_only=False)
+    engine.step()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.stack([r["loss"] for r in results]).mean()
+
+
+def _forward_step(data_iterator, model, device):
+    mb = next(data_iterator)
+    output = model(mb.tokens.to(device), mb.position_ids.to(device), None,
+                   labels=mb.labels.to(device))
+
+    def loss_func(output_tensor):
+        loss = _loss_of(output_tensor)
+        # A copy: the schedule divides the returned loss by num_microbatches in place.
+        return loss, {"loss": loss.detach().clone()}
+
+    return output, loss_func

@@ -1,0 +1,56 @@
+"""One rank of a shared test world: trains several layouts in turn with the real Trainer.
+
+Started by tests/distributed/harness.py with RANK/WORLD_SIZE/MASTER_* set, as a launcher
+would. Sharing the world across layouts pays the process start and imports once.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(os.environ["RANK"])
+    for case in spec["cases"]:
+        try:
+            _run_case(case, spec)
+        except Exception:
+            print(f"worker rank {rank} case {case['name']} failed:\n{traceback.format_exc()}",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+    os._exit(0)
+
+
+def _run_case(case: dict, spec: dict) -> None:
+    from megatron.core import parallel_state
+
+    from dsforge.recipe import Topology, load_recipe, resolve
+    from dsforge.runtime.trainer import Trainer
+
+    recipe = load_recipe(spec["recipe"], case["overrides"])
+    resolved = resolve(recipe, Topology(world_size=int(os.environ["WORLD_SIZE"])))
+    run_dir = Path(spec["out"]) / case["name"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(resolved, device=torch.device("cpu"), backend="gloo", run_dir=run_dir,
+                      collective_timeout_s=spec["timeout_s"])
+    for step in range(resolved.recipe.train.steps):
+        trainer.train_step(step)
+    trainer.finish()
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    del trainer
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()
