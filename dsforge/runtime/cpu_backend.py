@@ -7,7 +7,8 @@ is the CPU). Megatron-Core assumes CUDA in four ways (../shared/reference/cpu-ba
   2. the CUDA RNG (`_get_cuda_rng_state`, `torch.cuda.manual_seed`, ...) -> the CPU generator,
      so Megatron's RNG tracker forks and restores the generator CPU ops actually use;
   3. CUDA streams and events in the MoE dispatcher -> no-op stand-ins;
-  4. MoE split sizes that stay tensors on CPU (gloo's all_to_all wants lists) and the
+  4. MoE split sizes that stay tensors on CPU (gloo's all_to_all wants lists), uneven
+     all-gather / reduce-scatter of routed tokens (gloo supports equal sizes only) and the
      `te_general_gemm` name that is missing without Transformer Engine.
 Every patch names the attribute it replaces and fails loudly (CpuBackendError) when an
 upgrade removes it, so a Megatron-Core change cannot silently bypass the backend.
@@ -86,6 +87,38 @@ def _as_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = False)
     return tensor
 
 
+def _gloo_uneven_gather(original):
+    """gloo's all_gather needs equal sizes; MoE with tensor parallelism gathers uneven token
+    counts (output_split_sizes). Pad to the largest, gather, trim."""
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes)])
+
+    return gather
+
+
+def _gloo_uneven_reduce_scatter(original):
+    """gloo has no list reduce_scatter: all-reduce the whole tensor and keep this rank's rows."""
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start:start + sizes[group.rank()]].contiguous()
+
+    return reduce_scatter
+
+
 def _patch_torch_cuda() -> None:
     cuda = "torch.cuda"
     # Returned as a device (not an index) because Megatron passes it as `device=` in autograd
@@ -112,6 +145,11 @@ def _patch_megatron() -> None:
     _replace(moe_utils, "maybe_move_tensor_to_cpu", _as_split_sizes)
     _replace("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
              _as_split_sizes)
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    _replace(mappings.__name__, "_gather_along_first_dim",
+             _gloo_uneven_gather(mappings._gather_along_first_dim))
+    _replace(mappings.__name__, "_reduce_scatter_along_first_dim",
+             _gloo_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim))
     if not hasattr(importlib.import_module(moe_utils), "te_general_gemm"):
         _replace(moe_utils, "te_general_gemm", None, must_exist=False)  # package bug without TE
 

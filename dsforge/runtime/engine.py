@@ -4,13 +4,16 @@ Order of application, inside a rank (each step needs the previous one):
   1. torch.distributed and DeepSpeed's comm layer on the chosen backend (nccl / gloo);
   2. Megatron-Core parallel state from the translated kwargs, model-parallel RNG seeded;
   3. model chunks built (one per virtual stage) and initialised layout-invariantly;
-  4. deepspeed.initialize on a container of the chunks, with `MegatronMPU` so DeepSpeed
+  4. gradient hooks for sequence-parallel parameters, expert parameters named for DeepSpeed
+     (grads.py, moe_glue.py);
+  5. deepspeed.initialize on a container of the chunks, with `MegatronMPU` so DeepSpeed
      reduces gradients over Megatron's data-parallel group and computes the gradient norm
      over the tensor x pipeline group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from typing import Any
@@ -98,7 +101,27 @@ def init_parallel_state(parallel_kwargs: dict[str, Any], seed: int, timeout_s: f
 def wrap_with_deepspeed(chunks: list[nn.Module], ds_config: dict[str, Any]):
     import deepspeed
 
+    from dsforge.runtime.grads import sum_sequence_parallel_grads
+    from dsforge.runtime.moe_glue import deepspeed_sees_megatron_moe, register_experts
+
     container = ModelChunks(chunks)
-    engine, _, _, _ = deepspeed.initialize(model=container, model_parameters=container.parameters(),
-                                           config=ds_config, mpu=MegatronMPU())
+    sum_sequence_parallel_grads(container)
+    has_experts = register_experts(container)
+    with deepspeed_sees_megatron_moe() if has_experts else contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(model=container,
+                                               model_parameters=list(container.parameters()),
+                                               config=ds_config, mpu=MegatronMPU())
+    _clip_fp32_with_a_correct_norm(engine, has_experts)
     return engine
+
+
+def _clip_fp32_with_a_correct_norm(engine, has_experts: bool) -> None:
+    """ZeRO 0 in fp32 clips with DeepSpeed's clip_grad_norm_, whose norm is wrong with
+    pipeline stages or experts and is then dropped; use dsforge's norm and keep it."""
+    from dsforge.runtime.grads import clip_grads_
+
+    def clip_and_record():
+        engine._global_grad_norm = clip_grads_(engine.module.parameters(),
+                                               engine.gradient_clipping(), has_experts)
+
+    engine.clip_fp32_gradients = clip_and_record

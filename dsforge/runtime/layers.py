@@ -1,9 +1,8 @@
 """Two modules dsforge plugs into Megatron-Core's local layer spec.
 
 - RMSNorm that works with sequence parallelism: the local spec's torch norm refuses it. The
-  weight is marked `sequence_parallel` and its gradient is summed over the tensor-parallel
-  group inside autograd (each TP rank only saw its slice of the sequence), so the result is
-  right before DeepSpeed's gradient hooks see it, for every ZeRO stage.
+  weight is marked `sequence_parallel`, so its gradient is summed over the tensor-parallel
+  group (each TP rank only saw its slice of the sequence; runtime/grads.py).
 - Core attention on torch's scaled_dot_product_attention: flash/memory-efficient kernels on
   GPU (no s x s matrix), a fused kernel on CPU; causal, with grouped KV heads.
 """
@@ -15,35 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class _SumGradOverTensorParallel(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient over the tensor-parallel group."""
-
-    @staticmethod
-    def forward(ctx, weight):
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from megatron.core import parallel_state
-
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
-        return grad
-
-
 class RMSNorm(nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
-        self.sequence_parallel = config.sequence_parallel
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = config.sequence_parallel  # Megatron's marker
+        # Megatron's marker: the gradient is summed over the TP group (runtime/grads.py).
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x):
-        weight = self.weight
-        if self.sequence_parallel:
-            weight = _SumGradOverTensorParallel.apply(weight)
-        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class SDPAttention(nn.Module):

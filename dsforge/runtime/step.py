@@ -27,6 +27,7 @@ def _loss_of(chunk_output: torch.Tensor) -> torch.Tensor:
 
 
 def step_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
+    _scale_moe_aux_loss(1.0 / len(batches), device)
     losses = []
     for mb in batches:
         out = engine(mb.tokens.to(device), mb.position_ids.to(device), None,
@@ -69,3 +70,12 @@ def _forward_step(data_iterator, model, device):
         return loss, {"loss": loss.detach().clone()}
 
     return output, loss_func
+
+
+def _scale_moe_aux_loss(scale: float, device) -> None:
+    """engine.backward() divides the loss by the accumulation steps; Megatron's MoE auxiliary
+    (load-balancing) loss gets its gradient scale from a class-level setting that only
+    Megatron's own schedules set. Match them, or the aux loss would weigh grad_accum x more."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), scale, device=device))

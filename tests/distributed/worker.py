@@ -48,6 +48,9 @@ def _run_case(case: dict, spec: dict) -> None:
     trainer.finish()
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
+    # Megatron keeps the MoE aux-loss scale at class level; a fresh process starts without it.
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     del trainer
     gc.collect()
 
