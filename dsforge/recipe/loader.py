@@ -31,7 +31,18 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
     path = Path(path)
     raw = read_yaml(path)
     raw.setdefault("name", path.stem)
-    return build_recipe(apply_overrides(raw, parse_overrides(overrides)))
+    recipe = build_recipe(apply_overrides(raw, parse_overrides(overrides)))
+    return _with_data_relative_to(recipe, path.parent)
+
+
+def _with_data_relative_to(recipe: Recipe, directory: Path) -> Recipe:
+    """A relative token-file path means relative to the recipe's own directory, so a recipe
+    runs the same from any working directory."""
+    source = recipe.data.source
+    if source == "synthetic" or Path(source).is_absolute():
+        return recipe
+    data = dataclasses.replace(recipe.data, source=str((directory / source).resolve()))
+    return dataclasses.replace(recipe, data=data)
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -9,6 +9,7 @@ to one section are checked when the section is built (schema.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 from dsforge.problems import Problem
@@ -235,8 +236,29 @@ def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                       fix="use zero.stage: 1 with pipeline parallelism, or pp: 1 with stage 2/3")
 
 
+def token_file(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+    """D2: a token file exists, holds whole tokens and at least one sample."""
+    d, seq_len = recipe.data, recipe.train.seq_len
+    if d.source == "synthetic":
+        return
+    path = Path(d.source)
+    if not path.is_file():
+        yield Problem(rule="D2", fields={"data.source": d.source}, message="token file not found",
+                      fix="check the path (relative paths start at the recipe's directory), or "
+                          "make one with tools/tokenize_text.py")
+        return
+    width = 2 if d.token_dtype == "uint16" else 4
+    size = path.stat().st_size
+    if size % width or size // width < seq_len + 1:
+        yield Problem(rule="D2", fields={"data.source": d.source, "data.token_dtype": d.token_dtype,
+                                         "train.seq_len": seq_len},
+                      message=f"{size} bytes is not a whole number of {d.token_dtype} tokens, or "
+                              "fewer than one sample of seq_len + 1",
+                      fix="check data.token_dtype, or use a longer file or a shorter seq_len")
+
+
 RULES: tuple[Rule, ...] = (
     parallel_arithmetic, tensor_parallel_in_node, batch_arithmetic, pipeline_layers,
     pipeline_microbatches, pipeline_embeddings, tensor_parallel_shapes, sequence_length,
-    expert_parallel, zero_with_pipeline,
+    expert_parallel, zero_with_pipeline, token_file,
 )

@@ -85,5 +85,5 @@ def format_summary(summary: dict) -> str:
     mfu_text = f"{summary['median_mfu']:.1%}" if summary["median_mfu"] is not None else "n/a"
     return (f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}; median over "
             f"{summary['measured_steps']} measured steps: {summary['median_step_time_s'] * 1e3:.1f} ms/step, "
-            f"{summary['median_tokens_per_s']:,.0f} tok/s ({summary['median_tokens_per_s_per_gpu']:,.0f} per GPU), "
+            f"{summary['median_tokens_per_s']:,.0f} tok/s ({summary['median_tokens_per_s_per_gpu']:,.0f} per rank), "
             f"MFU {mfu_text}")

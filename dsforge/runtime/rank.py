@@ -84,6 +84,31 @@ class Watchdog:
                 os._exit(3)
 
 
+# Failure drills for tests and for checking a cluster's failure handling:
+# DSFORGE_INJECT_FAULT=KIND:RANK:STEP with KIND raise | hang | exit.
+FAULT_ENV = "DSFORGE_INJECT_FAULT"
+
+
+def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
+    if not spec:
+        return None
+    kind, rank, step = spec.split(":")
+    if kind not in ("raise", "hang", "exit"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: KIND must be raise, hang or exit")
+    return kind, int(rank), int(step)
+
+
+def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> None:
+    if fault is None or (fault[1], fault[2]) != (rank, step):
+        return
+    if fault[0] == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if fault[0] == "exit":
+        os._exit(7)
+    while True:  # hang: the watchdog (or the job timeout) has to end it
+        time.sleep(1)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
@@ -98,8 +123,10 @@ def main(argv=None) -> None:
         watchdog = Watchdog(args.step_timeout, rank)
         trainer = Trainer(resolved, device=device, backend=backend, run_dir=args.run_dir,
                           collective_timeout_s=args.step_timeout)
+        fault = parse_fault(os.environ.get(FAULT_ENV))
         for step in range(resolved.recipe.train.steps):
             watchdog.arm(step)
+            inject_fault(fault, rank, step)
             trainer.train_step(step)
         watchdog.disarm()
         trainer.finish()

@@ -1,0 +1,101 @@
+"""`dsforge run` end to end through DeepSpeed's launcher: a job trains, a failing or hung rank
+ends the whole job with a non-zero exit code, Ctrl-C stops every rank, nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO
+
+TINY = str(REPO / "recipes" / "tiny.yaml")
+QUICK = ["--set", "train.steps=6", "--set", "train.timing_warmup=1"]
+
+
+def dsforge(*args: str, env: dict | None = None, timeout: float = 240):
+    return subprocess.run([sys.executable, "-m", "dsforge", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+def _job_processes(run_dir) -> list[str]:
+    """Live processes whose command line names this test's run directory."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if str(run_dir) in line and "ps -eo" not in line]
+
+
+def test_run_trains_and_writes_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    result = dsforge("run", TINY, *QUICK, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(6))
+    assert records[0]["warmup"] and not records[1]["warmup"]
+    assert all(r["mfu"] is None and r["memory_source"] == "process peak RSS" for r in records)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["measured_steps"] == 5 and "MFU n/a" in result.stdout
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["versions"]["deepspeed"] and manifest["layout"]["dp"] == 2
+    assert "dp: 2" in (run_dir / "recipe.yaml").read_text()
+    assert not _job_processes(run_dir)
+
+
+def test_run_refuses_a_used_run_dir(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    result = dsforge("run", TINY, "--run-dir", str(tmp_path))
+    assert result.returncode == 2 and "is not empty" in result.stderr
+
+
+def test_invalid_recipe_starts_nothing(tmp_path):
+    result = dsforge("run", TINY, "--set", "train.global_batch=7", "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 2 and "[B2]" in result.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit"])
+def test_a_failing_rank_ends_the_whole_job(tmp_path, kind):
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    result = dsforge("run", TINY, *QUICK, "--run-dir", str(run_dir),
+                     env={"DSFORGE_INJECT_FAULT": f"{kind}:1:2"})
+    assert result.returncode != 0
+    assert time.monotonic() - start < 120
+    if kind == "raise":
+        assert "rank 1 failed at step 2" in result.stderr and "injected fault" in result.stderr
+    assert "job failed" in result.stderr
+    assert not _job_processes(run_dir)
+
+
+def test_a_hung_rank_is_named_and_the_job_ends(tmp_path):
+    run_dir = tmp_path / "run"
+    result = dsforge("run", TINY, *QUICK, "--run-dir", str(run_dir), "--step-timeout", "8",
+                     env={"DSFORGE_INJECT_FAULT": "hang:0:3"})
+    assert result.returncode != 0
+    assert "stuck: step 3 made no progress" in result.stderr
+    assert "inject_fault" in result.stderr  # the Python stack of the stuck rank
+    assert not _job_processes(run_dir)
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, "--set", "train.steps=10000",
+                             "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (run_dir / "metrics.jsonl").exists(), "the job never started training"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted" in stderr
+    time.sleep(1)
+    assert not _job_processes(run_dir)
