@@ -215,6 +215,12 @@ def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
         yield Problem(rule="E4", fields={"model.bias": True, "expert tensor parallel": p.expert_tp},
                       message="bias in MoE expert layers needs expert tensor parallel size 1",
                       fix="set model.bias: false, or parallel.etp: 1")
+    if p.ep > 1 and recipe.zero.stage == 3:
+        yield Problem(rule="E6", fields={"parallel.ep": p.ep, "zero.stage": 3},
+                      message="DeepSpeed's ZeRO-3 partitions every parameter over the data-parallel "
+                              "group; expert weights differ across expert-parallel ranks and "
+                              "DeepSpeed refuses its MoE handling with ZeRO stage 3",
+                      fix="use zero.stage 1 or 2 with ep > 1, or ep: 1 with ZeRO-3")
     if ctx.topology is not None and ctx.dp is not None:
         grid = p.expert_tp * p.ep * p.pp
         if ctx.topology.world_size % grid:
@@ -230,9 +236,10 @@ def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     stage, pp = recipe.zero.stage, recipe.parallel.pp
     if stage >= 2 and pp > 1:
         yield Problem(rule="Z2", fields={"zero.stage": stage, "parallel.pp": pp},
-                      message="ZeRO stages 2 and 3 reduce gradients in backward hooks on every "
-                              "microbatch, which a pipeline schedule's interleaved backward passes "
-                              "break (DeepSpeed's PipelineEngine refuses it too)",
+                      message="ZeRO stages 2 and 3 set up their gradient buckets and reduce inside "
+                              "DeepSpeed's own engine.backward(), once per microbatch; with pp > 1 "
+                              "Megatron-Core's schedule runs the per-stage backward passes itself "
+                              "(DeepSpeed's PipelineEngine refuses ZeRO 2/3 too)",
                       fix="use zero.stage: 1 with pipeline parallelism, or pp: 1 with stage 2/3")
 
 

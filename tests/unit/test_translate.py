@@ -69,8 +69,13 @@ def _check_with_deepspeed(resolved):
 def test_deepspeed_accepts_every_recipe_at_every_valid_stage(deepspeed_comm, path, stage):
     recipe, topology = _resolved(path, f"zero.stage={stage}")
     problems = errors(validate(recipe, topology))
-    if problems:  # the only stage rejections are ZeRO 2/3 with pipeline parallelism
-        assert {p.rule for p in problems} == {"Z2"} and recipe.parallel.pp > 1 and stage >= 2
+    expected = set()
+    if recipe.parallel.pp > 1 and stage >= 2:
+        expected.add("Z2")  # ZeRO 2/3 with pipeline parallelism
+    if recipe.parallel.ep > 1 and stage == 3:
+        expected.add("E6")  # expert parallelism with ZeRO-3
+    assert {p.rule for p in problems} == expected
+    if problems:
         return
     _check_with_deepspeed(resolve(recipe, topology))
 
