@@ -1,0 +1,126 @@
+"""Runtime pieces that need no process group: data, tokenizer, faults, metrics, CPU backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dsforge import tokenizer
+from dsforge.runtime import data as data_mod
+from dsforge.runtime.metrics import MetricsWriter, make_record
+from dsforge.runtime.rank import parse_fault
+from tests.conftest import REPO
+
+
+def test_synthetic_samples_are_deterministic_per_sample_id():
+    source = data_mod.SyntheticTokens(seq_len=16, vocab_size=256, seed=1)
+    assert torch.equal(source.sample(5), source.sample(5))
+    assert not torch.equal(source.sample(5), source.sample(6))
+    assert source.sample(0).shape == (17,) and int(source.sample(0).max()) < 256
+
+
+def test_microbatches_split_the_global_batch_over_data_parallel_ranks():
+    source = data_mod.SyntheticTokens(seq_len=8, vocab_size=256, seed=0)
+    single = data_mod.microbatches(source, step=3, global_batch=8, micro_batch=2, grad_accum=4,
+                                   dp=1, dp_rank=0)
+    split = [data_mod.microbatches(source, step=3, global_batch=8, micro_batch=2, grad_accum=2,
+                                   dp=2, dp_rank=r) for r in (0, 1)]
+    rows = lambda batches: {tuple(row.tolist()) for mb in batches for row in mb.tokens}
+    assert rows(single) == rows(split[0]) | rows(split[1])
+    assert not rows(split[0]) & rows(split[1])
+    mb = single[0]
+    assert torch.equal(mb.tokens[:, 1:], mb.labels[:, :-1])  # labels are the next tokens
+
+
+def test_token_file_windows_shuffle_and_resume(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(1000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(path)
+    source = data_mod.TokenFile(path, seq_len=9, vocab_size=256, seed=3)
+    assert source.num_samples == 111
+    first_epoch = [int(source.sample(i)[0]) for i in range(source.num_samples)]
+    assert sorted(first_epoch) == sorted(int(s * 9 % 256) for s in range(111))  # each window once
+    again = data_mod.TokenFile(path, seq_len=9, vocab_size=256, seed=3)
+    assert torch.equal(again.sample(150), source.sample(150))  # resumable: no state beyond the id
+    assert [int(source.sample(111 + i)[0]) for i in range(5)] != first_epoch[:5]  # reshuffled
+
+
+def test_token_file_rejects_ids_outside_the_vocabulary(tmp_path):
+    path = tmp_path / "t.bin"
+    np.array([1, 2, 300, 4, 5], dtype=np.uint16).tofile(path)
+    with pytest.raises(ValueError, match="token id 300 is outside"):
+        data_mod.TokenFile(path, seq_len=2, vocab_size=256, seed=0)
+
+
+def test_byte_tokenizer_round_trips():
+    text = "Full fathom five thy father lies — é"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_shipped_token_file_is_the_tokenized_text(tmp_path):
+    out = tmp_path / "t.bin"
+    subprocess.run([sys.executable, str(REPO / "tools" / "tokenize_text.py"),
+                    str(REPO / "data" / "tempest.txt"), str(out)], check=True, capture_output=True)
+    assert out.read_bytes() == (REPO / "data" / "tempest.u16.bin").read_bytes()
+    assert not (tmp_path / "t.bin.partial").exists()
+
+
+def test_fault_spec():
+    assert parse_fault(None) is None and parse_fault("hang:1:3") == ("hang", 1, 3)
+    with pytest.raises(ValueError):
+        parse_fault("boom:1:3")
+
+
+def test_metrics_summary_leaves_out_warmup(tmp_path):
+    writer = MetricsWriter(tmp_path / "m.jsonl")
+    for step, seconds in enumerate([10.0, 1.0, 2.0, 3.0]):
+        writer.write(make_record(step=step, warmup=step == 0, loss=1.0, grad_norm=None, lr=0.1,
+                                 step_time_s=seconds, tokens_per_step=100, world_size=2,
+                                 flops_per_token=1e9, hardware_flops_per_token=1e9,
+                                 peak_flops=None, device=torch.device("cpu")))
+    summary = writer.summary()
+    assert summary["measured_steps"] == 3 and summary["median_step_time_s"] == 2.0
+    assert summary["median_mfu"] is None
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 4
+
+
+def test_mfu_with_a_known_peak():
+    record = make_record(step=0, warmup=False, loss=1.0, grad_norm=1.0, lr=0.1, step_time_s=1.0,
+                         tokens_per_step=1000, world_size=1, flops_per_token=1e9,
+                         hardware_flops_per_token=2e9, peak_flops=1e13, device=torch.device("cpu"))
+    assert record.mfu == pytest.approx(0.1) and record.hfu == pytest.approx(0.2)
+
+
+def test_cpu_backend_fails_loudly_when_a_patch_target_disappears():
+    """A Megatron-Core upgrade that renames a redirected function must not pass silently."""
+    script = (
+        "import megatron.core.transformer.moe.moe_utils as m\n"
+        "del m.maybe_move_tensor_to_cpu\n"
+        "from dsforge.runtime import cpu_backend\n"
+        "try:\n"
+        "    cpu_backend.activate()\n"
+        "except cpu_backend.CpuBackendError as e:\n"
+        "    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert "refused: megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu" in out.stdout
+
+
+def test_cpu_backend_redirects_cuda_devices():
+    script = (
+        "import torch\n"
+        "from dsforge.runtime import cpu_backend\n"
+        "cpu_backend.activate()\n"
+        "a = torch.empty(2, device=torch.cuda.current_device())\n"
+        "b = torch.zeros(2, device='cuda').cuda()\n"
+        "with torch.cuda.stream(torch.cuda.Stream()):\n"
+        "    e = torch.cuda.current_stream().record_event()\n"
+        "e.synchronize()\n"
+        "torch.cuda.manual_seed(3); s = torch.cuda.get_rng_state()\n"
+        "print(a.device, b.device, torch.equal(s, torch.get_rng_state()))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.stdout.strip() == "cpu cpu True", out.stderr[-2000:]
