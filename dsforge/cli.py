@@ -116,6 +116,7 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     resolved = resolve_or_exit(recipe, overrides, world_size, hostfile)
     for warning in resolved.warnings:
         click.echo(f"  warning: {warning}", err=True)
+    _check_local_gpus(device, resolved.layout.world_size)
     run_dir = _new_run_dir(run_dir, resolved.recipe.name)
     (run_dir / "recipe.yaml").write_text(dump_recipe(resolved.recipe))
     options = RankOptions(device=device, backend=backend, step_timeout_s=step_timeout)
@@ -126,6 +127,20 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
         click.echo(f"dsforge: job failed (exit code {code}); see the first failing rank above",
                    err=True)
     sys.exit(code)
+
+
+def _check_local_gpus(device: str, world_size: int) -> None:
+    """One rank per GPU on this machine: refuse before starting ranks that cannot get one."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        if device == "cuda":
+            raise click.UsageError("--device cuda, but no GPU is visible")
+        return
+    if world_size > torch.cuda.device_count():
+        raise click.UsageError(f"the recipe needs {world_size} ranks but this machine has "
+                               f"{torch.cuda.device_count()} GPUs; pass --world-size, or "
+                               "--device cpu to try the layout on CPU")
 
 
 def _new_run_dir(run_dir: Path | None, name: str) -> Path:

@@ -40,6 +40,10 @@ class Trainer:
         self.source = data_mod.open_source(source=recipe.data.source, seq_len=recipe.train.seq_len,
                                            vocab_size=recipe.model.vocab_size, seed=recipe.train.seed,
                                            token_dtype=recipe.data.token_dtype)
+        self.flops = flops_per_token(recipe.model, recipe.train.seq_len,
+                                     recipe.train.activation_checkpointing)
+        gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        self.peak_flops = gpu.peak_bf16_flops if gpu else None  # None: MFU not available
         self.reporter = self._is_reporter()
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl") if self.reporter else None
         self.progress = self._progress_bar() if self.reporter else None
@@ -92,15 +96,13 @@ class Trainer:
 
     def _report(self, step: int, loss: float, lr: float, elapsed: float) -> None:
         recipe, layout = self.resolved.recipe, self.resolved.layout
-        flops = flops_per_token(recipe.model, recipe.train.seq_len, recipe.train.activation_checkpointing)
-        gpu = gpu_for_device_name(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         record = make_record(
             step=step, warmup=step < recipe.train.timing_warmup, loss=loss,
             grad_norm=self.engine.get_global_grad_norm(), lr=lr,
             step_time_s=elapsed, tokens_per_step=layout.global_batch * recipe.train.seq_len,
-            world_size=layout.world_size, flops_per_token=flops.model,
-            hardware_flops_per_token=flops.hardware,
-            peak_flops=gpu.peak_bf16_flops if gpu else None, device=self.device)
+            world_size=layout.world_size, flops_per_token=self.flops.model,
+            hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
+            device=self.device)
         self.metrics.write(record)
         self.progress.update(1)
         self.progress.set_postfix_str(_postfix(record))

@@ -24,7 +24,7 @@ class WorldFailed(AssertionError):
 
 
 def run_world(world_size: int, cases: dict[str, list[str]], *, recipe: Path, out: Path,
-              timeout_s: float = 240.0, step_timeout_s: float = 60.0) -> dict[str, list[dict]]:
+              timeout_s: float = 420.0, step_timeout_s: float = 120.0) -> dict[str, list[dict]]:
     """Train every case (name -> overrides) on `world_size` ranks; returns metrics per case."""
     spec = {"recipe": str(recipe), "out": str(out), "timeout_s": step_timeout_s,
             "cases": [{"name": n, "overrides": o} for n, o in cases.items()]}

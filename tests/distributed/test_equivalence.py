@@ -20,6 +20,10 @@ import pytest
 from tests.conftest import REPO
 from tests.distributed.harness import run_world
 
+# The first test builds every world (and, on a fresh machine, DeepSpeed's CPU Adam and comm
+# ops, ~2 minutes of C++ compilation); each world also has its own timeout in the harness.
+pytestmark = pytest.mark.timeout(900)
+
 STEPS = 4
 TEXT = REPO / "data" / "tempest.u16.bin"
 BATCH = [f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=2",

@@ -94,6 +94,12 @@ def test_mfu_with_a_known_peak():
     assert record.mfu == pytest.approx(0.1) and record.hfu == pytest.approx(0.2)
 
 
+def _python(script: str) -> subprocess.CompletedProcess:
+    """Run `script` in a fresh interpreter: the CPU backend patches the whole process."""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
 def test_cpu_backend_fails_loudly_when_a_patch_target_disappears():
     """A Megatron-Core upgrade that renames a redirected function must not pass silently."""
     script = (
@@ -104,8 +110,7 @@ def test_cpu_backend_fails_loudly_when_a_patch_target_disappears():
         "    cpu_backend.activate()\n"
         "except cpu_backend.CpuBackendError as e:\n"
         "    print('refused:', e)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
+    out = _python(script)
     assert "refused: megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu" in out.stdout
 
 
@@ -121,6 +126,5 @@ def test_cpu_backend_redirects_cuda_devices():
         "e.synchronize()\n"
         "torch.cuda.manual_seed(3); s = torch.cuda.get_rng_state()\n"
         "print(a.device, b.device, torch.equal(s, torch.get_rng_state()))\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
+    out = _python(script)
     assert out.stdout.strip() == "cpu cpu True", out.stderr[-2000:]
