@@ -105,7 +105,10 @@ def plan(recipe, world_size, hostfile, overrides, as_json):
 @click.option("--step-timeout", type=float, default=300.0, show_default=True,
               help="Seconds a step may take before its rank is declared stuck and the job ends.")
 @click.option("--timeout", type=float, default=None, help="Wall-clock limit for the whole job.")
-def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_timeout, timeout):
+@click.option("--resume", is_flag=True,
+              help="Continue the run in --run-dir from its latest complete checkpoint.")
+def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_timeout, timeout,
+        resume):
     """Train RECIPE on this machine: validate, then start the ranks with DeepSpeed's launcher."""
     from dsforge.launch.local import RankOptions, launch_command, run_job
     from dsforge.recipe.loader import dump_recipe
@@ -117,9 +120,12 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     for warning in resolved.warnings:
         click.echo(f"  warning: {warning}", err=True)
     _check_local_gpus(device, resolved.layout.world_size)
-    run_dir = _new_run_dir(run_dir, resolved.recipe.name)
+    if resume:
+        _check_resumable(run_dir, resolved)
+    else:
+        run_dir = _new_run_dir(run_dir, resolved.recipe.name)
     (run_dir / "recipe.yaml").write_text(dump_recipe(resolved.recipe))
-    options = RankOptions(device=device, backend=backend, step_timeout_s=step_timeout)
+    options = RankOptions(device=device, backend=backend, step_timeout_s=step_timeout, resume=resume)
     command = launch_command(world_size=resolved.layout.world_size, run_dir=run_dir, options=options)
     click.echo(f"dsforge: {resolved.layout.world_size} ranks, run directory {run_dir}", err=True)
     code = run_job(command, timeout_s=timeout)
@@ -141,6 +147,32 @@ def _check_local_gpus(device: str, world_size: int) -> None:
         raise click.UsageError(f"the recipe needs {world_size} ranks but this machine has "
                                f"{torch.cuda.device_count()} GPUs; pass --world-size, or "
                                "--device cpu to try the layout on CPU")
+
+
+def _check_resumable(run_dir: Path | None, resolved: Resolved) -> None:
+    """The run directory has a complete checkpoint of this same model and layout, safe to load."""
+    import dataclasses
+
+    from dsforge.runtime import checkpoint
+
+    if run_dir is None:
+        raise click.UsageError("--resume needs the --run-dir of the run to continue")
+    root = checkpoint.checkpoint_root(run_dir)
+    try:
+        record = checkpoint.latest_complete(root)
+        if record is None:
+            raise checkpoint.CheckpointError(f"no complete checkpoint under {root}")
+        checkpoint.check_safe_to_load(root, record["tag"])
+    except checkpoint.CheckpointError as exc:
+        raise click.UsageError(f"cannot resume: {exc}") from None
+    differences = checkpoint.recipe_differences(record["recipe"], dataclasses.asdict(resolved.recipe))
+    if record["world_size"] != resolved.layout.world_size:
+        differences.append(f"world size: {record['world_size']} in the checkpoint, "
+                           f"{resolved.layout.world_size} now")
+    if differences:
+        raise click.UsageError("cannot resume: the recipe differs from the checkpoint's (resharding "
+                               "to a new layout is not supported):\n  " + "\n  ".join(differences))
+    click.echo(f"dsforge: resuming {run_dir} after step {record['step']}", err=True)
 
 
 def _new_run_dir(run_dir: Path | None, name: str) -> Path:

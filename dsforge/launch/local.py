@@ -25,6 +25,7 @@ class RankOptions:
     device: str = "auto"
     backend: str = "auto"
     step_timeout_s: float = 300.0
+    resume: bool = False
 
 
 def free_port() -> int:
@@ -40,7 +41,7 @@ def launch_command(*, world_size: int, run_dir: Path, options: RankOptions,
             "--num_gpus", str(world_size), "--master_port", str(master_port or free_port()),
             "--module", "dsforge.runtime.rank", "--run-dir", str(run_dir),
             "--device", options.device, "--backend", options.backend,
-            "--step-timeout", str(options.step_timeout_s)]
+            "--step-timeout", str(options.step_timeout_s)] + (["--resume"] if options.resume else [])
 
 
 def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | None = None,

@@ -209,6 +209,7 @@ class TrainConfig:
     activation_checkpointing: Checkpointing = "none"
     seed: int = 1234
     timing_warmup: int = 1  # first steps left out of timing summaries (marked in metrics)
+    checkpoint_every: int = 0  # save a checkpoint every N steps; 0 = never
 
     def __post_init__(self) -> None:
         c = Checks()
@@ -226,6 +227,8 @@ class TrainConfig:
         c.require(self.warmup_steps != 1, "R2", {"train.warmup_steps": 1},
                   "DeepSpeed's warmup schedulers warm up over at least 2 steps and would "
                   "silently use 2", "use warmup_steps: 0 (none) or 2 or more")
+        c.require(self.checkpoint_every >= 0, "R1", {"train.checkpoint_every": self.checkpoint_every},
+                  "must be >= 0", "use 0 for no checkpoints, or N to save every N steps")
         for name in ("weight_decay", "grad_clip"):
             value = getattr(self, name)
             c.require(value >= 0, "R1", {f"train.{name}": value}, "must be >= 0",

@@ -221,6 +221,14 @@ def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                               "group; expert weights differ across expert-parallel ranks and "
                               "DeepSpeed refuses its MoE handling with ZeRO stage 3",
                       fix="use zero.stage 1 or 2 with ep > 1, or ep: 1 with ZeRO-3")
+    if p.ep > 1 and recipe.zero.stage == 0 and recipe.train.checkpoint_every:
+        yield Problem(rule="E7", fields={"parallel.ep": p.ep, "zero.stage": 0,
+                                         "train.checkpoint_every": recipe.train.checkpoint_every},
+                      message="without ZeRO, DeepSpeed saves optimizer state from data-parallel rank "
+                              "0 only, but with expert parallelism the data-parallel ranks hold "
+                              "different experts, so their optimizer state would be lost",
+                      fix="use zero.stage 1 or 2 (each rank saves its own optimizer partition), "
+                          "or train.checkpoint_every: 0")
     if ctx.topology is not None and ctx.dp is not None:
         grid = p.expert_tp * p.ep * p.pp
         if ctx.topology.world_size % grid:

@@ -62,6 +62,15 @@ class MetricsWriter:
         self.path = path
         self.records: list[StepRecord] = []
 
+    def keep_steps_before(self, step: int) -> None:
+        """On resume: drop records of steps that will be trained again (after the checkpoint)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if json.loads(line)["step"] < step]
+        self.records = [StepRecord(**json.loads(line)) for line in kept]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
     def write(self, record: StepRecord) -> None:
         self.records.append(record)
         with self.path.open("a") as f:

@@ -32,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     parser.add_argument("--step-timeout", type=float, default=300.0,
                         help="seconds a step may take before the rank is declared stuck")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the run directory's latest complete checkpoint")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -85,21 +87,23 @@ class Watchdog:
 
 
 # Failure drills for tests and for checking a cluster's failure handling:
-# DSFORGE_INJECT_FAULT=KIND:RANK:STEP with KIND raise | hang | exit.
+# DSFORGE_INJECT_FAULT=KIND:RANK:STEP. raise | hang | exit act when RANK starts STEP;
+# save-exit kills RANK while it saves the checkpoint of STEP, after writing its files.
 FAULT_ENV = "DSFORGE_INJECT_FAULT"
+FAULT_KINDS = ("raise", "hang", "exit", "save-exit")
 
 
 def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
     if not spec:
         return None
     kind, rank, step = spec.split(":")
-    if kind not in ("raise", "hang", "exit"):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: KIND must be raise, hang or exit")
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: KIND must be one of {', '.join(FAULT_KINDS)}")
     return kind, int(rank), int(step)
 
 
 def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> None:
-    if fault is None or (fault[1], fault[2]) != (rank, step):
+    if fault is None or fault[0] == "save-exit" or (fault[1], fault[2]) != (rank, step):
         return
     if fault[0] == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
@@ -107,6 +111,17 @@ def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> No
         os._exit(7)
     while True:  # hang: the watchdog (or the job timeout) has to end it
         time.sleep(1)
+
+
+def _save_fault(fault):
+    if fault is None or fault[0] != "save-exit":
+        return None
+
+    def die_while_saving(rank: int, steps_done: int) -> None:
+        if (rank, steps_done) == (fault[1], fault[2]):
+            os._exit(9)
+
+    return die_while_saving
 
 
 def main(argv=None) -> None:
@@ -122,12 +137,15 @@ def main(argv=None) -> None:
         device, backend = pick_device(args.device, args.backend)
         watchdog = Watchdog(args.step_timeout, rank)
         trainer = Trainer(resolved, device=device, backend=backend, run_dir=args.run_dir,
-                          collective_timeout_s=args.step_timeout)
+                          collective_timeout_s=args.step_timeout, resume=args.resume)
         fault = parse_fault(os.environ.get(FAULT_ENV))
-        for step in range(resolved.recipe.train.steps):
+        every = resolved.recipe.train.checkpoint_every
+        for step in range(trainer.start_step, resolved.recipe.train.steps):
             watchdog.arm(step)
             inject_fault(fault, rank, step)
             trainer.train_step(step)
+            if every and (step + 1) % every == 0:
+                trainer.save_checkpoint(step + 1, fault=_save_fault(fault))
         watchdog.disarm()
         trainer.finish()
     except Exception:

@@ -12,6 +12,7 @@ import torch
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.hardware import gpu_for_device_name
 from dsforge.recipe import Resolved
+from dsforge.runtime import checkpoint
 from dsforge.runtime import data as data_mod
 from dsforge.runtime.engine import init_distributed, init_parallel_state, wrap_with_deepspeed
 from dsforge.runtime.init import init_layout_invariant
@@ -25,7 +26,7 @@ from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwar
 
 class Trainer:
     def __init__(self, resolved: Resolved, *, device: torch.device, backend: str, run_dir: Path,
-                 collective_timeout_s: float):
+                 collective_timeout_s: float, resume: bool = False):
         self.resolved, self.device, self.run_dir = resolved, device, run_dir
         recipe, layout = resolved.recipe, resolved.layout
         if device.type == "cpu":
@@ -44,8 +45,11 @@ class Trainer:
                                      recipe.train.activation_checkpointing)
         gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.peak_flops = gpu.peak_bf16_flops if gpu else None  # None: MFU not available
+        self.start_step = self._resume() if resume else 0
         self.reporter = self._is_reporter()
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl") if self.reporter else None
+        if self.reporter and resume:
+            self.metrics.keep_steps_before(self.start_step)
         self.progress = self._progress_bar() if self.reporter else None
         if self.reporter:
             self._write_manifest()
@@ -66,6 +70,18 @@ class Trainer:
         init_layout_invariant(chunks, seed=recipe.train.seed, std=recipe.model.init_std,
                               num_layers=recipe.model.num_layers)
         return chunks
+
+    def _resume(self) -> int:
+        root = checkpoint.checkpoint_root(self.run_dir)
+        record = checkpoint.latest_complete(root)
+        if record is None:
+            raise checkpoint.CheckpointError(f"no complete checkpoint under {root}")
+        return checkpoint.load(self.engine, root, record["tag"], torch.distributed.get_rank())
+
+    def save_checkpoint(self, steps_done: int, fault=None) -> None:
+        checkpoint.save(self.engine, checkpoint.checkpoint_root(self.run_dir), step=steps_done,
+                        recipe=asdict(self.resolved.recipe), world_size=self.resolved.layout.world_size,
+                        rank=torch.distributed.get_rank(), fault=fault)
 
     def _is_reporter(self) -> bool:
         from megatron.core import parallel_state as ps

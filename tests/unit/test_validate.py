@@ -50,6 +50,8 @@ CROSS_SECTION_CASES = [
      [*MOE, "model.bias=true", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1"], 8),
     ("E6", [*MOE, "parallel.ep=2", "zero.stage=3"], 8, [*MOE, "parallel.ep=1", "zero.stage=3"], 8),
     ("D2", ["data.source=/nonexistent/tokens.bin"], 8, ["data.source=synthetic"], 8),
+    ("E7", [*MOE, "parallel.ep=2", "zero.stage=0", "train.checkpoint_every=2"], 8,
+     [*MOE, "parallel.ep=2", "zero.stage=1", "train.checkpoint_every=2"], 8),
     ("Z2", ["parallel.pp=2", "zero.stage=2"], 8, ["parallel.pp=2", "zero.stage=1"], 8),
     ("Z2", ["parallel.pp=2", "zero.stage=3"], 8, ["parallel.pp=1", "zero.stage=3"], 8),
 ]
