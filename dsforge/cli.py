@@ -130,8 +130,10 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     click.echo(f"dsforge: {resolved.layout.world_size} ranks, run directory {run_dir}", err=True)
     code = run_job(command, timeout_s=timeout)
     if code != 0:
-        click.echo(f"dsforge: job failed (exit code {code}); see the first failing rank above",
-                   err=True)
+        from dsforge.runtime.heartbeat import summarize
+
+        click.echo(f"dsforge: job failed (exit code {code}); see the first failing rank above\n"
+                   f"{summarize(run_dir)}", err=True)
     sys.exit(code)
 
 

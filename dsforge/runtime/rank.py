@@ -11,6 +11,7 @@ import argparse
 import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -129,7 +130,10 @@ def main(argv=None) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     rank = int(os.environ.get("RANK", 0))
     step = -1
+    # `kill -USR1` on a rank prints every thread's Python stack without stopping it.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
+        from dsforge.runtime.heartbeat import Heartbeat
         from dsforge.runtime.trainer import Trainer
 
         recipe = load_recipe(args.run_dir / "recipe.yaml")
@@ -140,8 +144,10 @@ def main(argv=None) -> None:
                           collective_timeout_s=args.step_timeout, resume=args.resume)
         fault = parse_fault(os.environ.get(FAULT_ENV))
         every = resolved.recipe.train.checkpoint_every
+        heartbeat = Heartbeat(args.run_dir, rank)
         for step in range(trainer.start_step, resolved.recipe.train.steps):
             watchdog.arm(step)
+            heartbeat.beat(step)
             inject_fault(fault, rank, step)
             trainer.train_step(step)
             if every and (step + 1) % every == 0:
