@@ -1,3 +1,3 @@
-from dsforge.cli import main
+from dsforge.cli import entry
 
-main()
+entry()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import sys
 import time
 from pathlib import Path
 
 import click
 
-from dsforge.launch.hostfile import read_hostfile
+from dsforge.launch.hostfile import active_hosts, read_hostfile
 from dsforge.recipe import RecipeError, Resolved, load_recipe, resolve, topology_for
 from dsforge.problems import Problem, errors
 
@@ -28,14 +30,14 @@ def _recipe_options(command):
 
 
 def resolve_or_exit(recipe_path: str, overrides: tuple[str, ...], world_size: int | None,
-                    hostfile: str | None) -> Resolved:
+                    hostfile: str | None, include: str = "", exclude: str = "") -> Resolved:
     """Load, validate and resolve; on any error print every problem and exit 2."""
     if world_size is not None and hostfile is not None:
         raise click.UsageError("give either --world-size or --hostfile, not both")
     problems: list[Problem] = []
     parsed_hostfile = recipe = None
     try:
-        parsed_hostfile = read_hostfile(hostfile) if hostfile else None
+        parsed_hostfile = active_hosts(read_hostfile(hostfile), include, exclude) if hostfile else None
     except RecipeError as exc:
         problems.extend(exc.problems)
     try:
@@ -59,6 +61,18 @@ def _print_problems(source: str, problems: tuple[Problem, ...]) -> None:
     click.echo(f"{source}: {count} error{'s' if count != 1 else ''}", err=True)
     for problem in problems:
         click.echo(f"  {problem.severity}: {problem}", err=True)
+
+
+def entry(argv: list[str] | None = None) -> None:
+    """Console entry point. DeepSpeed's launcher puts `--local_rank=N` before the module's own
+    arguments (`python -m dsforge --local_rank=0 run ...`); move it behind the subcommand."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    local = [a for a in args if a.startswith("--local_rank")]
+    if local and "run" in args:
+        args = [a for a in args if not a.startswith("--local_rank")]
+        value = local[0].split("=", 1)[1] if "=" in local[0] else args.pop(args.index(local[0]) + 1)
+        args.insert(args.index("run") + 1, f"--local_rank={value}")
+    main(args=args, prog_name="dsforge")
 
 
 @click.group()
@@ -96,7 +110,7 @@ def plan(recipe, world_size, hostfile, overrides, as_json):
 @main.command()
 @_recipe_options
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where metrics, the resolved recipe and the manifest go "
+              help="Where metrics, the resolved recipe and checkpoints go "
                    "[default: runs/NAME-TIMESTAMP].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="auto = cuda when a GPU is visible, else cpu.")
@@ -107,34 +121,97 @@ def plan(recipe, world_size, hostfile, overrides, as_json):
 @click.option("--timeout", type=float, default=None, help="Wall-clock limit for the whole job.")
 @click.option("--resume", is_flag=True,
               help="Continue the run in --run-dir from its latest complete checkpoint.")
+@click.option("--launcher", type=click.Choice(["pdsh", "openmpi", "mvapich", "slurm"]),
+              default="pdsh", show_default=True, help="DeepSpeed's multi-node runner (--hostfile).")
+@click.option("--include", default="", help="DeepSpeed --include: NODE[:SLOT,...][@NODE...].")
+@click.option("--exclude", default="", help="DeepSpeed --exclude, same format.")
+@click.option("--no-ssh", "node_rank", type=int, default=None, metavar="NODE_RANK",
+              help="Start only this node's ranks, without ssh (run once per node).")
+@click.option("--master-addr", default=None, help="Address of the first node (multi-node).")
+@click.option("--master-port", type=int, default=None, help="Rendezvous port [default: free].")
+@click.option("--dry-run", is_flag=True, help="Print the command lines and exit.")
+@click.option("--local_rank", type=int, default=None, hidden=True)
 def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_timeout, timeout,
-        resume):
-    """Train RECIPE on this machine: validate, then start the ranks with DeepSpeed's launcher."""
-    from dsforge.launch.local import RankOptions, launch_command, run_job
+        resume, launcher, include, exclude, node_rank, master_addr, master_port, dry_run,
+        local_rank):
+    """Train RECIPE: validate, then start the ranks with DeepSpeed's launcher, on this machine
+    or on the hosts of --hostfile. Also runs as the script `deepspeed ... -m dsforge run` starts."""
+    from dsforge.launch.job import JobSpec, Placement, launch_command, plain_deepspeed_command
+    from dsforge.launch.local import free_port
     from dsforge.recipe.loader import dump_recipe
 
-    if hostfile is not None:
-        raise click.UsageError("multi-node runs from a hostfile are not supported yet; "
-                               "leave out --hostfile to run on this machine")
-    resolved = resolve_or_exit(recipe, overrides, world_size, hostfile)
+    if local_rank is not None:  # started by DeepSpeed's launcher: be a rank
+        _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_timeout, resume)
+    resolved = resolve_or_exit(recipe, overrides, world_size, hostfile, include, exclude)
     for warning in resolved.warnings:
         click.echo(f"  warning: {warning}", err=True)
-    _check_local_gpus(device, resolved.layout.world_size)
-    if resume:
-        _check_resumable(run_dir, resolved)
-    else:
-        run_dir = _new_run_dir(run_dir, resolved.recipe.name)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(resolved.recipe))
-    options = RankOptions(device=device, backend=backend, step_timeout_s=step_timeout, resume=resume)
-    command = launch_command(world_size=resolved.layout.world_size, run_dir=run_dir, options=options)
-    click.echo(f"dsforge: {resolved.layout.world_size} ranks, run directory {run_dir}", err=True)
-    code = run_job(command, timeout_s=timeout)
-    if code != 0:
-        from dsforge.runtime.heartbeat import summarize
+    if hostfile is None:
+        _check_local_gpus(device, resolved.layout.world_size)
+    run_dir = _run_dir_for(run_dir, resolved, resume=resume, create=not dry_run)
+    job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
+                  device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
+                  env=_forwarded_env())
+    placement = Placement(world_size=resolved.layout.world_size, hostfile=hostfile,
+                          launcher=launcher, include=include, exclude=exclude,
+                          master_addr=master_addr, master_port=master_port or free_port(),
+                          node_rank=node_rank)
+    command = launch_command(placement, job)
+    if dry_run:
+        click.echo(shlex.join(command))
+        click.echo("# the same job as a plain deepspeed command:\n"
+                   + plain_deepspeed_command(placement, Path(recipe), run_dir, overrides))
+        return
+    _launch(command, run_dir, resolved.layout.world_size, timeout)
 
+
+def _forwarded_env() -> dict[str, str]:
+    from dsforge.launch.job import forwarded_env
+
+    try:
+        return forwarded_env(os.environ)
+    except RecipeError as exc:
+        _print_problems("environment", exc.problems)
+        sys.exit(EXIT_INVALID)
+
+
+def _launch(command: list[str], run_dir: Path, world_size: int, timeout: float | None) -> None:
+    from dsforge.launch.job import runner_env
+    from dsforge.launch.local import run_job
+    from dsforge.runtime.heartbeat import summarize
+
+    env, dropped = runner_env(os.environ)
+    for name in dropped:
+        click.echo(f"  note: {name} is forwarded inside the job, not exported by DeepSpeed's "
+                   "runner (its value is not shell-safe)", err=True)
+    click.echo(f"dsforge: {world_size} ranks, run directory {run_dir}", err=True)
+    code = run_job(command, timeout_s=timeout, env=env)
+    if code != 0:
         click.echo(f"dsforge: job failed (exit code {code}); see the first failing rank above\n"
                    f"{summarize(run_dir)}", err=True)
     sys.exit(code)
+
+
+def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_timeout, resume):
+    """`deepspeed [--hostfile H] -m dsforge run RECIPE`: every rank resolves the recipe
+    against WORLD_SIZE itself and trains; the run directory must be the same on every rank."""
+    from dsforge.launch.job import JobSpec
+    from dsforge.recipe.loader import dump_recipe
+    from dsforge.runtime.rank import run_rank
+
+    world = int(os.environ["WORLD_SIZE"])
+    resolved = resolve_or_exit(recipe, overrides, world, None)
+    if run_dir is None:
+        run_dir = Path("runs") / (f"{resolved.recipe.name}-{os.environ.get('MASTER_ADDR', 'local')}"
+                                  f"-{os.environ.get('MASTER_PORT', '0')}")
+    run_rank(JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
+                     device=device, backend=backend, step_timeout_s=step_timeout, resume=resume))
+
+
+def _run_dir_for(run_dir: Path | None, resolved: Resolved, *, resume: bool, create: bool) -> Path:
+    if resume:
+        _check_resumable(run_dir, resolved)
+        return run_dir
+    return _new_run_dir(run_dir, resolved.recipe.name, create=create)
 
 
 def _check_local_gpus(device: str, world_size: int) -> None:
@@ -177,11 +254,12 @@ def _check_resumable(run_dir: Path | None, resolved: Resolved) -> None:
     click.echo(f"dsforge: resuming {run_dir} after step {record['step']}", err=True)
 
 
-def _new_run_dir(run_dir: Path | None, name: str) -> Path:
+def _new_run_dir(run_dir: Path | None, name: str, create: bool = True) -> Path:
     if run_dir is None:
         run_dir = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if run_dir.exists() and any(run_dir.iterdir()):
         raise click.UsageError(f"--run-dir {run_dir} is not empty; choose a new directory so no "
                                "earlier run's metrics are mixed in")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if create:
+        run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir

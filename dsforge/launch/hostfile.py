@@ -94,3 +94,26 @@ def _parse_line(text: str, where: dict, problems: list[Problem]) -> tuple[str, i
                                 fix="e.g. slots=8 for a node with 8 GPUs"))
         return None
     return host, int(slots)
+
+
+def active_hosts(hostfile: Hostfile, include: str = "", exclude: str = "") -> Hostfile:
+    """The hosts and slot counts left after DeepSpeed's --include/--exclude filters (rule H5),
+    computed with DeepSpeed's own parser so dsforge validates what DeepSpeed will run."""
+    if not include and not exclude:
+        return hostfile
+    from collections import OrderedDict
+
+    from deepspeed.launcher.runner import parse_inclusion_exclusion
+
+    try:
+        active = parse_inclusion_exclusion(OrderedDict(hostfile.hosts), include, exclude)
+    except ValueError as exc:
+        raise RecipeError([Problem(rule="H5", fields={"--include": include, "--exclude": exclude},
+                                   message=str(exc),
+                                   fix="name hosts and slots that the hostfile has, e.g. "
+                                       "--include node-a:0,1@node-b")]) from None
+    hosts = tuple((host, len(slots)) for host, slots in active.items())
+    if not hosts:
+        raise RecipeError([Problem(rule="H5", fields={"--exclude": exclude},
+                                   message="no slots left", fix="exclude fewer hosts")])
+    return Hostfile(hosts=hosts, source=f"{hostfile.source} (filtered)")

@@ -13,35 +13,16 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 # How long ranks get to exit after SIGINT/SIGTERM before the group is killed.
 GRACE_S = 10.0
 
 
-@dataclass(frozen=True, kw_only=True)
-class RankOptions:
-    device: str = "auto"
-    backend: str = "auto"
-    step_timeout_s: float = 300.0
-    resume: bool = False
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def launch_command(*, world_size: int, run_dir: Path, options: RankOptions,
-                   master_port: int | None = None) -> list[str]:
-    """`deepspeed --num_gpus N --module dsforge.runtime.rank ...` as an argv list."""
-    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner",
-            "--num_gpus", str(world_size), "--master_port", str(master_port or free_port()),
-            "--module", "dsforge.runtime.rank", "--run-dir", str(run_dir),
-            "--device", options.device, "--backend", options.backend,
-            "--step-timeout", str(options.step_timeout_s)] + (["--resume"] if options.resume else [])
 
 
 def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | None = None,

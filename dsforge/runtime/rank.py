@@ -1,15 +1,15 @@
-"""The program each rank runs: `python -m dsforge.runtime.rank --run-dir D`.
+"""The program each rank runs: `python -m dsforge.runtime.rank --job WORD`.
 
-The launcher wrote D/recipe.yaml (the resolved recipe); every rank re-resolves it against
-WORLD_SIZE (pure and deterministic, so all ranks agree) and trains. The order in which
-parallelism is applied is written once, in dsforge/runtime/engine.py.
+WORD (dsforge/launch/job.py) holds the resolved recipe, the run directory, the options and
+the forwarded environment. Every rank writes the recipe to RUN_DIR/recipe.yaml on its own node,
+re-resolves it against WORLD_SIZE (pure and deterministic, so all ranks agree) and trains. The
+order in which parallelism is applied is written once, in dsforge/runtime/engine.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import os
 import signal
 import sys
@@ -21,20 +21,14 @@ from pathlib import Path
 
 import torch
 
+from dsforge.launch.env import check_names
+from dsforge.launch.job import JobSpec
 from dsforge.recipe import Topology, load_recipe, resolve
-
-REPORT_EVERY_STEP = 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dsforge.runtime.rank")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    parser.add_argument("--step-timeout", type=float, default=300.0,
-                        help="seconds a step may take before the rank is declared stuck")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the run directory's latest complete checkpoint")
+    parser.add_argument("--job", required=True, help="the job word made by dsforge run")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -126,42 +120,64 @@ def _save_fault(fault):
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    run_rank(JobSpec.decode(parse_args(argv).job))
+
+
+def run_rank(job: JobSpec) -> None:
+    """Train this rank's part of the job; never returns (exit code 0, or 1 with the error)."""
+    check_names(job.env)
+    os.environ.update(job.env)
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     rank = int(os.environ.get("RANK", 0))
-    step = -1
     # `kill -USR1` on a rank prints every thread's Python stack without stopping it.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    progress = {"step": -1}
     try:
-        from dsforge.runtime.heartbeat import Heartbeat
-        from dsforge.runtime.trainer import Trainer
-
-        recipe = load_recipe(args.run_dir / "recipe.yaml")
-        resolved = resolve(recipe, Topology(world_size=int(os.environ.get("WORLD_SIZE", 1))))
-        device, backend = pick_device(args.device, args.backend)
-        watchdog = Watchdog(args.step_timeout, rank)
-        trainer = Trainer(resolved, device=device, backend=backend, run_dir=args.run_dir,
-                          collective_timeout_s=args.step_timeout, resume=args.resume)
-        fault = parse_fault(os.environ.get(FAULT_ENV))
-        every = resolved.recipe.train.checkpoint_every
-        heartbeat = Heartbeat(args.run_dir, rank)
-        for step in range(trainer.start_step, resolved.recipe.train.steps):
-            watchdog.arm(step)
-            heartbeat.beat(step)
-            inject_fault(fault, rank, step)
-            trainer.train_step(step)
-            if every and (step + 1) % every == 0:
-                trainer.save_checkpoint(step + 1, fault=_save_fault(fault))
-        watchdog.disarm()
-        trainer.finish()
+        _train(job, rank, progress)
     except Exception:
-        print(f"dsforge: rank {rank} failed at step {step}:\n{traceback.format_exc()}",
+        print(f"dsforge: rank {rank} failed at step {progress['step']}:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         # Skip interpreter teardown: process-group destructors can block on dead peers.
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _train(job: JobSpec, rank: int, progress: dict) -> None:
+    from dsforge.runtime.heartbeat import Heartbeat
+    from dsforge.runtime.trainer import Trainer
+
+    run_dir = Path(job.run_dir)
+    recipe = load_recipe(_write_recipe(run_dir, job.recipe_yaml, rank))
+    resolved = resolve(recipe, Topology(world_size=int(os.environ.get("WORLD_SIZE", 1))))
+    device, backend = pick_device(job.device, job.backend)
+    watchdog = Watchdog(job.step_timeout_s, rank)
+    trainer = Trainer(resolved, device=device, backend=backend, run_dir=run_dir,
+                      collective_timeout_s=job.step_timeout_s, resume=job.resume)
+    fault = parse_fault(os.environ.get(FAULT_ENV))
+    every = resolved.recipe.train.checkpoint_every
+    heartbeat = Heartbeat(run_dir, rank)
+    for step in range(trainer.start_step, resolved.recipe.train.steps):
+        progress["step"] = step
+        watchdog.arm(step)
+        heartbeat.beat(step)
+        inject_fault(fault, rank, step)
+        trainer.train_step(step)
+        if every and (step + 1) % every == 0:
+            trainer.save_checkpoint(step + 1, fault=_save_fault(fault))
+    watchdog.disarm()
+    trainer.finish()
+
+
+def _write_recipe(run_dir: Path, text: str, rank: int) -> Path:
+    """RUN_DIR/recipe.yaml on this node (ranks of one node write the same text, atomically)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "recipe.yaml"
+    partial = run_dir / f".recipe.yaml.rank{rank}"
+    partial.write_text(text)
+    os.replace(partial, path)
+    return path
 
 
 if __name__ == "__main__":
