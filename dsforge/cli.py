@@ -147,7 +147,11 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
         click.echo(f"  warning: {warning}", err=True)
     if hostfile is None:
         _check_local_gpus(device, resolved.layout.world_size)
-    run_dir = _run_dir_for(run_dir, resolved, resume=resume, create=not dry_run)
+    # With --no-ssh every node starts its own dsforge; nodes after the first join the run
+    # directory the first one made (it may already hold their peers' files).
+    joining = node_rank is not None and node_rank > 0
+    run_dir = _run_dir_for(run_dir, resolved, resume=resume or joining, create=not dry_run,
+                           check_checkpoint=resume)
     job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
                   device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
                   env=_forwarded_env())
@@ -156,12 +160,44 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
                           master_addr=master_addr, master_port=master_port or free_port(),
                           node_rank=node_rank)
     command = launch_command(placement, job)
+    if hostfile and node_rank is None and launcher in ("pdsh", "openmpi", "mvapich") and not dry_run:
+        _preflight_or_exit(recipe, hostfile, include, exclude, placement.master_port)
     if dry_run:
         click.echo(shlex.join(command))
         click.echo("# the same job as a plain deepspeed command:\n"
                    + plain_deepspeed_command(placement, Path(recipe), run_dir, overrides))
         return
     _launch(command, run_dir, resolved.layout.world_size, timeout)
+
+
+def _preflight_or_exit(recipe: str, hostfile: str, include: str, exclude: str, port: int,
+                       timeout_s: float = 10.0) -> None:
+    from dsforge.launch.preflight import preflight
+
+    hosts = active_hosts(read_hostfile(hostfile), include, exclude)
+    problems = preflight(hosts, master_port=port, timeout_s=timeout_s)
+    if problems:
+        _print_problems(f"preflight of {hostfile}", tuple(problems))
+        sys.exit(EXIT_INVALID)
+    click.echo(f"dsforge: preflight ok: {len(hosts.hosts)} hosts reachable, same versions, "
+               f"port {port} free on {hosts.hostnames[0]}", err=True)
+
+
+@main.command()
+@_recipe_options
+@click.option("--master-port", type=int, default=29500, show_default=True)
+@click.option("--include", default="", help="DeepSpeed --include filter.")
+@click.option("--exclude", default="", help="DeepSpeed --exclude filter.")
+@click.option("--ssh-timeout", type=float, default=10.0, show_default=True)
+def preflight(recipe, world_size, hostfile, overrides, master_port, include, exclude, ssh_timeout):
+    """Check RECIPE and the hosts of --hostfile before a multi-node run: hostfile, world size,
+    SSH to every host (in parallel), the master port, the same package versions everywhere."""
+    if hostfile is None:
+        raise click.UsageError("preflight needs --hostfile")
+    resolved = resolve_or_exit(recipe, overrides, world_size, hostfile, include, exclude)
+    for warning in resolved.warnings:
+        click.echo(f"  warning: {warning}", err=True)
+    _preflight_or_exit(recipe, hostfile, include, exclude, master_port, ssh_timeout)
 
 
 def _forwarded_env() -> dict[str, str]:
@@ -207,11 +243,18 @@ def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_time
                      device=device, backend=backend, step_timeout_s=step_timeout, resume=resume))
 
 
-def _run_dir_for(run_dir: Path | None, resolved: Resolved, *, resume: bool, create: bool) -> Path:
-    if resume:
+def _run_dir_for(run_dir: Path | None, resolved: Resolved, *, resume: bool, create: bool,
+                 check_checkpoint: bool) -> Path:
+    """A new, empty run directory; or, to resume or join, the existing one."""
+    if not resume:
+        return _new_run_dir(run_dir, resolved.recipe.name, create=create)
+    if run_dir is None:
+        raise click.UsageError("--resume and --no-ssh node ranks > 0 need --run-dir")
+    if check_checkpoint:
         _check_resumable(run_dir, resolved)
-        return run_dir
-    return _new_run_dir(run_dir, resolved.recipe.name, create=create)
+    if create:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
 
 
 def _check_local_gpus(device: str, world_size: int) -> None:
@@ -234,8 +277,6 @@ def _check_resumable(run_dir: Path | None, resolved: Resolved) -> None:
 
     from dsforge.runtime import checkpoint
 
-    if run_dir is None:
-        raise click.UsageError("--resume needs the --run-dir of the run to continue")
     root = checkpoint.checkpoint_root(run_dir)
     try:
         record = checkpoint.latest_complete(root)

@@ -88,6 +88,10 @@ def launch_command(placement: Placement, job: JobSpec) -> list[str]:
         command += ["--exclude", placement.exclude] if placement.exclude else []
         if placement.node_rank is not None:
             command += ["--no_ssh", "--node_rank", str(placement.node_rank)]
+        else:
+            # dsforge's preflight has checked every host; DeepSpeed's own check tries only the
+            # first one, with plain ssh options.
+            command += ["--no_ssh_check"]
     if placement.master_addr:
         command += ["--master_addr", placement.master_addr]
     command += ["--master_port", str(placement.master_port)]

@@ -1,0 +1,115 @@
+"""Checks before a multi-node job: every host reachable, the master port free, the same
+software everywhere. Each problem names the host and a fix; nothing is left running.
+
+SSH is used the way pdsh will use it: when PDSH_SSH_ARGS is set (pdsh's own variable,
+e.g. `-F my_ssh_config -l%u %h`), its options apply to every check too. Hosts are checked in
+parallel, each command with a timeout, so one dead host costs `timeout_s`, not N times it.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import PackageNotFoundError, version
+
+from dsforge.launch.hostfile import Hostfile
+from dsforge.problems import Problem
+
+PACKAGES = ("torch", "deepspeed", "megatron-core", "dsforge")
+_VERSIONS_SCRIPT = (
+    "import json\n"
+    "from importlib.metadata import version, PackageNotFoundError\n"
+    "def v(name):\n"
+    "    try:\n"
+    "        return version(name)\n"
+    "    except PackageNotFoundError:\n"
+    "        return None\n"
+    f"print(json.dumps({{name: v(name) for name in {PACKAGES!r}}}))\n")
+
+
+def ssh_command(host: str, remote: list[str], timeout_s: float) -> list[str]:
+    """ssh argv for `remote` on `host`, non-interactive, with pdsh's options if set."""
+    options = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout_s))}"]
+    pdsh_args = os.environ.get("PDSH_SSH_ARGS")
+    if pdsh_args:
+        words = [w.replace("%u", getpass.getuser()) for w in shlex.split(pdsh_args)]
+        target = [w.replace("%h", host) for w in words if "%h" in w] or [host]
+        options += [w for w in words if "%h" not in w] + target
+    else:
+        options += [host]
+    return ["ssh", *options, shlex.join(remote)]
+
+
+def _run(command: list[str], timeout_s: float) -> tuple[int, str, str]:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return 124, "", f"no answer within {timeout_s:.0f}s"
+    except OSError as exc:
+        return 127, "", str(exc)
+    return done.returncode, done.stdout, done.stderr.strip()
+
+
+def check_host(host: str, python: str, timeout_s: float) -> tuple[list[Problem], dict | None]:
+    """SSH reachability and the host's package versions."""
+    code, out, err = _run(ssh_command(host, [python, "-c", _VERSIONS_SCRIPT], timeout_s), timeout_s + 5)
+    if code == 0:
+        try:
+            return [], json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            pass
+    reason = err.splitlines()[-1] if err else f"exit code {code}"
+    return [Problem(rule="F1", fields={"host": host}, message=f"cannot run Python over ssh: {reason}",
+                    fix=f"check that `ssh {host} {python} -V` works without a password prompt "
+                        "(keys, host name, BatchMode) and that Python is at the same path")], None
+
+
+def check_port(host: str, port: int, python: str, timeout_s: float) -> list[Problem]:
+    script = f"import socket; s = socket.socket(); s.bind(('', {port})); s.close()"
+    code, _, err = _run(ssh_command(host, [python, "-c", script], timeout_s), timeout_s + 5)
+    if code == 0:
+        return []
+    return [Problem(rule="F2", fields={"host": host, "--master-port": port},
+                    message=f"the master port is not free: {err.splitlines()[-1] if err else code}",
+                    fix="pass another --master-port")]
+
+
+def local_versions() -> dict[str, str | None]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def version_problems(host: str, remote: dict, local: dict) -> list[Problem]:
+    return [Problem(rule="F3", fields={"host": host, "package": name},
+                    message=f"{name} {remote.get(name)} there, {local[name]} here",
+                    fix="install the same versions on every host (pip install -e . with the same "
+                        "pins), or exclude the host")
+            for name in PACKAGES if remote.get(name) != local[name]]
+
+
+def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
+              python: str = sys.executable) -> list[Problem]:
+    """Every problem with the hosts of `hostfile` (empty list: ready to launch)."""
+    hosts = list(hostfile.hostnames)
+    local = local_versions()
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        results = list(pool.map(lambda h: check_host(h, python, timeout_s), hosts))
+    problems = []
+    for host, (host_problems, versions) in zip(hosts, results):
+        problems += host_problems
+        if versions is not None:
+            problems += version_problems(host, versions, local)
+    if not problems:
+        problems += check_port(hosts[0], master_port, python, timeout_s)
+    return problems

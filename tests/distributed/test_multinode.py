@@ -1,0 +1,113 @@
+"""Two "nodes" on one machine through DeepSpeed's real multi-node launcher paths.
+
+- `--no-ssh NODE_RANK`: one dsforge per node (DeepSpeed's --no_ssh --node_rank mode).
+- pdsh over ssh to two loopback host aliases served by a private sshd (tests/distributed/sshd.py):
+  the real `deepspeed --hostfile` path, with dsforge's preflight in front.
+A tiny recipe trains with data parallelism across the two nodes and its losses must equal the
+single-node run's; killing one node's rank ends the whole job with nothing left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO
+from tests.distributed import sshd
+from tests.distributed.test_run import _job_processes, dsforge
+
+TINY = str(REPO / "recipes" / "tiny.yaml")
+TEXT = REPO / "data" / "tempest.u16.bin"
+QUICK = ["--set", "train.steps=4", "--set", f"data.source={TEXT}"]
+
+
+def _losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def single_node(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    result = dsforge("run", TINY, *QUICK, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _losses(run_dir)
+
+
+@pytest.fixture
+def hostfile(tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text("".join(f"{alias} slots=1\n" for alias in sshd.ALIASES))
+    return path
+
+
+def test_no_ssh_node_ranks_match_single_node(single_node, hostfile, tmp_path):
+    run_dir, port = tmp_path / "run", str(_free_port())
+    common = [sys.executable, "-m", "dsforge", "run", TINY, *QUICK, "--hostfile", str(hostfile),
+              "--master-addr", "127.0.0.1", "--master-port", port, "--run-dir", str(run_dir)]
+    nodes = [subprocess.Popen([*common, "--no-ssh", str(rank)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert _losses(run_dir) == pytest.approx(single_node, abs=1e-5)
+    assert not _job_processes(run_dir)
+
+
+@pytest.fixture(scope="module")
+def loopback_hosts(tmp_path_factory):
+    reason = sshd.available()
+    if reason:
+        pytest.skip(reason)
+    proc, hosts = sshd.start(tmp_path_factory.mktemp("sshd"))
+    yield hosts
+    sshd.stop(proc)
+
+
+def test_preflight_checks_every_host(loopback_hosts, hostfile, tmp_path):
+    ok = dsforge("preflight", TINY, "--hostfile", str(hostfile), env=loopback_hosts.env)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "preflight ok: 2 hosts reachable" in ok.stderr
+    bad = tmp_path / "bad_hostfile"
+    bad.write_text("node-a slots=1\nno-such-host slots=1\n")
+    result = dsforge("preflight", TINY, "--hostfile", str(bad), "--ssh-timeout", "5",
+                     env=loopback_hosts.env)
+    assert result.returncode == 2
+    assert "[F1] host='no-such-host': cannot run Python over ssh" in result.stderr
+    assert "node-a" not in result.stderr.split("error:", 1)[1]  # the good host is not blamed
+
+
+def test_pdsh_two_nodes_match_single_node(loopback_hosts, single_node, hostfile, tmp_path):
+    run_dir = tmp_path / "run"
+    result = dsforge("run", TINY, *QUICK, "--hostfile", str(hostfile), "--launcher", "pdsh",
+                     "--master-addr", "127.0.0.1", "--run-dir", str(run_dir), env=loopback_hosts.env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "preflight ok" in result.stderr
+    assert _losses(run_dir) == pytest.approx(single_node, abs=1e-5)
+    assert not _job_processes(run_dir)
+
+
+def test_killing_one_nodes_rank_ends_the_whole_job(loopback_hosts, hostfile, tmp_path):
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    result = dsforge("run", TINY, "--set", "train.steps=50", "--hostfile", str(hostfile),
+                     "--master-addr", "127.0.0.1", "--run-dir", str(run_dir), "--step-timeout", "20",
+                     env={**loopback_hosts.env, "DSFORGE_INJECT_FAULT": "exit:1:2"})
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0 and "job failed" in result.stderr
+    assert elapsed < 150
+    time.sleep(1)
+    assert not _job_processes(run_dir)
+
+
+def _free_port() -> int:
+    from dsforge.launch.local import free_port
+
+    return free_port()
