@@ -84,6 +84,19 @@ def test_preflight_checks_every_host(loopback_hosts, hostfile, tmp_path):
     assert "node-a" not in result.stderr.split("error:", 1)[1]  # the good host is not blamed
 
 
+def test_preflight_finds_a_busy_master_port(loopback_hosts, hostfile):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = dsforge("preflight", TINY, "--hostfile", str(hostfile), "--master-port", str(port),
+                         env=loopback_hosts.env)
+    assert result.returncode == 2
+    assert f"[F2] host='node-a', --master-port={port}: the master port is not free" in result.stderr
+
+
 def test_pdsh_two_nodes_match_single_node(loopback_hosts, single_node, hostfile, tmp_path):
     run_dir = tmp_path / "run"
     result = dsforge("run", TINY, *QUICK, "--hostfile", str(hostfile), "--launcher", "pdsh",
