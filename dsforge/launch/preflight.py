@@ -15,12 +15,11 @@ import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import PackageNotFoundError, version
 
 from dsforge.launch.hostfile import Hostfile
 from dsforge.problems import Problem
+from dsforge.versions import PACKAGES, package_versions
 
-PACKAGES = ("torch", "deepspeed", "megatron-core", "dsforge")
 _VERSIONS_SCRIPT = (
     "import json\n"
     "from importlib.metadata import version, PackageNotFoundError\n"
@@ -80,16 +79,6 @@ def check_port(host: str, port: int, python: str, timeout_s: float) -> list[Prob
                     fix="pass another --master-port")]
 
 
-def local_versions() -> dict[str, str | None]:
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
 def version_problems(host: str, remote: dict, local: dict) -> list[Problem]:
     return [Problem(rule="F3", fields={"host": host, "package": name},
                     message=f"{name} {remote.get(name)} there, {local[name]} here",
@@ -102,7 +91,7 @@ def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
               python: str = sys.executable) -> list[Problem]:
     """Every problem with the hosts of `hostfile` (empty list: ready to launch)."""
     hosts = list(hostfile.hostnames)
-    local = local_versions()
+    local = package_versions()
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         results = list(pool.map(lambda h: check_host(h, python, timeout_s), hosts))
     problems = []

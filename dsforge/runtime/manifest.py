@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import platform
 import subprocess
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
-PACKAGES = ("dsforge", "torch", "deepspeed", "megatron-core")
-
-
-def package_versions() -> dict[str, str | None]:
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = None
-    return versions
-
+from dsforge.versions import package_versions
 
 def git_commit() -> str | None:
     repo = Path(__file__).resolve().parents[2]
