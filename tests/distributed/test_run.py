@@ -45,6 +45,30 @@ def test_run_trains_and_writes_metrics(tmp_path):
     assert not _job_processes(run_dir)
 
 
+def test_deepspeed_can_launch_dsforge_run_itself(tmp_path):
+    """`deepspeed --module dsforge run RECIPE`: DeepSpeed starts dsforge on every rank."""
+    from dsforge.launch.local import free_port
+
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+         str(free_port()), "--module", "dsforge", "run", TINY, *QUICK, "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 6
+    assert not _job_processes(run_dir)
+
+
+def test_dry_run_prints_commands_and_starts_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    result = dsforge("run", TINY, "--run-dir", str(run_dir), "--dry-run")
+    assert result.returncode == 0
+    runner, _, plain = result.stdout.strip().splitlines()
+    assert "deepspeed.launcher.runner --num_gpus 2" in runner and "--job " in runner
+    assert plain.startswith("deepspeed --num_gpus 2") and f"run {TINY} --run-dir {run_dir}" in plain
+    assert not run_dir.exists()
+
+
 def test_run_refuses_a_used_run_dir(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     result = dsforge("run", TINY, "--run-dir", str(tmp_path))
