@@ -46,6 +46,9 @@ def pick_device(choice: str, backend: str) -> tuple[torch.device, str]:
     return device, backend
 
 
+DUMP_GRACE_S = 3.0
+
+
 class Watchdog:
     """Ends the rank when a step makes no progress for `timeout_s`, naming rank and step.
 
@@ -78,6 +81,10 @@ class Watchdog:
                       f"{self.timeout_s:.0f}s (a hung collective?). Python stacks:",
                       file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                # The other ranks are usually stuck too (waiting for this one): give their
+                # watchdogs time to print their stacks before this exit makes the launcher
+                # kill them.
+                time.sleep(DUMP_GRACE_S)
                 os._exit(3)
 
 
