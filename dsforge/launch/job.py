@@ -37,6 +37,7 @@ class JobSpec:
     backend: str = "auto"
     step_timeout_s: float = 300.0
     resume: bool = False
+    measure: bool = False  # per-stage bubble timers (dsforge bench)
     env: dict[str, str] = field(default_factory=dict)
 
     def encode(self) -> str:

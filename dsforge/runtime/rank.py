@@ -161,7 +161,8 @@ def _train(job: JobSpec, rank: int, progress: dict) -> None:
     device, backend = pick_device(job.device, job.backend)
     watchdog = Watchdog(job.step_timeout_s, rank)
     trainer = Trainer(resolved, device=device, backend=backend, run_dir=run_dir,
-                      collective_timeout_s=job.step_timeout_s, resume=job.resume)
+                      collective_timeout_s=job.step_timeout_s, resume=job.resume,
+                      measure=job.measure)
     fault = parse_fault(os.environ.get(FAULT_ENV))
     every = resolved.recipe.train.checkpoint_every
     heartbeat = Heartbeat(run_dir, rank)

@@ -26,7 +26,7 @@ from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwar
 
 class Trainer:
     def __init__(self, resolved: Resolved, *, device: torch.device, backend: str, run_dir: Path,
-                 collective_timeout_s: float, resume: bool = False):
+                 collective_timeout_s: float, resume: bool = False, measure: bool = False):
         self.resolved, self.device, self.run_dir = resolved, device, run_dir
         recipe, layout = resolved.recipe, resolved.layout
         if device.type == "cpu":
@@ -36,6 +36,7 @@ class Trainer:
         init_distributed(backend, collective_timeout_s)
         init_parallel_state(parallel_state_kwargs(layout), recipe.train.seed, collective_timeout_s)
         self.chunks = self._build_model()
+        self.timers = self._schedule_timers() if measure and layout.pp > 1 else None
         self.engine = wrap_with_deepspeed(self.chunks, deepspeed_config(
             train=recipe.train, zero=recipe.zero, layout=layout))
         self.source = data_mod.open_source(source=recipe.data.source, seq_len=recipe.train.seq_len,
@@ -83,6 +84,14 @@ class Trainer:
                         recipe=asdict(self.resolved.recipe), world_size=self.resolved.layout.world_size,
                         rank=torch.distributed.get_rank(), fault=fault)
 
+    def _schedule_timers(self):
+        from dsforge.runtime.timers import ScheduleTimers
+
+        timers = ScheduleTimers(self.device)
+        for chunk in self.chunks:
+            chunk.config.timers = timers  # Megatron's schedules report into config.timers
+        return timers
+
     def _is_reporter(self) -> bool:
         from megatron.core import parallel_state as ps
 
@@ -107,6 +116,8 @@ class Trainer:
             torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
             loss = loss.item() / layout.dp
         elapsed = time.perf_counter() - start
+        if self.timers is not None:
+            self.timers.end_step()
         if self.reporter:
             self._report(step, loss, lr, elapsed)
 
@@ -136,12 +147,30 @@ class Trainer:
         (self.run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
     def finish(self) -> None:
+        self._write_rank_summary()
         if not self.reporter:
             return
         self.progress.close()
         summary = self.metrics.summary()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(format_summary(summary), flush=True)
+
+
+    def _write_rank_summary(self) -> None:
+        """RUN_DIR/ranks/rankNNNNN.json: what only this rank knows (its memory, its bubble)."""
+        from megatron.core import parallel_state as ps
+
+        from dsforge.runtime.metrics import peak_memory
+
+        memory, source = peak_memory(self.device)
+        skip = self.resolved.recipe.train.timing_warmup
+        summary = {"rank": torch.distributed.get_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+                   "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": ps.get_data_parallel_rank(),
+                   "peak_memory_bytes": memory, "memory_source": source,
+                   "bubble_share": self.timers.median_bubble(skip) if self.timers else None}
+        directory = self.run_dir / "ranks"
+        directory.mkdir(exist_ok=True)
+        (directory / f"rank{summary['rank']:05d}.json").write_text(json.dumps(summary) + "\n")
 
 
 def _postfix(r) -> str:
