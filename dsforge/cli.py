@@ -304,3 +304,44 @@ def _new_run_dir(run_dir: Path | None, name: str, create: bool = True) -> Path:
     if create:
         run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+@main.command()
+@click.argument("study", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Results directory [default: benchmarks/STUDY-NAME].")
+@click.option("--retry-failed", is_flag=True, help="Run oom/timeout/crashed cells again.")
+def bench(study, out, retry_failed):
+    """Run every cell of STUDY (a sweep over recipe fields) and record the results in
+    OUT/results.db; finished cells are skipped when the study is run again."""
+    from dsforge.bench.run import run_study
+    from dsforge.bench.store import Store
+    from dsforge.bench.study import load_study
+
+    try:
+        parsed, recipe_path = load_study(study)
+    except RecipeError as exc:
+        _print_problems(study, exc.problems)
+        sys.exit(EXIT_INVALID)
+    out = out or Path("benchmarks") / parsed.name
+    store = Store(out / "results.db")
+    try:
+        run_study(parsed, recipe_path, store, out, retry_failed=retry_failed,
+                  log=lambda line: click.echo(line, err=True))
+    finally:
+        store.close()
+    click.echo(f"results: {out / 'results.db'}; report: dsforge report {out / 'results.db'}")
+
+
+@main.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Where report.md and the plots go [default: next to RESULTS].")
+@click.option("--peak-tflops", type=float, default=None,
+              help="Peak dense TFLOP/s per GPU for MFU, instead of the device table's.")
+def report(results, out, peak_tflops):
+    """Write a markdown report with PNG plots from a bench results database."""
+    from dsforge.bench.report import write_report
+
+    path = write_report(results, out or results.parent, peak_tflops=peak_tflops)
+    click.echo(f"report: {path}")

@@ -170,6 +170,15 @@ def _with_preset(raw_model: dict[str, Any], problems: list[Problem]) -> dict[str
     return apply_preset(raw_model, preset)
 
 
+def build_dataclass(cls: type, raw: Any) -> Any:
+    """Strictly build any dsforge config dataclass from a parsed mapping (RecipeError if not)."""
+    problems: list[Problem] = []
+    result = _build(cls, raw, "", problems)
+    if problems:
+        raise RecipeError(problems)
+    return result
+
+
 def _build(cls: type, raw: Any, path: str, problems: list[Problem]) -> Any:
     """Build dataclass `cls` from a mapping, appending every problem found to `problems`."""
     label = path or "recipe"
@@ -216,6 +225,13 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
         return _build(tp, value, where, problems)
     if origin is Literal:
         return _coerce_choice(value, typing.get_args(tp), where, problems)
+    if origin in (dict, list):
+        if isinstance(value, origin) and (origin is list or all(isinstance(k, str) for k in value)):
+            return value
+        problems.append(Problem(rule="Y2", fields={where: value},
+                                message=f"expected a {'mapping' if origin is dict else 'list'}",
+                                fix="see the documented example"))
+        return value
     checked = _coerce_scalar(value, tp)
     if checked is _INVALID:
         problems.append(Problem(rule="Y2", fields={where: value},

@@ -37,8 +37,7 @@ class Trainer:
         init_parallel_state(parallel_state_kwargs(layout), recipe.train.seed, collective_timeout_s)
         self.chunks = self._build_model()
         self.timers = self._schedule_timers() if measure and layout.pp > 1 else None
-        self.engine = wrap_with_deepspeed(self.chunks, deepspeed_config(
-            train=recipe.train, zero=recipe.zero, layout=layout))
+        self.engine = wrap_with_deepspeed(self.chunks, self._deepspeed_config())
         self.source = data_mod.open_source(source=recipe.data.source, seq_len=recipe.train.seq_len,
                                            vocab_size=recipe.model.vocab_size, seed=recipe.train.seed,
                                            token_dtype=recipe.data.token_dtype)
@@ -54,6 +53,15 @@ class Trainer:
         self.progress = self._progress_bar() if self.reporter else None
         if self.reporter:
             self._write_manifest()
+
+    def _deepspeed_config(self) -> dict:
+        recipe, layout = self.resolved.recipe, self.resolved.layout
+        config = deepspeed_config(train=recipe.train, zero=recipe.zero, layout=layout)
+        if self.device.type == "cpu" and recipe.zero.offload_optimizer == "none":
+            # torch's AdamW: DeepSpeed would otherwise compile its fused CPU Adam op on first
+            # use (minutes on a small machine) to compute the same update.
+            config["optimizer"]["params"]["torch_adam"] = True
+        return config
 
     def _build_model(self) -> list[torch.nn.Module]:
         recipe, layout = self.resolved.recipe, self.resolved.layout

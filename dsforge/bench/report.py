@@ -1,0 +1,178 @@
+"""`dsforge report RESULTS.db`: a markdown report with PNG plots from a bench store.
+
+The report states the FLOPs formula and the peak used, lists every cell with its status, and
+puts measured figures next to the planner's predictions (memory per GPU, pipeline bubble).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from dsforge.bench.store import Row, Store
+from dsforge.estimate.hardware import gpu_for_device_name
+
+GiB = 1024**3
+
+
+def aggregate(rows: list[Row]) -> list[dict]:
+    """One entry per cell: repeats pooled (step times over every measured step of every repeat)."""
+    cells: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        cells[row.cell].append(row)
+    return [_cell_summary(repeats) for repeats in cells.values()]
+
+
+def _cell_summary(repeats: list[Row]) -> dict:
+    ok = [r for r in repeats if r.status == "ok" and r.figures]
+    first = repeats[0]
+    summary = {"axes": first.axes, "status": _status(repeats), "reason": _reason(repeats),
+               "repeats": len(repeats), "prediction": next((r.prediction for r in repeats if r.prediction), None),
+               "device": _device(repeats)}
+    if ok:
+        times = [t for r in ok for t in r.figures["step_times_s"]]
+        pick = lambda key: statistics.median(r.figures[key] for r in ok) if ok[0].figures[key] is not None else None
+        summary.update(step_time_median=statistics.median(times), step_time_min=min(times),
+                       step_time_max=max(times), tokens_per_s=pick("tokens_per_s"),
+                       tokens_per_s_per_gpu=pick("tokens_per_s_per_gpu"), mfu=pick("mfu"), hfu=pick("hfu"),
+                       peak_memory_bytes=max(r.figures["peak_memory_bytes"] for r in ok),
+                       memory_source=ok[0].figures["memory_source"],
+                       bubble=_max_bubble(ok))
+    return summary
+
+
+def _status(repeats: list[Row]) -> str:
+    statuses = sorted({r.status for r in repeats})
+    return statuses[0] if len(statuses) == 1 else "/".join(statuses)
+
+
+def _reason(repeats: list[Row]) -> str | None:
+    return next((r.reason for r in repeats if r.reason), None)
+
+
+def _device(repeats: list[Row]) -> str | None:
+    manifest = next((r.manifest for r in repeats if r.manifest), None)
+    return manifest["device"]["name"] if manifest else None
+
+
+def _max_bubble(ok: list[Row]) -> float | None:
+    shares = [s for r in ok for s in r.figures["bubble_share_by_stage"].values()]
+    return max(shares) if shares else None
+
+
+def write_report(store_path: Path, out_dir: Path, peak_tflops: float | None = None) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(store_path)
+    try:
+        rows = store.rows()
+    finally:
+        store.close()
+    studies: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        studies[row.study].append(row)
+    parts = ["# dsforge bench report", "", _formula_text(), ""]
+    for study, study_rows in studies.items():
+        cells = aggregate(study_rows)
+        parts += _study_section(study, cells, out_dir, peak_tflops)
+    path = out_dir / "report.md"
+    path.write_text("\n".join(parts) + "\n")
+    return path
+
+
+def _formula_text() -> str:
+    return ("MFU counts model FLOPs per token = 6 N + 12 L s (heads x head_dim): N the active "
+            "matmul parameters incl. the output layer, the full (not causally halved) attention "
+            "score matrix (docs/flops.md). HFU adds recomputation. Peak: the device's dense BF16 "
+            "figure from dsforge/estimate/hardware.py unless overridden; MFU is n/a without a known "
+            "peak (CPU). Bubble: measured share of each pipeline stage's schedule spent waiting "
+            "(max over stages) next to the theoretical (p-1)/(v m + p-1).")
+
+
+def _study_section(study: str, cells: list[dict], out_dir: Path, peak_tflops: float | None) -> list[str]:
+    device = next((c["device"] for c in cells if c["device"]), "unknown")
+    lines = [f"## {study}", "", f"Device: {device}. {_peak_text(device, peak_tflops)}", ""]
+    lines += _table(cells, peak_tflops)
+    for plot in _plots(study, cells, out_dir):
+        lines += ["", f"![{plot.stem}]({plot.name})"]
+    return lines + [""]
+
+
+def _peak_text(device: str, peak_tflops: float | None) -> str:
+    if peak_tflops:
+        return f"Peak used: {peak_tflops:g} TFLOP/s (study override)."
+    gpu = gpu_for_device_name(device or "")
+    return f"Peak used: {gpu.peak_bf16_flops / 1e12:g} TFLOP/s ({gpu.name})." if gpu else "Peak: unknown, MFU n/a."
+
+
+def _table(cells: list[dict], peak_tflops: float | None) -> list[str]:
+    axes = list(cells[0]["axes"]) if cells else []
+    header = axes + ["status", "tok/s", "tok/s/GPU", "step ms (median [min-max])", "MFU", "HFU",
+                     "peak mem GiB (meas.)", "mem GiB (pred.)", "bubble (meas.)", "bubble (theory)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in cells:
+        lines.append("| " + " | ".join([str(c["axes"][a]) for a in axes] + _cells_figures(c, peak_tflops)) + " |")
+    reasons = [(c["axes"], c["status"], c["reason"]) for c in cells if c["reason"]]
+    if reasons:
+        lines += ["", "Not ok:"] + [f"- {axes_}: {status}: {reason}" for axes_, status, reason in reasons]
+    return lines
+
+
+def _cells_figures(c: dict, peak_tflops: float | None) -> list[str]:
+    pred = c["prediction"] or {}
+    predicted = f"{pred['memory_bytes']['total'] / GiB:.2f}" if pred else "-"
+    theory = f"{pred['bubble_share_of_step']:.1%}" if pred else "-"
+    if "step_time_median" not in c:
+        return [c["status"], "-", "-", "-", "-", "-", "-", predicted, "-", theory]
+    mfu, hfu = _utilisation(c, peak_tflops)
+    bubble = f"{c['bubble']:.1%}" if c["bubble"] is not None else "-"
+    return [c["status"], f"{c['tokens_per_s']:,.0f}", f"{c['tokens_per_s_per_gpu']:,.0f}",
+            f"{c['step_time_median'] * 1e3:.1f} [{c['step_time_min'] * 1e3:.1f}-{c['step_time_max'] * 1e3:.1f}]",
+            mfu, hfu, f"{c['peak_memory_bytes'] / GiB:.2f}", predicted, bubble, theory]
+
+
+def _utilisation(c: dict, peak_tflops: float | None) -> tuple[str, str]:
+    """MFU/HFU: recomputed from tok/s/GPU with the study's peak, else the run's own figures."""
+    if peak_tflops and c["prediction"]:
+        per_gpu = c["tokens_per_s_per_gpu"]
+        return (f"{per_gpu * c['prediction']['flops_per_token'] / (peak_tflops * 1e12):.1%}",
+                f"{per_gpu * c['prediction']['hardware_flops_per_token'] / (peak_tflops * 1e12):.1%}")
+    show = lambda v: f"{v:.1%}" if v is not None else "n/a"
+    return show(c["mfu"]), show(c["hfu"])
+
+
+def _plots(study: str, cells: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [c for c in cells if "step_time_median" in c]
+    if not ok:
+        return []
+    labels = [", ".join(f"{k}={v}" for k, v in c["axes"].items()) for c in ok]
+    fig, (throughput, memory, bubble) = plt.subplots(3, 1, figsize=(max(6, 1.2 * len(ok)), 10))
+    x = range(len(ok))
+    throughput.bar(x, [c["tokens_per_s"] for c in ok], color="#4c72b0")
+    throughput.set_ylabel("tokens/s")
+    throughput.set_title(f"{study}: throughput")
+    width = 0.4
+    memory.bar([i - width / 2 for i in x], [c["peak_memory_bytes"] / GiB for c in ok], width,
+               label=f"measured ({ok[0]['memory_source']})", color="#55a868")
+    memory.bar([i + width / 2 for i in x], [(c["prediction"] or {}).get("memory_bytes", {}).get("total", 0) / GiB
+                                            for c in ok], width, label="predicted (dsforge plan)", color="#c44e52")
+    memory.set_ylabel("GiB per GPU")
+    memory.legend(fontsize=8)
+    bubble.bar([i - width / 2 for i in x], [c["bubble"] or 0 for c in ok], width, label="measured", color="#8172b2")
+    bubble.bar([i + width / 2 for i in x], [(c["prediction"] or {}).get("bubble_share_of_step", 0) for c in ok],
+               width, label="theoretical (p-1)/(vm+p-1)", color="#ccb974")
+    bubble.set_ylabel("bubble share of step")
+    bubble.legend(fontsize=8)
+    for axis in (throughput, memory, bubble):
+        axis.set_xticks(list(x))
+        axis.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    fig.tight_layout()
+    path = out_dir / f"{study}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

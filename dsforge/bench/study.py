@@ -1,0 +1,133 @@
+"""A benchmark study: a base recipe, a world, axes to sweep, and how to measure each cell.
+
+```yaml
+name: zero_study_cpu
+recipe: ../tiny.yaml            # relative to the study file
+world_size: 2                   # or hostfile: ...
+set: {train.seq_len: 128}       # overrides applied to every cell
+axes:                           # the cartesian product is the set of cells
+  zero.stage: [0, 1, 2, 3]
+  schedule: [none, 1f1b, interleaved:2]    # pipeline schedule; needs pipeline_stages
+pipeline_stages: 2              # pp of the 1f1b / interleaved cells
+measure: {warmup_steps: 2, steps: 5, repeats: 2, timeout_s: 300}
+```
+Any recipe field can be an axis by its dotted name; `schedule` is the one special axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from dsforge.problems import Checks
+from dsforge.recipe.loader import build_dataclass, parse_yaml
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measure:
+    warmup_steps: int = 2  # left out of every figure
+    steps: int = 5  # measured steps per repeat
+    repeats: int = 1
+    timeout_s: float = 600.0  # wall-clock limit per cell and repeat
+    step_timeout_s: float = 120.0  # a step slower than this is a hang
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        for name in ("steps", "repeats", "timeout_s", "step_timeout_s"):
+            c.require(getattr(self, name) > 0, "S1", {f"measure.{name}": getattr(self, name)},
+                      "must be > 0", f"set measure.{name} to a positive value")
+        c.require(self.warmup_steps >= 0, "S1", {"measure.warmup_steps": self.warmup_steps},
+                  "must be >= 0", "use 0 or more")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Study:
+    name: str
+    recipe: str
+    world_size: int | None = None
+    hostfile: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    set: dict[str, Any] = field(default_factory=dict)
+    axes: dict[str, list] = field(default_factory=dict)
+    pipeline_stages: int | None = None
+    measure: Measure = Measure()
+    peak_tflops: float | None = None  # overrides the GPU table's peak in the report
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        c.require(bool(self.axes), "S2", {"axes": self.axes}, "a study needs at least one axis",
+                  "add e.g. axes: {zero.stage: [0, 1, 2, 3]}")
+        for name, values in self.axes.items():
+            c.require(isinstance(values, list) and len(values) > 0, "S2", {f"axes.{name}": values},
+                      "an axis is a non-empty list of values", f"e.g. {name}: [1, 2]")
+        for value in self.axes.get("schedule", []):
+            c.require(_schedule_ok(value), "S3", {"axes.schedule": value},
+                      "unknown schedule", "use none, 1f1b or interleaved:V (V virtual stages)")
+        if any(v != "none" for v in self.axes.get("schedule", [])):
+            c.require(bool(self.pipeline_stages and self.pipeline_stages > 1), "S3",
+                      {"pipeline_stages": self.pipeline_stages},
+                      "1f1b and interleaved cells need a pipeline size",
+                      "set pipeline_stages: 2 (or more)")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class Cell:
+    key: str  # stable id: hash of the canonical overrides
+    axes: dict[str, Any]  # the axis values of this cell, for tables and plots
+    overrides: tuple[str, ...]  # --set items that make the cell's recipe
+
+
+def load_study(path: str | Path) -> tuple[Study, Path]:
+    """The study and the path of its base recipe (relative to the study file)."""
+    path = Path(path)
+    raw = parse_yaml(path.read_text(), source=str(path))
+    raw.setdefault("name", path.stem)
+    study = build_dataclass(Study, raw)
+    if study.hostfile:  # relative to the study file, like the recipe
+        study = dataclasses.replace(study, hostfile=str((path.parent / study.hostfile).resolve()))
+    return study, (path.parent / study.recipe).resolve()
+
+
+def expand(study: Study) -> list[Cell]:
+    """Every combination of the axes, in axis order, as recipe overrides."""
+    names = list(study.axes)
+    cells = []
+    for values in itertools.product(*(study.axes[n] for n in names)):
+        axes = dict(zip(names, values))
+        settings = {**study.set, **_timing(study.measure)}
+        for name, value in axes.items():
+            settings.update(_schedule(value, study.pipeline_stages) if name == "schedule" else {name: value})
+        overrides = tuple(f"{k}={_yaml(v)}" for k, v in sorted(settings.items()))
+        key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:16]
+        cells.append(Cell(key=key, axes=axes, overrides=overrides))
+    return cells
+
+
+def _timing(measure: Measure) -> dict[str, Any]:
+    return {"train.steps": measure.warmup_steps + measure.steps,
+            "train.timing_warmup": measure.warmup_steps, "train.checkpoint_every": 0}
+
+
+def _schedule_ok(value: Any) -> bool:
+    if value in ("none", "1f1b"):
+        return True
+    kind, _, vpp = str(value).partition(":")
+    return kind == "interleaved" and vpp.isdigit() and int(vpp) > 1
+
+
+def _schedule(value: str, stages: int | None) -> dict[str, Any]:
+    if value == "none":
+        return {"parallel.pp": 1, "parallel.vpp": 1}
+    vpp = int(value.partition(":")[2]) if value.startswith("interleaved") else 1
+    return {"parallel.pp": stages, "parallel.vpp": vpp}
+
+
+def _yaml(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
