@@ -27,6 +27,7 @@ from dsforge.recipe import Resolved, load_recipe, resolve, topology_for
 from dsforge.recipe.loader import dump_recipe
 
 _OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory", re.I)
+_STUCK = re.compile(r"dsforge: rank \d+ stuck: step \d+ made no progress for \d+s")
 _FAILED_AT = re.compile(r"dsforge: rank \d+ failed at step -?\d+:")
 
 
@@ -93,6 +94,9 @@ def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
     if code == 124:
         return "timeout", "exceeded the cell's wall-clock limit"
     log = (run_dir / "job.log").read_text(errors="replace") if (run_dir / "job.log").exists() else ""
+    stuck = _STUCK.search(log)
+    if stuck:  # a rank's watchdog ended a hang: a timeout of one step
+        return "timeout", stuck.group(0)
     if _OOM.search(log) or code in (-9, 137):
         return "oom", _first_error(log) or "killed (out of memory?)"
     return "crashed", _first_error(log) or f"exit code {code}"

@@ -1,0 +1,114 @@
+"""Bench pieces without jobs: study loading and expansion, the store, classification, report."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsforge.bench.report import write_report
+from dsforge.bench.run import classify, run_cell
+from dsforge.bench.store import Row, Store
+from dsforge.bench.study import expand, load_study
+from dsforge.problems import RecipeError
+from tests.conftest import REPO
+
+STUDIES = sorted((REPO / "recipes" / "bench").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=[p.stem for p in STUDIES])
+def test_shipped_studies_load_and_their_cells_validate(path):
+    from dsforge.bench.run import _resolve_cell
+
+    study, recipe = load_study(path)
+    cells = expand(study)
+    assert len(cells) == __import__("math").prod(len(v) for v in study.axes.values())
+    for cell in cells:
+        _resolve_cell(study, recipe, cell)  # every shipped cell is valid at its declared size
+
+
+def test_expansion_is_the_cartesian_product_with_schedules(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(f"recipe: {REPO / 'recipes' / 'tiny.yaml'}\nworld_size: 4\n"
+                    "axes: {zero.stage: [0, 1], schedule: [none, 1f1b, interleaved:2]}\n"
+                    "pipeline_stages: 2\nmeasure: {warmup_steps: 1, steps: 3}\n")
+    study, _ = load_study(path)
+    cells = expand(study)
+    assert [c.axes for c in cells][:3] == [{"zero.stage": 0, "schedule": "none"},
+                                           {"zero.stage": 0, "schedule": "1f1b"},
+                                           {"zero.stage": 0, "schedule": "interleaved:2"}]
+    interleaved = cells[2].overrides
+    assert "parallel.pp=2" in interleaved and "parallel.vpp=2" in interleaved
+    assert "train.steps=4" in interleaved and "train.timing_warmup=1" in interleaved
+    assert len({c.key for c in cells}) == 6
+
+
+@pytest.mark.parametrize("text, rule", [
+    ("recipe: x.yaml\naxes: {}\n", "S2"),
+    ("recipe: x.yaml\naxes: {schedule: [zigzag]}\n", "S3"),
+    ("recipe: x.yaml\naxes: {schedule: [1f1b]}\n", "S3"),
+    ("recipe: x.yaml\naxes: {zero.stage: [1]}\nmeasure: {steps: 0}\n", "S1"),
+    ("recipe: x.yaml\naxes: {zero.stage: [1]}\nrepeats: 2\n", "Z6"),
+])
+def test_bad_studies_are_rejected(tmp_path, text, rule):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as info:
+        load_study(path)
+    assert rule in {p.rule for p in info.value.problems}
+
+
+def test_invalid_cells_are_rejected_without_running(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(f"recipe: {REPO / 'recipes' / 'tiny.yaml'}\nworld_size: 2\n"
+                    "axes: {train.global_batch: [7]}\n")
+    study, recipe = load_study(path)
+    row = run_cell(study, recipe, expand(study)[0], 0, tmp_path)
+    assert row.status == "rejected" and "[B2]" in row.reason
+    assert not (tmp_path / "cells").exists()
+
+
+def test_store_keeps_rows_and_overwrites_a_retry(tmp_path):
+    store = Store(tmp_path / "r.db")
+    store.write(Row(study="s", cell="c", repeat=0, axes={"a": 1}, status="crashed", reason="boom"))
+    store.write(Row(study="s", cell="c", repeat=1, axes={"a": 1}, status="ok", figures={"x": 1}))
+    assert store.status("s", "c", 0) == "crashed" and store.status("s", "c", 2) is None
+    store.write(Row(study="s", cell="c", repeat=0, axes={"a": 1}, status="ok"))
+    store.close()
+    rows = Store(tmp_path / "r.db").rows("s")
+    assert sorted((r.repeat, r.status) for r in rows) == [(0, "ok"), (1, "ok")]
+
+
+@pytest.mark.parametrize("code, log, expected", [
+    (124, "", "timeout"),
+    (1, "dsforge: rank 0 stuck: step 1 made no progress for 10s (a hung collective?)", "timeout"),
+    (1, "dsforge: rank 1 failed at step 2:\nTraceback...\nRuntimeError: injected fault\n", "crashed"),
+    (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB", "oom"),
+    (-9, "", "oom"),
+])
+def test_classification_from_exit_code_and_log(tmp_path, code, log, expected):
+    (tmp_path / "job.log").write_text(log)
+    status, reason = classify(code, tmp_path)
+    assert status == expected
+    if expected == "crashed":
+        assert reason == "dsforge: rank 1 failed at step 2: RuntimeError: injected fault"
+
+
+def test_report_lists_every_cell_with_predictions_and_plots(tmp_path):
+    store = Store(tmp_path / "r.db")
+    prediction = {"memory_bytes": {"total": 2 * 1024**3}, "bubble_share_of_step": 0.2,
+                  "flops_per_token": 1e9, "hardware_flops_per_token": 1.2e9}
+    figures = {"step_times_s": [1.0, 1.2], "tokens_per_s": 1000.0, "tokens_per_s_per_gpu": 500.0,
+               "mfu": None, "hfu": None, "final_loss": 2.0, "peak_memory_bytes": 3 * 1024**3,
+               "memory_source": "cuda max_memory_allocated", "bubble_share_by_stage": {"0": 0.25, "1": 0.3}}
+    manifest = {"device": {"name": "NVIDIA H100 80GB HBM3"}}
+    store.write(Row(study="s", cell="a", repeat=0, axes={"zero.stage": 1}, status="ok",
+                    figures=figures, prediction=prediction, manifest=manifest))
+    store.write(Row(study="s", cell="b", repeat=0, axes={"zero.stage": 2}, status="rejected",
+                    reason="[Z2] no"))
+    store.close()
+    report = write_report(tmp_path / "r.db", tmp_path / "out").read_text()
+    assert "Peak used: 989 TFLOP/s (NVIDIA H100 SXM)" in report
+    assert "| 1 | ok | 1,000 | 500 | 1100.0 [1000.0-1200.0] | n/a | n/a | 3.00 | 2.00 | 30.0% | 20.0% |" in report
+    assert "{'zero.stage': 2}: rejected: [Z2] no" in report
+    assert (tmp_path / "out" / "s.png").stat().st_size > 1000
+    overridden = write_report(tmp_path / "r.db", tmp_path / "o2", peak_tflops=100).read_text()
+    assert "| 0.5% | 0.6% |" in overridden  # 500 tok/s x 1e9 / 1e14
