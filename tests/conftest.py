@@ -10,7 +10,7 @@ from dsforge.recipe.loader import apply_overrides, build_recipe, parse_overrides
 from dsforge.problems import RecipeError
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))  # studies live in recipes/bench
 HOSTFILES = sorted((REPO / "hostfiles").glob("*"))
 
 # A small valid dense recipe; tests change it with dotted overrides.
