@@ -10,6 +10,7 @@ is the CPU). Megatron-Core assumes CUDA in four ways (../shared/reference/cpu-ba
   4. MoE split sizes that stay tensors on CPU (gloo's all_to_all wants lists), uneven
      all-gather / reduce-scatter of routed tokens (gloo supports equal sizes only) and the
      `te_general_gemm` name that is missing without Transformer Engine.
+It also keeps DeepSpeed from building its CPU shared-memory all-reduce (see _patch_deepspeed).
 Every patch names the attribute it replaces and fails loudly (CpuBackendError) when an
 upgrade removes it, so a Megatron-Core change cannot silently bypass the backend.
 """
@@ -154,6 +155,13 @@ def _patch_megatron() -> None:
         _replace(moe_utils, "te_general_gemm", None, must_exist=False)  # package bug without TE
 
 
+def _patch_deepspeed() -> None:
+    # DeepSpeed's CPU shared-memory all-reduce (an inference kernel that training's collectives
+    # do not use) is compiled on first use and maps /dev/shm buffers that are never unlinked
+    # when a rank ends: run after run they filled the machine's memory. Training uses gloo.
+    _replace("deepspeed.comm.torch", "build_shm_op", lambda: None)
+
+
 def activate() -> None:
     """Install the CPU backend for the rest of the process (idempotent)."""
     global _ACTIVE
@@ -163,6 +171,7 @@ def activate() -> None:
         raise CpuBackendError("the CPU backend must not be activated when a GPU is in use")
     _patch_torch_cuda()
     _patch_megatron()
+    _patch_deepspeed()
     _ACTIVE = _CpuDeviceMode()
     _ACTIVE.__enter__()
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,7 @@ def test_run_trains_and_writes_metrics(tmp_path):
     assert manifest["versions"]["deepspeed"] and manifest["layout"]["dp"] == 2
     assert "dp: 2" in (run_dir / "recipe.yaml").read_text()
     assert not _job_processes(run_dir)
+    assert not list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))  # nothing leaked
 
 
 def test_deepspeed_can_launch_dsforge_run_itself(tmp_path):
