@@ -10,7 +10,7 @@ is the CPU). Megatron-Core assumes CUDA in four ways (../shared/reference/cpu-ba
   4. MoE split sizes that stay tensors on CPU (gloo's all_to_all wants lists), uneven
      all-gather / reduce-scatter of routed tokens (gloo supports equal sizes only) and the
      `te_general_gemm` name that is missing without Transformer Engine.
-It also keeps DeepSpeed from building its CPU shared-memory all-reduce (see _patch_deepspeed).
+It also keeps DeepSpeed from building its CPU shared-memory all-reduce (see skip_deepspeed_shm_allreduce).
 Every patch names the attribute it replaces and fails loudly (CpuBackendError) when an
 upgrade removes it, so a Megatron-Core change cannot silently bypass the backend.
 """
@@ -155,7 +155,8 @@ def _patch_megatron() -> None:
         _replace(moe_utils, "te_general_gemm", None, must_exist=False)  # package bug without TE
 
 
-def _patch_deepspeed() -> None:
+def skip_deepspeed_shm_allreduce() -> None:
+    """Keep deepspeed.init_distributed from compiling and mapping its shared-memory all-reduce."""
     # DeepSpeed's CPU shared-memory all-reduce (an inference kernel that training's collectives
     # do not use) is compiled on first use and maps /dev/shm buffers that are never unlinked
     # when a rank ends: run after run they filled the machine's memory. Training uses gloo.
@@ -171,7 +172,7 @@ def activate() -> None:
         raise CpuBackendError("the CPU backend must not be activated when a GPU is in use")
     _patch_torch_cuda()
     _patch_megatron()
-    _patch_deepspeed()
+    skip_deepspeed_shm_allreduce()
     _ACTIVE = _CpuDeviceMode()
     _ACTIVE.__enter__()
 

@@ -23,6 +23,7 @@ import torch
 
 from dsforge.launch.env import check_names
 from dsforge.launch.job import JobSpec
+from dsforge.runtime.build_locks import clear_stale_locks
 from dsforge.recipe import Topology, load_recipe, resolve
 
 
@@ -155,6 +156,9 @@ def _train(job: JobSpec, rank: int, progress: dict) -> None:
     from dsforge.runtime.heartbeat import Heartbeat
     from dsforge.runtime.trainer import Trainer
 
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        # Before the process group forms, so no rank of this job is building an op yet.
+        clear_stale_locks(log=lambda line: print(line, file=sys.stderr, flush=True))
     run_dir = Path(job.run_dir)
     recipe = load_recipe(_write_recipe(run_dir, job.recipe_yaml, rank))
     resolved = resolve(recipe, Topology(world_size=int(os.environ.get("WORLD_SIZE", 1))))
