@@ -93,11 +93,43 @@ def validate(recipe, world_size, hostfile, overrides):
                f"pp {lay.pp}, grad_accum {lay.grad_accum})")
 
 
+_SEARCH_ONLY = ("gpus", "gpus_per_node", "gpu", "global_batch_tokens", "seq_len", "write", "html",
+                "profile")
+
+
 @main.command()
 @_recipe_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def plan(recipe, world_size, hostfile, overrides, as_json):
-    """Show how RECIPE will be laid out, its configs, memory, bubble and FLOPs."""
+@click.option("--search", is_flag=True,
+              help="Search every layout for RECIPE's model (or a preset name given instead).")
+@click.option("--gpus", type=click.IntRange(min=1), help="--search: GPUs to lay the model out on.")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), help="--search: GPUs per node [8].")
+@click.option("--gpu", help="--search: GPU type, e.g. h100, h200, a100 [h100].")
+@click.option("--global-batch-tokens", type=click.IntRange(min=1),
+              help="--search: tokens per optimizer step [the recipe's, else 1048576].")
+@click.option("--seq-len", type=click.IntRange(min=1), help="--search: sequence length [4096].")
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True,
+              help="--search: how many layouts to show.")
+@click.option("--write", type=click.Path(dir_okay=False, path_type=Path),
+              help="--search: write the best layout as a recipe here.")
+@click.option("--html", type=click.Path(dir_okay=False, path_type=Path),
+              help="--search: write the explorer page (one self-contained file) here.")
+@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
+              help="--search: cluster profile YAML (bandwidths, efficiency, memory margin).")
+def plan(recipe, world_size, hostfile, overrides, as_json, search, top, **search_options):
+    """Show how RECIPE will be laid out, its configs, memory, bubble and FLOPs.
+
+    With --search, RECIPE may be a model preset name (e.g. llama3-70b): every valid layout
+    is estimated and the fastest that fit are ranked, with the reasons.
+    """
+    if search:
+        from dsforge.search.command import run_search_command
+
+        run_search_command(recipe, overrides=overrides, as_json=as_json, top=top, **search_options)
+        return
+    given = [f"--{name.replace('_', '-')}" for name in _SEARCH_ONLY if search_options.get(name)]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} only apply with --search")
     from dsforge.plan import build_plan, render_plan
 
     resolved = resolve_or_exit(recipe, overrides, world_size, hostfile)

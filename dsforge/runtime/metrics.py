@@ -32,6 +32,10 @@ class StepRecord:
     hfu: float | None
     peak_memory_bytes: int
     memory_source: str  # what peak_memory_bytes measures
+    # Unix time at which the step's work ended (loss known). Differences between steps give
+    # the loop's period, everything included (data, metrics, heartbeat): see
+    # benchmarks/overhead.
+    ended_at: float | None = None
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
@@ -45,7 +49,7 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, step_time_s: float,
                 tokens_per_step: int, world_size: int, flops_per_token: float,
                 hardware_flops_per_token: float, peak_flops: float | None,
-                device: torch.device) -> StepRecord:
+                device: torch.device, ended_at: float | None = None) -> StepRecord:
     tokens_per_s = tokens_per_step / step_time_s
     per_gpu = tokens_per_s / world_size
     memory, source = peak_memory(device)
@@ -54,7 +58,7 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                       step_time_s=step_time_s, tokens_per_s=tokens_per_s,
                       tokens_per_s_per_gpu=per_gpu, mfu=mfu(per_gpu, flops_per_token, peak_flops),
                       hfu=mfu(per_gpu, hardware_flops_per_token, peak_flops),
-                      peak_memory_bytes=memory, memory_source=source)
+                      peak_memory_bytes=memory, memory_source=source, ended_at=ended_at)
 
 
 class MetricsWriter:

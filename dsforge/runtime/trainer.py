@@ -124,12 +124,13 @@ class Trainer:
             torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
             loss = loss.item() / layout.dp
         elapsed = time.perf_counter() - start
+        ended_at = time.time()
         if self.timers is not None:
             self.timers.end_step()
         if self.reporter:
-            self._report(step, loss, lr, elapsed)
+            self._report(step, loss, lr, elapsed, ended_at)
 
-    def _report(self, step: int, loss: float, lr: float, elapsed: float) -> None:
+    def _report(self, step: int, loss: float, lr: float, elapsed: float, ended_at: float) -> None:
         recipe, layout = self.resolved.recipe, self.resolved.layout
         record = make_record(
             step=step, warmup=step < recipe.train.timing_warmup, loss=loss,
@@ -137,7 +138,7 @@ class Trainer:
             step_time_s=elapsed, tokens_per_step=layout.global_batch * recipe.train.seq_len,
             world_size=layout.world_size, flops_per_token=self.flops.model,
             hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
-            device=self.device)
+            device=self.device, ended_at=ended_at)
         self.metrics.write(record)
         self.progress.update(1)
         self.progress.set_postfix_str(_postfix(record))

@@ -128,3 +128,12 @@ def test_cpu_backend_redirects_cuda_devices():
         "print(a.device, b.device, torch.equal(s, torch.get_rng_state()))\n")
     out = _python(script)
     assert out.stdout.strip().splitlines()[-1] == "cpu cpu True", out.stderr[-2000:]  # DeepSpeed logs to stdout
+
+
+def test_overhead_periods_skip_warmup_steps():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_overhead", REPO / "tools" / "bench_overhead.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.periods([0.0, 5.0, 6.0, 6.5, 7.5], skip=1) == [1.0, 0.5, 1.0]

@@ -1,0 +1,203 @@
+"""What `dsforge plan --search` does between parsing options and printing: the base recipe
+from a model name or a recipe file, the search space, and the text and JSON outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsforge.problems import Problem, RecipeError, did_you_mean
+from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe
+from dsforge.recipe.presets import PRESETS
+from dsforge.recipe.schema import Recipe
+from dsforge.search.profile import ClusterProfile
+from dsforge.search.search import Ranked, SearchResult
+from dsforge.search.space import Space
+
+GiB = 2**30
+DEFAULT_BATCH_TOKENS = 2**20  # ~1M tokens per optimizer step
+DEFAULT_SEQ_LEN = 4096
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    target: str  # a preset name or a recipe path
+    gpus: int | None
+    gpu: str | None
+    global_batch_tokens: int | None
+    seq_len: int | None
+    overrides: tuple[str, ...] = ()
+
+
+def base_recipe(request: SearchRequest) -> Recipe:
+    """The recipe whose model and training settings the search keeps (layout fields vary)."""
+    path = Path(request.target)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        recipe = load_recipe(path, request.overrides)
+    elif request.target in PRESETS:
+        recipe = build_recipe({"name": f"{request.target}-search", "model": {"preset": request.target},
+                               "train": {"seq_len": DEFAULT_SEQ_LEN, "steps": 1000, "lr": 3e-4,
+                                         "warmup_steps": 100, "precision": "bf16"}})
+    else:
+        raise RecipeError([Problem(
+            rule="S1", fields={"MODEL_OR_RECIPE": request.target},
+            message="neither a recipe file nor a model preset",
+            fix=f"give a recipe path or one of: {', '.join(PRESETS)}."
+                f"{did_you_mean(request.target, PRESETS)}")])
+    seq_len = request.seq_len or min(recipe.train.seq_len, recipe.model.max_seq_len)
+    return dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, seq_len=seq_len))
+
+
+def search_space(base: Recipe, request: SearchRequest, profile: ClusterProfile) -> Space:
+    gpus = request.gpus or (base.cluster.world_size if base.cluster else None)
+    if gpus is None:
+        raise RecipeError([Problem(rule="S1", fields={"--gpus": None},
+                                   message="the number of GPUs to search for is needed",
+                                   fix="pass --gpus N (or a recipe with a cluster section)")])
+    seq_len = base.train.seq_len
+    tokens = request.global_batch_tokens
+    if tokens is None:
+        given = base.train.global_batch
+        tokens = given * seq_len if given and not request.seq_len else DEFAULT_BATCH_TOKENS
+    sequences, remainder = divmod(tokens, seq_len)
+    if remainder or not sequences:
+        nearest = max(1, round(tokens / seq_len)) * seq_len
+        raise RecipeError([Problem(rule="S2", fields={"--global-batch-tokens": tokens, "--seq-len": seq_len},
+                                   message="the global batch is not a whole number of sequences",
+                                   fix=f"use --global-batch-tokens {nearest}")])
+    return Space(gpus=gpus, gpus_per_node=profile.gpus_per_node, global_batch=sequences,
+                 gpu=profile.gpu.key)
+
+
+def write_recipe(result: SearchResult, path: Path) -> Path:
+    winner = result.ranked[0].resolved.recipe
+    recipe = dataclasses.replace(winner, name=path.stem)
+    header = (f"# Written by `dsforge plan --search`: the fastest predicted layout for "
+              f"{result.space.gpus} x {result.profile.gpu.name}.\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(header + dump_recipe(recipe))
+    partial.replace(path)
+    return path
+
+
+def layout_row(r: Ranked) -> dict[str, Any]:
+    lay, recipe = r.resolved.layout, r.resolved.recipe
+    return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "dp": lay.dp,
+            "zero": recipe.zero.stage, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
+            "global_batch": lay.global_batch, "checkpointing": recipe.train.activation_checkpointing,
+            "sequence_parallel": lay.sequence_parallel, "schedule": lay.schedule}
+
+
+def candidate_json(r: Ranked) -> dict[str, Any]:
+    return {"layout": layout_row(r), "memory_bytes": r.memory.to_dict(),
+            "memory_worst_pipeline_rank": r.memory.pipeline_rank,
+            "step_time_s": r.time.to_dict(), "tokens_per_s": r.tokens_per_s,
+            "tokens_per_s_per_gpu": r.tokens_per_s / r.resolved.layout.world_size, "mfu": r.mfu,
+            "exact_batch": r.exact_batch, "why_above_next": r.reason}
+
+
+def result_json(result: SearchResult, top: int) -> dict[str, Any]:
+    profile = dataclasses.asdict(result.profile)
+    profile["gpu"] = result.profile.gpu.key
+    return {
+        "space": dataclasses.asdict(result.space), "profile": profile,
+        "counts": {"considered": result.considered, "valid": result.valid, "fit": result.fit,
+                   "ranked": len(result.ranked), "batch_exact": result.batch_exact},
+        "seconds": result.seconds,
+        "candidates": [candidate_json(r) for r in result.ranked[:top]],
+        "nearest_memory": candidate_json(result.nearest_memory) if result.nearest_memory else None,
+    }
+
+
+_COLUMNS = ("#", "tp", "pp", "vpp", "ep", "dp", "zero", "mb", "accum", "ckpt", "sp",
+            "mem GiB", "step s", "tok/s/GPU", "MFU")
+
+
+def render(result: SearchResult, top: int, model_name: str) -> str:
+    space, profile = result.space, result.profile
+    lines = [
+        f"search: {model_name} on {space.gpus} x {profile.gpu.name} ({profile.gpus_per_node} per node), "
+        f"global batch {space.global_batch} sequences",
+        f"profile: intra-node {profile.intra_node_gbps:g} GB/s, inter-node {profile.inter_node_gbps:g} GB/s "
+        f"per GPU, compute efficiency {profile.compute_efficiency:.0%}, memory margin "
+        f"{profile.memory_margin:.0%} (usable {profile.usable_memory_bytes / GiB:.1f} GiB)",
+        f"1. valid:  {result.valid} of {result.considered} layouts pass the recipe validator",
+        f"2. fit:    {result.fit} fit in memory",
+        f"3. batch:  {len(result.ranked)} reach the global batch "
+        + ("exactly" if result.batch_exact or not result.fit
+           else "nearest to the target (none that fit reach it exactly)"),
+        f"searched in {result.seconds:.2f} s", ""]
+    if not result.ranked:
+        lines.append("no layout fits: " + _nearest_memory_text(result))
+        return "\n".join(lines)
+    rows = [_COLUMNS] + [_row(i + 1, r) for i, r in enumerate(result.ranked[:top])]
+    widths = [max(len(str(row[c])) for row in rows) for c in range(len(_COLUMNS))]
+    for row in rows:
+        lines.append("  ".join(str(v).rjust(w) for v, w in zip(row, widths)))
+    lines += ["", "why each beat the next:"]
+    shown = result.ranked[:top]
+    for i, r in enumerate(shown):
+        if r.reason:
+            lines.append(f"  {i + 1} over {i + 2}: {r.reason}")
+    best = shown[0]
+    lines += ["", "step time of #1: " + ", ".join(
+        f"{k} {v * 1e3:.0f} ms" for k, v in best.time.to_dict().items() if v > 0 or k == "total")]
+    return "\n".join(lines)
+
+
+def _row(rank: int, r: Ranked) -> tuple:
+    x = layout_row(r)
+    return (rank, x["tp"], x["pp"], x["vpp"], x["ep"], x["dp"], x["zero"], x["micro_batch"],
+            x["grad_accum"], x["checkpointing"], "y" if x["sequence_parallel"] else "n",
+            f"{r.memory.total / GiB:.1f}", f"{r.time.total:.2f}",
+            f"{r.tokens_per_s / r.resolved.layout.world_size:,.0f}", f"{r.mfu:.1%}")
+
+
+def _nearest_memory_text(result: SearchResult) -> str:
+    r = result.nearest_memory
+    if r is None:
+        return "no valid layout for this model and GPU count."
+    x = layout_row(r)
+    return (f"the smallest needs {r.memory.total / GiB:.1f} GiB per GPU (tp {x['tp']}, pp {x['pp']}, "
+            f"ZeRO-{x['zero']}, checkpointing {x['checkpointing']}); use more GPUs, GPUs with more "
+            f"memory, or a shorter --seq-len (CPU offload is not searched: try zero.offload_optimizer "
+            f"in a recipe and `dsforge plan` it)")
+
+
+def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus, gpus_per_node,
+                       gpu, global_batch_tokens, seq_len, write, html, profile) -> None:
+    """The whole `dsforge plan --search`: problems are printed together, exit 2."""
+    import json
+    import sys
+
+    import click
+
+    from dsforge.cli import EXIT_INVALID, _print_problems
+    from dsforge.search.profile import load_profile
+    from dsforge.search.search import search
+
+    request = SearchRequest(target=target, gpus=gpus, gpu=gpu, global_batch_tokens=global_batch_tokens,
+                            seq_len=seq_len, overrides=tuple(overrides))
+    try:
+        base = base_recipe(request)
+        cluster = base.cluster
+        cluster_profile = load_profile(profile, gpu or (cluster.gpu if cluster else None),
+                                       gpus_per_node or (cluster.gpus_per_node if cluster else None))
+        space = search_space(base, request, cluster_profile)
+    except RecipeError as exc:
+        _print_problems(target, exc.problems)
+        sys.exit(EXIT_INVALID)
+    result = search(base, space, cluster_profile)
+    if write and result.ranked:
+        click.echo(f"wrote {write_recipe(result, write)}", err=True)
+    if html:
+        from dsforge.search.explorer import write_explorer
+
+        click.echo(f"wrote {write_explorer(base, result, html)}", err=True)
+    if as_json:
+        click.echo(json.dumps(result_json(result, top), indent=2))
+    else:
+        click.echo(render(result, top, base.model.preset or base.name))

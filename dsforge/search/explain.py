@@ -1,0 +1,86 @@
+"""Why one candidate beat the next: the step-time term that separates them most, in words.
+
+The reason names the term where the winner saves the most time, says which layout choice
+causes it, and mentions the term where it loses the most, if any ("despite ...").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dsforge.estimate.bubble import bubble_fraction
+
+_NAMES = {"compute": "compute", "tp_comm": "tensor-parallel traffic", "ep_comm": "expert all-to-all",
+          "bubble": "pipeline bubble", "pp_comm": "pipeline sends", "dp_comm": "data-parallel traffic"}
+_ZERO_TRAFFIC = {0: "all-reduces gradients once per step", 1: "all-reduces gradients once per step",
+                 2: "reduce-scatters gradients every microbatch",
+                 3: "gathers parameters for every microbatch's forward and backward"}
+
+
+def with_reasons(ranked: list) -> list:
+    return [dataclasses.replace(r, reason=reason(r, ranked[i + 1])) if i + 1 < len(ranked) else r
+            for i, r in enumerate(ranked)]
+
+
+def _layout_words(r) -> dict:
+    lay, recipe = r.resolved.layout, r.resolved.recipe
+    return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "dp": lay.dp,
+            "zero": recipe.zero.stage, "micro_batch": lay.micro_batch,
+            "checkpointing": recipe.train.activation_checkpointing,
+            "sequence_parallel": lay.sequence_parallel, "grad_accum": lay.grad_accum}
+
+
+def _why(term: str, a, b) -> str:
+    la, lb = _layout_words(a), _layout_words(b)
+    differs = {k for k in la if la[k] != lb[k]}
+    if term == "compute":
+        if "checkpointing" in differs:
+            return f"recomputes less (checkpointing {la['checkpointing']} vs {lb['checkpointing']})"
+        if "tp" in differs:
+            return f"wider GEMMs per GPU (tp {la['tp']} vs {lb['tp']})"
+        if "micro_batch" in differs:
+            return f"longer microbatches ({la['micro_batch']} vs {lb['micro_batch']} sequences)"
+    if term == "tp_comm" and "tp" in differs:
+        return f"fewer tensor-parallel all-reduces per GPU (tp {la['tp']} vs {lb['tp']})"
+    if term == "bubble":
+        fa = bubble_fraction(la["pp"], la["vpp"], la["grad_accum"])
+        fb = bubble_fraction(lb["pp"], lb["vpp"], lb["grad_accum"])
+        return (f"a smaller pipeline bubble, (p-1)/(v m) = {fa:.1%} vs {fb:.1%} "
+                f"(pp {la['pp']}/{lb['pp']}, vpp {la['vpp']}/{lb['vpp']}, m {la['grad_accum']}/{lb['grad_accum']})")
+    if term == "dp_comm":
+        if "zero" in differs and _ZERO_TRAFFIC[la["zero"]] != _ZERO_TRAFFIC[lb["zero"]]:
+            return f"ZeRO-{la['zero']} {_ZERO_TRAFFIC[la['zero']]}, ZeRO-{lb['zero']} {_ZERO_TRAFFIC[lb['zero']]}"
+        span_a, span_b = la["tp"] * la["dp"], lb["tp"] * lb["dp"]
+        per_node = a.resolved.topology.node_slots[0] if a.resolved.topology.node_slots else None
+        if per_node and span_a <= per_node < span_b:
+            return "data-parallel traffic stays inside the node"
+        return f"less gradient traffic per GPU (tp x pp {la['tp'] * la['pp']} vs {lb['tp'] * lb['pp']})"
+    if term == "pp_comm":
+        if "sequence_parallel" in differs and la["sequence_parallel"]:
+            return f"sequence parallelism splits each pipeline message over tp {la['tp']}"
+        return f"fewer pipeline sends ({2 * la['grad_accum'] * la['vpp']} vs {2 * lb['grad_accum'] * lb['vpp']})"
+    if term == "ep_comm" and "ep" in differs:
+        return f"less expert all-to-all traffic (ep {la['ep']} vs {lb['ep']})"
+    changed = ", ".join(f"{k} {la[k]} vs {lb[k]}" for k in sorted(differs)) or "same layout"
+    return f"less {_NAMES[term]} ({changed})"
+
+
+def reason(a, b) -> str:
+    """Why `a` ranks above `b` (a.time.total <= b.time.total)."""
+    ta, tb = a.time.to_dict(), b.time.to_dict()
+    saved = {k: tb[k] - ta[k] for k in _NAMES}
+    gain_term = max(saved, key=saved.get)
+    if saved[gain_term] <= 1e-9 * max(tb["total"], 1e-12):
+        if a.memory.total < b.memory.total:
+            return f"same predicted step time, {(b.memory.total - a.memory.total) / 2**30:.1f} GiB less memory"
+        return "same predicted step time and memory"
+    text = (f"{_why(gain_term, a, b)}: {_NAMES[gain_term]} {_ms(ta[gain_term])} vs "
+            f"{_ms(tb[gain_term])}")
+    loss_term = min(saved, key=saved.get)
+    if saved[loss_term] < -0.01 * tb["total"]:
+        text += f", despite more {_NAMES[loss_term]} (+{_ms(-saved[loss_term])})"
+    return text
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds >= 0.001 else f"{seconds * 1e6:.0f} us"

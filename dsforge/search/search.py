@@ -1,0 +1,83 @@
+"""`dsforge plan --search`: the three-step procedure over every valid layout.
+
+  1. fit:        estimated peak memory per GPU <= GPU memory x (1 - profile.memory_margin)
+  2. batch:      the global batch equals the target (else the nearest achievable, said so)
+  3. throughput: ranked by the predicted step time (cost.py), fastest first
+
+Each ranked candidate carries its memory estimate, step-time breakdown, tokens/s and MFU,
+and the reason it beat the next one (explain.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from dsforge.estimate.flops import flops_per_token
+from dsforge.estimate.memory import MemoryEstimate, estimate_memory
+from dsforge.recipe.resolve import Resolved
+from dsforge.recipe.schema import Recipe
+from dsforge.search.cost import StepTime, step_time
+from dsforge.search.profile import ClusterProfile
+from dsforge.search.space import Candidate, Space, enumerate_candidates
+
+
+@dataclass(frozen=True)
+class Ranked:
+    resolved: Resolved
+    memory: MemoryEstimate
+    time: StepTime
+    tokens_per_s: float
+    mfu: float
+    exact_batch: bool
+    reason: str = ""  # why it beat the next candidate
+
+
+@dataclass
+class SearchResult:
+    space: Space
+    profile: ClusterProfile
+    considered: int  # layouts generated
+    valid: int  # passed the recipe validator
+    fit: int  # ... and fit in memory
+    batch_exact: bool  # whether the ranked ones reach the target global batch exactly
+    ranked: list[Ranked] = field(default_factory=list)
+    seconds: float = 0.0
+    nearest_memory: Ranked | None = None  # the smallest-memory layout when nothing fits
+
+
+def evaluate(candidate: Candidate, profile: ClusterProfile) -> Ranked:
+    resolved = candidate.resolved
+    recipe, layout = resolved.recipe, resolved.layout
+    memory = estimate_memory(model=recipe.model, train=recipe.train, zero=recipe.zero, layout=layout)
+    predicted = step_time(resolved, profile)
+    tokens_per_s = layout.global_batch * recipe.train.seq_len / predicted.total
+    model_flops = flops_per_token(recipe.model, recipe.train.seq_len).model
+    mfu = tokens_per_s * model_flops / (layout.world_size * profile.gpu.peak_bf16_flops)
+    return Ranked(resolved=resolved, memory=memory, time=predicted, tokens_per_s=tokens_per_s,
+                  mfu=mfu, exact_batch=candidate.exact_batch)
+
+
+def search(base: Recipe, space: Space, profile: ClusterProfile) -> SearchResult:
+    from dsforge.search.explain import with_reasons
+
+    started = time.perf_counter()
+    candidates, considered = enumerate_candidates(base, space)
+    evaluated = [evaluate(c, profile) for c in candidates]
+    fitting = [r for r in evaluated if r.memory.total <= profile.usable_memory_bytes]
+    exact = [r for r in fitting if r.exact_batch]
+    chosen = exact or _nearest_batch(fitting, space.global_batch)
+    chosen.sort(key=lambda r: (r.time.total, r.memory.total))
+    result = SearchResult(space=space, profile=profile, considered=considered, valid=len(candidates),
+                          fit=len(fitting), batch_exact=bool(exact), ranked=with_reasons(chosen))
+    if not fitting and evaluated:
+        result.nearest_memory = min(evaluated, key=lambda r: r.memory.total)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _nearest_batch(rows: list[Ranked], target: int) -> list[Ranked]:
+    if not rows:
+        return []
+    best = min(abs(r.resolved.layout.global_batch - target) for r in rows)
+    return [r for r in rows if abs(r.resolved.layout.global_batch - target) == best]
