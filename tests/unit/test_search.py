@@ -1,0 +1,225 @@
+"""`dsforge plan --search`: the space, the three steps, the step-time model, the reasons,
+the written recipe, the CLI, and the published orderings (tools/search_anchors.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from dsforge.cli import main
+from dsforge.estimate.flops import flops_per_token
+from dsforge.recipe import load_recipe, resolve
+from dsforge.recipe.loader import build_recipe
+from dsforge.search.command import SearchRequest, base_recipe, search_space, write_recipe
+from dsforge.search.cost import _saturation, step_time
+from dsforge.search.explain import reason
+from dsforge.search.profile import default_profile, load_profile
+from dsforge.search.search import evaluate, search
+from dsforge.search.space import Candidate, Space
+from dsforge.problems import RecipeError
+from tests.conftest import REPO
+
+
+def _base(preset="llama2-7b", seq_len=4096):
+    return build_recipe({"name": "s", "model": {"preset": preset},
+                         "train": {"seq_len": seq_len, "steps": 10, "lr": 3e-4, "precision": "bf16"}})
+
+
+def _search(preset="llama2-7b", gpus=8, gpu="h100", global_batch=64):
+    return search(_base(preset), Space(gpus=gpus, gpus_per_node=8, global_batch=global_batch, gpu=gpu),
+                  default_profile(gpu))
+
+
+def _ranked(recipe, gpus, profile):
+    resolved = resolve(recipe, Space(gpus=gpus, gpus_per_node=8, global_batch=0).topology())
+    return evaluate(Candidate(resolved=resolved, exact_batch=True), profile)
+
+
+def test_every_ranked_layout_is_valid_fits_and_is_sorted():
+    result = _search()
+    assert result.considered > result.valid > result.fit >= len(result.ranked) > 0
+    usable = result.profile.usable_memory_bytes
+    times = [r.time.total for r in result.ranked]
+    assert times == sorted(times)
+    for r in result.ranked:
+        assert r.memory.total <= usable and r.exact_batch
+        assert r.resolved.layout.global_batch == 64
+        resolve(r.resolved.recipe, r.resolved.topology)  # still passes the validator
+
+
+def test_search_covers_the_axes():
+    result = _search(preset="mixtral-8x7b", gpus=16, global_batch=128)
+    rows = [(r.resolved.layout, r.resolved.recipe) for r in result.ranked]
+    assert {lay.tp for lay, _ in rows} >= {1, 2, 4, 8}
+    assert {lay.ep for lay, _ in rows} >= {1, 2, 4, 8}
+    assert {lay.vpp for lay, _ in rows} >= {1, 2}
+    assert {rec.zero.stage for _, rec in rows} == {0, 1, 2, 3}
+    assert {rec.train.activation_checkpointing for _, rec in rows} == {"none", "selective", "full"}
+    assert {lay.sequence_parallel for lay, _ in rows} == {False, True}
+
+
+def test_nothing_fits_names_the_smallest():
+    result = _search(preset="llama3-70b", gpus=2, gpu="a100-40gb", global_batch=8)
+    assert result.fit == 0 and not result.ranked
+    assert result.nearest_memory.memory.total > result.profile.usable_memory_bytes
+
+
+def test_unreachable_batch_keeps_the_nearest():
+    # tiny: at most tp 4 x pp 4, so 32 GPUs always have dp >= 2 and 13 sequences never divide
+    result = search(_base("tiny", seq_len=128), Space(gpus=32, gpus_per_node=8, global_batch=13),
+                    default_profile("h100"))
+    assert result.ranked and not result.batch_exact
+    assert {r.resolved.layout.global_batch for r in result.ranked} <= {12, 14}
+    exact = search(_base("tiny", seq_len=128), Space(gpus=32, gpus_per_node=8, global_batch=16),
+                   default_profile("h100"))
+    assert exact.batch_exact and {r.resolved.layout.global_batch for r in exact.ranked} == {16}
+
+
+def test_step_time_by_hand_on_one_gpu():
+    profile = default_profile("h100")
+    r = _ranked(dataclasses.replace(_base(), train=dataclasses.replace(
+        _base().train, global_batch=4, micro_batch=2)), 1, profile)
+    m = r.resolved.recipe.model
+    tokens = 4 * 4096
+    efficiency = 0.60 * _saturation(m.hidden_size) * _saturation(2 * 4096)
+    expected = tokens * flops_per_token(m, 4096).hardware / (989e12 * efficiency)
+    assert r.time.compute == pytest.approx(expected)
+    assert r.time.tp_comm == r.time.dp_comm == r.time.bubble == r.time.pp_comm == 0
+    assert r.mfu == pytest.approx(tokens / r.time.total * flops_per_token(m, 4096).model / 989e12)
+
+
+def _layout(base, gpus, **changes):
+    parallel = {k: v for k, v in changes.items() if k in ("tp", "pp", "vpp", "sequence_parallel")}
+    train = {k: v for k, v in changes.items() if k in ("micro_batch", "global_batch", "activation_checkpointing")}
+    recipe = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **parallel),
+                                 zero=dataclasses.replace(base.zero, stage=changes.get("zero", 1)),
+                                 train=dataclasses.replace(base.train, **train))
+    return _ranked(recipe, gpus, default_profile("h100"))
+
+
+def test_zero_traffic_per_stage():
+    base = _base()
+    times = {z: _layout(base, 8, zero=z, micro_batch=1, global_batch=32).time.dp_comm for z in range(4)}
+    m = 32 // 8  # microbatches per step
+    assert times[0] == pytest.approx(times[1])
+    assert times[2] == pytest.approx(times[1] * (m + 1) / 2)
+    assert times[3] == pytest.approx(times[1] * 3 * m / 2)
+
+
+def test_bubble_follows_the_schedule():
+    base = _base()
+    plain = _layout(base, 4, pp=4, micro_batch=1, global_batch=8)
+    interleaved = _layout(base, 4, pp=4, vpp=2, micro_batch=1, global_batch=8)
+    work = plain.time.compute + plain.time.tp_comm
+    assert plain.time.bubble == pytest.approx(work * 3 / 8)
+    assert interleaved.time.bubble == pytest.approx(work * 3 / 16)
+    assert interleaved.time.pp_comm > plain.time.pp_comm  # v x the sends
+
+
+def test_tensor_parallel_across_nodes_is_slower():
+    profile = default_profile("h100")
+    inside = step_time(_layout(_base(), 16, tp=8, global_batch=16).resolved, profile).tp_comm
+    slow_nodes = dataclasses.replace(profile, gpus_per_node=4)  # the same tp 8 now spans 2 nodes
+    across = step_time(_layout(_base(), 16, tp=8, global_batch=16).resolved, slow_nodes).tp_comm
+    assert across == pytest.approx(inside * profile.intra_node_gbps / profile.inter_node_gbps)
+
+
+def test_reasons_name_the_difference():
+    base = _base()
+    z1 = _layout(base, 8, zero=1, global_batch=32)
+    z3 = _layout(base, 8, zero=3, global_batch=32)
+    assert "ZeRO-1" in reason(z1, z3) and "ZeRO-3 gathers parameters" in reason(z1, z3)
+    none = _layout(base, 8, global_batch=32)
+    full = _layout(base, 8, global_batch=32, activation_checkpointing="full")
+    assert reason(none, full).startswith("recomputes less (checkpointing none vs full)")
+    pp = _layout(base, 8, pp=2, vpp=2, global_batch=32)
+    deep = _layout(base, 8, pp=8, global_batch=32)
+    if pp.time.total < deep.time.total:
+        assert "pipeline" in reason(pp, deep)
+
+
+def test_written_recipe_runs_the_winner(tmp_path):
+    result = _search()
+    path = write_recipe(result, tmp_path / "mine.yaml")
+    recipe = load_recipe(path)
+    assert recipe.name == "mine"
+    again = resolve(recipe, result.space.topology())
+    assert again.layout == result.ranked[0].resolved.layout
+
+
+def test_base_recipe_and_space_from_inputs(tmp_path):
+    request = SearchRequest(target="llama3-8b", gpus=16, gpu=None, global_batch_tokens=None, seq_len=2048)
+    base = base_recipe(request)
+    assert base.train.seq_len == 2048
+    space = search_space(base, request, default_profile("h100"))
+    assert space.global_batch == 2**20 // 2048
+    recipe_request = SearchRequest(target=str(REPO / "recipes" / "70b_pp4.yaml"), gpus=None, gpu=None,
+                                   global_batch_tokens=None, seq_len=None)
+    recipe = base_recipe(recipe_request)
+    space = search_space(recipe, recipe_request, default_profile("h200"))
+    assert space.gpus == recipe.cluster.world_size and space.global_batch == recipe.train.global_batch
+    with pytest.raises(RecipeError, match="S2"):
+        search_space(base, dataclasses.replace(request, global_batch_tokens=1000), default_profile("h100"))
+    with pytest.raises(RecipeError, match='Did you mean "llama3-8b"'):
+        base_recipe(dataclasses.replace(request, target="llama3-8"))
+
+
+def test_profile_file_overrides_and_rejects_unknown(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("gpu: a100\ninter_node_gbps: 12.5\nmemory_margin: 0.2\n")
+    profile = load_profile(path, None, 4)
+    assert profile.gpu.key == "a100" and profile.inter_node_gbps == 12.5 and profile.gpus_per_node == 4
+    path.write_text("inter_node_gbs: 12\n")
+    with pytest.raises(RecipeError, match="inter_node_gbs"):
+        load_profile(path, None, None)
+    path.write_text("memory_margin: 1.5\n")
+    with pytest.raises(RecipeError, match="out of range"):
+        load_profile(path, None, None)
+
+
+def test_cli_search_json_and_errors(tmp_path):
+    runner = CliRunner()
+    done = runner.invoke(main, ["plan", "--search", "llama2-7b", "--gpus", "8", "--gpu", "h100",
+                                "--global-batch-tokens", str(64 * 4096), "--top", "3", "--json",
+                                "--write", str(tmp_path / "best.yaml")])
+    assert done.exit_code == 0, done.output
+    data = json.loads(done.stdout)
+    assert len(data["candidates"]) == 3 and data["counts"]["valid"] > 100
+    assert data["candidates"][0]["why_above_next"]
+    assert (tmp_path / "best.yaml").exists()
+    text = runner.invoke(main, ["plan", "--search", "llama2-7b", "--gpus", "8"])
+    assert text.exit_code == 0 and "why each beat the next:" in text.output
+    unknown = runner.invoke(main, ["plan", "--search", "gpt5", "--gpus", "8"])
+    assert unknown.exit_code == 2 and "MODEL_OR_RECIPE='gpt5'" in unknown.output
+    misplaced = runner.invoke(main, ["plan", str(REPO / "recipes" / "tiny.yaml"), "--gpus", "8"])
+    assert misplaced.exit_code == 2 and "--gpus only apply with --search" in misplaced.output
+
+
+def _anchors():
+    spec = importlib.util.spec_from_file_location("search_anchors", REPO / "tools" / "search_anchors.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_published_orderings_hold():
+    """Where a source measured two layouts of one model on one cluster, the search predicts
+    the faster one faster (benchmarks/search/anchors.md has the table and the misses)."""
+    anchors = _anchors()
+    pairs = 0
+    for scenario in anchors.SCENARIOS:
+        result = anchors.run_scenario(scenario)
+        predicted = []
+        for published in scenario.layouts:
+            found = anchors.best_with_shape(scenario, result, published)
+            assert found is not None, f"{scenario.model}: {published.name} not found"
+            predicted.append(found[1].mfu)
+        assert predicted == sorted(predicted, reverse=True), scenario
+        pairs += max(0, len(predicted) - 1)
+    assert pairs == 3
