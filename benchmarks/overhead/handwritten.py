@@ -95,7 +95,7 @@ def main():
     if cuda:
         ds_config["bf16"] = {"enabled": True}
     if args.pp > 1:
-        ds_config["pipeline"] = {"managed_gradient_accumulation": False}
+        ds_config["managed_gradient_accumulation"] = False  # the schedule accumulates; step() reduces
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                       config=ds_config, mpu=_Mpu(ps))
 

@@ -137,3 +137,20 @@ def test_overhead_periods_skip_warmup_steps():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     assert tool.periods([0.0, 5.0, 6.0, 6.5, 7.5], skip=1) == [1.0, 0.5, 1.0]
+
+
+def test_heartbeat_file_follows_the_beats_off_the_hot_path(tmp_path):
+    import time
+
+    from dsforge.runtime.heartbeat import Heartbeat, read_all
+
+    heartbeat = Heartbeat(tmp_path, rank=3, write_every_s=0.05)
+    heartbeat.beat(7)
+    assert read_all(tmp_path) == {}  # nothing written on the caller's thread
+    deadline = time.monotonic() + 5
+    while 3 not in read_all(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert read_all(tmp_path)[3][0] == 7
+    heartbeat.beat(8)
+    heartbeat.flush()
+    assert read_all(tmp_path)[3][0] == 8
