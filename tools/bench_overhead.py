@@ -38,10 +38,14 @@ def free_port() -> int:
 
 
 def run_group(command: list[str], log: Path, timeout_s: float) -> None:
-    """Run in its own process group; the whole group is killed if it outlives the timeout."""
+    """Run in its own process group; the whole group is killed if it outlives the timeout.
+
+    Both sides get the same OMP_NUM_THREADS (the CPUs shared by the 2 ranks), so the thread
+    count dsforge would choose by itself is not what is compared."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
     with open(log, "w") as out:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -47,6 +47,20 @@ def pick_device(choice: str, backend: str) -> tuple[torch.device, str]:
     return device, backend
 
 
+def threads_per_rank(environ=os.environ) -> int | None:
+    """Intra-op threads for each of this node's ranks: the CPUs divided among them.
+
+    torch starts as many threads as there are CPUs in every process; with several ranks per
+    node they oversubscribe the cores, and OpenMP threads spinning while gloo waits made ZeRO-0
+    steps 6x slower on a 2-core machine (benchmarks/README.md). torchrun sets 1 for the same
+    reason; DeepSpeed only with --bind_cores_to_rank. None = the user chose (OMP_NUM_THREADS).
+    """
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    local_ranks = max(1, int(environ.get("LOCAL_SIZE", 1)))
+    return max(1, len(os.sched_getaffinity(0)) // local_ranks)
+
+
 DUMP_GRACE_S = 3.0
 
 
@@ -156,6 +170,9 @@ def _train(job: JobSpec, rank: int, progress: dict) -> None:
     from dsforge.runtime.heartbeat import Heartbeat
     from dsforge.runtime.trainer import Trainer
 
+    threads = threads_per_rank()
+    if threads is not None:
+        torch.set_num_threads(threads)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         # Before the process group forms, so no rank of this job is building an op yet.
         clear_stale_locks(log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -154,3 +154,15 @@ def test_heartbeat_file_follows_the_beats_off_the_hot_path(tmp_path):
     heartbeat.beat(8)
     heartbeat.flush()
     assert read_all(tmp_path)[3][0] == 8
+
+
+def test_ranks_share_the_cpus_unless_the_user_chose():
+    import os
+
+    from dsforge.runtime.rank import threads_per_rank
+
+    cpus = len(os.sched_getaffinity(0))
+    assert threads_per_rank({"LOCAL_SIZE": "1"}) == cpus
+    assert threads_per_rank({"LOCAL_SIZE": str(cpus * 4)}) == 1
+    assert threads_per_rank({"LOCAL_SIZE": "2"}) == max(1, cpus // 2)
+    assert threads_per_rank({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}) is None
