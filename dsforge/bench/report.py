@@ -14,6 +14,7 @@ from dsforge.bench.store import Row, Store
 from dsforge.estimate.hardware import gpu_for_device_name
 
 GiB = 1024**3
+MiB = 1024**2
 
 
 def aggregate(rows: list[Row]) -> list[dict]:
@@ -93,6 +94,7 @@ def _study_section(study: str, cells: list[dict], out_dir: Path, peak_tflops: fl
     device = next((c["device"] for c in cells if c["device"]), "unknown")
     lines = [f"## {study}", "", f"Device: {device}. {_peak_text(device, peak_tflops)}", ""]
     lines += _table(cells, peak_tflops)
+    lines += _memory_split(cells)
     for plot in _plots(study, cells, out_dir):
         lines += ["", f"![{plot.stem}]({plot.name})"]
     return lines + [""]
@@ -115,6 +117,31 @@ def _table(cells: list[dict], peak_tflops: float | None) -> list[str]:
     reasons = [(c["axes"], c["status"], c["reason"]) for c in cells if c["reason"]]
     if reasons:
         lines += ["", "Not ok:"] + [f"- {axes_}: {status}: {reason}" for axes_, status, reason in reasons]
+    return lines
+
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def _memory_split(cells: list[dict]) -> list[str]:
+    """The planner's estimate per component next to the measured peak. Only the total is
+    measured: the CUDA allocator's peak on GPU, the process's peak RSS on CPU (which also holds
+    the Python and torch runtime), so the split itself is the model's, not a measurement."""
+    predicted = [c for c in cells if c["prediction"]]
+    if not predicted:
+        return []
+    axes = list(cells[0]["axes"])
+    header = axes + [f"{p} (pred.)" for p in MEMORY_PARTS] + ["total (pred.)", "peak (meas.)", "measured as"]
+    lines = ["", "Memory per GPU, MiB: the planner's split (worst pipeline rank) and the measured peak. "
+             "Only totals are measured; the split is the memory model's (docs/memory-and-bubble.md).", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in predicted:
+        memory = c["prediction"]["memory_bytes"]
+        measured = f"{c['peak_memory_bytes'] / MiB:,.1f}" if "peak_memory_bytes" in c else "-"
+        lines.append("| " + " | ".join([str(c["axes"][a]) for a in axes]
+                                       + [f"{memory[p] / MiB:,.2f}" if p in memory else "-" for p in MEMORY_PARTS]
+                                       + [f"{memory['total'] / MiB:,.2f}", measured,
+                                          c.get("memory_source") or "-"]) + " |")
     return lines
 
 
@@ -159,8 +186,12 @@ def _plots(study: str, cells: list[dict], out_dir: Path) -> list[Path]:
     width = 0.4
     memory.bar([i - width / 2 for i in x], [c["peak_memory_bytes"] / GiB for c in ok], width,
                label=f"measured ({ok[0]['memory_source']})", color="#55a868")
-    memory.bar([i + width / 2 for i in x], [(c["prediction"] or {}).get("memory_bytes", {}).get("total", 0) / GiB
-                                            for c in ok], width, label="predicted (dsforge plan)", color="#c44e52")
+    bottom = [0.0] * len(ok)
+    for part, color in zip(MEMORY_PARTS, ("#c44e52", "#dd8452", "#8c613c", "#da8bc3", "#937860")):
+        heights = [(c["prediction"] or {}).get("memory_bytes", {}).get(part, 0) / GiB for c in ok]
+        memory.bar([i + width / 2 for i in x], heights, width, bottom=bottom, color=color,
+                   label=f"predicted: {part}")
+        bottom = [b + h for b, h in zip(bottom, heights)]
     memory.set_ylabel("GiB per GPU")
     memory.legend(fontsize=8)
     bubble.bar([i - width / 2 for i in x], [c["bubble"] or 0 for c in ok], width, label="measured", color="#8172b2")

@@ -168,7 +168,8 @@ def _nearest_memory_text(result: SearchResult) -> str:
 
 
 def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus, gpus_per_node,
-                       gpu, global_batch_tokens, seq_len, write, html, profile) -> None:
+                       gpu, global_batch_tokens, seq_len, write, html, profile, measure=False,
+                       measure_out=None) -> None:
     """The whole `dsforge plan --search`: problems are printed together, exit 2."""
     import json
     import sys
@@ -197,7 +198,32 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
         from dsforge.search.explorer import write_explorer
 
         click.echo(f"wrote {write_explorer(base, result, html)}", err=True)
+    trials = _measure(base, result, top, measure_out) if measure and result.ranked else None
     if as_json:
-        click.echo(json.dumps(result_json(result, top), indent=2))
+        data = result_json(result, top)
+        if trials is not None:
+            data["measured"] = [{"predicted_rank": t.predicted_rank, "layout": layout_row(t.candidate),
+                                 "predicted_step_s": t.candidate.time.total,
+                                 "measured_step_s": t.measured_step_s, "status": t.status,
+                                 "reason": t.reason} for t in trials]
+        click.echo(json.dumps(data, indent=2))
     else:
         click.echo(render(result, top, base.model.preset or base.name))
+        if trials is not None:
+            from dsforge.search.measure import render_trials
+
+            click.echo("\n" + render_trials(trials))
+
+
+def _measure(base: Recipe, result: SearchResult, top: int, out: Path | None):
+    import time
+
+    import click
+
+    from dsforge.bench.study import Measure
+    from dsforge.search.measure import measure_top
+
+    out = out or Path("runs") / f"search-{base.model.preset or base.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    click.echo(f"measuring the top {min(top, len(result.ranked))} layouts on this machine; "
+               f"results in {out}/results.db", err=True)
+    return measure_top(base, result, top, out, Measure(), log=lambda line: click.echo(line, err=True))

@@ -94,7 +94,8 @@ def test_classification_from_exit_code_and_log(tmp_path, code, log, expected):
 
 def test_report_lists_every_cell_with_predictions_and_plots(tmp_path):
     store = Store(tmp_path / "r.db")
-    prediction = {"memory_bytes": {"total": 2 * 1024**3}, "bubble_share_of_step": 0.2,
+    split = {"params": 2**28, "grads": 2**28, "optimizer": 2**29, "activations": 2**29, "buffers": 2**29}
+    prediction = {"memory_bytes": {**split, "total": 2 * 1024**3}, "bubble_share_of_step": 0.2,
                   "flops_per_token": 1e9, "hardware_flops_per_token": 1.2e9}
     figures = {"step_times_s": [1.0, 1.2], "tokens_per_s": 1000.0, "tokens_per_s_per_gpu": 500.0,
                "mfu": None, "hfu": None, "final_loss": 2.0, "peak_memory_bytes": 3 * 1024**3,
@@ -109,6 +110,7 @@ def test_report_lists_every_cell_with_predictions_and_plots(tmp_path):
     assert "Peak used: 989 TFLOP/s (NVIDIA H100 SXM)" in report
     assert "| 1 | ok | 1,000 | 500 | 1100.0 [1000.0-1200.0] | n/a | n/a | 3.00 | 2.00 | 30.0% | 20.0% |" in report
     assert "{'zero.stage': 2}: rejected: [Z2] no" in report
+    assert "| 1 | 256.00 | 256.00 | 512.00 | 512.00 | 512.00 | 2,048.00 | 3,072.0 |" in report
     assert (tmp_path / "out" / "s.png").stat().st_size > 1000
     overridden = write_report(tmp_path / "r.db", tmp_path / "o2", peak_tflops=100).read_text()
     assert "| 0.5% | 0.6% |" in overridden  # 500 tok/s x 1e9 / 1e14

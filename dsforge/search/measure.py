@@ -1,0 +1,99 @@
+"""`dsforge plan --search ... --measure`: short trials of the top candidates, re-ranked.
+
+Each of the top K layouts runs as a bench cell (dsforge/bench: its own job and process
+group, a wall-clock timeout, warmup steps excluded, ok/oom/timeout/crashed from the exit and
+the log) on this machine's devices, with results in OUT/results.db so `dsforge report` can
+render them and a second run skips what finished. The candidates are then ordered by
+measured median step time (failed trials last) and shown next to the prediction.
+
+The prediction is for the profile's GPU; a trial measures the machine it runs on. Off that
+GPU (e.g. a tiny model on CPU) only the order of the trials means something.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dsforge.bench.run import run_cell
+from dsforge.bench.store import FAILED, Store
+from dsforge.bench.study import Cell, Measure, Study
+from dsforge.recipe.loader import dump_recipe
+from dsforge.recipe.schema import Recipe
+from dsforge.search.search import Ranked, SearchResult
+
+
+@dataclass(frozen=True)
+class Trial:
+    predicted_rank: int
+    candidate: Ranked
+    status: str
+    reason: str | None
+    measured_step_s: float | None
+
+
+def candidate_overrides(r: Ranked) -> dict[str, object]:
+    lay, recipe = r.resolved.layout, r.resolved.recipe
+    return {"parallel.tp": lay.tp, "parallel.pp": lay.pp, "parallel.vpp": lay.vpp,
+            "parallel.ep": lay.ep, "parallel.dp": -1, "parallel.etp": None,
+            "parallel.sequence_parallel": lay.sequence_parallel, "zero.stage": recipe.zero.stage,
+            "train.micro_batch": lay.micro_batch, "train.global_batch": lay.global_batch,
+            "train.grad_accum": None,
+            "train.activation_checkpointing": recipe.train.activation_checkpointing}
+
+
+def _cell(rank: int, r: Ranked, measure: Measure) -> Cell:
+    settings = {**candidate_overrides(r), "train.steps": measure.warmup_steps + measure.steps,
+                "train.timing_warmup": measure.warmup_steps, "train.checkpoint_every": 0}
+    overrides = tuple(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                      for k, v in sorted(settings.items()))
+    key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:16]
+    return Cell(key=key, axes={"candidate": rank}, overrides=overrides)
+
+
+def measure_top(base: Recipe, result: SearchResult, top: int, out_dir: Path, measure: Measure,
+                log: Callable[[str], None] = print) -> list[Trial]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    recipe_path = out_dir / "base.yaml"
+    recipe_path.write_text(dump_recipe(base))
+    shown = result.ranked[:top]
+    study = Study(name=f"search-{base.model.preset or base.name}", recipe=str(recipe_path),
+                  world_size=result.space.gpus, axes={"candidate": list(range(1, len(shown) + 1))},
+                  measure=measure)
+    store = Store(out_dir / "results.db")
+    trials = []
+    try:
+        for rank, candidate in enumerate(shown, start=1):
+            cell = _cell(rank, candidate, measure)
+            if store.status(study.name, cell.key, 0) in (None, *FAILED):
+                row = run_cell(study, recipe_path, cell, 0, out_dir)
+                store.write(row)
+                log(f"trial {rank}/{len(shown)}: {row.status}" + (f" ({row.reason})" if row.reason else ""))
+            trials.append(_trial(rank, candidate, store, study.name, cell.key))
+    finally:
+        store.close()
+    return sorted(trials, key=lambda t: (t.measured_step_s is None, t.measured_step_s or 0.0, t.predicted_rank))
+
+
+def _trial(rank: int, candidate: Ranked, store: Store, study: str, key: str) -> Trial:
+    row = next(r for r in store.rows() if r.study == study and r.cell == key and r.repeat == 0)
+    step = statistics.median(row.figures["step_times_s"]) if row.status == "ok" and row.figures else None
+    return Trial(predicted_rank=rank, candidate=candidate, status=row.status, reason=row.reason,
+                 measured_step_s=step)
+
+
+def render_trials(trials: list[Trial]) -> str:
+    lines = ["measured (re-ranked by median step time of the trial):",
+             "  measured  predicted  layout                                          predicted s  measured s  status"]
+    for position, t in enumerate(trials, start=1):
+        lay, recipe = t.candidate.resolved.layout, t.candidate.resolved.recipe
+        shape = (f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} ep{lay.ep} dp{lay.dp} ZeRO-{recipe.zero.stage} "
+                 f"mb{lay.micro_batch} ckpt {recipe.train.activation_checkpointing}")
+        measured = f"{t.measured_step_s:.3f}" if t.measured_step_s is not None else "-"
+        lines.append(f"  {position:>8}  {t.predicted_rank:>9}  {shape:<46}  {t.candidate.time.total:>11.3f}"
+                     f"  {measured:>10}  {t.status}" + (f": {t.reason}" if t.reason else ""))
+    return "\n".join(lines)
