@@ -94,7 +94,7 @@ def validate(recipe, world_size, hostfile, overrides):
 
 
 _SEARCH_ONLY = ("gpus", "gpus_per_node", "gpu", "global_batch_tokens", "seq_len", "write", "html",
-                "profile")
+                "profile", "measure", "measure_out")
 
 
 @main.command()
@@ -116,6 +116,10 @@ _SEARCH_ONLY = ("gpus", "gpus_per_node", "gpu", "global_batch_tokens", "seq_len"
               help="--search: write the explorer page (one self-contained file) here.")
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
               help="--search: cluster profile YAML (bandwidths, efficiency, memory margin).")
+@click.option("--measure", is_flag=True,
+              help="--search: run short trials of the top layouts here and re-rank by measurement.")
+@click.option("--measure-out", type=click.Path(file_okay=False, path_type=Path),
+              help="--measure: where the trials and results.db go [runs/search-MODEL-TIME].")
 def plan(recipe, world_size, hostfile, overrides, as_json, search, top, **search_options):
     """Show how RECIPE will be laid out, its configs, memory, bubble and FLOPs.
 

@@ -143,8 +143,10 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
         if r.reason:
             lines.append(f"  {i + 1} over {i + 2}: {r.reason}")
     best = shown[0]
+    from dsforge.search.explain import format_duration
+
     lines += ["", "step time of #1: " + ", ".join(
-        f"{k} {v * 1e3:.0f} ms" for k, v in best.time.to_dict().items() if v > 0 or k == "total")]
+        f"{k} {format_duration(v)}" for k, v in best.time.to_dict().items() if v > 0 or k == "total")]
     return "\n".join(lines)
 
 

@@ -72,15 +72,19 @@ def reason(a, b) -> str:
     gain_term = max(saved, key=saved.get)
     if saved[gain_term] <= 1e-9 * max(tb["total"], 1e-12):
         if a.memory.total < b.memory.total:
-            return f"same predicted step time, {(b.memory.total - a.memory.total) / 2**30:.1f} GiB less memory"
+            return f"same predicted step time, {_bytes(b.memory.total - a.memory.total)} less memory"
         return "same predicted step time and memory"
-    text = (f"{_why(gain_term, a, b)}: {_NAMES[gain_term]} {_ms(ta[gain_term])} vs "
-            f"{_ms(tb[gain_term])}")
+    text = (f"{_why(gain_term, a, b)}: {_NAMES[gain_term]} {format_duration(ta[gain_term])} vs "
+            f"{format_duration(tb[gain_term])}")
     loss_term = min(saved, key=saved.get)
     if saved[loss_term] < -0.01 * tb["total"]:
-        text += f", despite more {_NAMES[loss_term]} (+{_ms(-saved[loss_term])})"
+        text += f", despite more {_NAMES[loss_term]} (+{format_duration(-saved[loss_term])})"
     return text
 
 
-def _ms(seconds: float) -> str:
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**29 else f"{n / 2**20:.1f} MiB"
+
+
+def format_duration(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if seconds >= 0.001 else f"{seconds * 1e6:.0f} us"

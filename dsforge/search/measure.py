@@ -47,7 +47,9 @@ def candidate_overrides(r: Ranked) -> dict[str, object]:
 
 
 def _cell(rank: int, r: Ranked, measure: Measure) -> Cell:
-    settings = {**candidate_overrides(r), "train.steps": measure.warmup_steps + measure.steps,
+    steps = measure.warmup_steps + measure.steps
+    settings = {**candidate_overrides(r), "train.steps": steps,
+                "train.warmup_steps": min(r.resolved.recipe.train.warmup_steps, steps - 1),
                 "train.timing_warmup": measure.warmup_steps, "train.checkpoint_every": 0}
     overrides = tuple(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
                       for k, v in sorted(settings.items()))
@@ -88,12 +90,12 @@ def _trial(rank: int, candidate: Ranked, store: Store, study: str, key: str) -> 
 
 def render_trials(trials: list[Trial]) -> str:
     lines = ["measured (re-ranked by median step time of the trial):",
-             "  measured  predicted  layout                                          predicted s  measured s  status"]
+             "  measured  predicted  layout                                          predicted ms  measured ms  status"]
     for position, t in enumerate(trials, start=1):
         lay, recipe = t.candidate.resolved.layout, t.candidate.resolved.recipe
         shape = (f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} ep{lay.ep} dp{lay.dp} ZeRO-{recipe.zero.stage} "
                  f"mb{lay.micro_batch} ckpt {recipe.train.activation_checkpointing}")
-        measured = f"{t.measured_step_s:.3f}" if t.measured_step_s is not None else "-"
-        lines.append(f"  {position:>8}  {t.predicted_rank:>9}  {shape:<46}  {t.candidate.time.total:>11.3f}"
-                     f"  {measured:>10}  {t.status}" + (f": {t.reason}" if t.reason else ""))
+        measured = f"{t.measured_step_s * 1e3:,.1f}" if t.measured_step_s is not None else "-"
+        lines.append(f"  {position:>8}  {t.predicted_rank:>9}  {shape:<46}  {t.candidate.time.total * 1e3:>12,.3f}"
+                     f"  {measured:>11}  {t.status}" + (f": {t.reason}" if t.reason else ""))
     return "\n".join(lines)
