@@ -39,8 +39,14 @@ def _cell_summary(repeats: list[Row]) -> dict:
                        tokens_per_s_per_gpu=pick("tokens_per_s_per_gpu"), mfu=pick("mfu"), hfu=pick("hfu"),
                        peak_memory_bytes=max(r.figures["peak_memory_bytes"] for r in ok),
                        memory_source=ok[0].figures["memory_source"],
+                       tensor_bytes=_largest(r.figures.get("tensor_bytes") for r in ok),
                        bubble=_max_bubble(ok))
     return summary
+
+
+def _largest(censuses) -> dict | None:
+    present = [c for c in censuses if c]
+    return max(present, key=lambda c: c["total"]) if present else None
 
 
 def _status(repeats: list[Row]) -> str:
@@ -131,17 +137,22 @@ def _memory_split(cells: list[dict]) -> list[str]:
     if not predicted:
         return []
     axes = list(cells[0]["axes"])
-    header = axes + [f"{p} (pred.)" for p in MEMORY_PARTS] + ["total (pred.)", "peak (meas.)", "measured as"]
-    lines = ["", "Memory per GPU, MiB: the planner's split (worst pipeline rank) and the measured peak. "
-             "Only totals are measured; the split is the memory model's (docs/memory-and-bubble.md).", "",
+    header = axes + [f"{p} (pred.)" for p in MEMORY_PARTS] + [
+        "total (pred.)", "peak (meas.)", "measured as", "params (live)", "optimizer (live)", "other (live)"]
+    lines = ["", "Memory per GPU, MiB: the planner's split (worst pipeline rank), the measured peak, and "
+             "the live tensors after training (runtime/tensor_census.py: parameters, optimizer master "
+             "copies and state, and everything else still allocated; gradients are freed by then). "
+             "The peak is measured as a total only.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in predicted:
         memory = c["prediction"]["memory_bytes"]
         measured = f"{c['peak_memory_bytes'] / MiB:,.1f}" if "peak_memory_bytes" in c else "-"
+        census = c.get("tensor_bytes") or {}
+        live = [f"{census[k] / MiB:,.2f}" if k in census else "-" for k in ("params", "optimizer", "other")]
         lines.append("| " + " | ".join([str(c["axes"][a]) for a in axes]
                                        + [f"{memory[p] / MiB:,.2f}" if p in memory else "-" for p in MEMORY_PARTS]
                                        + [f"{memory['total'] / MiB:,.2f}", measured,
-                                          c.get("memory_source") or "-"]) + " |")
+                                          c.get("memory_source") or "-", *live]) + " |")
     return lines
 
 

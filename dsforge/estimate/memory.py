@@ -16,8 +16,10 @@ Buffers (DeepSpeed's implementation):
   (2 Psi + 18 Psi/N); ZeRO-3 exceeds estimate_zero3_model_states_mem_needs by the 2 Psi/N
   partition of 16-bit parameters, which that estimator leaves out (both tested).
   ZeRO-3 working set: the largest layer gathered, 16-bit weights and grads (4 x its params)
-  ZeRO reduce bucket: 2 bytes x reduce_bucket_size elements (stages 1-3)
-fp32 training keeps 4-byte params and grads and 8 bytes of Adam state, and no extra copy.
+  ZeRO reduce bucket: 2 bytes x min(reduce_bucket_size, Psi) (stages 1, 2); stage 3 allocates
+  the whole bucket: 2 (fp32: 4) bytes x reduce_bucket_size, whatever the model's size
+fp32 training keeps 4-byte params and grads and 8 bytes of Adam state; ZeRO 1 and 2 add their
+own fp32 copy of the partition (12 Psi / N in all), as measured; ZeRO-3 does not.
 Optimizer offload moves optimizer state and the fp32 gradient partition to the CPU.
 
 Activations (Korthikanti et al. 2022, re-derived for SwiGLU, GQA and no dropout) per layer,
@@ -78,7 +80,10 @@ def model_states(psi: float, *, stage: int, shards: int, precision: str = "bf16"
                  offload_optimizer_ratio: float = 0.0, offload_params: bool = False) -> ModelStates:
     """Bytes of model states for `psi` parameters shared by `shards` data-parallel ranks."""
     half = precision != "fp32"
-    param_bytes, grad_bytes, optim_bytes = (2, 2, 12) if half else (4, 4, 8)
+    # fp32: Adam's m and v (8 bytes); ZeRO 1 and 2 also keep their own fp32 copy of the
+    # partition (single_partition_of_fp32_groups), while ZeRO-3 steps the fp32 partition itself.
+    # Measured by the live-tensor census of `dsforge bench` (benchmarks/zero_study_cpu).
+    param_bytes, grad_bytes, optim_bytes = (2, 2, 12) if half else (4, 4, 12 if stage in (1, 2) else 8)
     on_gpu = 1.0 - offload_optimizer_ratio
     params = 0.0 if offload_params else param_bytes * psi / (shards if stage == 3 else 1)
     return ModelStates(
@@ -194,10 +199,14 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
     dense = model_states(psi.dense, shards=layout.dp, **kw)
     expert = model_states(psi.expert, shards=layout.edp, **kw)
     buffers = dense.fp32_grads + expert.fp32_grads
-    if zero.stage >= 1:
+    grad_bytes = 4 if train.precision == "fp32" else 2
+    if zero.stage in (1, 2):
         buffers += 2 * min(REDUCE_BUCKET_SIZE, psi.dense + psi.expert)
     if zero.stage == 3:
-        buffers += 4 * psi.largest_layer
+        # ZeRO-3 allocates its contiguous-gradient bucket at full reduce_bucket_size whatever
+        # the model's size (stage3.py, `bucket.buffer = torch.empty(reduce_bucket_size)`):
+        # 1 GiB in bf16 at the default, measured as 1.9 GiB in fp32 by the census.
+        buffers += grad_bytes * REDUCE_BUCKET_SIZE + 4 * psi.largest_layer
     return MemoryEstimate(
         params=dense.params + expert.params, grads=dense.grads + expert.grads,
         optimizer=dense.optimizer + expert.optimizer,

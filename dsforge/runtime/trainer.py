@@ -28,6 +28,7 @@ class Trainer:
     def __init__(self, resolved: Resolved, *, device: torch.device, backend: str, run_dir: Path,
                  collective_timeout_s: float, resume: bool = False, measure: bool = False):
         self.resolved, self.device, self.run_dir = resolved, device, run_dir
+        self.measure = measure
         recipe, layout = resolved.recipe, resolved.layout
         if device.type == "cpu":
             from dsforge.runtime import cpu_backend
@@ -176,10 +177,20 @@ class Trainer:
         summary = {"rank": torch.distributed.get_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
                    "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": ps.get_data_parallel_rank(),
                    "peak_memory_bytes": memory, "memory_source": source,
-                   "bubble_share": self.timers.median_bubble(skip) if self.timers else None}
+                   "bubble_share": self.timers.median_bubble(skip) if self.timers else None,
+                   "tensor_bytes": self._tensor_census()}
         directory = self.run_dir / "ranks"
         directory.mkdir(exist_ok=True)
         (directory / f"rank{summary['rank']:05d}.json").write_text(json.dumps(summary) + "\n")
+
+
+    def _tensor_census(self) -> dict[str, int] | None:
+        """Live model-state tensors after training, for `dsforge bench` (tensor_census.py)."""
+        if not self.measure:
+            return None
+        from dsforge.runtime.tensor_census import live_tensor_bytes
+
+        return live_tensor_bytes(self.engine, self.device)
 
 
 def _postfix(r) -> str:

@@ -166,3 +166,21 @@ def test_ranks_share_the_cpus_unless_the_user_chose():
     assert threads_per_rank({"LOCAL_SIZE": str(cpus * 4)}) == 1
     assert threads_per_rank({"LOCAL_SIZE": "2"}) == max(1, cpus // 2)
     assert threads_per_rank({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}) is None
+
+
+def test_tensor_census_sorts_live_storage_by_owner():
+    from types import SimpleNamespace
+
+    from dsforge.runtime.tensor_census import live_tensor_bytes
+
+    model = torch.nn.Linear(64, 32, bias=False)  # 2048 fp32 weights: 8 KiB
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()  # m and v: 16 KiB
+    wrapper = SimpleNamespace(optimizer=optimizer)  # DeepSpeed's wrapper holds the torch one
+    stray = torch.zeros(1000)  # a buffer nobody owns: 4000 bytes  # noqa: F841
+    census = live_tensor_bytes(SimpleNamespace(module=model, optimizer=wrapper), torch.device("cpu"))
+    assert census["params"] == 8192 and census["grads"] == 8192
+    assert census["optimizer"] >= 16384  # + Adam's step counters
+    assert census["other"] >= 4000
+    assert census["total"] == sum(census[k] for k in ("params", "grads", "optimizer", "other"))

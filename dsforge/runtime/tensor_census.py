@@ -1,0 +1,80 @@
+"""Measured model-state memory: every live tensor of the rank, by what it holds.
+
+Peak memory alone (the CUDA allocator's peak, or the process's RSS on CPU) cannot say whether
+the memory model's split is right. After training, activations are gone and what is alive is
+the model states and DeepSpeed's buffers, so a census of live tensors (deduplicated by
+storage: views and flat buffers count once) measures them on any device:
+
+  params     the model's parameters (their ZeRO-3 partitions, `ds_tensor`, included)
+  grads      the model parameters' .grad
+  optimizer  the optimizer's own parameters (ZeRO's fp32 master partitions) and its state
+             (Adam's m and v), through DeepSpeed's wrapper to the torch optimizer
+  other      everything else still alive: ZeRO's flat gradient partitions and buckets,
+             communication buffers, RNG states, ...
+A storage that backs both a parameter and the optimizer (fp32 ZeRO-0: the optimizer steps
+the model's own tensors) counts as params.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Iterator
+
+import torch
+
+
+def _optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
+    """DeepSpeed wraps the torch optimizer (`.optimizer`), sometimes twice."""
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        if isinstance(optimizer, torch.optim.Optimizer):
+            yield optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+
+
+def _key(t: torch.Tensor):
+    storage = t.untyped_storage()
+    return (t.device, storage.data_ptr()) if storage.nbytes() else None
+
+
+def _add(owner: dict, tensors, kind: str) -> None:
+    for t in tensors:
+        if torch.is_tensor(t):
+            key = _key(t)
+            if key is not None:
+                owner.setdefault(key, kind)
+
+
+def _owners(engine) -> dict:
+    owner: dict = {}
+    params = list(engine.module.parameters())
+    _add(owner, params, "params")
+    _add(owner, [getattr(p, "ds_tensor", None) for p in params], "params")
+    _add(owner, [p.grad for p in params], "grads")
+    for optimizer in _optimizers(getattr(engine, "optimizer", None)):
+        for group in optimizer.param_groups:
+            _add(owner, group["params"], "optimizer")
+        for state in optimizer.state.values():
+            _add(owner, state.values(), "optimizer")
+    return owner
+
+
+def live_tensor_bytes(engine, device: torch.device) -> dict[str, int]:
+    """Bytes of live tensor storage on `device`, by params / grads / optimizer / other."""
+    owner = _owners(engine)
+    sizes: dict = {}
+    for obj in gc.get_objects():
+        try:
+            if not torch.is_tensor(obj) or obj.device.type != device.type:
+                continue
+            key = _key(obj)
+        except Exception:  # objects that only look like tensors (meta, fakes)
+            continue
+        if key is not None:
+            sizes[key] = obj.untyped_storage().nbytes()
+    totals = {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
+    for key, nbytes in sizes.items():
+        totals[owner.get(key, "other")] += nbytes
+    totals["total"] = sum(totals.values())
+    return totals
