@@ -129,6 +129,9 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, **search
     if search:
         from dsforge.search.command import run_search_command
 
+        if world_size or hostfile:
+            raise click.UsageError("with --search, give the cluster as --gpus N [--gpus-per-node G]")
+
         run_search_command(recipe, overrides=overrides, as_json=as_json, top=top, **search_options)
         return
     given = [f"--{name.replace('_', '-')}" for name in _SEARCH_ONLY if search_options.get(name)]

@@ -130,9 +130,9 @@ MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 
 
 def _memory_split(cells: list[dict]) -> list[str]:
-    """The planner's estimate per component next to the measured peak. Only the total is
-    measured: the CUDA allocator's peak on GPU, the process's peak RSS on CPU (which also holds
-    the Python and torch runtime), so the split itself is the model's, not a measurement."""
+    """The planner's estimate per component next to what was measured: the peak as a total only
+    (the CUDA allocator's on GPU, the process's RSS on CPU, which also holds the Python and
+    torch runtime), and the live-tensor census after training (params, optimizer, other)."""
     predicted = [c for c in cells if c["prediction"]]
     if not predicted:
         return []

@@ -29,19 +29,21 @@ class Heartbeat:
         self._beat: tuple[int, float] | None = None  # (step, unix time it started)
         self._written: tuple[int, float] | None = None
         self._every = write_every_s
+        self._lock = threading.Lock()  # flush() may also be called from the training thread
         threading.Thread(target=self._write_loop, daemon=True, name="dsforge-heartbeat").start()
 
     def beat(self, step: int) -> None:
         self._beat = (step, time.time())  # one tuple store: atomic for the writer thread
 
     def flush(self) -> None:
-        beat = self._beat
-        if beat is None or beat == self._written:
-            return
-        partial = self.path.with_name(self.path.name + ".partial")
-        partial.write_text(f"{beat[0]} {beat[1]:.3f}\n")
-        os.replace(partial, self.path)
-        self._written = beat
+        with self._lock:
+            beat = self._beat
+            if beat is None or beat == self._written:
+                return
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text(f"{beat[0]} {beat[1]:.3f}\n")
+            os.replace(partial, self.path)
+            self._written = beat
 
     def _write_loop(self) -> None:
         while True:

@@ -165,7 +165,6 @@ class Trainer:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(format_summary(summary), flush=True)
 
-
     def _write_rank_summary(self) -> None:
         """RUN_DIR/ranks/rankNNNNN.json: what only this rank knows (its memory, its bubble)."""
         from megatron.core import parallel_state as ps
@@ -182,7 +181,6 @@ class Trainer:
         directory = self.run_dir / "ranks"
         directory.mkdir(exist_ok=True)
         (directory / f"rank{summary['rank']:05d}.json").write_text(json.dumps(summary) + "\n")
-
 
     def _tensor_census(self) -> dict[str, int] | None:
         """Live model-state tensors after training, for `dsforge bench` (tensor_census.py)."""

@@ -1,0 +1,1 @@
+"""`dsforge plan --search`: enumerate, estimate and rank parallel layouts (docs/search.md)."""

@@ -194,8 +194,9 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
         _print_problems(target, exc.problems)
         sys.exit(EXIT_INVALID)
     result = search(base, space, cluster_profile)
-    if write and result.ranked:
-        click.echo(f"wrote {write_recipe(result, write)}", err=True)
+    if write:
+        click.echo(f"wrote {write_recipe(result, write)}" if result.ranked
+                   else f"nothing written to {write}: no layout fits", err=True)
     if html:
         from dsforge.search.explorer import write_explorer
 

@@ -198,6 +198,8 @@ def test_cli_search_json_and_errors(tmp_path):
     assert unknown.exit_code == 2 and "MODEL_OR_RECIPE='gpt5'" in unknown.output
     misplaced = runner.invoke(main, ["plan", str(REPO / "recipes" / "tiny.yaml"), "--gpus", "8"])
     assert misplaced.exit_code == 2 and "--gpus only apply with --search" in misplaced.output
+    world = runner.invoke(main, ["plan", "--search", "llama2-7b", "--world-size", "8"])
+    assert world.exit_code == 2 and "--gpus N" in world.output
 
 
 def _anchors():
