@@ -189,7 +189,10 @@ def _plots(study: str, cells: list[dict], out_dir: Path) -> list[Path]:
     if not ok:
         return []
     labels = [", ".join(f"{k}={v}" for k, v in c["axes"].items()) for c in ok]
-    fig, (throughput, memory, bubble) = plt.subplots(3, 1, figsize=(max(6, 1.2 * len(ok)), 10))
+    pipelined = any(c["bubble"] is not None or (c["prediction"] or {}).get("bubble_share_of_step")
+                    for c in ok)
+    fig, axes = plt.subplots(3 if pipelined else 2, 1, figsize=(max(6, 1.2 * len(ok)), 10 if pipelined else 7))
+    throughput, memory = axes[0], axes[1]
     x = range(len(ok))
     throughput.bar(x, [c["tokens_per_s"] for c in ok], color="#4c72b0")
     throughput.set_ylabel("tokens/s")
@@ -205,12 +208,16 @@ def _plots(study: str, cells: list[dict], out_dir: Path) -> list[Path]:
         bottom = [b + h for b, h in zip(bottom, heights)]
     memory.set_ylabel("GiB per GPU")
     memory.legend(fontsize=8)
-    bubble.bar([i - width / 2 for i in x], [c["bubble"] or 0 for c in ok], width, label="measured", color="#8172b2")
-    bubble.bar([i + width / 2 for i in x], [(c["prediction"] or {}).get("bubble_share_of_step", 0) for c in ok],
-               width, label="theoretical (p-1)/(vm+p-1)", color="#ccb974")
-    bubble.set_ylabel("bubble share of step")
-    bubble.legend(fontsize=8)
-    for axis in (throughput, memory, bubble):
+    if pipelined:  # no bubble panel for studies without pipeline cells
+        bubble = axes[2]
+        bubble.bar([i - width / 2 for i in x], [c["bubble"] or 0 for c in ok], width, label="measured",
+                   color="#8172b2")
+        bubble.bar([i + width / 2 for i in x],
+                   [(c["prediction"] or {}).get("bubble_share_of_step", 0) for c in ok],
+                   width, label="theoretical (p-1)/(vm+p-1)", color="#ccb974")
+        bubble.set_ylabel("bubble share of step")
+        bubble.legend(fontsize=8)
+    for axis in axes:
         axis.set_xticks(list(x))
         axis.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
     fig.tight_layout()

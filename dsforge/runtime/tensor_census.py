@@ -18,6 +18,7 @@ the model's own tensors) counts as params.
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Iterator
 
 import torch
@@ -64,15 +65,17 @@ def live_tensor_bytes(engine, device: torch.device) -> dict[str, int]:
     """Bytes of live tensor storage on `device`, by params / grads / optimizer / other."""
     owner = _owners(engine)
     sizes: dict = {}
-    for obj in gc.get_objects():
-        try:
-            if not torch.is_tensor(obj) or obj.device.type != device.type:
+    with warnings.catch_warnings():  # touching every object wakes deprecated module attributes
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if not torch.is_tensor(obj) or obj.device.type != device.type:
+                    continue
+                key = _key(obj)
+            except Exception:  # objects that only look like tensors (meta, fakes)
                 continue
-            key = _key(obj)
-        except Exception:  # objects that only look like tensors (meta, fakes)
-            continue
-        if key is not None:
-            sizes[key] = obj.untyped_storage().nbytes()
+            if key is not None:
+                sizes[key] = obj.untyped_storage().nbytes()
     totals = {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
     for key, nbytes in sizes.items():
         totals[owner.get(key, "other")] += nbytes
