@@ -23,7 +23,6 @@ from dsforge.recipe.presets import PRESETS
 from dsforge.recipe.schema import Recipe
 from dsforge.search.command import candidate_json
 from dsforge.search.search import Ranked, SearchResult, search
-from dsforge.search.space import Space
 
 PER_STAGE = 6  # candidates kept per ZeRO stage (and overall) in each scenario
 COMPARED_MODELS = ("llama2-7b", "llama3-8b", "llama2-13b", "llama3-70b", "mixtral-8x7b")

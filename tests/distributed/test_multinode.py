@@ -10,7 +10,6 @@ single-node run's; killing one node's rank ends the whole job with nothing left 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
