@@ -81,7 +81,7 @@ class ModelConfig:
                       {"model.num_attention_heads": self.num_attention_heads,
                        "model.num_kv_heads": self.num_kv_heads},
                       "num_attention_heads must be a multiple of num_kv_heads (query groups)",
-                      f"use num_kv_heads in {_divisors(self.num_attention_heads)}")
+                      f"use num_kv_heads in {divisors(self.num_attention_heads)}")
         if self.kv_channels is None and self.num_attention_heads > 0:
             c.require(self.hidden_size % self.num_attention_heads == 0, "T2",
                       {"model.hidden_size": self.hidden_size,
@@ -291,5 +291,5 @@ class Recipe:
         return "interleaved" if self.parallel.vpp > 1 else "1f1b"
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

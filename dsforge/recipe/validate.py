@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from dsforge.problems import Problem
 from dsforge.recipe.resolve import Topology, batch_sizes, data_parallel_size
-from dsforge.recipe.schema import Recipe
+from dsforge.recipe.schema import Recipe, divisors
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,6 @@ def validate(recipe: Recipe, topology: Topology | None) -> list[Problem]:
     return [problem for rule in RULES for problem in rule(recipe, ctx)]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _choices(values: list[int], limit: int = 12) -> str:
     shown = ", ".join(map(str, values[:limit]))
     return "{" + shown + (", ..." if len(values) > limit else "") + "}"
@@ -55,7 +51,7 @@ def parallel_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
         yield Problem(rule="P2", fields=fields,
                       message=f"the world size is not divisible by tp x pp x cp = {model_parallel}",
                       fix=f"use a world size that is a multiple of {model_parallel}, or tp/pp with "
-                          f"tp x pp in {_choices(_divisors(world))}")
+                          f"tp x pp in {_choices(divisors(world))}")
     else:
         yield Problem(rule="P1", fields={**fields, "parallel.dp": p.dp},
                       message=f"dp x tp x pp x cp = {p.dp * model_parallel} is not the world size",
@@ -98,7 +94,7 @@ def batch_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                               "global_batch",
                       fix="leave out one of global_batch, micro_batch and grad_accum so it is derived")
         return
-    micro_choices = [m for m in _divisors(t.global_batch) if t.global_batch % (m * dp) == 0]
+    micro_choices = [m for m in divisors(t.global_batch) if t.global_batch % (m * dp) == 0]
     yield Problem(rule="B2", fields=fields,
                   message=f"global_batch is not a positive multiple of micro_batch x dp = {step}",
                   fix=f"use global_batch {_near(t.global_batch, step)}"
@@ -118,12 +114,12 @@ def pipeline_layers(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     if p.vpp == 1:
         yield Problem(rule="L1", fields={"model.num_layers": layers, "parallel.pp": p.pp},
                       message=f"num_layers is not divisible by pp={p.pp}",
-                      fix=f"use pp in {_choices(_divisors(layers))}")
+                      fix=f"use pp in {_choices(divisors(layers))}")
         return
     if layers % p.pp == 0:
-        fix = f"use vpp in {_choices(_divisors(layers // p.pp))}"
+        fix = f"use vpp in {_choices(divisors(layers // p.pp))}"
     else:
-        fix = f"use pp in {_choices(_divisors(layers))}"
+        fix = f"use pp in {_choices(divisors(layers))}"
     yield Problem(rule="L2", fields={"model.num_layers": layers, "parallel.pp": p.pp,
                                      "parallel.vpp": p.vpp},
                   message=f"num_layers is not divisible by pp*vpp={p.pp * p.vpp}", fix=fix)
@@ -165,13 +161,13 @@ def tensor_parallel_shapes(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
         yield Problem(rule="T1", fields={"model.num_attention_heads": m.num_attention_heads,
                                          "parallel.tp": tp},
                       message="attention heads must divide evenly across tp",
-                      fix=f"use tp in {_choices(_divisors(m.num_attention_heads))}")
+                      fix=f"use tp in {_choices(divisors(m.num_attention_heads))}")
     groups = m.query_groups
     if groups % tp and tp % groups:
         yield Problem(rule="T1", fields={"model.num_kv_heads": groups, "parallel.tp": tp},
                       message="the number of KV heads (query groups) must be a multiple or a "
                               "divisor of tp",
-                      fix=f"use tp in {_choices(_divisors(groups))} or a multiple of {groups}")
+                      fix=f"use tp in {_choices(divisors(groups))} or a multiple of {groups}")
     if m.ffn_hidden_size % tp:
         yield Problem(rule="T1", fields={"model.ffn_hidden_size": m.ffn_hidden_size, "parallel.tp": tp},
                       message="the MLP width must divide evenly across tp",
@@ -205,7 +201,7 @@ def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     if m.moe.num_experts % p.ep:
         yield Problem(rule="E1", fields={"model.moe.num_experts": m.moe.num_experts, "parallel.ep": p.ep},
                       message="experts must divide evenly across expert-parallel ranks",
-                      fix=f"use ep in {_choices(_divisors(m.moe.num_experts))}")
+                      fix=f"use ep in {_choices(divisors(m.moe.num_experts))}")
     if p.tp > 1 and not p.sequence_parallel:
         yield Problem(rule="E3", fields={"parallel.tp": p.tp, "parallel.sequence_parallel": False},
                       message="MoE with tensor parallelism requires sequence parallelism "

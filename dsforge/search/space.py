@@ -20,7 +20,7 @@ from typing import Iterator
 
 from dsforge.problems import RecipeError
 from dsforge.recipe.resolve import Resolved, Topology, resolve
-from dsforge.recipe.schema import ClusterConfig, Recipe
+from dsforge.recipe.schema import ClusterConfig, Recipe, divisors
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 MAX_VPP = 8
@@ -56,10 +56,6 @@ class Candidate:
     exact_batch: bool
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _powers_of_two_up_to(limit: int) -> list[int]:
     return [2**k for k in range(limit.bit_length()) if 2**k <= limit]
 
@@ -68,12 +64,12 @@ def model_parallel_shapes(recipe: Recipe, space: Space) -> Iterator[tuple[int, i
     """(tp, pp, vpp, ep) that can divide this model and world; the validator has the last word."""
     m = recipe.model
     for tp in _powers_of_two_up_to(min(space.gpus_per_node, m.num_attention_heads)):
-        for pp in _divisors(m.num_layers):
+        for pp in divisors(m.num_layers):
             if space.gpus % (tp * pp):
                 continue
             dp = space.gpus // (tp * pp)
-            vpps = [v for v in _divisors(m.num_layers // pp) if v <= MAX_VPP] if pp > 1 else [1]
-            eps = [e for e in _divisors(m.moe.num_experts) if dp % e == 0] if m.moe else [1]
+            vpps = [v for v in divisors(m.num_layers // pp) if v <= MAX_VPP] if pp > 1 else [1]
+            eps = [e for e in divisors(m.moe.num_experts) if dp % e == 0] if m.moe else [1]
             for vpp, ep in itertools.product(vpps, eps):
                 yield tp, pp, vpp, ep
 
