@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsforge.files import write_atomic
+
 COMPLETE = "dsforge_complete.json"
 LATEST = "latest"
 
@@ -62,9 +64,9 @@ def save(engine, root: Path, *, step: int, recipe: dict[str, Any], world_size: i
         fault(rank, step)  # a drill: die with the files written but not published
     torch.distributed.barrier()  # every rank has finished writing
     if rank == 0:
-        _write_atomic(root / tag / COMPLETE, json.dumps(
+        write_atomic(root / tag / COMPLETE, json.dumps(
             {"step": step, "tag": tag, "world_size": world_size, "recipe": recipe}, indent=2))
-        _write_atomic(root / LATEST, tag)
+        write_atomic(root / LATEST, tag)
     torch.distributed.barrier()
 
 
@@ -158,17 +160,3 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsforge.files import write_atomic
 from dsforge.problems import Problem, RecipeError, did_you_mean
 from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe
 from dsforge.recipe.presets import PRESETS
@@ -77,9 +78,7 @@ def write_recipe(result: SearchResult, path: Path) -> Path:
     header = (f"# Written by `dsforge plan --search`: the fastest predicted layout for "
               f"{result.space.gpus} x {result.profile.gpu.name}.\n")
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(header + dump_recipe(recipe))
-    partial.replace(path)
+    write_atomic(path, header + dump_recipe(recipe))
     return path
 
 

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dsforge.files import write_atomic
 from dsforge.recipe.presets import PRESETS
 from dsforge.recipe.schema import Recipe
 from dsforge.search.command import candidate_json
@@ -114,7 +115,5 @@ def write_explorer(base: Recipe, result: SearchResult, path: Path) -> Path:
     html = (Path(__file__).with_name("explorer.html").read_text()
             .replace("/*DATA*/null", payload))
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(html)
-    partial.replace(path)
+    write_atomic(path, html)
     return path
