@@ -96,14 +96,6 @@ def best_with_shape(s: Scenario, result: SearchResult, p: Published) -> tuple[in
     return None
 
 
-def _shape(r: Ranked) -> str:
-    lay = r.resolved.layout
-    vpp = f" vpp{lay.vpp}" if lay.vpp > 1 else ""
-    ep = f" ep{lay.ep}" if lay.ep > 1 else ""
-    return (f"tp{lay.tp} pp{lay.pp}{vpp}{ep} dp{lay.dp} ZeRO-{r.resolved.recipe.zero.stage} "
-            f"mb{lay.micro_batch} ckpt {r.resolved.recipe.train.activation_checkpointing}")
-
-
 def table() -> str:
     lines = ["| scenario | published layout | published MFU | dsforge rank of that shape | "
              "predicted MFU | dsforge's first choice | predicted MFU |", "|---|---|---|---|---|---|---|"]
@@ -111,7 +103,7 @@ def table() -> str:
         result = run_scenario(s)
         title = f"{s.model} on {s.gpus} {s.gpu.upper()}, batch {s.global_batch}x{s.seq_len}"
         top = result.ranked[0]
-        first = f"{_shape(top)} | {top.mfu:.1%}"
+        first = f"{top.shape()} | {top.mfu:.1%}"
         for p in s.layouts or (None,):
             if p is None:
                 lines.append(f"| {title} | (no published layout comparison) | | | | {first} |")
@@ -121,10 +113,10 @@ def table() -> str:
             if found is None:
                 where = "not among the fitting, valid layouts | -"
             elif found[0] is None:
-                where = (f"with its {p.microbatches} microbatches: {_shape(found[1])}, step "
+                where = (f"with its {p.microbatches} microbatches: {found[1].shape()}, step "
                          f"{found[1].time.total:.1f} s | {found[1].mfu:.1%}")
             else:
-                where = f"{found[0]} of {len(result.ranked)} ({_shape(found[1])}) | {found[1].mfu:.1%}"
+                where = f"{found[0]} of {len(result.ranked)} ({found[1].shape()}) | {found[1].mfu:.1%}"
             lines.append(f"| {title} | {p.name} ({p.source}) | {mfu} | {where} | {first} |")
     return "\n".join(lines)
 

@@ -82,16 +82,8 @@ def write_recipe(result: SearchResult, path: Path) -> Path:
     return path
 
 
-def layout_row(r: Ranked) -> dict[str, Any]:
-    lay, recipe = r.resolved.layout, r.resolved.recipe
-    return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "dp": lay.dp,
-            "zero": recipe.zero.stage, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
-            "global_batch": lay.global_batch, "checkpointing": recipe.train.activation_checkpointing,
-            "sequence_parallel": lay.sequence_parallel, "schedule": lay.schedule}
-
-
 def candidate_json(r: Ranked) -> dict[str, Any]:
-    return {"layout": layout_row(r), "memory_bytes": r.memory.to_dict(),
+    return {"layout": r.layout_row(), "memory_bytes": r.memory.to_dict(),
             "memory_worst_pipeline_rank": r.memory.pipeline_rank,
             "step_time_s": r.time.to_dict(), "tokens_per_s": r.tokens_per_s,
             "tokens_per_s_per_gpu": r.tokens_per_s / r.resolved.layout.world_size, "mfu": r.mfu,
@@ -150,7 +142,7 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
 
 
 def _row(rank: int, r: Ranked) -> tuple:
-    x = layout_row(r)
+    x = r.layout_row()
     return (rank, x["tp"], x["pp"], x["vpp"], x["ep"], x["dp"], x["zero"], x["micro_batch"],
             x["grad_accum"], x["checkpointing"], "y" if x["sequence_parallel"] else "n",
             f"{r.memory.total / GiB:.1f}", f"{r.time.total:.2f}",
@@ -161,7 +153,7 @@ def _nearest_memory_text(result: SearchResult) -> str:
     r = result.nearest_memory
     if r is None:
         return "no valid layout for this model and GPU count."
-    x = layout_row(r)
+    x = r.layout_row()
     return (f"the smallest needs {r.memory.total / GiB:.1f} GiB per GPU (tp {x['tp']}, pp {x['pp']}, "
             f"ZeRO-{x['zero']}, checkpointing {x['checkpointing']}); use more GPUs, GPUs with more "
             f"memory, or a shorter --seq-len (CPU offload is not searched: try zero.offload_optimizer "
@@ -204,7 +196,7 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
     if as_json:
         data = result_json(result, top)
         if trials is not None:
-            data["measured"] = [{"predicted_rank": t.predicted_rank, "layout": layout_row(t.candidate),
+            data["measured"] = [{"predicted_rank": t.predicted_rank, "layout": t.candidate.layout_row(),
                                  "predicted_step_s": t.candidate.time.total,
                                  "measured_step_s": t.measured_step_s, "status": t.status,
                                  "reason": t.reason} for t in trials]

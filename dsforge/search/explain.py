@@ -22,17 +22,14 @@ def with_reasons(ranked: list) -> list:
             for i, r in enumerate(ranked)]
 
 
-def _layout_words(r) -> dict:
-    lay, recipe = r.resolved.layout, r.resolved.recipe
-    return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "dp": lay.dp,
-            "zero": recipe.zero.stage, "micro_batch": lay.micro_batch,
-            "checkpointing": recipe.train.activation_checkpointing,
-            "sequence_parallel": lay.sequence_parallel, "grad_accum": lay.grad_accum}
+# Layout choices a reason may name (the batch and schedule follow from them).
+_CHOICES = ("tp", "pp", "vpp", "ep", "dp", "zero", "micro_batch", "checkpointing",
+            "sequence_parallel", "grad_accum")
 
 
 def _why(term: str, a, b) -> str:
-    la, lb = _layout_words(a), _layout_words(b)
-    differs = {k for k in la if la[k] != lb[k]}
+    la, lb = a.layout_row(), b.layout_row()
+    differs = {k for k in _CHOICES if la[k] != lb[k]}
     if term == "compute":
         if "checkpointing" in differs:
             return f"recomputes less (checkpointing {la['checkpointing']} vs {lb['checkpointing']})"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dsforge.files import write_atomic
-from dsforge.recipe.presets import PRESETS
+from dsforge.recipe.presets import apply_preset
 from dsforge.recipe.schema import Recipe
 from dsforge.search.command import candidate_json
 from dsforge.search.search import Ranked, SearchResult, search
@@ -99,7 +99,7 @@ def _with_preset(base: Recipe, preset: str) -> Recipe | None:
     from dsforge.recipe.schema import ModelConfig
 
     try:
-        model = build_dataclass(ModelConfig, {"preset": preset, **PRESETS[preset]})
+        model = build_dataclass(ModelConfig, apply_preset({"preset": preset}, preset))
     except RecipeError:
         return None
     if model.max_seq_len < base.train.seq_len:

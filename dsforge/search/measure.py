@@ -92,9 +92,7 @@ def render_trials(trials: list[Trial]) -> str:
     lines = ["measured (re-ranked by median step time of the trial):",
              "  measured  predicted  layout                                          predicted ms  measured ms  status"]
     for position, t in enumerate(trials, start=1):
-        lay, recipe = t.candidate.resolved.layout, t.candidate.resolved.recipe
-        shape = (f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} ep{lay.ep} dp{lay.dp} ZeRO-{recipe.zero.stage} "
-                 f"mb{lay.micro_batch} ckpt {recipe.train.activation_checkpointing}")
+        shape = t.candidate.shape()
         measured = f"{t.measured_step_s * 1e3:,.1f}" if t.measured_step_s is not None else "-"
         lines.append(f"  {position:>8}  {t.predicted_rank:>9}  {shape:<46}  {t.candidate.time.total * 1e3:>12,.3f}"
                      f"  {measured:>11}  {t.status}" + (f": {t.reason}" if t.reason else ""))

@@ -32,6 +32,22 @@ class Ranked:
     exact_batch: bool
     reason: str = ""  # why it beat the next candidate
 
+    def layout_row(self) -> dict:
+        """The layout choices that tell candidates apart (JSON output, tables, reasons)."""
+        lay, recipe = self.resolved.layout, self.resolved.recipe
+        return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "dp": lay.dp,
+                "zero": recipe.zero.stage, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
+                "global_batch": lay.global_batch, "checkpointing": recipe.train.activation_checkpointing,
+                "sequence_parallel": lay.sequence_parallel, "schedule": lay.schedule}
+
+    def shape(self) -> str:
+        """One line, e.g. `tp2 pp8 vpp5 dp2 ZeRO-1 mb1 ckpt none` (vpp and ep shown when > 1)."""
+        x = self.layout_row()
+        vpp = f" vpp{x['vpp']}" if x["vpp"] > 1 else ""
+        ep = f" ep{x['ep']}" if x["ep"] > 1 else ""
+        return (f"tp{x['tp']} pp{x['pp']}{vpp}{ep} dp{x['dp']} ZeRO-{x['zero']} "
+                f"mb{x['micro_batch']} ckpt {x['checkpointing']}")
+
 
 @dataclass
 class SearchResult:
