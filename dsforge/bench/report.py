@@ -10,6 +10,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from dsforge.bench.run import largest_census
 from dsforge.bench.store import Row, Store
 from dsforge.estimate.hardware import gpu_for_device_name
 
@@ -39,14 +40,9 @@ def _cell_summary(repeats: list[Row]) -> dict:
                        tokens_per_s_per_gpu=pick("tokens_per_s_per_gpu"), mfu=pick("mfu"), hfu=pick("hfu"),
                        peak_memory_bytes=max(r.figures["peak_memory_bytes"] for r in ok),
                        memory_source=ok[0].figures["memory_source"],
-                       tensor_bytes=_largest(r.figures.get("tensor_bytes") for r in ok),
+                       tensor_bytes=largest_census(r.figures.get("tensor_bytes") for r in ok),
                        bubble=_max_bubble(ok))
     return summary
-
-
-def _largest(censuses) -> dict | None:
-    present = [c for c in censuses if c]
-    return max(present, key=lambda c: c["total"]) if present else None
 
 
 def _status(repeats: list[Row]) -> str:

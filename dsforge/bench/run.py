@@ -130,14 +130,14 @@ def figures(run_dir: Path) -> dict:
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
         "memory_source": ranks[0]["memory_source"],
         "bubble_share_by_stage": {str(k): statistics.median(v) for k, v in sorted(bubbles.items())},
-        "tensor_bytes": _largest_census(ranks),
+        "tensor_bytes": largest_census(r.get("tensor_bytes") for r in ranks),
     }
 
 
-def _largest_census(ranks: list[dict]) -> dict | None:
-    """The live-tensor census of the rank holding the most (runtime/tensor_census.py)."""
-    censuses = [r["tensor_bytes"] for r in ranks if r.get("tensor_bytes")]
-    return max(censuses, key=lambda c: c["total"]) if censuses else None
+def largest_census(censuses) -> dict | None:
+    """The live-tensor census holding the most (runtime/tensor_census.py); None if there is none."""
+    present = [c for c in censuses if c]
+    return max(present, key=lambda c: c["total"]) if present else None
 
 
 def prediction(resolved: Resolved) -> dict:

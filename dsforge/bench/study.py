@@ -101,16 +101,22 @@ def expand(study: Study) -> list[Cell]:
     cells = []
     for values in itertools.product(*(study.axes[n] for n in names)):
         axes = dict(zip(names, values))
-        settings = {**study.set, **_timing(study.measure)}
+        settings = {**study.set, **timing(study.measure)}
         for name, value in axes.items():
             settings.update(_schedule(value, study.pipeline_stages) if name == "schedule" else {name: value})
-        overrides = tuple(f"{k}={_yaml(v)}" for k, v in sorted(settings.items()))
-        key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:16]
-        cells.append(Cell(key=key, axes=axes, overrides=overrides))
+        cells.append(make_cell(axes, settings))
     return cells
 
 
-def _timing(measure: Measure) -> dict[str, Any]:
+def make_cell(axes: dict[str, Any], settings: dict[str, Any]) -> Cell:
+    """The cell whose recipe is the base with `settings` (dotted names) applied; its key is
+    stable across runs, so a study run again finds the rows it already has."""
+    overrides = tuple(f"{k}={_yaml(v)}" for k, v in sorted(settings.items()))
+    key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:16]
+    return Cell(key=key, axes=axes, overrides=overrides)
+
+
+def timing(measure: Measure) -> dict[str, Any]:
     return {"train.steps": measure.warmup_steps + measure.steps,
             "train.timing_warmup": measure.warmup_steps, "train.checkpoint_every": 0}
 

@@ -12,8 +12,6 @@ GPU (e.g. a tiny model on CPU) only the order of the trials means something.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Callable
 
 from dsforge.bench.run import run_cell
 from dsforge.bench.store import FAILED, Store
-from dsforge.bench.study import Cell, Measure, Study
+from dsforge.bench.study import Cell, Measure, Study, make_cell, timing
 from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.schema import Recipe
 from dsforge.search.search import Ranked, SearchResult
@@ -47,14 +45,10 @@ def candidate_overrides(r: Ranked) -> dict[str, object]:
 
 
 def _cell(rank: int, r: Ranked, measure: Measure) -> Cell:
-    steps = measure.warmup_steps + measure.steps
-    settings = {**candidate_overrides(r), "train.steps": steps,
-                "train.warmup_steps": min(r.resolved.recipe.train.warmup_steps, steps - 1),
-                "train.timing_warmup": measure.warmup_steps, "train.checkpoint_every": 0}
-    overrides = tuple(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
-                      for k, v in sorted(settings.items()))
-    key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:16]
-    return Cell(key=key, axes={"candidate": rank}, overrides=overrides)
+    settings = {**candidate_overrides(r), **timing(measure)}
+    # The learning-rate warmup must be shorter than the trial.
+    settings["train.warmup_steps"] = min(r.resolved.recipe.train.warmup_steps, settings["train.steps"] - 1)
+    return make_cell({"candidate": rank}, settings)
 
 
 def measure_top(base: Recipe, result: SearchResult, top: int, out_dir: Path, measure: Measure,
