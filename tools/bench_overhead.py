@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from dsforge.launch.local import free_port, run_job
+from dsforge.runtime.rank import threads_per_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 HANDWRITTEN = ROOT / "benchmarks" / "overhead" / "handwritten.py"
@@ -31,30 +31,15 @@ LAYOUTS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_group(command: list[str], log: Path, timeout_s: float) -> None:
-    """Run in its own process group; the whole group is killed if it outlives the timeout.
+    """Run through dsforge's own job runner: its own process group, killed on timeout or Ctrl-C.
 
-    Both sides get the same OMP_NUM_THREADS (the CPUs shared by the 2 ranks), so the thread
-    count dsforge would choose by itself is not what is compared."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise SystemExit(f"timed out after {timeout_s:.0f}s: {' '.join(command)} (log: {log})")
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    Both sides get the same OMP_NUM_THREADS (the thread count dsforge gives each of 2 local
+    ranks), so dsforge choosing it by itself is not what is compared."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank({"LOCAL_SIZE": "2"}))}
+    code = run_job(command, timeout_s=timeout_s, env=env, log_path=log)
+    if code == 124:
+        raise SystemExit(f"timed out after {timeout_s:.0f}s: {' '.join(command)} (log: {log})")
     if code != 0:
         raise SystemExit(f"exit {code}: {' '.join(command)}\n{log.read_text()[-3000:]}")
 
@@ -67,7 +52,7 @@ def periods(end_times: list[float], skip: int) -> list[float]:
 
 def run_dsforge(work: Path, overrides: list[str], steps: int, timeout_s: float) -> list[float]:
     run_dir = work / "dsforge"
-    command = [sys.executable, "-m", "dsforge", "run", "recipes/tiny.yaml", "--world-size", "2",
+    command = [sys.executable, "-m", "dsforge", "run", str(ROOT / "recipes" / "tiny.yaml"), "--world-size", "2",
                "--run-dir", str(run_dir), "--set", f"train.steps={steps}"]
     for item in overrides:
         command += ["--set", item]
