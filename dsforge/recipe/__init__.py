@@ -2,9 +2,10 @@
 
 from dsforge.recipe.loader import load_recipe
 from dsforge.problems import Problem, RecipeError
-from dsforge.recipe.resolve import Layout, Resolved, Topology, resolve, topology_for
+from dsforge.recipe.layout import Topology
+from dsforge.recipe.resolve import Layout, Resolved, resolve, resolve_file, topology_for
 from dsforge.recipe.schema import Recipe
 from dsforge.recipe.validate import validate
 
 __all__ = ["Layout", "Problem", "Recipe", "RecipeError", "Resolved", "Topology", "load_recipe",
-           "resolve", "topology_for", "validate"]
+           "resolve", "resolve_file", "topology_for", "validate"]

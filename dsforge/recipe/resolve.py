@@ -1,6 +1,7 @@
 """Resolve a recipe against a world: the topology, then the concrete layout.
 
-`topology_for` decides the world size from every source that names one (--world-size, a
+`resolve_file` is the whole path from a recipe file (and hostfile) to a Resolved, raising
+every problem at once. `topology_for` decides the world size from every source that names one (--world-size, a
 hostfile, the recipe's cluster section, an explicit parallel.dp) and reports a conflict
 instead of picking one (rule Y4). `resolve` turns a validated recipe into a new Recipe with
 dp and the batch arithmetic filled in, plus the Layout every downstream step uses. Nothing is
@@ -11,27 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
 
-from dsforge.launch.hostfile import Hostfile
+from dsforge.launch.hostfile import Hostfile, active_hosts, read_hostfile
 from dsforge.problems import Problem, RecipeError, errors
+from dsforge.recipe.layout import Topology, batch_sizes, data_parallel_size
+from dsforge.recipe.loader import load_recipe
 from dsforge.recipe.schema import Recipe
-
-
-@dataclass(frozen=True, kw_only=True)
-class Topology:
-    world_size: int
-    node_slots: tuple[int, ...] | None = None  # ranks per node in rank order; None = unknown
-    source: str = ""
-
-    def node_of(self, rank: int) -> int | None:
-        if self.node_slots is None:
-            return None
-        first = 0
-        for node, slots in enumerate(self.node_slots):
-            if rank < first + slots:
-                return node
-            first += slots
-        raise ValueError(f"rank {rank} is outside a world of {sum(self.node_slots)}")
+from dsforge.recipe.validate import validate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,43 +95,8 @@ def _node_slots(recipe: Recipe, hostfile: Hostfile | None) -> tuple[int, ...] | 
     return None
 
 
-def data_parallel_size(recipe: Recipe, world_size: int) -> int | None:
-    """dp for this world, or None when the world does not divide (rules P1/P2 report it)."""
-    p = recipe.parallel
-    model_parallel = p.tp * p.pp * p.cp
-    if p.dp != -1:
-        return p.dp if p.dp * model_parallel == world_size else None
-    return world_size // model_parallel if world_size % model_parallel == 0 else None
-
-
-@dataclass(frozen=True)
-class BatchSizes:
-    global_batch: int
-    micro_batch: int
-    grad_accum: int
-
-
-def batch_sizes(recipe: Recipe, dp: int) -> BatchSizes | None:
-    """global = micro x grad_accum x dp from the values given; None when they do not fit
-    (rules B1/B2 report why). Any two fix the third; alone, micro_batch defaults to 1."""
-    t = recipe.train
-    given, micro, accum = t.global_batch, t.micro_batch, t.grad_accum
-    if given is not None and accum is not None and micro is None:
-        micro, remainder = divmod(given, accum * dp)
-        return BatchSizes(given, micro, accum) if micro and not remainder else None
-    micro = micro or 1
-    if given is None:
-        return BatchSizes(micro * (accum or 1) * dp, micro, accum or 1)
-    accum_needed, remainder = divmod(given, micro * dp)
-    if remainder or not accum_needed or accum not in (None, accum_needed):
-        return None
-    return BatchSizes(given, micro, accum_needed)
-
-
 def resolve(recipe: Recipe, topology: Topology) -> Resolved:
     """The concrete recipe and layout; raises RecipeError if the recipe does not validate."""
-    from dsforge.recipe.validate import validate
-
     problems = validate(recipe, topology)
     if errors(problems):
         raise RecipeError(problems)
@@ -161,3 +115,28 @@ def resolve(recipe: Recipe, topology: Topology) -> Resolved:
                     grad_accum=batch.grad_accum, global_batch=batch.global_batch,
                     schedule=recipe.schedule)
     return Resolved(recipe=concrete, layout=layout, topology=topology, warnings=tuple(problems))
+
+
+def resolve_file(path: str | Path, overrides: Iterable[str] = (), *, world_size: int | None = None,
+                 hostfile: str | Path | None = None, include: str = "",
+                 exclude: str = "") -> Resolved:
+    """Load the recipe at `path` (with `section.field=value` overrides), place it in the world
+    given by `world_size`, the hostfile (narrowed by DeepSpeed's --include/--exclude) or the
+    recipe itself, validate and resolve it. Raises RecipeError with every problem found;
+    hostfile and recipe problems are reported together, since either can be fixed first."""
+    problems: list[Problem] = []
+    hosts = recipe = None
+    try:
+        hosts = active_hosts(read_hostfile(hostfile), include, exclude) if hostfile else None
+    except RecipeError as exc:
+        problems.extend(exc.problems)
+    try:
+        recipe = load_recipe(path, overrides)
+    except RecipeError as exc:
+        problems.extend(exc.problems)
+    if problems:
+        raise RecipeError(problems)
+    topology, problems = topology_for(recipe, world_size=world_size, hostfile=hosts)
+    if problems:
+        raise RecipeError(problems)
+    return resolve(recipe, topology)

@@ -108,10 +108,6 @@ class ModelConfig:
         """Megatron's moe_layer_freq=N convention: layer i is MoE when i % N == 0."""
         return self.moe is not None and layer % self.moe.frequency == 0
 
-    @property
-    def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
-
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:

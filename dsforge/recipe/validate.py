@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dsforge.problems import Problem
-from dsforge.recipe.resolve import Topology, batch_sizes, data_parallel_size
+from dsforge.recipe.layout import Topology, batch_sizes, data_parallel_size
 from dsforge.recipe.schema import Recipe, divisors
 
 

@@ -1,0 +1,66 @@
+"""The arithmetic of a layout: the world a recipe runs in, its dp, and its batch sizes.
+
+Pure functions shared by `validate` (which reports when they do not come out whole) and
+`resolve` (which fills them in), so neither module has to import the other's helpers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsforge.recipe.schema import Recipe
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    world_size: int
+    node_slots: tuple[int, ...] | None = None  # ranks per node in rank order; None = unknown
+    source: str = ""  # the recipe field or option the world size came from
+
+    def node_of(self, rank: int) -> int | None:
+        if self.node_slots is None:
+            return None
+        first = 0
+        for node, slots in enumerate(self.node_slots):
+            if rank < first + slots:
+                return node
+            first += slots
+        raise ValueError(f"rank {rank} is outside a world of {sum(self.node_slots)}")
+
+
+def data_parallel_size(recipe: Recipe, world_size: int) -> int | None:
+    """dp for this world, or None when the world does not divide (rules P1/P2 report it)."""
+    p = recipe.parallel
+    model_parallel = p.tp * p.pp * p.cp
+    if p.dp != -1:
+        return p.dp if p.dp * model_parallel == world_size else None
+    return world_size // model_parallel if world_size % model_parallel == 0 else None
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+
+
+def batch_sizes(recipe: Recipe, dp: int) -> BatchSizes | None:
+    """global = micro x grad_accum x dp from the values the recipe gives; None when they do
+    not fit (rules B1/B2 report why)."""
+    t = recipe.train
+    return derive_batch(t.global_batch, t.micro_batch, t.grad_accum, dp)
+
+
+def derive_batch(given: int | None, micro: int | None, accum: int | None,
+                 dp: int) -> BatchSizes | None:
+    """Any two of global/micro/grad_accum fix the third; alone, micro_batch defaults to 1."""
+    if given is not None and accum is not None and micro is None:
+        micro, remainder = divmod(given, accum * dp)
+        return BatchSizes(given, micro, accum) if micro and not remainder else None
+    micro = micro or 1
+    if given is None:
+        return BatchSizes(micro * (accum or 1) * dp, micro, accum or 1)
+    accum_needed, remainder = divmod(given, micro * dp)
+    if remainder or not accum_needed or accum not in (None, accum_needed):
+        return None
+    return BatchSizes(given, micro, accum_needed)
