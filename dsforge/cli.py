@@ -13,9 +13,7 @@ import click
 
 from dsforge.launch.hostfile import active_hosts, read_hostfile
 from dsforge.recipe import RecipeError, Resolved, load_recipe, resolve, topology_for
-from dsforge.problems import Problem, errors
-
-EXIT_INVALID = 2
+from dsforge.problems import EXIT_INVALID, Problem, print_problems
 
 
 def _recipe_options(command):
@@ -52,15 +50,8 @@ def resolve_or_exit(recipe_path: str, overrides: tuple[str, ...], world_size: in
             raise RecipeError(problems)
         return resolve(recipe, topology)
     except RecipeError as exc:
-        _print_problems(recipe_path, exc.problems)
+        print_problems(recipe_path, exc.problems)
         sys.exit(EXIT_INVALID)
-
-
-def _print_problems(source: str, problems: tuple[Problem, ...]) -> None:
-    count = len(errors(problems))
-    click.echo(f"{source}: {count} error{'s' if count != 1 else ''}", err=True)
-    for problem in problems:
-        click.echo(f"  {problem.severity}: {problem}", err=True)
 
 
 def entry(argv: list[str] | None = None) -> None:
@@ -216,7 +207,7 @@ def _preflight_or_exit(recipe: str, hostfile: str, include: str, exclude: str, p
     hosts = active_hosts(read_hostfile(hostfile), include, exclude)
     problems = preflight(hosts, master_port=port, timeout_s=timeout_s)
     if problems:
-        _print_problems(f"preflight of {hostfile}", tuple(problems))
+        print_problems(f"preflight of {hostfile}", tuple(problems))
         sys.exit(EXIT_INVALID)
     click.echo(f"dsforge: preflight ok: {len(hosts.hosts)} hosts reachable, same versions, "
                f"port {port} free on {hosts.hostnames[0]}", err=True)
@@ -245,7 +236,7 @@ def _forwarded_env() -> dict[str, str]:
     try:
         return forwarded_env(os.environ)
     except RecipeError as exc:
-        _print_problems("environment", exc.problems)
+        print_problems("environment", exc.problems)
         sys.exit(EXIT_INVALID)
 
 
@@ -360,7 +351,7 @@ def bench(study, out, retry_failed):
     try:
         parsed, recipe_path = load_study(study)
     except RecipeError as exc:
-        _print_problems(study, exc.problems)
+        print_problems(study, exc.problems)
         sys.exit(EXIT_INVALID)
     out = out or Path("benchmarks") / parsed.name
     store = Store(out / "results.db")

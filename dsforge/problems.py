@@ -6,6 +6,10 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
+import click
+
+EXIT_INVALID = 2  # the exit status of every command that reports problems
+
 Severity = Literal["error", "warning"]
 
 
@@ -43,6 +47,15 @@ def errors(problems: Iterable[Problem]) -> list[Problem]:
 
 def warnings(problems: Iterable[Problem]) -> list[Problem]:
     return [p for p in problems if p.severity == "warning"]
+
+
+def print_problems(source: str, problems: Iterable[Problem]) -> None:
+    """`source: N errors` and one line per problem, on stderr."""
+    problems = tuple(problems)
+    count = len(errors(problems))
+    click.echo(f"{source}: {count} error{'s' if count != 1 else ''}", err=True)
+    for problem in problems:
+        click.echo(f"  {problem.severity}: {problem}", err=True)
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -4,17 +4,26 @@ from a model name or a recipe file, the search space, and the text and JSON outp
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
+
+from dsforge.bench.study import Measure
 from dsforge.files import write_atomic
-from dsforge.problems import Problem, RecipeError, did_you_mean
+from dsforge.problems import EXIT_INVALID, Problem, RecipeError, did_you_mean, print_problems
 from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe
 from dsforge.recipe.presets import PRESETS
 from dsforge.recipe.schema import Recipe
-from dsforge.search.profile import ClusterProfile
-from dsforge.search.search import Ranked, SearchResult
+from dsforge.search.explain import format_duration
+from dsforge.search.explorer import write_explorer
+from dsforge.search.measure import measure_top, render_trials
+from dsforge.search.profile import ClusterProfile, load_profile
+from dsforge.search.search import Ranked, SearchResult, search
 from dsforge.search.space import Space
 
 GiB = 2**30
@@ -82,14 +91,6 @@ def write_recipe(result: SearchResult, path: Path) -> Path:
     return path
 
 
-def candidate_json(r: Ranked) -> dict[str, Any]:
-    return {"layout": r.layout_row(), "memory_bytes": r.memory.to_dict(),
-            "memory_worst_pipeline_rank": r.memory.pipeline_rank,
-            "step_time_s": r.time.to_dict(), "tokens_per_s": r.tokens_per_s,
-            "tokens_per_s_per_gpu": r.tokens_per_s / r.resolved.layout.world_size, "mfu": r.mfu,
-            "exact_batch": r.exact_batch, "why_above_next": r.reason}
-
-
 def result_json(result: SearchResult, top: int) -> dict[str, Any]:
     profile = dataclasses.asdict(result.profile)
     profile["gpu"] = result.profile.gpu.key
@@ -98,8 +99,8 @@ def result_json(result: SearchResult, top: int) -> dict[str, Any]:
         "counts": {"considered": result.considered, "valid": result.valid, "fit": result.fit,
                    "ranked": len(result.ranked), "batch_exact": result.batch_exact},
         "seconds": result.seconds,
-        "candidates": [candidate_json(r) for r in result.ranked[:top]],
-        "nearest_memory": candidate_json(result.nearest_memory) if result.nearest_memory else None,
+        "candidates": [r.to_dict() for r in result.ranked[:top]],
+        "nearest_memory": result.nearest_memory.to_dict() if result.nearest_memory else None,
     }
 
 
@@ -134,8 +135,6 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
         if r.reason:
             lines.append(f"  {i + 1} over {i + 2}: {r.reason}")
     best = shown[0]
-    from dsforge.search.explain import format_duration
-
     lines += ["", "step time of #1: " + ", ".join(
         f"{k} {format_duration(v)}" for k, v in best.time.to_dict().items() if v > 0 or k == "total")]
     return "\n".join(lines)
@@ -164,15 +163,6 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
                        gpu, global_batch_tokens, seq_len, write, html, profile, measure=False,
                        measure_out=None) -> None:
     """The whole `dsforge plan --search`: problems are printed together, exit 2."""
-    import json
-    import sys
-
-    import click
-
-    from dsforge.cli import EXIT_INVALID, _print_problems
-    from dsforge.search.profile import load_profile
-    from dsforge.search.search import search
-
     request = SearchRequest(target=target, gpus=gpus, gpu=gpu, global_batch_tokens=global_batch_tokens,
                             seq_len=seq_len, overrides=tuple(overrides))
     try:
@@ -182,15 +172,13 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
                                        gpus_per_node or (cluster.gpus_per_node if cluster else None))
         space = search_space(base, request, cluster_profile)
     except RecipeError as exc:
-        _print_problems(target, exc.problems)
+        print_problems(target, exc.problems)
         sys.exit(EXIT_INVALID)
     result = search(base, space, cluster_profile)
     if write:
         click.echo(f"wrote {write_recipe(result, write)}" if result.ranked
                    else f"nothing written to {write}: no layout fits", err=True)
     if html:
-        from dsforge.search.explorer import write_explorer
-
         click.echo(f"wrote {write_explorer(base, result, html)}", err=True)
     trials = _measure(base, result, top, measure_out) if measure and result.ranked else None
     if as_json:
@@ -204,19 +192,10 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
     else:
         click.echo(render(result, top, base.model.preset or base.name))
         if trials is not None:
-            from dsforge.search.measure import render_trials
-
             click.echo("\n" + render_trials(trials))
 
 
 def _measure(base: Recipe, result: SearchResult, top: int, out: Path | None):
-    import time
-
-    import click
-
-    from dsforge.bench.study import Measure
-    from dsforge.search.measure import measure_top
-
     out = out or Path("runs") / f"search-{base.model.preset or base.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     click.echo(f"measuring the top {min(top, len(result.ranked))} layouts on this machine; "
                f"results in {out}/results.db", err=True)

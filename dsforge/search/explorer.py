@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from dsforge.files import write_atomic
+from dsforge.problems import RecipeError
+from dsforge.recipe.loader import build_dataclass
 from dsforge.recipe.presets import apply_preset
-from dsforge.recipe.schema import Recipe
-from dsforge.search.command import candidate_json
+from dsforge.recipe.schema import ModelConfig, Recipe
 from dsforge.search.search import Ranked, SearchResult, search
+from dsforge.translate.groups import rank_groups
 
 PER_STAGE = 6  # candidates kept per ZeRO stage (and overall) in each scenario
 COMPARED_MODELS = ("llama2-7b", "llama3-8b", "llama2-13b", "llama3-70b", "mixtral-8x7b")
@@ -31,8 +33,6 @@ COMPARED_MODELS = ("llama2-7b", "llama3-8b", "llama2-13b", "llama3-70b", "mixtra
 
 def _rank_coordinates(r: Ranked) -> dict[str, list[int]]:
     """Each rank's position in its tp, pp, dp (and ep) group, from Megatron's RankGenerator."""
-    from dsforge.translate.groups import rank_groups
-
     world = r.resolved.layout.world_size
     coords: dict[str, list[int]] = {}
     for name, groups in rank_groups(r.resolved.layout).items():
@@ -67,7 +67,7 @@ def scenario(result: SearchResult, model_name: str) -> dict[str, Any]:
         "gpu_bytes": profile.gpu.memory_bytes, "global_batch": space.global_batch,
         "counts": {"considered": result.considered, "valid": result.valid, "fit": result.fit,
                    "ranked": len(result.ranked)},
-        "candidates": [{**candidate_json(r), "rank": result.ranked.index(r) + 1,
+        "candidates": [{**r.to_dict(), "rank": result.ranked.index(r) + 1,
                         "coords": _rank_coordinates(r)} for r in shown],
     }
 
@@ -94,10 +94,6 @@ def build_scenarios(base: Recipe, result: SearchResult) -> list[dict[str, Any]]:
 
 
 def _with_preset(base: Recipe, preset: str) -> Recipe | None:
-    from dsforge.problems import RecipeError
-    from dsforge.recipe.loader import build_dataclass
-    from dsforge.recipe.schema import ModelConfig
-
     try:
         model = build_dataclass(ModelConfig, apply_preset({"preset": preset}, preset))
     except RecipeError:

@@ -18,6 +18,7 @@ from dsforge.estimate.memory import MemoryEstimate, estimate_memory
 from dsforge.recipe.resolve import Resolved
 from dsforge.recipe.schema import Recipe
 from dsforge.search.cost import StepTime, step_time
+from dsforge.search.explain import with_reasons
 from dsforge.search.profile import ClusterProfile
 from dsforge.search.space import Candidate, Space, enumerate_candidates
 
@@ -48,6 +49,14 @@ class Ranked:
         return (f"tp{x['tp']} pp{x['pp']}{vpp}{ep} dp{x['dp']} ZeRO-{x['zero']} "
                 f"mb{x['micro_batch']} ckpt {x['checkpointing']}")
 
+    def to_dict(self) -> dict:
+        """The candidate in `plan --search --json` and on the explorer page."""
+        return {"layout": self.layout_row(), "memory_bytes": self.memory.to_dict(),
+                "memory_worst_pipeline_rank": self.memory.pipeline_rank,
+                "step_time_s": self.time.to_dict(), "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s / self.resolved.layout.world_size,
+                "mfu": self.mfu, "exact_batch": self.exact_batch, "why_above_next": self.reason}
+
 
 @dataclass
 class SearchResult:
@@ -75,8 +84,6 @@ def evaluate(candidate: Candidate, profile: ClusterProfile) -> Ranked:
 
 
 def search(base: Recipe, space: Space, profile: ClusterProfile) -> SearchResult:
-    from dsforge.search.explain import with_reasons
-
     started = time.perf_counter()
     candidates, considered = enumerate_candidates(base, space)
     evaluated = [evaluate(c, profile) for c in candidates]

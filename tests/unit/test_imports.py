@@ -1,0 +1,159 @@
+"""dsforge's modules import one another in one direction: no import cycles, lazy ones included.
+
+A function-level `import` that only dodges a cycle still couples the two modules both ways,
+so every `import dsforge...` / `from dsforge... import` counts, at any nesting level.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGE = REPO / "dsforge"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _target(name: str, modules: dict[str, Path]) -> str | None:
+    """The module `name` denotes: itself, or the closest enclosing module that exists."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from dsforge.x import y` imports the module dsforge.x.y when there is one
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                     for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "dsforge" or name.startswith("dsforge."):
+                target = _target(name, modules)
+                if target and target != module:
+                    found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def tangles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components with more than one module (Tarjan): each module in
+    one reaches every other through imports, so every import cycle lies inside one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def cycle_in(component: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth-first)."""
+    start = min(component)
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & component):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return path[::-1] + [start]
+                if nxt not in parents:
+                    parents[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"no cycle in component {sorted(component)}")
+
+
+def _shown(component: set[str], graph: dict[str, set[str]]) -> str:
+    paths = {name: str(path.relative_to(REPO)) for name, path in _modules().items()}
+    cycle = " -> ".join(paths[name] for name in cycle_in(component, graph))
+    return f"{cycle}  (modules that reach one another: {', '.join(sorted(component))})"
+
+
+def test_the_graph_sees_lazy_and_from_imports(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import dsforge.recipe.loader as loader\n"
+                    "from dsforge.search import explain\n"  # a module: the edge goes to it
+                    "from dsforge.problems import RecipeError\n"  # a name: the edge goes to its module
+                    "def f():\n"
+                    "    if True:\n"
+                    "        from dsforge.translate.groups import rank_groups\n"
+                    "class C:\n"
+                    "    def g(self):\n"
+                    "        import dsforge.cli\n"
+                    "from .estimate import bubble\n"
+                    "import json\n")
+    assert _imports("dsforge.m", path, _modules()) == {
+        "dsforge.recipe.loader", "dsforge.search.explain", "dsforge.problems",
+        "dsforge.translate.groups", "dsforge.cli", "dsforge.estimate.bubble"}
+    assert "dsforge.recipe.loader" in import_graph()["dsforge.search.command"]
+
+
+def test_cycles_are_found_and_shown_as_a_path():
+    graph = {"a": {"b"}, "b": {"c", "e"}, "c": {"a"}, "d": {"a"}, "e": {"b"}}
+    assert tangles(graph) == [{"a", "b", "c", "e"}]
+    assert cycle_in({"a", "b", "c", "e"}, graph) == ["a", "b", "c", "a"]
+    assert tangles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    found = tangles(graph)
+    assert not found, "import cycles:\n" + "\n".join(_shown(c, graph) for c in found)
