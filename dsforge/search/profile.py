@@ -14,6 +14,9 @@ A user's cluster differs: every field can be overridden in a small YAML file
     gpus_per_node: 8
     intra_node_gbps: 300
     inter_node_gbps: 25      # e.g. 200 Gb/s RoCE per GPU
+
+The file is read like a recipe (dsforge/recipe/loader.py): duplicate and unknown keys are
+errors (with a did-you-mean), every value is type-checked, and all problems come at once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsforge.estimate.hardware import GPU, GPU_KEYS, gpu_by_key
-from dsforge.problems import Problem, RecipeError
+from dsforge.problems import Checks, Problem, RecipeError, did_you_mean
+from dsforge.recipe.loader import build_dataclass, read_yaml
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,33 +66,67 @@ def default_profile(gpu_key: str, gpus_per_node: int = 8) -> ClusterProfile:
     if gpu_key not in GPU_KEYS:
         raise RecipeError([Problem(rule="S1", fields={"--gpu": gpu_key},
                                    message=f"unknown GPU; known: {', '.join(GPU_KEYS)}",
-                                   fix="pick one of the known GPUs, or describe yours in --profile")])
+                                   fix="pick one of the known GPUs, or describe yours in --profile."
+                                       f"{did_you_mean(gpu_key, GPU_KEYS)}")])
     intra, inter, efficiency = _DEFAULTS[gpu_key]
     return ClusterProfile(gpu=gpu_by_key(gpu_key), gpus_per_node=gpus_per_node,
                           intra_node_gbps=intra, inter_node_gbps=inter,
                           compute_efficiency=efficiency)
 
 
-_FIELDS = {f.name for f in dataclasses.fields(ClusterProfile)} - {"gpu"}
+@dataclass(frozen=True, kw_only=True)
+class ProfileFile:
+    """A --profile file as written: the fields of ClusterProfile, each optional (None keeps
+    the GPU's default), `gpu` by its key."""
+
+    gpu: str | None = None
+    gpus_per_node: int | None = None
+    intra_node_gbps: float | None = None
+    inter_node_gbps: float | None = None
+    compute_efficiency: float | None = None
+    memory_margin: float | None = None
+    dp_overlap: float | None = None
+    p2p_latency_s: float | None = None
+
+    def __post_init__(self) -> None:
+        checks = Checks()
+        if self.gpu is not None:
+            checks.require(self.gpu in GPU_KEYS, "S1", {"gpu": self.gpu}, "unknown GPU",
+                           f"use one of {', '.join(GPU_KEYS)}.{did_you_mean(self.gpu, GPU_KEYS)}")
+        for name, (ok, allowed) in _RANGES.items():
+            value = getattr(self, name)
+            checks.require(value is None or ok(value), "S1", {name: value},
+                           f"out of range (must be {allowed})", f"use a value {allowed}")
+        checks.raise_if_any()
+
+
+_RANGES = {
+    "gpus_per_node": (lambda v: v > 0, "> 0"),
+    "intra_node_gbps": (lambda v: v > 0, "> 0"),
+    "inter_node_gbps": (lambda v: v > 0, "> 0"),
+    "compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),  # a share of the peak
+    "memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),  # 1 would leave no memory
+    "dp_overlap": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "p2p_latency_s": (lambda v: v >= 0, ">= 0"),
+}
 
 
 def load_profile(path: Path | None, gpu_key: str | None, gpus_per_node: int | None) -> ClusterProfile:
     """The default profile of the GPU, overridden by the YAML file, then by the command line."""
-    from dsforge.recipe.loader import read_yaml
+    written = read_profile(path) if path else ProfileFile()
+    per_node = gpus_per_node or written.gpus_per_node or 8
+    profile = default_profile(gpu_key or written.gpu or "h100", per_node)
+    overrides = {k: v for k, v in dataclasses.asdict(written).items() if v is not None and k != "gpu"}
+    return dataclasses.replace(profile, **{**overrides, "gpus_per_node": per_node})
 
-    raw = read_yaml(path) if path else {}
-    unknown = sorted(set(raw) - _FIELDS - {"gpu"})
-    if unknown:
-        raise RecipeError([Problem(rule="S1", fields={f"{path}: {k}": raw[k] for k in unknown},
-                                   message="unknown cluster profile field",
-                                   fix=f"use only: gpu, {', '.join(sorted(_FIELDS))}")])
-    key = gpu_key or raw.get("gpu") or "h100"
-    per_node = gpus_per_node or raw.get("gpus_per_node") or 8
-    profile = default_profile(str(key), int(per_node))
-    overrides = {k: type(getattr(profile, k))(v) for k, v in raw.items() if k in _FIELDS}
-    overrides["gpus_per_node"] = int(per_node)
-    bad = {k: v for k, v in overrides.items() if v <= 0 or (k.endswith(("margin", "overlap")) and v >= 1)}
-    if bad:
-        raise RecipeError([Problem(rule="S1", fields=bad, message="out of range",
-                                   fix="bandwidths and counts > 0; margin and overlap in [0, 1)")])
-    return dataclasses.replace(profile, **overrides)
+
+def read_profile(path: Path) -> ProfileFile:
+    """The file strictly read (RecipeError with every problem, each naming the file)."""
+    if not path.is_file():
+        raise RecipeError([Problem(rule="S1", fields={"--profile": str(path)}, message="file not found",
+                                   fix="check the path (docs/search.md shows a profile)")])
+    try:
+        return build_dataclass(ProfileFile, read_yaml(path))
+    except RecipeError as exc:
+        raise RecipeError(dataclasses.replace(p, fields={f"{path}: {k}": v for k, v in p.fields.items()})
+                          for p in exc.problems) from None

@@ -18,7 +18,7 @@ from dsforge.recipe.loader import build_recipe
 from dsforge.search.command import SearchRequest, base_recipe, search_space, write_recipe
 from dsforge.search.cost import _saturation, step_time
 from dsforge.search.explain import reason
-from dsforge.search.profile import default_profile, load_profile
+from dsforge.search.profile import ClusterProfile, ProfileFile, default_profile, load_profile
 from dsforge.search.search import evaluate, search
 from dsforge.search.space import Candidate, Space
 from dsforge.problems import RecipeError
@@ -180,6 +180,42 @@ def test_profile_file_overrides_and_rejects_unknown(tmp_path):
     path.write_text("memory_margin: 1.5\n")
     with pytest.raises(RecipeError, match="out of range"):
         load_profile(path, None, None)
+
+
+def test_profile_file_is_read_strictly(tmp_path):
+    """Types, choices and ranges checked like a recipe's; every problem names the file."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text("intra_node_gbps: fast\ninter_node_gbs: 12\n")
+    with pytest.raises(RecipeError) as caught:
+        load_profile(path, None, None)
+    assert [p.rule for p in caught.value.problems] == ["Z6", "Y2"]
+    text = str(caught.value)
+    assert f"{path}: intra_node_gbps='fast': expected a number" in text and "Fix:" in text
+    assert 'Did you mean "inter_node_gbps"?' in text
+    path.write_text("gpu: h10\ncompute_efficiency: 1.4\ninter_node_gbps: 0\nmemory_margin: 0\n")
+    with pytest.raises(RecipeError) as caught:
+        load_profile(path, None, None)
+    assert sorted(next(iter(p.fields)) for p in caught.value.problems) == [
+        f"{path}: {name}" for name in ("compute_efficiency", "gpu", "inter_node_gbps")]
+    assert 'Did you mean "h100"?' in str(caught.value)
+    path.write_text("gpus_per_node: 4\ndp_overlap: 1\n")
+    assert load_profile(path, "h200", None).gpus_per_node == 4
+    with pytest.raises(RecipeError, match="file not found"):
+        load_profile(tmp_path / "missing.yaml", None, None)
+
+
+def test_profile_file_fields_are_the_profiles():
+    assert ({f.name for f in dataclasses.fields(ProfileFile)}
+            == {f.name for f in dataclasses.fields(ClusterProfile)})
+
+
+def test_cli_bad_profile_is_a_clean_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("intra_node_gbps: fast\n")
+    done = CliRunner().invoke(main, ["plan", "--search", "llama3-8b", "--gpus", "4", "--profile", str(path)])
+    assert done.exit_code == 2 and isinstance(done.exception, SystemExit), done.output
+    assert "llama3-8b: 1 error" in done.output and "intra_node_gbps='fast'" in done.output
+    assert "Traceback" not in done.output
 
 
 def test_cli_search_json_and_errors(tmp_path):
