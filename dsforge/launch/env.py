@@ -1,14 +1,13 @@
-"""Environment variables for remote ranks, made safe for a remote shell (rule H4).
+"""Names of environment variables forwarded to ranks (rule H4).
 
-DeepSpeed's pdsh runner pastes `export NAME=value` into a remote command line without
-escaping `$`, backticks or quotes. dsforge builds those words itself: names must be valid
-shell identifiers and every value is single-quoted with shlex.
+The values travel inside the job word (dsforge/launch/job.py), never through a shell; a name
+must still be a valid identifier, since the rank puts it into its environment and DeepSpeed's
+runner would paste it into a remote command line.
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 from typing import Mapping
 
 from dsforge.problems import Problem, RecipeError
@@ -24,9 +23,3 @@ def check_names(env: Mapping[str, str]) -> None:
                 for name in env if not _NAME.match(name)]
     if problems:
         raise RecipeError(problems)
-
-
-def export_commands(env: Mapping[str, str]) -> list[str]:
-    """`export NAME='value'` words for a remote shell; raises RecipeError on a bad name."""
-    check_names(env)
-    return [f"export {name}={shlex.quote(str(value))}" for name, value in env.items()]

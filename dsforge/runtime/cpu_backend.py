@@ -175,7 +175,3 @@ def activate() -> None:
     skip_deepspeed_shm_allreduce()
     _ACTIVE = _CpuDeviceMode()
     _ACTIVE.__enter__()
-
-
-def is_active() -> bool:
-    return _ACTIVE is not None
