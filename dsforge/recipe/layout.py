@@ -51,9 +51,10 @@ def batch_sizes(recipe: Recipe, dp: int) -> BatchSizes | None:
     return derive_batch(t.global_batch, t.micro_batch, t.grad_accum, dp)
 
 
-def derive_batch(given: int | None, micro: int | None, accum: int | None,
+def derive_batch(global_batch: int | None, micro_batch: int | None, grad_accum: int | None,
                  dp: int) -> BatchSizes | None:
     """Any two of global/micro/grad_accum fix the third; alone, micro_batch defaults to 1."""
+    given, micro, accum = global_batch, micro_batch, grad_accum
     if given is not None and accum is not None and micro is None:
         micro, remainder = divmod(given, accum * dp)
         return BatchSizes(given, micro, accum) if micro and not remainder else None

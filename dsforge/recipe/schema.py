@@ -81,7 +81,8 @@ class ModelConfig:
                       {"model.num_attention_heads": self.num_attention_heads,
                        "model.num_kv_heads": self.num_kv_heads},
                       "num_attention_heads must be a multiple of num_kv_heads (query groups)",
-                      f"use num_kv_heads in {divisors(self.num_attention_heads)}")
+                      "use model.num_kv_heads in {"
+                      + ", ".join(map(str, divisors(self.num_attention_heads))) + "}")
         if self.kv_channels is None and self.num_attention_heads > 0:
             c.require(self.hidden_size % self.num_attention_heads == 0, "T2",
                       {"model.hidden_size": self.hidden_size,
@@ -93,7 +94,7 @@ class ModelConfig:
                       {"model.moe.frequency": self.moe.frequency,
                        "model.num_layers": self.num_layers},
                       "the MoE layer frequency exceeds the number of layers, so only layer 0 "
-                      "would be MoE", "use a frequency <= num_layers (1 = every layer)")
+                      "would be MoE", f"use model.moe.frequency <= {self.num_layers} (1 = every layer)")
         c.raise_if_any()
 
     @property
@@ -130,15 +131,15 @@ class ParallelConfig:
             c.require(self.etp >= 1, "P3", {"parallel.etp": self.etp}, "must be >= 1",
                       "set parallel.etp to 1 or more, or leave it out to use tp")
         c.require(self.dp == -1 or self.dp >= 1, "P3", {"parallel.dp": self.dp},
-                  "must be >= 1, or -1 for the rest of the world", "use dp: -1")
+                  "must be >= 1, or -1 for the rest of the world", "use parallel.dp: -1")
         c.require(not self.sequence_parallel or self.tp > 1, "T3",
                   {"parallel.sequence_parallel": True, "parallel.tp": self.tp},
                   "sequence parallelism splits along the tensor-parallel group and needs tp > 1",
-                  "set parallel.sequence_parallel: false, or tp >= 2")
+                  "set parallel.sequence_parallel: false, or parallel.tp >= 2")
         c.require(self.vpp == 1 or self.pp > 1, "L3",
                   {"parallel.vpp": self.vpp, "parallel.pp": self.pp},
                   "virtual pipeline stages need pipeline parallelism",
-                  "set parallel.vpp: 1, or pp >= 2")
+                  "set parallel.vpp: 1, or parallel.pp >= 2")
         c.require(self.cp == 1, "T5", {"parallel.cp": self.cp},
                   "context parallelism is not supported by dsforge yet",
                   "set parallel.cp: 1")
@@ -177,7 +178,8 @@ class ZeroConfig:
                       {"zero.offload_ratio": self.offload_ratio, "zero.stage": self.stage,
                        "zero.offload_optimizer": self.offload_optimizer},
                       "partial optimizer offload (ratio < 1) needs ZeRO stage 3 with "
-                      "offload_optimizer: cpu", "set zero.offload_ratio: 1.0, or stage 3 + cpu")
+                      "offload_optimizer: cpu",
+                      "set zero.offload_ratio: 1.0, or zero.stage: 3 with zero.offload_optimizer: cpu")
         c.raise_if_any()
 
 
@@ -212,19 +214,20 @@ class TrainConfig:
         c.require(0 <= self.timing_warmup < max(self.steps, 1), "R1",
                   {"train.timing_warmup": self.timing_warmup, "train.steps": self.steps},
                   "must be >= 0 and leave at least one measured step",
-                  "use timing_warmup < steps")
+                  "use train.timing_warmup < train.steps")
         _positive(c, "B2", "train", seq_len=self.seq_len, global_batch=self.global_batch,
                   micro_batch=self.micro_batch, grad_accum=self.grad_accum)
         _positive(c, "R1", "train", steps=self.steps, lr=self.lr, adam_eps=self.adam_eps)
         c.require(0 <= self.warmup_steps < max(self.steps, 1), "R1",
                   {"train.warmup_steps": self.warmup_steps, "train.steps": self.steps},
                   "warmup must be >= 0 and shorter than the run",
-                  "use warmup_steps < steps")
+                  "use train.warmup_steps < train.steps")
         c.require(self.warmup_steps != 1, "R2", {"train.warmup_steps": 1},
                   "DeepSpeed's warmup schedulers warm up over at least 2 steps and would "
-                  "silently use 2", "use warmup_steps: 0 (none) or 2 or more")
+                  "silently use 2", "use train.warmup_steps: 0 (none) or 2 or more")
         c.require(self.checkpoint_every >= 0, "R1", {"train.checkpoint_every": self.checkpoint_every},
-                  "must be >= 0", "use 0 for no checkpoints, or N to save every N steps")
+                  "must be >= 0",
+                  "use train.checkpoint_every: 0 for no checkpoints, or N to save every N steps")
         for name in ("weight_decay", "grad_clip"):
             value = getattr(self, name)
             c.require(value >= 0, "R1", {f"train.{name}": value}, "must be >= 0",
@@ -234,7 +237,8 @@ class TrainConfig:
             upper_ok = value <= 1 if name == "min_lr_ratio" else value < 1
             c.require(value >= 0 and upper_ok, "R1", {f"train.{name}": value},
                       "must be in [0, 1)" if name != "min_lr_ratio" else "must be in [0, 1]",
-                      "typical values: adam_beta1 0.9, adam_beta2 0.95, min_lr_ratio 0.1")
+                      "typical values: train.adam_beta1 0.9, train.adam_beta2 0.95, "
+                      "train.min_lr_ratio 0.1")
         c.raise_if_any()
 
 

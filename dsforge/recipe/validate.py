@@ -4,24 +4,35 @@
 warnings) instead of stopping at the first. Rule ids match docs/validation.md, which says
 where each rule comes from (DeepSpeed, Megatron-Core, KempnerForge, torchtitan). Rules local
 to one section are checked when the section is built (schema.py).
+
+Every problem names recipe fields the user can change. Quantities dsforge derives (dp, the
+microbatches per step, the expert tensor-parallel size when parallel.etp is left out) appear
+in the message with where they come from, never as a field, and a fix suggests values of the
+fields themselves, each checked by running the rules again with that one value changed: it
+clears the problem and breaks nothing that holds now.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-from dsforge.problems import Problem
-from dsforge.recipe.layout import Topology, batch_sizes, data_parallel_size
-from dsforge.recipe.schema import Recipe, divisors
+from dsforge.problems import Problem, RecipeError
+from dsforge.recipe.layout import BatchSizes, Topology, batch_sizes, data_parallel_size, derive_batch
+from dsforge.recipe.schema import ParallelConfig, Recipe, TrainConfig, divisors
 
 
 @dataclass(frozen=True)
 class _Context:
     topology: Topology | None
     dp: int | None  # None when the world size is unknown or does not divide
-    grad_accum: int | None  # None when dp is unknown or the batch does not divide
+    batch: BatchSizes | None  # None when dp is unknown or the batch does not divide
+    # Rule ids the recipe breaks now; None while checking a suggested value (which must not
+    # look for suggestions of its own).
+    failing: frozenset[str] | None
 
 
 Rule = Callable[[Recipe, _Context], Iterator[Problem]]
@@ -29,15 +40,97 @@ Rule = Callable[[Recipe, _Context], Iterator[Problem]]
 
 def validate(recipe: Recipe, topology: Topology | None) -> list[Problem]:
     """Every violated rule for this recipe in this world (topology None: world-free rules)."""
+    problems = _run(recipe, topology, failing=None)
+    if not problems:
+        return problems
+    # Again, now that the fixes can check their suggestions against what fails already.
+    return _run(recipe, topology, failing=frozenset(p.rule for p in problems))
+
+
+def _run(recipe: Recipe, topology: Topology | None, failing: frozenset[str] | None) -> list[Problem]:
     dp = data_parallel_size(recipe, topology.world_size) if topology else None
-    sizes = batch_sizes(recipe, dp) if dp else None
-    ctx = _Context(topology=topology, dp=dp, grad_accum=sizes.grad_accum if sizes else None)
+    ctx = _Context(topology=topology, dp=dp, batch=batch_sizes(recipe, dp) if dp else None,
+                   failing=failing)
     return [problem for rule in RULES for problem in rule(recipe, ctx)]
 
 
+def _with(recipe: Recipe, path: str, value: Any) -> Recipe | None:
+    """The recipe with one field (dotted path, e.g. "model.moe.top_k") changed; None when the
+    field's own section rejects the value."""
+    *sections, name = path.split(".")
+
+    def put(obj: Any, keys: list[str]) -> Any:
+        if not keys:
+            return dataclasses.replace(obj, **{name: value})
+        return dataclasses.replace(obj, **{keys[0]: put(getattr(obj, keys[0]), keys[1:])})
+
+    try:
+        return put(recipe, sections)
+    except RecipeError:
+        return None
+
+
+def _working(recipe: Recipe, ctx: _Context, rule: str, path: str, values: Iterable[int]) -> list[int]:
+    """The values of `path` with which `rule` holds and no rule breaks that holds now."""
+    if ctx.failing is None:
+        return []
+    found = []
+    for value in values:
+        candidate = _with(recipe, path, value)
+        if candidate is None:
+            continue
+        now = {p.rule for p in _run(candidate, ctx.topology, failing=None)}
+        if rule not in now and now <= ctx.failing:
+            found.append(value)
+    return found
+
+
+def _use(options: dict[str, str], otherwise: str) -> str:
+    """'use a in {..}, or b in {..}' for the options that have values, else `otherwise`."""
+    shown = [f"{path} in {values}" for path, values in options.items() if values]
+    return "use " + ", or ".join(shown) if shown else otherwise
+
+
 def _choices(values: list[int], limit: int = 12) -> str:
+    """'{1, 2, 4}'; '' when there are none."""
+    if not values:
+        return ""
     shown = ", ".join(map(str, values[:limit]))
     return "{" + shown + (", ..." if len(values) > limit else "") + "}"
+
+
+def _around(values: list[int], current: int, count: int = 4) -> str:
+    """Up to `count` of the ascending `values` nearest `current`: one below it, the rest above;
+    '' when there are none."""
+    if not values:
+        return ""
+    start = max(0, min(bisect.bisect_left(values, current) - 1, len(values) - count))
+    shown = ", ".join(map(str, values[start:start + count]))
+    more = ", ..." if start + count < len(values) else ""
+    return "{" + ("..., " if start else "") + shown + more + "}"
+
+
+def _multiples(step: int, current: int) -> list[int]:
+    return list(range(step, 2 * current + 4 * step, step))
+
+
+def _world_field(ctx: _Context) -> str:
+    """Where the world size came from (--world-size, the hostfile, the cluster section)."""
+    return ctx.topology.source or "world size"
+
+
+def _etp_field(recipe: Recipe) -> str:
+    """The field that sets the expert tensor-parallel size (parallel.tp when etp is left out)."""
+    return "parallel.etp" if recipe.parallel.etp is not None else "parallel.tp"
+
+
+def _dp_origin(recipe: Recipe, ctx: _Context) -> str:
+    """How dp came about, e.g. "dp 4 = world size 8 / (tp 2 x pp 1)"."""
+    p = recipe.parallel
+    if p.dp != -1:
+        return f"dp {ctx.dp} = parallel.dp"
+    return (f"dp {ctx.dp} = {_world_field(ctx)} {ctx.topology.world_size} / "
+            f"(tp {p.tp} x pp {p.pp})")
 
 
 def parallel_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
@@ -46,16 +139,30 @@ def parallel_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
         return
     p, world = recipe.parallel, ctx.topology.world_size
     model_parallel = p.tp * p.pp * p.cp
-    fields = {"world_size": world, "parallel.tp": p.tp, "parallel.pp": p.pp}
+    fields = {_world_field(ctx): world, "parallel.tp": p.tp, "parallel.pp": p.pp}
     if p.dp == -1:
         yield Problem(rule="P2", fields=fields,
-                      message=f"the world size is not divisible by tp x pp x cp = {model_parallel}",
-                      fix=f"use a world size that is a multiple of {model_parallel}, or tp/pp with "
-                          f"tp x pp in {_choices(divisors(world))}")
+                      message=f"{world} ranks do not divide into groups of tp x pp x cp = "
+                              f"{model_parallel} model-parallel ranks",
+                      fix=_use(_model_parallel_options(recipe, ctx, "P2"),
+                               "change parallel.tp or parallel.pp")
+                          + f", or a world size that is a multiple of {model_parallel}")
+    elif world % model_parallel == 0:
+        yield Problem(rule="P1", fields={**fields, "parallel.dp": p.dp},
+                      message=f"dp x tp x pp x cp = {p.dp * model_parallel}, not the world size",
+                      fix=f"set parallel.dp: {world // model_parallel}, or -1 (the rest of the world)")
     else:
         yield Problem(rule="P1", fields={**fields, "parallel.dp": p.dp},
-                      message=f"dp x tp x pp x cp = {p.dp * model_parallel} is not the world size",
-                      fix="set parallel.dp: -1 to use the rest of the world")
+                      message=f"dp x tp x pp x cp = {p.dp * model_parallel}, not the world size, "
+                              f"and no dp fits: {world} is not a multiple of tp x pp = {model_parallel}",
+                      fix=_use(_model_parallel_options(recipe, ctx, "P1"),
+                               "change parallel.tp, parallel.pp or parallel.dp"))
+
+
+def _model_parallel_options(recipe: Recipe, ctx: _Context, rule: str) -> dict[str, str]:
+    world = ctx.topology.world_size
+    return {path: _choices(_working(recipe, ctx, rule, path, divisors(world)))
+            for path in ("parallel.tp", "parallel.pp")}
 
 
 def tensor_parallel_in_node(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
@@ -66,44 +173,81 @@ def tensor_parallel_in_node(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     spanning = [g for g in range(top.world_size // tp)
                 if top.node_of(g * tp) != top.node_of(g * tp + tp - 1)]
     if spanning:
+        tps = _working(recipe, ctx, "P4", "parallel.tp", divisors(tp))
         yield Problem(rule="P4", severity="warning",
                       fields={"parallel.tp": tp, "GPUs per node": min(top.node_slots)},
                       message=f"{len(spanning)} tensor-parallel group(s) span nodes; every layer "
                               "then all-reduces over the inter-node network",
-                      fix="keep tp <= GPUs per node (use pp or dp across nodes)")
+                      fix=_use({"parallel.tp": _choices(tps)}, "keep tp <= GPUs per node")
+                          + " (pp or dp can span nodes)")
+
+
+_BATCH_FIELDS = ("global_batch", "micro_batch", "grad_accum")
+
+
+def _batch_fields(train: TrainConfig) -> dict[str, int]:
+    """The batch fields the recipe sets (the others are derived)."""
+    return {f"train.{name}": getattr(train, name) for name in _BATCH_FIELDS
+            if getattr(train, name) is not None}
+
+
+def _microbatch_rule(parallel: ParallelConfig, microbatches: int) -> str | None:
+    """L6/L4, or None when a pipeline can run this many microbatches per step."""
+    if parallel.pp == 1:
+        return None
+    if microbatches < parallel.pp:
+        return "L6"
+    # Megatron-Core groups microbatches per virtual stage in groups of pp; a remainder group
+    # smaller than pp raises at the first step.
+    return "L4" if parallel.vpp > 1 and microbatches % parallel.pp else None
+
+
+def _batch_fix(recipe: Recipe, ctx: _Context) -> str:
+    """Values of the batch fields the recipe sets (global_batch when it sets none), one changed
+    at a time, with which the batch and pipeline-microbatch rules hold (the only rules that
+    depend on them)."""
+    t, p, dp = recipe.train, recipe.parallel, ctx.dp
+    options = {}
+    for name in [n for n in _BATCH_FIELDS if getattr(t, n) is not None] or ["global_batch"]:
+        given = {n: getattr(t, n) for n in _BATCH_FIELDS}
+        fits = []
+        for value in _batch_candidates(name, t, dp, p.pp):
+            sizes = derive_batch(**{**given, name: value}, dp=dp)
+            if sizes is not None and _microbatch_rule(p, sizes.grad_accum) is None:
+                fits.append(value)
+        options[f"train.{name}"] = _around(fits, getattr(t, name) or 1)
+    return _use(options, "change train.global_batch, micro_batch or grad_accum")
+
+
+def _batch_candidates(name: str, train: TrainConfig, dp: int, pp: int) -> range:
+    if name == "global_batch":  # a multiple of dp, up to well past the current sizes
+        most = 4 * max((train.global_batch or 1) // dp,
+                       pp * (train.micro_batch or 1) * (train.grad_accum or 1)) + 4
+        return range(dp, dp * most + 1, dp)
+    if train.global_batch is not None:
+        return range(1, train.global_batch // dp + 1)
+    return range(1, 4 * max(getattr(train, name) or 1, pp) + 1)
 
 
 def batch_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     """B1/B2: global_batch = micro_batch x grad_accum x dp, exactly."""
-    if ctx.dp is None or ctx.grad_accum is not None:
+    if ctx.dp is None or ctx.batch is not None:
         return
     t, dp = recipe.train, ctx.dp
-    fields = {"train.global_batch": t.global_batch, "train.micro_batch": t.micro_batch,
-              "train.grad_accum": t.grad_accum, "dp": dp}
-    fields = {k: v for k, v in fields.items() if v is not None}
-    if t.micro_batch is None:  # global and grad_accum given: micro_batch must come out whole
-        step = t.grad_accum * dp
-        yield Problem(rule="B2", fields=fields,
-                      message=f"global_batch is not a positive multiple of grad_accum x dp = {step}",
-                      fix=f"use global_batch {_near(t.global_batch, step)}, or leave out grad_accum")
-        return
-    step = t.micro_batch * dp
-    if t.global_batch % step == 0 and t.global_batch >= step:
+    fields, origin = _batch_fields(t), _dp_origin(recipe, ctx)
+    if t.micro_batch is not None and t.global_batch % (t.micro_batch * dp) == 0:
         yield Problem(rule="B1", fields=fields,
-                      message=f"micro_batch x grad_accum x dp = {step * t.grad_accum}, not "
-                              "global_batch",
-                      fix="leave out one of global_batch, micro_batch and grad_accum so it is derived")
+                      message=f"micro_batch x grad_accum x dp = {t.micro_batch} x {t.grad_accum} "
+                              f"x {dp} is not global_batch ({origin})",
+                      fix=_batch_fix(recipe, ctx) + "; or leave one of them out, it is derived")
         return
-    micro_choices = [m for m in divisors(t.global_batch) if t.global_batch % (m * dp) == 0]
+    # global_batch is divided by whichever of micro_batch and grad_accum the recipe gives.
+    name = "grad_accum" if t.micro_batch is None else "micro_batch"
+    value = getattr(t, name)
     yield Problem(rule="B2", fields=fields,
-                  message=f"global_batch is not a positive multiple of micro_batch x dp = {step}",
-                  fix=f"use global_batch {_near(t.global_batch, step)}"
-                      + (f", or a micro_batch in {_choices(micro_choices)}" if micro_choices else ""))
-
-
-def _near(value: int, step: int) -> str:
-    lower = max(step, value // step * step)
-    return f"{lower}" if lower > value else f"{lower} or {lower + step}"
+                  message=f"global_batch is not a positive multiple of {name} x dp = {value} x {dp} "
+                          f"({origin})",
+                  fix=_batch_fix(recipe, ctx))
 
 
 def pipeline_layers(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
@@ -111,38 +255,43 @@ def pipeline_layers(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     p, layers = recipe.parallel, recipe.model.num_layers
     if layers % (p.pp * p.vpp) == 0:
         return
+    rule = "L1" if p.vpp == 1 else "L2"
+    options = {path: _choices(_working(recipe, ctx, rule, path, divisors(layers)))
+               for path in (["parallel.vpp"] if p.vpp > 1 else []) + ["parallel.pp"]}
+    stages = p.pp * p.vpp
+    options["model.num_layers"] = _around(
+        _working(recipe, ctx, rule, "model.num_layers", _multiples(stages, layers)), layers)
+    fields = {"model.num_layers": layers, "parallel.pp": p.pp}
     if p.vpp == 1:
-        yield Problem(rule="L1", fields={"model.num_layers": layers, "parallel.pp": p.pp},
-                      message=f"num_layers is not divisible by pp={p.pp}",
-                      fix=f"use pp in {_choices(divisors(layers))}")
+        yield Problem(rule="L1", fields=fields, message=f"num_layers is not divisible by pp={p.pp}",
+                      fix=_use(options, "change parallel.pp or model.num_layers"))
         return
-    if layers % p.pp == 0:
-        fix = f"use vpp in {_choices(divisors(layers // p.pp))}"
-    else:
-        fix = f"use pp in {_choices(divisors(layers))}"
-    yield Problem(rule="L2", fields={"model.num_layers": layers, "parallel.pp": p.pp,
-                                     "parallel.vpp": p.vpp},
-                  message=f"num_layers is not divisible by pp*vpp={p.pp * p.vpp}", fix=fix)
+    yield Problem(rule="L2", fields={**fields, "parallel.vpp": p.vpp},
+                  message=f"num_layers is not divisible by pp*vpp={stages}",
+                  fix=_use(options, "change parallel.vpp, parallel.pp or model.num_layers"))
 
 
 def pipeline_microbatches(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     """L6: fewer microbatches than stages hangs (torchtitan #775); L4: interleaved grouping."""
-    p, m = recipe.parallel, ctx.grad_accum
-    if p.pp == 1 or m is None:
+    p, t = recipe.parallel, recipe.train
+    rule = _microbatch_rule(p, ctx.batch.grad_accum) if ctx.batch else None
+    if rule is None:
         return
-    fields = {"microbatches (grad_accum)": m, "parallel.pp": p.pp}
-    if m < p.pp:
+    m, fields = ctx.batch.grad_accum, {**_batch_fields(t), "parallel.pp": p.pp}
+    if t.grad_accum is not None:
+        runs = f"train.grad_accum = {m} microbatches per step"
+    else:
+        runs = (f"global_batch / (micro_batch x dp) = {m} microbatches per step, "
+                f"{_dp_origin(recipe, ctx)}")
+    if rule == "L6":
         yield Problem(rule="L6", fields=fields,
-                      message="fewer microbatches per step than pipeline stages",
-                      fix=f"raise train.global_batch (or lower micro_batch) so that grad_accum >= {p.pp}")
-    elif p.vpp > 1 and m % p.pp:
-        # Megatron-Core groups microbatches per virtual stage in groups of pp; a remainder
-        # group smaller than pp raises at the first step.
-        yield Problem(rule="L4", fields={**fields, "parallel.vpp": p.vpp},
-                      message="the interleaved schedule needs the number of microbatches to be "
-                              "a multiple of pp",
-                      fix=f"make grad_accum a multiple of {p.pp}, e.g. {m - m % p.pp} or "
-                          f"{m - m % p.pp + p.pp}")
+                      message=f"fewer microbatches than pipeline stages: {runs}",
+                      fix=_batch_fix(recipe, ctx))
+        return
+    yield Problem(rule="L4", fields={**fields, "parallel.vpp": p.vpp},
+                  message="the interleaved schedule needs the microbatches per step to be a "
+                          f"multiple of pp: {runs}",
+                  fix=_batch_fix(recipe, ctx))
 
 
 def pipeline_embeddings(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
@@ -151,7 +300,7 @@ def pipeline_embeddings(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
         yield Problem(rule="L5", fields={"model.tie_embeddings": True, "parallel.pp": recipe.parallel.pp},
                       message="tied input/output embeddings live on the first and last pipeline "
                               "stages; dsforge does not synchronise their gradients across stages",
-                      fix="set model.tie_embeddings: false, or pp: 1")
+                      fix="set model.tie_embeddings: false, or parallel.pp: 1")
 
 
 def tensor_parallel_shapes(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
@@ -161,23 +310,38 @@ def tensor_parallel_shapes(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
         yield Problem(rule="T1", fields={"model.num_attention_heads": m.num_attention_heads,
                                          "parallel.tp": tp},
                       message="attention heads must divide evenly across tp",
-                      fix=f"use tp in {_choices(divisors(m.num_attention_heads))}")
-    groups = m.query_groups
-    if groups % tp and tp % groups:
+                      fix=_use({"parallel.tp": _tp_choices(recipe, ctx)}, "change parallel.tp"))
+    groups = m.num_kv_heads  # unset: one per head, which the rule above covers
+    if groups is not None and groups % tp and tp % groups:
         yield Problem(rule="T1", fields={"model.num_kv_heads": groups, "parallel.tp": tp},
                       message="the number of KV heads (query groups) must be a multiple or a "
                               "divisor of tp",
-                      fix=f"use tp in {_choices(divisors(groups))} or a multiple of {groups}")
+                      fix=_use({"parallel.tp": _tp_choices(recipe, ctx)}, "change parallel.tp"))
     if m.ffn_hidden_size % tp:
+        widths = _working(recipe, ctx, "T1", "model.ffn_hidden_size", _multiples(tp, m.ffn_hidden_size))
         yield Problem(rule="T1", fields={"model.ffn_hidden_size": m.ffn_hidden_size, "parallel.tp": tp},
                       message="the MLP width must divide evenly across tp",
-                      fix=f"use an ffn_hidden_size that is a multiple of {tp}")
+                      fix=_use({"model.ffn_hidden_size": _around(widths, m.ffn_hidden_size),
+                                "parallel.tp": _tp_choices(recipe, ctx)}, f"use a multiple of {tp}"))
     etp = recipe.parallel.expert_tp
     if m.moe is not None and m.moe.ffn_hidden_size % etp:
-        yield Problem(rule="T1", fields={"model.moe.ffn_hidden_size": m.moe.ffn_hidden_size,
-                                         "expert tensor parallel": etp},
-                      message="the expert MLP width must divide evenly across expert tp",
-                      fix=f"use a multiple of {etp}")
+        yield from _expert_width(recipe, ctx, etp)
+
+
+def _tp_choices(recipe: Recipe, ctx: _Context) -> str:
+    candidates = divisors(ctx.topology.world_size if ctx.topology else recipe.model.num_attention_heads)
+    return _choices(_working(recipe, ctx, "T1", "parallel.tp", candidates))
+
+
+def _expert_width(recipe: Recipe, ctx: _Context, etp: int) -> Iterator[Problem]:
+    width, field = recipe.model.moe.ffn_hidden_size, _etp_field(recipe)
+    widths = _working(recipe, ctx, "T1", "model.moe.ffn_hidden_size", _multiples(etp, width))
+    etps = _working(recipe, ctx, "T1", "parallel.etp", divisors(width))
+    unset = "" if recipe.parallel.etp is not None else " (parallel.etp is unset, so expert tp = tp)"
+    yield Problem(rule="T1", fields={"model.moe.ffn_hidden_size": width, field: etp},
+                  message=f"the expert MLP width must divide evenly across expert tp{unset}",
+                  fix=_use({"model.moe.ffn_hidden_size": _around(widths, width),
+                            "parallel.etp": _choices(etps)}, f"use a multiple of {etp}"))
 
 
 def sequence_length(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
@@ -186,7 +350,7 @@ def sequence_length(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     if t.seq_len > m.max_seq_len:
         yield Problem(rule="T6", fields={"train.seq_len": t.seq_len, "model.max_seq_len": m.max_seq_len},
                       message="seq_len exceeds the model's max_seq_len",
-                      fix=f"use seq_len <= {m.max_seq_len}, or raise model.max_seq_len")
+                      fix=f"use train.seq_len <= {m.max_seq_len}, or raise model.max_seq_len")
 
 
 def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
@@ -201,14 +365,14 @@ def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     if m.moe.num_experts % p.ep:
         yield Problem(rule="E1", fields={"model.moe.num_experts": m.moe.num_experts, "parallel.ep": p.ep},
                       message="experts must divide evenly across expert-parallel ranks",
-                      fix=f"use ep in {_choices(divisors(m.moe.num_experts))}")
+                      fix=_use({"parallel.ep": _ep_choices(recipe, ctx)}, "change parallel.ep"))
     if p.tp > 1 and not p.sequence_parallel:
         yield Problem(rule="E3", fields={"parallel.tp": p.tp, "parallel.sequence_parallel": False},
                       message="MoE with tensor parallelism requires sequence parallelism "
                               "(Megatron-Core 0.16 raises otherwise)",
                       fix="set parallel.sequence_parallel: true")
     if m.bias and p.expert_tp > 1:
-        yield Problem(rule="E4", fields={"model.bias": True, "expert tensor parallel": p.expert_tp},
+        yield Problem(rule="E4", fields={"model.bias": True, _etp_field(recipe): p.expert_tp},
                       message="bias in MoE expert layers needs expert tensor parallel size 1",
                       fix="set model.bias: false, or parallel.etp: 1")
     if p.ep > 1 and recipe.zero.stage == 3:
@@ -216,7 +380,7 @@ def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                       message="DeepSpeed's ZeRO-3 partitions every parameter over the data-parallel "
                               "group; expert weights differ across expert-parallel ranks and "
                               "DeepSpeed refuses its MoE handling with ZeRO stage 3",
-                      fix="use zero.stage 1 or 2 with ep > 1, or ep: 1 with ZeRO-3")
+                      fix="use zero.stage 1 or 2 with ep > 1, or parallel.ep: 1 with ZeRO-3")
     if p.ep > 1 and recipe.zero.stage == 0 and recipe.train.checkpoint_every:
         yield Problem(rule="E7", fields={"parallel.ep": p.ep, "zero.stage": 0,
                                          "train.checkpoint_every": recipe.train.checkpoint_every},
@@ -226,13 +390,24 @@ def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                       fix="use zero.stage 1 or 2 (each rank saves its own optimizer partition), "
                           "or train.checkpoint_every: 0")
     if ctx.topology is not None and ctx.dp is not None:
-        grid = p.expert_tp * p.ep * p.pp
-        if ctx.topology.world_size % grid:
-            yield Problem(rule="E1", fields={"world_size": ctx.topology.world_size,
-                                             "expert tp": p.expert_tp, "parallel.ep": p.ep,
-                                             "parallel.pp": p.pp},
-                          message=f"the expert grid etp x ep x pp = {grid} does not divide the world",
-                          fix="choose ep (and etp) so that etp x ep divides dp x tp")
+        yield from _expert_grid(recipe, ctx)
+
+
+def _ep_choices(recipe: Recipe, ctx: _Context) -> str:
+    return _choices(_working(recipe, ctx, "E1", "parallel.ep", divisors(recipe.model.moe.num_experts)))
+
+
+def _expert_grid(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+    p, world = recipe.parallel, ctx.topology.world_size
+    grid = p.expert_tp * p.ep * p.pp
+    if world % grid:
+        yield Problem(rule="E1", fields={_world_field(ctx): world, _etp_field(recipe): p.expert_tp,
+                                         "parallel.ep": p.ep, "parallel.pp": p.pp},
+                      message=f"the expert grid etp x ep x pp = {grid} does not divide the world",
+                      fix=_use({"parallel.ep": _ep_choices(recipe, ctx),
+                                "parallel.etp": _choices(_working(recipe, ctx, "E1", "parallel.etp",
+                                                                  divisors(world)))},
+                               "change parallel.ep or parallel.etp"))
 
 
 def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
@@ -244,7 +419,8 @@ def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                               "DeepSpeed's own engine.backward(), once per microbatch; with pp > 1 "
                               "Megatron-Core's schedule runs the per-stage backward passes itself "
                               "(DeepSpeed's PipelineEngine refuses ZeRO 2/3 too)",
-                      fix="use zero.stage: 1 with pipeline parallelism, or pp: 1 with stage 2/3")
+                      fix="use zero.stage: 1 with pipeline parallelism, or parallel.pp: 1 with "
+                          "stage 2/3")
 
 
 def token_file(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import re
 
-from dsforge.launch.hostfile import parse_hostfile
-from dsforge.recipe import Topology, resolve, topology_for, validate
-from dsforge.problems import RecipeError
-from tests.conftest import make_recipe, rule_ids
+import pytest
+import yaml
+
+from dsforge.problems import RecipeError, errors
+from dsforge.recipe import Topology, resolve, resolve_file, validate
+from dsforge.recipe.schema import (ClusterConfig, DataConfig, ModelConfig, MoEConfig, ParallelConfig,
+                                   TrainConfig, ZeroConfig)
+from tests.conftest import BASE, make_recipe, rule_ids
 
 MOE = ("model.preset=tiny-moe",)
 
@@ -75,6 +79,7 @@ SECTION_CASES = [
     ("M2", ["model.num_kv_heads=3"], ["model.num_kv_heads=4"]),
     ("M3", [*MOE, "model.moe.frequency=5"], [*MOE, "model.moe.frequency=2"]),
     ("E2", [*MOE, "model.moe.top_k=5"], [*MOE, "model.moe.top_k=4"]),
+    ("E2", [*MOE, "model.moe.top_k=0"], [*MOE, "model.moe.top_k=1"]),  # top-1: Switch routing
     ("Z1", ["zero.stage=4"], ["zero.stage=3"]),
     ("Z4", ["zero.offload_params=cpu", "zero.stage=2"], ["zero.offload_params=cpu", "zero.stage=3"]),
     ("Z4", ["zero.offload_optimizer=cpu", "zero.stage=0"], ["zero.offload_optimizer=cpu", "zero.stage=1"]),
@@ -103,12 +108,13 @@ def test_l2_fix_lists_the_valid_virtual_stage_counts():
                             "train.global_batch=16", world=4)
     (l2,) = [p for p in problems if p.rule == "L2"]
     assert l2.fields == {"model.num_layers": 80, "parallel.pp": 4, "parallel.vpp": 6}
-    assert "pp*vpp=24" in l2.message and "use vpp in {1, 2, 4, 5, 10, 20}" in l2.fix
+    assert "pp*vpp=24" in l2.message and "use parallel.vpp in {1, 2, 4, 5, 10, 20}" in l2.fix
+    assert "model.num_layers in {..., 72, 96," in l2.fix
 
 
 def test_batch_fix_offers_nearby_valid_values():
     (b2,) = [p for p in problems_for("train.global_batch=12") if p.rule == "B2"]
-    assert "use global_batch 8 or 16" in b2.fix
+    assert b2.fix == "use train.global_batch in {8, 16, 24, 32, ...}"
 
 
 def test_expert_grid_must_tile_the_world():
@@ -137,22 +143,47 @@ def test_all_violations_are_reported_together():
     assert {"T1", "L1", "L5", "T6", "Z2"} <= found
 
 
-def test_world_size_sources_must_agree():
-    recipe = make_recipe("parallel.dp=2", "cluster.nodes=2", "cluster.gpus_per_node=4")
-    topology, problems = topology_for(recipe)
-    assert topology is None and rule_ids(problems) == {"Y4"}
-    assert "cluster.nodes x cluster.gpus_per_node" in str(problems[0])
-    hostfile = parse_hostfile(["a slots=4", "b slots=4"])
-    topology, problems = topology_for(make_recipe("cluster.nodes=2", "cluster.gpus_per_node=4"),
-                                      hostfile=hostfile, world_size=8)
-    assert problems == [] and topology.world_size == 8 and topology.node_slots == (4, 4)
-    _, problems = topology_for(make_recipe(), hostfile=hostfile, world_size=6)
-    assert rule_ids(problems) == {"Y4"}
+@pytest.fixture
+def base_file(recipe_file):
+    return recipe_file(yaml.safe_dump(BASE))
 
 
-def test_unknown_world_size_is_an_error_with_the_ways_to_give_one():
-    topology, problems = topology_for(make_recipe())
-    assert topology is None and "--world-size" in problems[0].fix
+@pytest.fixture
+def two_hosts(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("a slots=4\nb slots=4\n")
+    return path
+
+
+def _raised(*args, **kwargs) -> RecipeError:
+    with pytest.raises(RecipeError) as info:
+        resolve_file(*args, **kwargs)
+    return info.value
+
+
+def test_world_size_sources_must_agree(base_file, two_hosts):
+    exc = _raised(base_file, ["parallel.dp=2", "cluster.nodes=2", "cluster.gpus_per_node=4"])
+    assert rule_ids(exc) == {"Y4"} and "cluster.nodes x cluster.gpus_per_node" in str(exc)
+    resolved = resolve_file(base_file, ["cluster.nodes=2", "cluster.gpus_per_node=4"],
+                            hostfile=two_hosts, world_size=8)
+    assert resolved.topology.world_size == 8 and resolved.topology.node_slots == (4, 4)
+    assert rule_ids(_raised(base_file, hostfile=two_hosts, world_size=6)) == {"Y4"}
+
+
+def test_unknown_world_size_is_an_error_with_the_ways_to_give_one(base_file):
+    (y4,) = _raised(base_file).problems
+    assert y4.rule == "Y4" and "--world-size" in y4.fix
+
+
+def test_resolve_file_reports_hostfile_and_recipe_problems_together(base_file, tmp_path):
+    exc = _raised(base_file, ["parallel.tpp=2"], hostfile=tmp_path / "missing")
+    assert rule_ids(exc) == {"H3", "Z6"}
+
+
+def test_resolve_file_narrows_the_hostfile_and_validates(base_file, two_hosts):
+    resolved = resolve_file(base_file, hostfile=two_hosts, include="a")
+    assert resolved.layout.world_size == 4 and resolved.topology.node_slots == (4,)
+    assert rule_ids(_raised(base_file, ["train.global_batch=12"], world_size=8)) == {"B2"}
 
 
 def test_world_free_rules_still_run_without_a_world():
@@ -168,13 +199,16 @@ def test_resolve_derives_dp_and_grad_accum_without_mutating():
     assert (lay.dp, lay.grad_accum, lay.num_microbatches, lay.global_batch) == (4, 2, 2, 16)
 
 
-@pytest.mark.parametrize("given, expected", [
+BATCH_CASES = [
     (("train.global_batch=16",), (16, 2)),
     (("train.global_batch=null", "train.grad_accum=3"), (24, 3)),
     (("train.global_batch=null",), (8, 1)),
     (("train.global_batch=32", "train.grad_accum=4"), (32, 4)),
     (("train.global_batch=64", "train.grad_accum=4", "train.micro_batch=null"), (64, 4)),
-])
+]
+
+
+@pytest.mark.parametrize("given, expected", BATCH_CASES)
 def test_any_two_batch_values_fix_the_third(given, expected):
     lay = resolve(make_recipe(*given), Topology(world_size=8)).layout
     assert (lay.global_batch, lay.grad_accum) == expected
@@ -193,3 +227,112 @@ def test_resolve_refuses_an_invalid_recipe():
     with pytest.raises(RecipeError) as info:
         resolve(make_recipe("train.global_batch=12"), Topology(world_size=8))
     assert rule_ids(info.value) == {"B2"}
+
+
+# Recipes that fail a cross-section rule, for the checks on what the problems name. Each:
+# (overrides, world, node slots).
+FAILING = [(tuple(bad), world, None) for _, bad, world, _, _ in CROSS_SECTION_CASES] + [
+    (("parallel.pp=2", "parallel.vpp=2", "train.micro_batch=null", "train.global_batch=18"), 4, None),
+    (("parallel.pp=2", "parallel.vpp=2", "train.global_batch=null", "train.micro_batch=null",
+      "train.grad_accum=3"), 4, None),
+    (("parallel.pp=4", "train.global_batch=null", "train.micro_batch=2"), 4, None),
+    (("train.global_batch=60", "train.grad_accum=4", "train.micro_batch=null"), 8, None),
+    (("model.num_layers=80", "parallel.pp=4", "parallel.vpp=6", "train.global_batch=16"), 4, None),
+    ((*MOE, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4"), 4, None),
+    ((*MOE, "parallel.ep=3", "train.global_batch=6"), 6, None),
+    (("model.ffn_hidden_size=177", "parallel.tp=2"), 8, None),
+    ((*MOE, "model.moe.ffn_hidden_size=97", "parallel.tp=2", "parallel.sequence_parallel=true"), 8, None),
+    (("model.num_attention_heads=6", "model.hidden_size=96", "model.num_kv_heads=3",
+      "parallel.tp=2"), 8, None),
+    (("parallel.tp=2", "parallel.dp=4"), 6, None),
+    (("parallel.tp=3", "parallel.dp=2"), 8, None),
+    (("parallel.tp=4",), 8, (2, 2, 2, 2)),
+]
+
+_SECTIONS = {"model": ModelConfig, "model.moe": MoEConfig, "parallel": ParallelConfig,
+             "zero": ZeroConfig, "train": TrainConfig, "data": DataConfig, "cluster": ClusterConfig}
+RECIPE_FIELDS = {f"{prefix}.{name}" for prefix, cls in _SECTIONS.items()
+                 for name in cls.__dataclass_fields__}
+# Not recipe fields but what the user gave: the world (--world-size, hostfile, or a bare
+# Topology in these tests) and the node sizes.
+WORLD_FIELDS = {"world size", "GPUs per node"}
+_SUGGESTION = re.compile(r"([a-z_]+(?:\.[a-z_]+)+) in \{([^}]*)\}")
+
+
+def _suggestions(fix: str) -> list[tuple[str, int]]:
+    """(field, value) for every value a fix offers ("use train.global_batch in {16, 20, ...}")."""
+    return [(path, int(value)) for path, values in _SUGGESTION.findall(fix)
+            for value in values.split(", ") if value != "..."]
+
+
+def _ids(cases):
+    return [" ".join(c[0]) + f" @{c[1]}" for c in cases]
+
+
+@pytest.mark.parametrize("overrides, world, slots", FAILING, ids=_ids(FAILING))
+def test_problems_name_only_fields_the_user_can_change(overrides, world, slots):
+    problems = problems_for(*overrides, world=world, node_slots=slots)
+    assert problems
+    for problem in problems:
+        assert set(problem.fields) <= RECIPE_FIELDS | WORLD_FIELDS, problem
+        assert problem.fix, problem
+
+
+@pytest.mark.parametrize("overrides, world, slots", FAILING, ids=_ids(FAILING))
+def test_following_a_suggested_value_clears_the_problem(overrides, world, slots):
+    """Each value a fix offers, set alone, clears that rule and breaks nothing new."""
+    before = rules_for(*overrides, world=world, node_slots=slots)
+    for problem in problems_for(*overrides, world=world, node_slots=slots):
+        for path, value in _suggestions(problem.fix):
+            after = rules_for(*overrides, f"{path}={value}", world=world, node_slots=slots)
+            assert problem.rule not in after and after <= before, (problem, path, value)
+
+
+def test_interleaved_microbatches_are_fixed_through_the_batch_the_user_wrote():
+    """Issue 9: the user wrote only global_batch; the fix must not talk about grad_accum."""
+    (l4,) = problems_for("parallel.pp=2", "parallel.vpp=2", "train.micro_batch=null",
+                         "train.global_batch=18", world=4)
+    assert l4.rule == "L4"
+    assert l4.fields == {"train.global_batch": 18, "parallel.pp": 2, "parallel.vpp": 2}
+    assert "use train.global_batch in {..., 16, 20, 24, 28, ...}" == l4.fix
+    assert "9 microbatches per step, dp 2 = world size 4 / (tp 1 x pp 2)" in l4.message
+
+
+def test_a_microbatch_count_the_user_wrote_is_fixed_through_grad_accum():
+    (l4,) = problems_for("parallel.pp=2", "parallel.vpp=2", "train.global_batch=null",
+                         "train.micro_batch=null", "train.grad_accum=3", world=4)
+    assert l4.fields["train.grad_accum"] == 3 and "train.global_batch" not in l4.fields
+    assert l4.fix.startswith("use train.grad_accum in {2, 4, 6, 8")
+
+
+def test_expert_tp_is_named_by_the_field_that_sets_it():
+    moe_tp2 = (*MOE, "model.moe.ffn_hidden_size=97", "parallel.tp=2", "parallel.sequence_parallel=true")
+    (t1,) = problems_for(*moe_tp2)
+    assert t1.fields == {"model.moe.ffn_hidden_size": 97, "parallel.tp": 2}
+    assert "parallel.etp is unset" in t1.message and "parallel.etp in {1}" in t1.fix
+    (t1,) = problems_for(*moe_tp2, "parallel.etp=2")
+    assert t1.fields == {"model.moe.ffn_hidden_size": 97, "parallel.etp": 2}
+
+
+def test_the_world_is_named_by_where_it_came_from(base_file):
+    exc = _raised(base_file, ["train.global_batch=12"], world_size=8)
+    (b2,) = exc.problems
+    assert "dp 8 = --world-size 8 / (tp 1 x pp 1)" in b2.message
+
+
+# Recipes the validator accepts in the tests above, as (overrides, world); each must also build
+# its Megatron-Core model (tests/unit/test_accepted_builds.py).
+ACCEPTED = sorted({(tuple(good), world) for _, _, _, good, world in CROSS_SECTION_CASES}
+                  | {(tuple(good), 8) for _, _, good in SECTION_CASES}
+                  | {(tuple(given), 8) for given, _ in BATCH_CASES}
+                  | {(("parallel.tp=2", "train.global_batch=16", "train.micro_batch=2"), 8),
+                     ((*MOE, "model.num_kv_heads=1"), 8),
+                     ((*MOE, "model.moe.top_k=1", "parallel.ep=2"), 8),
+                     ((*MOE, "model.moe.frequency=2", "parallel.pp=2"), 4),
+                     (("parallel.pp=2", "parallel.vpp=2", "train.global_batch=16"), 4),
+                     (("train.activation_checkpointing=full", "model.bias=true"), 8)})
+
+
+@pytest.mark.parametrize("overrides, world", ACCEPTED, ids=[" ".join(o) + f" @{w}" for o, w in ACCEPTED])
+def test_accepted_recipes_validate(overrides, world):
+    assert not errors(problems_for(*overrides, world=world))
