@@ -1,11 +1,11 @@
 """Resolve a recipe against a world: the topology, then the concrete layout.
 
 `resolve_file` is the whole path from a recipe file (and hostfile) to a Resolved, raising
-every problem at once. `topology_for` decides the world size from every source that names one (--world-size, a
-hostfile, the recipe's cluster section, an explicit parallel.dp) and reports a conflict
-instead of picking one (rule Y4). `resolve` turns a validated recipe into a new Recipe with
-dp and the batch arithmetic filled in, plus the Layout every downstream step uses. Nothing is
-mutated; nothing is silently corrected.
+every problem at once. `topology_for` decides the world size from every source that names
+one (--world-size, a hostfile, the recipe's cluster section, an explicit parallel.dp) and
+reports a conflict instead of picking one (rule Y4). `resolve` turns a validated recipe into
+a new Recipe with dp and the batch arithmetic filled in, plus the Layout every downstream
+step uses. Nothing is mutated; nothing is silently corrected.
 """
 
 from __future__ import annotations
