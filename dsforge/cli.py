@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import click
 
 from dsforge.launch.hostfile import active_hosts, read_hostfile
-from dsforge.recipe import RecipeError, Resolved, load_recipe, resolve, topology_for
-from dsforge.problems import EXIT_INVALID, Problem, print_problems
+from dsforge.problems import EXIT_INVALID, errors, print_problems
+from dsforge.recipe import RecipeError, Resolved, resolve_file
 
 
 def _recipe_options(command):
@@ -32,26 +32,17 @@ def resolve_or_exit(recipe_path: str, overrides: tuple[str, ...], world_size: in
     """Load, validate and resolve; on any error print every problem and exit 2."""
     if world_size is not None and hostfile is not None:
         raise click.UsageError("give either --world-size or --hostfile, not both")
-    problems: list[Problem] = []
-    parsed_hostfile = recipe = None
     try:
-        parsed_hostfile = active_hosts(read_hostfile(hostfile), include, exclude) if hostfile else None
-    except RecipeError as exc:
-        problems.extend(exc.problems)
-    try:
-        recipe = load_recipe(recipe_path, overrides)
-    except RecipeError as exc:
-        problems.extend(exc.problems)
-    try:
-        if problems:  # report hostfile and recipe problems together
-            raise RecipeError(problems)
-        topology, problems = topology_for(recipe, world_size=world_size, hostfile=parsed_hostfile)
-        if problems:
-            raise RecipeError(problems)
-        return resolve(recipe, topology)
+        return resolve_file(recipe_path, overrides, world_size=world_size, hostfile=hostfile,
+                            include=include, exclude=exclude)
     except RecipeError as exc:
         print_problems(recipe_path, exc.problems)
         sys.exit(EXIT_INVALID)
+
+
+def _print_warnings(problems) -> None:
+    for warning in problems:
+        click.echo(f"  warning: {warning}", err=True)
 
 
 def entry(argv: list[str] | None = None) -> None:
@@ -160,12 +151,20 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, **search
 @click.option("--master-addr", default=None, help="Address of the first node (multi-node).")
 @click.option("--master-port", type=int, default=None, help="Rendezvous port [default: free].")
 @click.option("--dry-run", is_flag=True, help="Print the command lines and exit.")
+@click.option("--tiny", is_flag=True,
+              help="Keep the recipe's layout, shrink model and batch to the smallest valid size, "
+                   "train a few steps on CPU ranks and compare the loss with one rank's.")
+@click.option("--skip-fit-check", is_flag=True,
+              help="Start even if the job's ranks or memory do not fit this machine.")
+@click.option("--verbose", is_flag=True,
+              help="Also show the engines' and the launcher's output (always in RUN_DIR/job.log).")
 @click.option("--local_rank", type=int, default=None, hidden=True)
 def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_timeout, timeout,
-        resume, launcher, include, exclude, node_rank, master_addr, master_port, dry_run,
-        local_rank):
-    """Train RECIPE: validate, then start the ranks with DeepSpeed's launcher, on this machine
-    or on the hosts of --hostfile. Also runs as the script `deepspeed ... -m dsforge run` starts."""
+        resume, launcher, include, exclude, node_rank, master_addr, master_port, dry_run, tiny,
+        skip_fit_check, verbose, local_rank):
+    """Train RECIPE: validate, check that it fits this machine, then start the ranks with
+    DeepSpeed's launcher, here or on the hosts of --hostfile. Also runs as the script
+    `deepspeed ... -m dsforge run` starts."""
     from dsforge.launch.job import JobSpec, Placement, launch_command, plain_deepspeed_command
     from dsforge.launch.local import free_port
     from dsforge.recipe.loader import dump_recipe
@@ -173,15 +172,16 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     if local_rank is not None:  # started by DeepSpeed's launcher: be a rank
         _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_timeout, resume)
     resolved = resolve_or_exit(recipe, overrides, world_size, hostfile, include, exclude)
-    for warning in resolved.warnings:
-        click.echo(f"  warning: {warning}", err=True)
-    if hostfile is None:
-        _check_local_gpus(device, resolved.layout.world_size)
+    if tiny:
+        resolved, device, backend = _tiny_or_exit(recipe, resolved, overrides, device, backend)
+    _print_warnings(resolved.warnings)
+    if hostfile is None and not skip_fit_check:
+        _fit_or_exit(_command_words(recipe, overrides, world_size), resolved, device, tiny)
     # With --no-ssh every node starts its own dsforge; nodes after the first join the run
     # directory the first one made (it may already hold their peers' files).
     joining = node_rank is not None and node_rank > 0
-    run_dir = _run_dir_for(run_dir, resolved, resume=resume or joining, create=not dry_run,
-                           check_checkpoint=resume)
+    run_dir = _run_dir_or_exit(run_dir, resolved, resume=resume, joining=joining,
+                               create=not dry_run)
     job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
                   device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
                   env=_forwarded_env())
@@ -191,26 +191,107 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
                           node_rank=node_rank)
     command = launch_command(placement, job)
     if hostfile and node_rank is None and launcher in ("pdsh", "openmpi", "mvapich") and not dry_run:
-        _preflight_or_exit(recipe, hostfile, include, exclude, placement.master_port)
+        _preflight_or_exit(recipe, hostfile, include, exclude, placement.master_port,
+                           fit=None if skip_fit_check else (resolved, device))
     if dry_run:
         click.echo(shlex.join(command))
         click.echo("# the same job as a plain deepspeed command:\n"
                    + plain_deepspeed_command(placement, Path(recipe), run_dir, overrides))
         return
-    _launch(command, run_dir, resolved.layout.world_size, timeout)
+    code = _launch(command, run_dir, resolved.layout.world_size, timeout, verbose)
+    if code == 0 and tiny:
+        code = _check_tiny_layout(resolved, run_dir, timeout, verbose)
+    sys.exit(code)
+
+
+def _command_words(recipe: str, overrides: tuple[str, ...], world_size: int | None) -> list[str]:
+    """The user's `dsforge run` command, for the ways forward a refusal suggests."""
+    words = ["dsforge", "run", recipe]
+    words += ["--world-size", str(world_size)] if world_size else []
+    for item in overrides:
+        words += ["--set", item]
+    return words
+
+
+def _tiny_or_exit(recipe: str, resolved: Resolved, overrides, device: str, backend: str):
+    from dsforge.recipe.tiny import tiny_resolved
+
+    if device == "cuda" or backend == "nccl":
+        raise click.UsageError("--tiny runs on CPU ranks (gloo); leave out --device/--backend")
+    try:
+        tiny = tiny_resolved(resolved, overrides)
+    except RecipeError as exc:
+        print_problems(f"{recipe} at tiny size", exc.problems)
+        sys.exit(EXIT_INVALID)
+    lay, m = tiny.layout, tiny.recipe.model
+    click.echo(f"dsforge: {recipe} at tiny size: the same layout ({_layout_text(lay)}, ZeRO "
+               f"{tiny.recipe.zero.stage}, {tiny.recipe.train.precision}, activation checkpointing "
+               f"{tiny.recipe.train.activation_checkpointing}) with {m.num_layers} layers of "
+               f"hidden {m.hidden_size}, {lay.grad_accum} microbatches of {lay.micro_batch} x "
+               f"{tiny.recipe.train.seq_len} tokens, {tiny.recipe.train.steps} steps on CPU ranks",
+               err=True)
+    return tiny, "cpu", "gloo"
+
+
+def _layout_text(lay) -> str:
+    parts = [f"{lay.world_size} ranks: dp{lay.dp}", f"tp{lay.tp}"]
+    parts += [f"pp{lay.pp}"] if lay.pp > 1 else []
+    parts += [f"vpp{lay.vpp}"] if lay.vpp > 1 else []
+    parts += [f"ep{lay.ep}"] if lay.ep > 1 else []
+    parts += ["sequence parallel"] if lay.sequence_parallel else []
+    return " x ".join(parts[:-1] if lay.sequence_parallel else parts) + (
+        " + sequence parallel" if lay.sequence_parallel else "")
+
+
+def _fit_or_exit(command: list[str], resolved: Resolved, device: str, tiny: bool) -> None:
+    """Refuse, in a second and before any rank starts, a job this machine cannot hold."""
+    from dsforge.launch.fit import Machine, device_for, fit_problems
+    from dsforge.launch.probe import probe
+    from dsforge.problems import errors
+
+    machine = Machine.from_probe("this machine", probe())
+    problems = fit_problems(resolved, machine, device=device_for(device, machine))
+    if not errors(problems):
+        _print_warnings(problems)
+        return
+    print_problems(f"{command[2]} does not fit {machine.describe()}", tuple(problems))
+    click.echo(_ways_forward(command, resolved, tiny), err=True)
+    sys.exit(EXIT_INVALID)
+
+
+def _ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
+    from dsforge.launch.fit import GiB, rank_memory_bytes
+
+    lay = resolved.layout
+    lines = ["ways forward:",
+             f"  - run it on {lay.world_size} GPUs with {rank_memory_bytes(resolved) / GiB:,.0f}+ GiB "
+             "each over a hostfile (hostfiles/ has examples): "
+             f"{shlex.join(command + ['--hostfile', 'HOSTFILE'])}",
+             "  - shrink it: fewer ranks (--world-size, parallel.*), a smaller model (model.*), "
+             "or less memory a rank (zero.stage, train.activation_checkpointing, "
+             "train.micro_batch); `dsforge plan --search` finds layouts that fit"]
+    if not tiny:
+        lines.append(f"  - smoke-test this exact layout at tiny size on CPU: "
+                     f"{shlex.join(command + ['--tiny'])}")
+    lines.append("  - or start anyway: add --skip-fit-check")
+    return "\n".join(lines)
 
 
 def _preflight_or_exit(recipe: str, hostfile: str, include: str, exclude: str, port: int,
-                       timeout_s: float = 10.0) -> None:
+                       timeout_s: float = 10.0, fit: tuple[Resolved, str] | None = None) -> None:
+    """Every host reachable with the same versions and the master port free; with `fit`
+    (the resolved job and --device), each host's slots and memory checked against the job."""
     from dsforge.launch.preflight import preflight
 
     hosts = active_hosts(read_hostfile(hostfile), include, exclude)
-    problems = preflight(hosts, master_port=port, timeout_s=timeout_s)
-    if problems:
+    problems = preflight(hosts, master_port=port, timeout_s=timeout_s, fit=fit)
+    if errors(problems):
         print_problems(f"preflight of {hostfile}", tuple(problems))
         sys.exit(EXIT_INVALID)
+    _print_warnings(problems)
     click.echo(f"dsforge: preflight ok: {len(hosts.hosts)} hosts reachable, same versions, "
-               f"port {port} free on {hosts.hostnames[0]}", err=True)
+               f"port {port} free on {hosts.hostnames[0]}"
+               + (", the job fits every host" if fit else ""), err=True)
 
 
 @main.command()
@@ -240,21 +321,68 @@ def _forwarded_env() -> dict[str, str]:
         sys.exit(EXIT_INVALID)
 
 
-def _launch(command: list[str], run_dir: Path, world_size: int, timeout: float | None) -> None:
+def _launch(command: list[str], run_dir: Path, world_size: int, timeout: float | None,
+            verbose: bool) -> int:
+    """Run the job with dsforge's lines on the terminal and everything in RUN_DIR/job.log."""
     from dsforge.launch.job import runner_env
     from dsforge.launch.local import run_job
-    from dsforge.runtime.heartbeat import summarize
+    from dsforge.launch.output import JobView
+    from dsforge.launch.run_dir import JOB_LOG
 
     env, dropped = runner_env(os.environ)
     for name in dropped:
         click.echo(f"  note: {name} is forwarded inside the job, not exported by DeepSpeed's "
                    "runner (its value is not shell-safe)", err=True)
-    click.echo(f"dsforge: {world_size} ranks, run directory {run_dir}", err=True)
-    code = run_job(command, timeout_s=timeout, env=env)
+    log = run_dir / JOB_LOG
+    click.echo(f"dsforge: starting {world_size} rank{'s' if world_size > 1 else ''}; run directory {run_dir}, engine logs in "
+               f"{log}", err=True)
+    view = JobView(verbose=verbose)
+    try:
+        code = run_job(command, timeout_s=timeout, env=env, log_path=log, on_line=view.feed)
+    finally:
+        view.close()
     if code != 0:
-        click.echo(f"dsforge: job failed (exit code {code}); see the first failing rank above\n"
-                   f"{summarize(run_dir)}", err=True)
-    sys.exit(code)
+        click.echo(_failure_report(run_dir, code), err=True)
+    return code
+
+
+def _failure_report(run_dir: Path, code: int) -> str:
+    """The first failing rank's error (its record), where to read more, each rank's progress."""
+    from dsforge.launch.run_dir import JOB_LOG
+    from dsforge.runtime import failure
+    from dsforge.runtime.heartbeat import summarize
+
+    lines = [f"dsforge: job failed (exit code {code})"]
+    first = failure.first(run_dir)
+    if first is not None:
+        lines.append(f"  first failure: {first.headline()}")
+        lines += ["    " + line for line in first.detail.rstrip().splitlines()[-12:]]
+    lines.append(f"  every rank's output and the engines' logs: {run_dir / JOB_LOG}")
+    return "\n".join(lines + [summarize(run_dir)])
+
+
+def _check_tiny_layout(tiny: Resolved, run_dir: Path, timeout: float | None, verbose: bool) -> int:
+    """Train the same tiny model on one rank and compare losses; 1 if they disagree."""
+    from dsforge.launch.job import JobSpec, Placement, launch_command
+    from dsforge.launch.local import free_port
+    from dsforge.launch.smoke import compare_losses
+    from dsforge.recipe.loader import dump_recipe
+    from dsforge.recipe.tiny import reference_resolved
+
+    reference = reference_resolved(tiny)
+    ref_dir = run_dir / "reference"
+    ref_dir.mkdir()
+    job = JobSpec(recipe_yaml=dump_recipe(reference.recipe), run_dir=str(ref_dir.resolve()),
+                  device="cpu", backend="gloo", env=_forwarded_env())
+    command = launch_command(Placement(world_size=1, master_port=free_port()), job)
+    click.echo("dsforge: checking the layout against a single-rank run of the same tiny model",
+               err=True)
+    code = _launch(command, ref_dir, 1, timeout, verbose)
+    if code != 0:
+        return code
+    check = compare_losses(run_dir, ref_dir, tiny.recipe.train.precision)
+    click.echo(f"dsforge: {check.describe()}", err=True)
+    return 0 if check.ok else 1
 
 
 def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_timeout, resume):
@@ -264,76 +392,38 @@ def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_time
     from dsforge.recipe.loader import dump_recipe
     from dsforge.runtime.rank import run_rank
 
+    from dsforge.launch.run_dir import runs_root
+
     world = int(os.environ["WORLD_SIZE"])
     resolved = resolve_or_exit(recipe, overrides, world, None)
     if run_dir is None:
-        run_dir = Path("runs") / (f"{resolved.recipe.name}-{os.environ.get('MASTER_ADDR', 'local')}"
-                                  f"-{os.environ.get('MASTER_PORT', '0')}")
+        run_dir = runs_root() / (f"{resolved.recipe.name}-{os.environ.get('MASTER_ADDR', 'local')}"
+                                 f"-{os.environ.get('MASTER_PORT', '0')}")
     run_rank(JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
-                     device=device, backend=backend, step_timeout_s=step_timeout, resume=resume))
+                     device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
+                     marked_output=False))
 
 
-def _run_dir_for(run_dir: Path | None, resolved: Resolved, *, resume: bool, create: bool,
-                 check_checkpoint: bool) -> Path:
-    """A new, empty run directory; or, to resume or join, the existing one."""
-    if not resume:
-        return _new_run_dir(run_dir, resolved.recipe.name, create=create)
-    if run_dir is None:
-        raise click.UsageError("--resume and --no-ssh node ranks > 0 need --run-dir")
-    if check_checkpoint:
-        _check_resumable(run_dir, resolved)
-    if create:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+def _run_dir_or_exit(run_dir: Path | None, resolved: Resolved, *, resume: bool, joining: bool,
+                     create: bool) -> Path:
+    """A new, empty run directory; or, to resume or join, the existing one (with a checkpoint
+    this recipe can continue from, to resume)."""
+    from dsforge.launch.run_dir import RunDirError, existing_run_dir, new_run_dir
+    from dsforge.runtime.checkpoint import CheckpointError, check_resumable
 
-
-def _check_local_gpus(device: str, world_size: int) -> None:
-    """One rank per GPU on this machine: refuse before starting ranks that cannot get one."""
-    import torch
-
-    if device == "cpu" or not torch.cuda.is_available():
-        if device == "cuda":
-            raise click.UsageError("--device cuda, but no GPU is visible")
-        return
-    if world_size > torch.cuda.device_count():
-        raise click.UsageError(f"the recipe needs {world_size} ranks but this machine has "
-                               f"{torch.cuda.device_count()} GPUs; pass --world-size, or "
-                               "--device cpu to try the layout on CPU")
-
-
-def _check_resumable(run_dir: Path | None, resolved: Resolved) -> None:
-    """The run directory has a complete checkpoint of this same model and layout, safe to load."""
-    import dataclasses
-
-    from dsforge.runtime import checkpoint
-
-    root = checkpoint.checkpoint_root(run_dir)
     try:
-        record = checkpoint.latest_complete(root)
-        if record is None:
-            raise checkpoint.CheckpointError(f"no complete checkpoint under {root}")
-        checkpoint.check_safe_to_load(root, record["tag"])
-    except checkpoint.CheckpointError as exc:
+        if not (resume or joining):
+            return new_run_dir(run_dir, resolved.recipe.name, create=create)
+        run_dir = existing_run_dir(run_dir, create=create)
+        if resume:
+            record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),
+                                     resolved.layout.world_size)
+            click.echo(f"dsforge: resuming {run_dir} after step {record['step']}", err=True)
+        return run_dir
+    except RunDirError as exc:
+        raise click.UsageError(str(exc)) from None
+    except CheckpointError as exc:
         raise click.UsageError(f"cannot resume: {exc}") from None
-    differences = checkpoint.recipe_differences(record["recipe"], dataclasses.asdict(resolved.recipe))
-    if record["world_size"] != resolved.layout.world_size:
-        differences.append(f"world size: {record['world_size']} in the checkpoint, "
-                           f"{resolved.layout.world_size} now")
-    if differences:
-        raise click.UsageError("cannot resume: the recipe differs from the checkpoint's (resharding "
-                               "to a new layout is not supported):\n  " + "\n  ".join(differences))
-    click.echo(f"dsforge: resuming {run_dir} after step {record['step']}", err=True)
-
-
-def _new_run_dir(run_dir: Path | None, name: str, create: bool = True) -> Path:
-    if run_dir is None:
-        run_dir = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise click.UsageError(f"--run-dir {run_dir} is not empty; choose a new directory so no "
-                               "earlier run's metrics are mixed in")
-    if create:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
 
 
 @main.command()
@@ -341,7 +431,10 @@ def _new_run_dir(run_dir: Path | None, name: str, create: bool = True) -> Path:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Results directory [default: benchmarks/STUDY-NAME].")
 @click.option("--retry-failed", is_flag=True, help="Run oom/timeout/crashed cells again.")
-def bench(study, out, retry_failed):
+@click.option("--tiny", is_flag=True,
+              help="Every cell's layout at tiny size on CPU ranks (a dry run of the study); "
+                   "recorded as study NAME-tiny.")
+def bench(study, out, retry_failed, tiny):
     """Run every cell of STUDY (a sweep over recipe fields) and record the results in
     OUT/results.db; finished cells are skipped when the study is run again."""
     from dsforge.bench.run import run_study
@@ -353,10 +446,12 @@ def bench(study, out, retry_failed):
     except RecipeError as exc:
         print_problems(study, exc.problems)
         sys.exit(EXIT_INVALID)
+    if tiny:  # never mixed with the study's real results
+        parsed = dataclasses.replace(parsed, name=f"{parsed.name}-tiny")
     out = out or Path("benchmarks") / parsed.name
     store = Store(out / "results.db")
     try:
-        run_study(parsed, recipe_path, store, out, retry_failed=retry_failed,
+        run_study(parsed, recipe_path, store, out, retry_failed=retry_failed, tiny=tiny,
                   log=lambda line: click.echo(line, err=True))
     finally:
         store.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 import statistics
 import time
@@ -19,20 +18,21 @@ from typing import Callable
 
 from dsforge.bench.store import FAILED, Row, Store
 from dsforge.bench.study import Cell, Study, expand
-from dsforge.launch.hostfile import read_hostfile
 from dsforge.launch.job import JobSpec, Placement, launch_command
 from dsforge.launch.local import free_port, run_job
 from dsforge.problems import RecipeError, errors
-from dsforge.recipe import Resolved, load_recipe, resolve, topology_for
+from dsforge.recipe import Resolved, resolve_file
 from dsforge.recipe.loader import dump_recipe
+from dsforge.recipe.tiny import tiny_resolved
+from dsforge.runtime import failure
 
-_OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory", re.I)
-_STUCK = re.compile(r"dsforge: rank \d+ stuck: step \d+ made no progress for \d+s")
-_FAILED_AT = re.compile(r"dsforge: rank \d+ failed at step -?\d+:")
+# Exit codes of a launcher whose rank the kernel killed (SIGKILL: usually its OOM killer).
+_KILLED = (-9, 137)
 
 
 def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
-              retry_failed: bool = False, log: Callable[[str], None] = print) -> None:
+              retry_failed: bool = False, tiny: bool = False,
+              log: Callable[[str], None] = print) -> None:
     cells = expand(study)
     log(f"study {study.name}: {len(cells)} cells x {study.measure.repeats} repeats")
     for index, cell in enumerate(cells, start=1):
@@ -40,7 +40,7 @@ def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
             previous = store.status(study.name, cell.key, repeat)
             if previous is not None and not (retry_failed and previous in FAILED):
                 continue
-            row = run_cell(study, recipe_path, cell, repeat, out_dir)
+            row = run_cell(study, recipe_path, cell, repeat, out_dir, tiny=tiny)
             store.write(row)
             log(f"[{index}/{len(cells)}] {_label(cell)} repeat {repeat}: {row.status}"
                 + (f" ({row.reason})" if row.reason else ""))
@@ -50,10 +50,11 @@ def _label(cell: Cell) -> str:
     return ", ".join(f"{k}={v}" for k, v in cell.axes.items())
 
 
-def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: Path) -> Row:
+def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: Path, *,
+             tiny: bool = False) -> Row:
     base = dict(study=study.name, cell=cell.key, repeat=repeat, axes=cell.axes)
     try:
-        resolved = _resolve_cell(study, recipe_path, cell)
+        resolved = _resolve_cell(study, recipe_path, cell, tiny)
     except RecipeError as exc:
         reason = "; ".join(str(p) for p in errors(exc.problems))
         return Row(**base, status="rejected", reason=reason)
@@ -61,7 +62,7 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
     shutil.rmtree(run_dir, ignore_errors=True)  # an attempt that never recorded a row
     run_dir.mkdir(parents=True)
     started = time.monotonic()
-    code = _launch(study, resolved, run_dir)
+    code = _launch(study, resolved, run_dir, device="cpu" if tiny else study.device)
     status, reason = classify(code, run_dir)
     return Row(**base, status=status, reason=reason, seconds=time.monotonic() - started,
                recipe=dump_recipe(resolved.recipe), manifest=_read_json(run_dir / "manifest.json"),
@@ -69,18 +70,15 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
                prediction=prediction(resolved))
 
 
-def _resolve_cell(study: Study, recipe_path: Path, cell: Cell) -> Resolved:
-    recipe = load_recipe(recipe_path, cell.overrides)
-    hostfile = read_hostfile(study.hostfile) if study.hostfile else None
-    topology, problems = topology_for(recipe, world_size=study.world_size, hostfile=hostfile)
-    if problems:
-        raise RecipeError(problems)
-    return resolve(recipe, topology)
+def _resolve_cell(study: Study, recipe_path: Path, cell: Cell, tiny: bool = False) -> Resolved:
+    resolved = resolve_file(recipe_path, cell.overrides, world_size=study.world_size,
+                            hostfile=study.hostfile)
+    return tiny_resolved(resolved, cell.overrides) if tiny else resolved
 
 
-def _launch(study: Study, resolved: Resolved, run_dir: Path) -> int:
+def _launch(study: Study, resolved: Resolved, run_dir: Path, device: str) -> int:
     job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
-                  device=study.device, step_timeout_s=study.measure.step_timeout_s, measure=True)
+                  device=device, step_timeout_s=study.measure.step_timeout_s, measure=True)
     placement = Placement(world_size=resolved.layout.world_size, hostfile=study.hostfile,
                           master_port=free_port())
     return run_job(launch_command(placement, job), timeout_s=study.measure.timeout_s,
@@ -88,28 +86,19 @@ def _launch(study: Study, resolved: Resolved, run_dir: Path) -> int:
 
 
 def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
-    """ok / timeout / oom / crashed from the launcher's exit code and the job's log."""
+    """ok / timeout / oom / crashed from the launcher's exit code and the ranks' failure
+    records (runtime/failure.py): a hang ended by a rank's watchdog is a timeout of one step."""
     if code == 0 and (run_dir / "summary.json").exists():
         return "ok", None
     if code == 124:
         return "timeout", "exceeded the cell's wall-clock limit"
-    log = (run_dir / "job.log").read_text(errors="replace") if (run_dir / "job.log").exists() else ""
-    stuck = _STUCK.search(log)
-    if stuck:  # a rank's watchdog ended a hang: a timeout of one step
-        return "timeout", stuck.group(0)
-    if _OOM.search(log) or code in (-9, 137):
-        return "oom", _first_error(log) or "killed (out of memory?)"
-    return "crashed", _first_error(log) or f"exit code {code}"
-
-
-def _first_error(log: str) -> str | None:
-    """The first failing rank's message: its 'failed at step' line and the exception line."""
-    lines = log.splitlines()
-    for i, line in enumerate(lines):
-        if _FAILED_AT.search(line):
-            tail = [l for l in lines[i + 1:i + 60] if re.match(r"^\w*(Error|Exception)\b|^\w+Error:", l)]
-            return line.strip() + (" " + tail[0].strip() if tail else "")
-    return None
+    first = failure.first(run_dir)
+    if first is not None:
+        status = {"hang": "timeout", "oom": "oom"}.get(first.kind, "crashed")
+        return status, first.headline()
+    if code in _KILLED:
+        return "oom", "a rank was killed (out of memory?)"
+    return "crashed", f"exit code {code}; see {run_dir / 'job.log'}"
 
 
 def figures(run_dir: Path) -> dict:

@@ -38,6 +38,9 @@ class JobSpec:
     step_timeout_s: float = 300.0
     resume: bool = False
     measure: bool = False  # per-stage bubble timers (dsforge bench)
+    # Lines for the user marked for `dsforge run`'s reader (console.py); False when a plain
+    # `deepspeed ... -m dsforge run` starts the ranks and they print to the terminal themselves.
+    marked_output: bool = True
     env: dict[str, str] = field(default_factory=dict)
 
     def encode(self) -> str:

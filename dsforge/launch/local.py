@@ -12,11 +12,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 # How long ranks get to exit after SIGINT/SIGTERM before the group is killed.
 GRACE_S = 10.0
+# How long the output copier may take to drain what the killed job left in the pipe.
+READER_JOIN_S = 5.0
 
 
 def free_port() -> int:
@@ -26,11 +30,17 @@ def free_port() -> int:
 
 
 def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | None = None,
-            log_path: Path | None = None) -> int:
-    """Run the launcher to completion; returns its exit code (124 on timeout, 130 on Ctrl-C)."""
+            log_path: Path | None = None, on_line: Callable[[str], None] | None = None) -> int:
+    """Run the launcher to completion; returns its exit code (124 on timeout, 130 on Ctrl-C).
+
+    With `log_path` its output goes there; with `on_line` too, each line is also handed to
+    `on_line` as it arrives (the terminal view of `dsforge run`)."""
     out = open(log_path, "ab") if log_path else None
+    piped = on_line is not None
     proc = subprocess.Popen(command, start_new_session=True, env=env,
-                            stdout=out or None, stderr=subprocess.STDOUT if out else None)
+                            stdout=subprocess.PIPE if piped else out,
+                            stderr=subprocess.STDOUT if piped or out else None)
+    reader = _copy_lines(proc.stdout, out, on_line) if piped else None
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -43,8 +53,30 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
         return 130
     finally:
         _kill_group(proc.pid)  # nothing of the job outlives dsforge
+        if reader is not None:
+            reader.join(timeout=READER_JOIN_S)
         if out:
             out.close()
+
+
+def _copy_lines(stream, out, on_line: Callable[[str], None]) -> threading.Thread:
+    """A thread that copies `stream` to `out` and hands each line to `on_line`; it ends when
+    the last process holding the pipe is gone."""
+
+    def copy() -> None:
+        for raw in iter(stream.readline, b""):
+            if out is not None:
+                out.write(raw)
+                out.flush()
+            # Progress bars redraw with carriage returns: each redraw is a line of its own.
+            for piece in raw.decode("utf-8", "replace").rstrip("\r\n").split("\r"):
+                if piece:
+                    on_line(piece)
+        stream.close()
+
+    thread = threading.Thread(target=copy, daemon=True, name="dsforge-job-output")
+    thread.start()
+    return thread
 
 
 def stop_group(proc: subprocess.Popen, sig: int) -> None:

@@ -15,20 +15,25 @@ import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+from dsforge.launch import probe as probe_module
 from dsforge.launch.hostfile import Hostfile
-from dsforge.problems import Problem
+from dsforge.problems import Problem, errors
 from dsforge.versions import PACKAGES, package_versions
 
-_VERSIONS_SCRIPT = (
-    "import json\n"
-    "from importlib.metadata import version, PackageNotFoundError\n"
-    "def v(name):\n"
+# One ssh round trip per host: its package versions and what it has for the job (probe.py's
+# own text, so the remote side needs nothing but Python).
+_HOST_SCRIPT = (
+    Path(probe_module.__file__).read_text().replace('if __name__ == "__main__":', "if False:")
+    + "\nfrom importlib.metadata import version, PackageNotFoundError\n"
+    "def _version(name):\n"
     "    try:\n"
     "        return version(name)\n"
     "    except PackageNotFoundError:\n"
     "        return None\n"
-    f"print(json.dumps({{name: v(name) for name in {PACKAGES!r}}}))\n")
+    f"print(json.dumps({{'versions': {{name: _version(name) for name in {PACKAGES!r}}}, "
+    "'machine': probe()}))\n")
 
 
 def ssh_command(host: str, remote: list[str], timeout_s: float) -> list[str]:
@@ -56,8 +61,8 @@ def _run(command: list[str], timeout_s: float) -> tuple[int, str, str]:
 
 
 def check_host(host: str, python: str, timeout_s: float) -> tuple[list[Problem], dict | None]:
-    """SSH reachability and the host's package versions."""
-    code, out, err = _run(ssh_command(host, [python, "-c", _VERSIONS_SCRIPT], timeout_s), timeout_s + 5)
+    """SSH reachability; the host's package versions and machine (probe.py)."""
+    code, out, err = _run(ssh_command(host, [python, "-c", _HOST_SCRIPT], timeout_s), timeout_s + 5)
     if code == 0:
         try:
             return [], json.loads(out.strip().splitlines()[-1])
@@ -88,17 +93,27 @@ def version_problems(host: str, remote: dict, local: dict) -> list[Problem]:
 
 
 def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
-              python: str = sys.executable) -> list[Problem]:
-    """Every problem with the hosts of `hostfile` (empty list: ready to launch)."""
+              python: str = sys.executable, fit=None) -> list[Problem]:
+    """Every problem with the hosts of `hostfile` (no errors: ready to launch). With `fit`
+    = (resolved recipe, --device), each host's slots must also fit its GPUs or memory."""
     hosts = list(hostfile.hostnames)
     local = package_versions()
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         results = list(pool.map(lambda h: check_host(h, python, timeout_s), hosts))
     problems = []
-    for host, (host_problems, versions) in zip(hosts, results):
+    for host, slots, (host_problems, found) in zip(hosts, hostfile.node_slots, results):
         problems += host_problems
-        if versions is not None:
-            problems += version_problems(host, versions, local)
-    if not problems:
+        if found is not None:
+            problems += version_problems(host, found["versions"], local)
+            problems += _fit(host, slots, found["machine"], fit) if fit else []
+    if not errors(problems):
         problems += check_port(hosts[0], master_port, python, timeout_s)
     return problems
+
+
+def _fit(host: str, slots: int, probed: dict, fit) -> list[Problem]:
+    from dsforge.launch.fit import Machine, device_for, fit_problems
+
+    resolved, device = fit
+    machine = Machine.from_probe(host, probed)
+    return fit_problems(resolved, machine, device=device_for(device, machine), ranks=slots)

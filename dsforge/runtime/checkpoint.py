@@ -109,6 +109,23 @@ def recipe_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     return differences
 
 
+def check_resumable(run_dir: Path, recipe: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The completion record a run of `recipe` on `world_size` ranks can resume from: the
+    newest complete checkpoint in `run_dir`, safe to load, of this same model and layout."""
+    root = checkpoint_root(run_dir)
+    record = latest_complete(root)
+    if record is None:
+        raise CheckpointError(f"no complete checkpoint under {root}")
+    check_safe_to_load(root, record["tag"])
+    differences = recipe_differences(record["recipe"], recipe)
+    if record["world_size"] != world_size:
+        differences.append(f"world size: {record['world_size']} in the checkpoint, {world_size} now")
+    if differences:
+        raise CheckpointError("the recipe differs from the checkpoint's (resharding to a new "
+                              "layout is not supported):\n  " + "\n  ".join(differences))
+    return record
+
+
 def load(engine, root: Path, tag: str, rank: int) -> int:
     """Restore engine and RNG state; returns the number of steps already done."""
     check_safe_to_load(root, tag)

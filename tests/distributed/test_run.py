@@ -39,7 +39,12 @@ def test_run_trains_and_writes_metrics(tmp_path):
     assert records[0]["warmup"] and not records[1]["warmup"]
     assert all(r["mfu"] is None and r["memory_source"] == "process peak RSS" for r in records)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["measured_steps"] == 5 and "MFU n/a" in result.stdout
+    assert summary["measured_steps"] == 5 and "MFU n/a" in result.stderr
+    # A quiet terminal: dsforge's lines; the engines' logs and rank command lines in job.log.
+    assert "[INFO]" not in result.stderr and "--job" not in result.stderr
+    assert f"engine logs in {run_dir / 'job.log'}" in result.stderr
+    log = (run_dir / "job.log").read_text()
+    assert "[INFO]" in log and "--job" in log
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["versions"]["deepspeed"] and manifest["layout"]["dp"] == 2
     assert "dp: 2" in (run_dir / "recipe.yaml").read_text()
@@ -93,7 +98,10 @@ def test_a_failing_rank_ends_the_whole_job(tmp_path, kind):
     assert time.monotonic() - start < 120
     if kind == "raise":
         assert "rank 1 failed at step 2" in result.stderr and "injected fault" in result.stderr
-    assert "job failed" in result.stderr
+        record = json.loads((run_dir / "failures" / "rank00001.json").read_text())
+        assert (record["kind"], record["step"]) == ("exception", 2)
+        assert "first failure: rank 1 failed at step 2" in result.stderr
+    assert "job failed" in result.stderr and str(run_dir / "job.log") in result.stderr
     assert not _job_processes(run_dir)
 
 
@@ -104,6 +112,9 @@ def test_a_hung_rank_is_named_and_the_job_ends(tmp_path):
     assert result.returncode != 0
     assert "stuck: step 3 made no progress" in result.stderr
     assert "inject_fault" in result.stderr  # the Python stack of the stuck rank
+    from dsforge.runtime import failure
+
+    assert failure.first(run_dir).kind == "hang"
     assert "rank 0: step 3, last progress" in result.stderr  # the launcher's summary
     assert not _job_processes(run_dir)
 

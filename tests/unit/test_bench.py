@@ -6,6 +6,7 @@ import pytest
 
 from dsforge.bench.report import write_report
 from dsforge.bench.run import classify, run_cell
+from dsforge.runtime import failure
 from dsforge.bench.store import Row, Store
 from dsforge.bench.study import expand, load_study
 from dsforge.problems import RecipeError
@@ -77,19 +78,31 @@ def test_store_keeps_rows_and_overwrites_a_retry(tmp_path):
     assert sorted((r.repeat, r.status) for r in rows) == [(0, "ok"), (1, "ok")]
 
 
-@pytest.mark.parametrize("code, log, expected", [
-    (124, "", "timeout"),
-    (1, "dsforge: rank 0 stuck: step 1 made no progress for 10s (a hung collective?)", "timeout"),
-    (1, "dsforge: rank 1 failed at step 2:\nTraceback...\nRuntimeError: injected fault\n", "crashed"),
-    (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB", "oom"),
-    (-9, "", "oom"),
+@pytest.mark.parametrize("code, record, expected", [
+    (124, None, "timeout"),
+    (3, dict(kind="hang", message="step 1 made no progress for 10s (a hung collective?)"), "timeout"),
+    (1, dict(kind="exception", message="RuntimeError: injected fault"), "crashed"),
+    (1, dict(kind="oom", message="torch.OutOfMemoryError: CUDA out of memory."), "oom"),
+    (-9, None, "oom"),
+    (1, None, "crashed"),
 ])
-def test_classification_from_exit_code_and_log(tmp_path, code, log, expected):
-    (tmp_path / "job.log").write_text(log)
+def test_classification_from_exit_code_and_failure_records(tmp_path, code, record, expected):
+    """Classified from the ranks' structured failure records, never from the text they print."""
+    (tmp_path / "job.log").write_text("RuntimeError: out of memory (printed text is not read)\n")
+    if record is not None:
+        failure.write(tmp_path, failure.Failure(rank=1, step=2, **record))
     status, reason = classify(code, tmp_path)
     assert status == expected
-    if expected == "crashed":
-        assert reason == "dsforge: rank 1 failed at step 2: RuntimeError: injected fault"
+    if record is not None:
+        assert reason.startswith("rank 1 ") and record["message"] in reason
+
+
+def test_the_earliest_failure_record_is_the_cause(tmp_path):
+    failure.write(tmp_path, failure.Failure(rank=0, step=2, kind="exception", message="peer gone",
+                                            time=200.0))
+    failure.write(tmp_path, failure.Failure(rank=3, step=2, kind="hang", message="stuck", time=100.0))
+    (failure.directory(tmp_path) / "rank00009.partial").write_text("{half")  # never read
+    assert classify(1, tmp_path) == ("timeout", "rank 3 stuck at step 2: stuck")
 
 
 def test_report_lists_every_cell_with_predictions_and_plots(tmp_path):

@@ -1,0 +1,122 @@
+"""Can this job run here? The ranks and memory a layout needs against what a machine has.
+
+Decided before any rank starts, in a second, from dsforge's memory model
+(estimate/memory.py: the most loaded pipeline rank's parameters, gradients, optimizer state,
+activations and buffers) and a probe of the machine (launch/probe.py):
+  FIT1 (error)   ranks on a GPU machine > its GPUs (one rank per GPU);
+  FIT2 (error)   a rank's predicted memory > free memory per GPU; on CPU, all of this
+                 machine's ranks together > the host memory available (they share it);
+  FIT3 (warning) more CPU ranks than cores: it runs, each rank on one thread, slowly.
+The user can override the errors (--skip-fit-check); warnings never block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsforge.estimate.memory import estimate_memory
+from dsforge.problems import Problem
+from dsforge.recipe import Resolved
+
+GiB = 1024**3
+MiB = 1024**2
+# A CPU rank's own footprint before the model: Python, torch, DeepSpeed and Megatron-Core
+# imported, gloo groups formed. Measured: 32 tiny ranks of recipes/70b_pp4.yaml --tiny
+# raised the machine's used memory by ~10.3 GiB (docs/launch.md).
+CPU_RANK_OVERHEAD_BYTES = 330 * MiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gpu:
+    name: str
+    memory_total: int
+    memory_free: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    name: str  # "this machine" or a host name
+    cpus: int
+    memory_available: int | None  # bytes; None = unknown
+    gpus: tuple[Gpu, ...] = ()
+
+    @classmethod
+    def from_probe(cls, name: str, probed: dict) -> "Machine":
+        gpus = tuple(Gpu(name=g["name"], memory_total=g["memory_total"], memory_free=g["memory_free"])
+                     for g in probed.get("gpus", []))
+        return cls(name=name, cpus=probed["cpus"], memory_available=probed.get("memory_available"),
+                   gpus=gpus)
+
+    def describe(self) -> str:
+        ram = f"{_gib(self.memory_available)} of available RAM" if self.memory_available else "unknown RAM"
+        if not self.gpus:
+            return f"{self.name}: no GPU, {self.cpus} CPU cores, {ram}"
+        free = min(g.memory_free for g in self.gpus)
+        return (f"{self.name}: {len(self.gpus)} x {self.gpus[0].name} ({_gib(free)} free on the "
+                f"fullest), {self.cpus} CPU cores, {ram}")
+
+
+def device_for(choice: str, machine: Machine) -> str:
+    """The device ranks will use: cuda when asked, or when auto finds a GPU."""
+    if choice == "auto":
+        return "cuda" if machine.gpus else "cpu"
+    return choice
+
+
+def rank_memory_bytes(resolved: Resolved) -> float:
+    r = resolved.recipe
+    return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout).total
+
+
+def fit_problems(resolved: Resolved, machine: Machine, *, device: str,
+                 ranks: int | None = None) -> list[Problem]:
+    """Every reason the job's `ranks` local ranks (default: the whole world) cannot run on
+    `machine` with `device` ("cpu" or "cuda")."""
+    ranks = resolved.layout.world_size if ranks is None else ranks
+    per_rank = rank_memory_bytes(resolved)
+    if device == "cuda":
+        return _gpu_problems(machine, ranks, per_rank)
+    return _cpu_problems(machine, ranks, per_rank)
+
+
+def _gpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem]:
+    problems = []
+    if ranks > len(machine.gpus):
+        problems.append(Problem(
+            rule="FIT1", fields={"ranks": ranks, f"GPUs on {machine.name}": len(machine.gpus)},
+            message="the layout needs one GPU per rank",
+            fix="run over a hostfile with enough GPUs, or shrink the layout (see below)"))
+    usable = machine.gpus[:ranks]
+    if usable and per_rank > min(g.memory_free for g in usable):
+        fullest = min(usable, key=lambda g: g.memory_free)
+        problems.append(Problem(
+            rule="FIT2", fields={"memory per rank (estimated)": _gib(per_rank),
+                                 f"free on {fullest.name}": _gib(fullest.memory_free)},
+            message=f"a rank's predicted peak does not fit its GPU ({_gib(fullest.memory_total)} total)",
+            fix="raise zero.stage, parallel.tp or parallel.pp, set train.activation_checkpointing, "
+                "lower train.micro_batch, or run on larger GPUs"))
+    return problems
+
+
+def _cpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem]:
+    problems = []
+    need = ranks * (per_rank + CPU_RANK_OVERHEAD_BYTES)
+    if machine.memory_available is not None and need > machine.memory_available:
+        problems.append(Problem(
+            rule="FIT2", fields={"ranks": ranks, "memory per rank (estimated)": _gib(per_rank),
+                                 f"available RAM on {machine.name}": _gib(machine.memory_available)},
+            message=f"the CPU ranks share the host's memory and need {_gib(need)} together "
+                    f"(model states and activations + {CPU_RANK_OVERHEAD_BYTES // MiB} MiB a "
+                    "process)",
+            fix="run on GPUs over a hostfile, shrink the model, or smoke-test the layout at "
+                "tiny size (see below)"))
+    if ranks > machine.cpus:
+        problems.append(Problem(
+            rule="FIT3", severity="warning", fields={"ranks": ranks, "CPU cores": machine.cpus},
+            message="more CPU ranks than cores: each rank gets one thread and steps are slow",
+            fix="expected for smoke tests of big layouts; use fewer ranks to measure speed"))
+    return problems
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:,.1f} GiB"

@@ -1,0 +1,49 @@
+"""The correctness half of `dsforge run --tiny`: the layout's losses against one rank's.
+
+dsforge initialises every layout identically (runtime/init.py) and feeds step t the same
+samples whatever the layout (runtime/data.py), so the tiny model on the recipe's layout and
+the same tiny model on a single rank must follow the same loss trajectory up to the order of
+floating-point reductions. A larger difference means the layout computes something else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# Largest per-step loss difference accepted (absolute, on losses of ~5 at tiny size). fp32:
+# different reduction orders move losses by ~1e-5 (tests/distributed/test_equivalence.py
+# holds 1e-4 on 2-4 ranks); bf16 rounds each matmul to 8 bits of mantissa.
+LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossCheck:
+    steps: int
+    max_difference: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.steps > 0 and self.max_difference <= self.tolerance
+
+    def describe(self) -> str:
+        verdict = "matches" if self.ok else "DOES NOT match"
+        return (f"layout check: the loss {verdict} a single-rank run of the same tiny model "
+                f"(largest difference {self.max_difference:.2e} over {self.steps} steps, "
+                f"tolerance {self.tolerance:.0e})")
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def compare_losses(run_dir: Path, reference_dir: Path, precision: str) -> LossCheck:
+    run, reference = losses(run_dir), losses(reference_dir)
+    steps = sorted(set(run) & set(reference))
+    worst = max((abs(run[s] - reference[s]) for s in steps), default=float("inf"))
+    return LossCheck(steps=len(steps), max_difference=worst, tolerance=LOSS_TOLERANCE[precision])

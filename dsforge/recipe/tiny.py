@@ -1,0 +1,106 @@
+"""The same layout at tiny size: any recipe's parallelism, smoke-tested on CPU ranks.
+
+`shrink` keeps everything that decides how the job is laid out and run (world size, dp, tp,
+pp, vpp, ep, etp, sequence parallelism, ZeRO stage and offload, schedule, activation
+checkpointing, precision, tied embeddings, GQA and MoE routing) and replaces the model and the
+batch with the smallest ones that keep every divisibility rule of docs/validation.md true:
+  - one layer per virtual pipeline stage (L1/L2), MoE frequency capped to the layers (M3);
+  - query groups = tp (T1), twice as many heads when the recipe uses GQA, 8 channels a head;
+  - MLP and expert widths multiples of tp and expert-tp (T1);
+  - seq_len a multiple of tp (sequence parallelism splits it), micro_batch 1, and as few
+    microbatches as the schedule allows: pp (L6, L4), or 2 without a pipeline when the recipe
+    accumulates gradients;
+  - the vocabulary a multiple of Megatron's padding unit times tp, so a single-rank run of the
+    same tiny model pads it to the same size (padded logits take part in the softmax; a
+    different padding would be a different model); vocabularies over TINY_MAX_VOCAB are
+    replaced by synthetic data.
+Fields given with --set are applied again after shrinking, so `--set train.steps=10` holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from dsforge.estimate.params import padded_vocab_size
+from dsforge.recipe.layout import Topology
+from dsforge.recipe.loader import apply_overrides, build_recipe, parse_overrides
+from dsforge.recipe.resolve import Resolved, resolve
+from dsforge.recipe.schema import ModelConfig, Recipe
+
+TINY_STEPS = 4
+TINY_HEAD_DIM = 8
+TINY_SEQ_LEN = 32
+TINY_VOCAB = 256
+TINY_MAX_VOCAB = 4096  # recipes with a vocabulary this small keep it (and their token file)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def tiny_model(model: ModelConfig, *, tp: int, etp: int, pp: int, vpp: int) -> ModelConfig:
+    layers = pp * vpp
+    gqa = model.num_kv_heads is not None and model.num_kv_heads < model.num_attention_heads
+    heads = 2 * tp if gqa else max(2, tp)
+    hidden = heads * TINY_HEAD_DIM
+    moe = None
+    if model.moe is not None:
+        moe = dataclasses.replace(model.moe, ffn_hidden_size=_round_up(2 * hidden, etp),
+                                  frequency=min(model.moe.frequency, layers))
+    vocab = model.vocab_size if model.vocab_size <= TINY_MAX_VOCAB else TINY_VOCAB
+    vocab = padded_vocab_size(vocab, tp)  # token ids of a kept token file still fit
+    return dataclasses.replace(
+        model, preset=None, num_layers=layers, hidden_size=hidden,
+        ffn_hidden_size=_round_up(3 * hidden, tp), num_attention_heads=heads,
+        num_kv_heads=tp if gqa else None, kv_channels=None, vocab_size=vocab,
+        max_seq_len=_round_up(TINY_SEQ_LEN, tp), moe=moe)
+
+
+def shrink(recipe: Recipe, grad_accum: int) -> Recipe:
+    """`recipe` (valid, with `grad_accum` microbatches per step) at tiny size, same layout."""
+    p = recipe.parallel
+    model = tiny_model(recipe.model, tp=p.tp, etp=p.expert_tp, pp=p.pp, vpp=p.vpp)
+    microbatches = p.pp if p.pp > 1 else min(grad_accum, 2)
+    train = dataclasses.replace(
+        recipe.train, seq_len=model.max_seq_len, micro_batch=1, grad_accum=microbatches,
+        global_batch=None, steps=TINY_STEPS, warmup_steps=0, timing_warmup=1,
+        checkpoint_every=min(recipe.train.checkpoint_every, TINY_STEPS))
+    data = recipe.data
+    if recipe.model.vocab_size > TINY_MAX_VOCAB:
+        data = dataclasses.replace(data, source="synthetic")
+    return dataclasses.replace(recipe, name=f"{recipe.name}-tiny", model=model, train=train,
+                               data=data)
+
+
+def with_overrides(recipe: Recipe, overrides: Iterable[str]) -> Recipe:
+    """`recipe` with the user's --set fields applied again (they win over shrinking)."""
+    items = parse_overrides(overrides)
+    if not items:
+        return recipe
+    return build_recipe(apply_overrides(dataclasses.asdict(recipe), items))
+
+
+
+def single_rank_reference(tiny: Recipe, global_batch: int) -> Recipe:
+    """The same tiny model and data on one rank: every layout must train it to the same
+    losses (layout-invariant init, same samples per step), up to reduction order."""
+    parallel = dataclasses.replace(tiny.parallel, tp=1, pp=1, vpp=1, ep=1, etp=None, dp=1,
+                                   sequence_parallel=False)
+    train = dataclasses.replace(tiny.train, micro_batch=1, grad_accum=global_batch,
+                                global_batch=None, checkpoint_every=0)
+    return dataclasses.replace(tiny, name=f"{tiny.name}-reference", parallel=parallel,
+                               train=train, cluster=None)
+
+
+def tiny_resolved(resolved: Resolved, overrides: Iterable[str] = ()) -> Resolved:
+    """A resolved recipe at tiny size in the same world; raises RecipeError if a --set field
+    re-applied after shrinking breaks a rule."""
+    tiny = shrink(resolved.recipe, resolved.layout.grad_accum)
+    return resolve(with_overrides(tiny, overrides), resolved.topology)
+
+
+def reference_resolved(tiny: Resolved) -> Resolved:
+    """The single-rank run that `tiny` must match."""
+    return resolve(single_rank_reference(tiny.recipe, tiny.layout.global_batch),
+                   Topology(world_size=1))

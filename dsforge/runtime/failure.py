@@ -1,0 +1,74 @@
+"""One structured record per failing rank: RUN_DIR/failures/rankNNNNN.json.
+
+A rank that fails writes what happened (rank, step, kind, message, traceback) before it
+exits; `dsforge run` prints the first one and `dsforge bench` classifies a cell by it, so
+neither has to read meaning into the text a rank printed. Kinds: "exception", "oom" (an
+out-of-memory error the rank caught), "hang" (its watchdog ended a step that made no
+progress). A rank killed from outside (SIGKILL, the kernel's OOM killer) writes nothing: the
+launcher's exit code is then all there is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+KINDS = ("exception", "oom", "hang")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    rank: int
+    step: int
+    kind: str
+    message: str
+    detail: str = ""  # traceback or stacks
+    time: float = 0.0
+
+    def headline(self) -> str:
+        what = {"hang": "stuck", "oom": "out of memory"}.get(self.kind, "failed")
+        return f"rank {self.rank} {what} at step {self.step}: {self.message}"
+
+
+def directory(run_dir: Path) -> Path:
+    return Path(run_dir) / "failures"
+
+
+def kind_of(exc: BaseException) -> str:
+    import torch
+
+    return "oom" if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) else "exception"
+
+
+def write(run_dir: Path, failure: Failure) -> None:
+    """Best effort and atomic: a failing rank must still exit if its disk is full."""
+    try:
+        folder = directory(run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank{failure.rank:05d}.json"
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(asdict(failure) | {"time": failure.time or time.time()}))
+        os.replace(partial, path)
+    except OSError:
+        pass
+
+
+def read_all(run_dir: Path) -> list[Failure]:
+    """Every complete record, earliest first (the first is usually the cause)."""
+    failures = []
+    for path in sorted(directory(run_dir).glob("rank*.json")):
+        try:
+            failures.append(Failure(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return sorted(failures, key=lambda f: f.time)
+
+
+def first(run_dir: Path) -> Failure | None:
+    """The cause: the earliest hang or exception record (peers that lost a dead rank's
+    connection fail later, with errors of their own)."""
+    failures = read_all(run_dir)
+    return failures[0] if failures else None
