@@ -70,6 +70,11 @@ def transformer_config_kwargs(*, model: ModelConfig, train: TrainConfig, layout:
         kwargs.update({
             "num_moe_experts": model.moe.num_experts,
             "moe_router_topk": model.moe.top_k,
+            # top_k >= 2: softmax over the k chosen logits (Mixtral). top_k 1: that weight would
+            # always be 1.0 and the router would get no gradient from the loss, so Megatron
+            # refuses it; softmax over all experts first, the chosen expert's probability
+            # scaling its output (Switch Transformer).
+            "moe_router_pre_softmax": model.moe.top_k == 1,
             "moe_ffn_hidden_size": model.moe.ffn_hidden_size,
             "moe_layer_freq": model.moe.frequency,
             "moe_aux_loss_coeff": model.moe.aux_loss_coeff,
