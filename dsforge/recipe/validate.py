@@ -354,7 +354,7 @@ def sequence_length(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
 
 
 def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
-    """E1/E3/E4 and the expert grid: etp x ep x edp x pp must tile the world."""
+    """E1/E3/E4/E6/E7/E8 and the expert grid: etp x ep x edp x pp must tile the world."""
     m, p = recipe.model, recipe.parallel
     if m.moe is None:
         if p.ep > 1:
@@ -375,6 +375,15 @@ def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
         yield Problem(rule="E4", fields={"model.bias": True, _etp_field(recipe): p.expert_tp},
                       message="bias in MoE expert layers needs expert tensor parallel size 1",
                       fix="set model.bias: false, or parallel.etp: 1")
+    if m.bias and p.ep == 1:
+        # Checked by building and running the model: tests/unit/test_accepted_builds.py.
+        yield Problem(rule="E8", fields={"model.bias": True, "parallel.ep": 1},
+                      message="Megatron-Core 0.16 adds the expert bias in place onto the output "
+                              "of its expert all-reduce, which without expert parallelism is the "
+                              "input returned as is; autograd refuses it at the first step",
+                      fix=_use({"parallel.ep": _choices(_working(recipe, ctx, "E8", "parallel.ep",
+                                                                 divisors(m.moe.num_experts)))},
+                               "use parallel.ep >= 2") + ", or set model.bias: false")
     if p.ep > 1 and recipe.zero.stage == 3:
         yield Problem(rule="E6", fields={"parallel.ep": p.ep, "zero.stage": 3},
                       message="DeepSpeed's ZeRO-3 partitions every parameter over the data-parallel "
