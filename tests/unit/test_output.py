@@ -1,0 +1,59 @@
+"""The quiet terminal: ranks mark their lines (console.py), `dsforge run` shows only those
+(launch/output.py) and keeps everything in the job log (launch/local.py)."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+from dsforge.console import MARK, RankConsole, parse
+from dsforge.launch.local import run_job
+from dsforge.launch.output import JobView
+
+
+def test_marked_lines_survive_a_pdsh_prefix_and_others_are_not_marked():
+    line = "worker-3: " + MARK + '{"kind": "line", "text": "hello"}'
+    assert parse(line) == {"kind": "line", "text": "hello"}
+    assert parse("[2026-11-22 10:00:00,000] [INFO] [launch.py:1:main] cmd = ... --job AAAA") is None
+    assert parse(MARK + "{not json") is None and parse(MARK + '{"no": "kind"}') is None
+
+
+def test_view_shows_dsforge_lines_and_progress_only():
+    out = io.StringIO()
+    view = JobView(out=out)
+    view.feed("[INFO] [runner.py] cmd = python -m dsforge.runtime.rank --job QUJD")
+    view.feed(MARK + '{"kind": "line", "text": "dsforge: hello"}')
+    for step in (1, 2):
+        view.feed(MARK + f'{{"kind": "progress", "name": "x", "step": {step}, "steps": 2, "postfix": "loss {step}"}}')
+    view.feed(MARK + '{"kind": "line", "text": "done: 2 steps"}')
+    view.close()
+    text = out.getvalue()
+    assert "dsforge: hello" in text and "done: 2 steps" in text and "2/2" in text
+    assert "INFO" not in text and "--job" not in text
+    assert view.lines_shown == ["dsforge: hello", "done: 2 steps"]
+
+
+def test_verbose_view_shows_everything():
+    out = io.StringIO()
+    view = JobView(verbose=True, out=out)
+    view.feed("[INFO] engine says hi")
+    assert "engine says hi" in out.getvalue()
+
+
+def test_run_job_logs_everything_and_hands_over_lines(tmp_path):
+    script = ("import sys\n"
+              "print('engine noise')\n"
+              f"print({MARK!r} + '{{\"kind\": \"line\", \"text\": \"mine\"}}')\n"
+              "sys.stderr.write('progress 1\\rprogress 2\\n')\n")
+    seen = []
+    code = run_job([sys.executable, "-c", script], log_path=tmp_path / "job.log", on_line=seen.append)
+    assert code == 0
+    assert "engine noise" in (tmp_path / "job.log").read_text()
+    assert seen[0] == "engine noise" and parse(seen[1])["text"] == "mine"
+    assert seen[2:] == ["progress 1", "progress 2"]
+
+
+def test_plain_rank_console_prints_text(capsys):
+    console = RankConsole(marked=False)
+    console.say("dsforge: plain")
+    assert capsys.readouterr().err == "dsforge: plain\n"

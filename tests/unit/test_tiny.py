@@ -1,0 +1,80 @@
+"""Any recipe's layout at tiny size (recipe/tiny.py) and the loss check (launch/smoke.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsforge.estimate.params import padded_vocab_size
+from dsforge.launch.smoke import compare_losses
+from dsforge.recipe import RecipeError, resolve_file
+from dsforge.recipe.tiny import TINY_STEPS, reference_resolved, tiny_resolved
+from tests.conftest import REPO
+
+SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
+LAYOUT_FIELDS = ("world_size", "dp", "tp", "pp", "vpp", "ep", "etp", "sequence_parallel", "schedule")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_recipe_keeps_its_layout_at_tiny_size(path):
+    full = resolve_file(path)
+    tiny = tiny_resolved(full)
+    for name in LAYOUT_FIELDS:
+        assert getattr(tiny.layout, name) == getattr(full.layout, name), name
+    r, f = tiny.recipe, full.recipe
+    assert (r.zero, r.train.precision, r.train.activation_checkpointing) == \
+           (f.zero, f.train.precision, f.train.activation_checkpointing)
+    assert (r.model.moe is None) == (f.model.moe is None)
+    if f.model.moe:
+        assert (r.model.moe.num_experts, r.model.moe.top_k) == (f.model.moe.num_experts, f.model.moe.top_k)
+    assert r.model.hidden_size <= 128 and r.model.num_layers == full.layout.pp * full.layout.vpp
+    assert r.train.steps == TINY_STEPS and r.train.seq_len <= 64
+    # the same padded vocabulary on one rank, so the reference is the same model
+    assert padded_vocab_size(r.model.vocab_size, 1) == padded_vocab_size(r.model.vocab_size, tiny.layout.tp)
+
+
+def test_the_70b_pipeline_layout_at_tiny_size():
+    tiny = tiny_resolved(resolve_file(REPO / "recipes" / "70b_pp4.yaml"))
+    lay = tiny.layout
+    assert (lay.world_size, lay.tp, lay.pp, lay.vpp, lay.dp) == (32, 4, 4, 5, 2)
+    assert lay.grad_accum == 4 and tiny.recipe.model.num_layers == 20
+    assert tiny.recipe.data.source == "synthetic"
+
+
+def test_set_fields_win_over_shrinking():
+    path = REPO / "recipes" / "70b_pp4.yaml"
+    overrides = ("train.steps=7", "train.precision=fp32")
+    tiny = tiny_resolved(resolve_file(path, overrides), overrides)
+    assert tiny.recipe.train.steps == 7 and tiny.recipe.train.precision == "fp32"
+
+
+def test_a_set_field_that_breaks_the_tiny_layout_is_reported():
+    path = REPO / "recipes" / "70b_pp4.yaml"
+    with pytest.raises(RecipeError) as caught:
+        tiny_resolved(resolve_file(path), ("model.num_layers=6",))
+    assert "L2" in {p.rule for p in caught.value.problems}
+
+
+def test_reference_is_one_rank_with_the_same_global_batch():
+    tiny = tiny_resolved(resolve_file(REPO / "recipes" / "70b_pp4.yaml"))
+    ref = reference_resolved(tiny)
+    lay = ref.layout
+    assert (lay.world_size, lay.tp, lay.pp, lay.dp) == (1, 1, 1, 1)
+    assert lay.global_batch == tiny.layout.global_batch and ref.recipe.model == tiny.recipe.model
+
+
+def _metrics(path, losses):
+    path.mkdir()
+    (path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "loss": loss}) + "\n" for i, loss in enumerate(losses)))
+
+
+def test_loss_comparison(tmp_path):
+    _metrics(tmp_path / "run", [5.5, 5.4, 5.3])
+    _metrics(tmp_path / "same", [5.5, 5.4000001, 5.3])
+    _metrics(tmp_path / "other", [6.2, 6.1, 6.0])
+    assert compare_losses(tmp_path / "run", tmp_path / "same", "fp32").ok
+    bad = compare_losses(tmp_path / "run", tmp_path / "other", "fp32")
+    assert not bad.ok and "DOES NOT match" in bad.describe()
+    assert not compare_losses(tmp_path / "run", tmp_path / "missing", "bf16").ok
