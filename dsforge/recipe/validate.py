@@ -9,7 +9,7 @@ Every problem names recipe fields the user can change. Quantities dsforge derive
 microbatches per step, the expert tensor-parallel size when parallel.etp is left out) appear
 in the message with where they come from, never as a field, and a fix suggests values of the
 fields themselves, each checked by running the rules again with that one value changed: it
-clears the problem and breaks nothing that holds now.
+clears the problem, breaks no rule that holds now, and leaves no problem naming that field.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _with(recipe: Recipe, path: str, value: Any) -> Recipe | None:
 
 
 def _working(recipe: Recipe, ctx: _Context, rule: str, path: str, values: Iterable[int]) -> list[int]:
-    """The values of `path` with which `rule` holds and no rule breaks that holds now."""
+    """The values of `path` with which `rule` holds, no rule breaks that holds now, and no
+    problem names `path` (which would have the user change it again)."""
     if ctx.failing is None:
         return []
     found = []
@@ -79,8 +80,9 @@ def _working(recipe: Recipe, ctx: _Context, rule: str, path: str, values: Iterab
         candidate = _with(recipe, path, value)
         if candidate is None:
             continue
-        now = {p.rule for p in _run(candidate, ctx.topology, failing=None)}
-        if rule not in now and now <= ctx.failing:
+        now = _run(candidate, ctx.topology, failing=None)
+        if ({p.rule for p in now} <= ctx.failing - {rule}
+                and not any(path in p.fields for p in now)):
             found.append(value)
     return found
 

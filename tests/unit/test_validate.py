@@ -282,12 +282,14 @@ def test_problems_name_only_fields_the_user_can_change(overrides, world, slots):
 
 @pytest.mark.parametrize("overrides, world, slots", FAILING, ids=_ids(FAILING))
 def test_following_a_suggested_value_clears_the_problem(overrides, world, slots):
-    """Each value a fix offers, set alone, clears that rule and breaks nothing new."""
+    """Each value a fix offers, set alone, clears that rule, breaks nothing new and leaves no
+    problem about the field it changed."""
     before = rules_for(*overrides, world=world, node_slots=slots)
     for problem in problems_for(*overrides, world=world, node_slots=slots):
         for path, value in _suggestions(problem.fix):
-            after = rules_for(*overrides, f"{path}={value}", world=world, node_slots=slots)
-            assert problem.rule not in after and after <= before, (problem, path, value)
+            after = problems_for(*overrides, f"{path}={value}", world=world, node_slots=slots)
+            assert problem.rule not in rule_ids(after) and rule_ids(after) <= before, (problem, path, value)
+            assert not [p for p in after if path in p.fields], (problem, path, value)
 
 
 def test_interleaved_microbatches_are_fixed_through_the_batch_the_user_wrote():
@@ -338,3 +340,11 @@ ACCEPTED = sorted({(tuple(good), world) for _, _, _, good, world in CROSS_SECTIO
 @pytest.mark.parametrize("overrides, world", ACCEPTED, ids=[" ".join(o) + f" @{w}" for o, w in ACCEPTED])
 def test_accepted_recipes_validate(overrides, world):
     assert not errors(problems_for(*overrides, world=world))
+
+
+def test_a_suggested_tp_also_clears_the_other_problems_about_tp():
+    """tp 3 on 32 GPUs with pp 4 breaks P2 and T1: tp 16 would fix T1 but not P2."""
+    problems = problems_for("model.preset=llama3-70b", "model.num_layers=8", "parallel.tp=3",
+                            "parallel.pp=4", "train.global_batch=64", world=32)
+    assert {p.rule for p in problems} == {"P2", "T1"}
+    assert all(p.fix.startswith("use parallel.tp in {1, 2, 4, 8}") for p in problems)
