@@ -2,7 +2,8 @@
 
 `build_plan` gathers the layout, rank groups, engine configs and estimates into one JSON-able
 dict (the --json output, whose top-level keys scripts rely on); `render_plan` prints it for
-people.
+people. The engine configs are translated for one device, by default the one a run on this
+machine uses, so the plan shows exactly the settings a run here gets.
 """
 
 from __future__ import annotations
@@ -20,14 +21,28 @@ from dsforge.recipe.schema import ZeroConfig
 from dsforge.problems import errors
 from dsforge.recipe.validate import validate
 from dsforge.translate.deepspeed_config import deepspeed_config
+from dsforge.translate.device import check_device
 from dsforge.translate.groups import rank_groups
 from dsforge.translate.megatron import gpt_model_kwargs, parallel_state_kwargs, transformer_config_kwargs
 
 GiB = 1024**3
 
 
-def build_plan(resolved: Resolved) -> dict[str, Any]:
+def plan_device(choice: str = "auto") -> str:
+    """"cpu" | "cuda"; auto = what `dsforge run --device auto` picks here: cuda when a GPU is
+    visible, else cpu."""
+    if choice != "auto":
+        check_device(choice)
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
+    """The plan with engine configs translated for `device` ("auto" | "cpu" | "cuda")."""
     recipe, layout = resolved.recipe, resolved.layout
+    device = plan_device(device)
     model, train, zero = recipe.model, recipe.train, recipe.zero
     params = count_params(model)
     flops = flops_per_token(model, train.seq_len, train.activation_checkpointing)
@@ -38,10 +53,12 @@ def build_plan(resolved: Resolved) -> dict[str, Any]:
         "layout": {**dataclasses.asdict(layout), "num_microbatches": layout.num_microbatches},
         "groups": rank_groups(layout),
         "nodes": _node_summary(resolved),
-        "deepspeed": deepspeed_config(train=train, zero=zero, layout=layout),
+        "device": device,
+        "deepspeed": deepspeed_config(train=train, zero=zero, layout=layout, device=device),
         "megatron": {
             "parallel_state": parallel_state_kwargs(layout),
-            "transformer_config": transformer_config_kwargs(model=model, train=train, layout=layout),
+            "transformer_config": transformer_config_kwargs(model=model, train=train, layout=layout,
+                                                            device=device),
             "gpt_model": gpt_model_kwargs(model=model, layout=layout),
         },
         "params": {"total": params.total, "active": params.active,
@@ -113,13 +130,20 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 
 def _render_layout(plan: dict[str, Any]) -> str:
-    lay = plan["layout"]
+    lay, megatron = plan["layout"], plan["megatron"]["transformer_config"]
     return (f"Plan: {plan['name']}\n"
+            f"  device: {plan['device']} (the configs are translated for it: Megatron CPU "
+            f"initialization {_on_off(megatron['use_cpu_initialization'])}, batched p2p "
+            f"{_on_off(megatron['batch_p2p_comm'])})\n"
             f"  world {lay['world_size']} = dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}"
             f" (x cp {lay['cp']}); vpp {lay['vpp']}; ep {lay['ep']} (etp {lay['etp']}, expert-dp {lay['edp']})\n"
             f"  sequence parallel: {'on' if lay['sequence_parallel'] else 'off'}; schedule: {lay['schedule']}\n"
             f"  batch: global {lay['global_batch']} = micro {lay['micro_batch']} x grad_accum "
             f"{lay['grad_accum']} x dp {lay['dp']}; {lay['num_microbatches']} microbatches per step")
+
+
+def _on_off(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def _render_groups(plan: dict[str, Any]) -> str:
@@ -174,5 +198,5 @@ def _render_pipeline(plan: dict[str, Any]) -> str:
 def _render_deepspeed(plan: dict[str, Any]) -> str:
     import json
 
-    return "DeepSpeed config\n" + "\n".join(
+    return f"DeepSpeed config (for {plan['device']} ranks)\n" + "\n".join(
         "  " + line for line in json.dumps(plan["deepspeed"], indent=2).splitlines())

@@ -1,14 +1,7 @@
-"""Glue between Megatron-Core's parallel state and DeepSpeed's engine.
+"""Build a rank: Megatron-Core's parallel state, the model chunks and DeepSpeed's engine.
 
-Order of application, inside a rank (each step needs the previous one):
-  1. torch.distributed and DeepSpeed's comm layer on the chosen backend (nccl / gloo);
-  2. Megatron-Core parallel state from the translated kwargs, model-parallel RNG seeded;
-  3. model chunks built (one per virtual stage) and initialised layout-invariantly;
-  4. gradient hooks for sequence-parallel parameters, expert parameters named for DeepSpeed
-     (grads.py, moe_glue.py);
-  5. deepspeed.initialize on a container of the chunks, with `MegatronMPU` so DeepSpeed
-     reduces gradients over Megatron's data-parallel group and computes the gradient norm
-     over the tensor x pipeline group.
+`build_rank` is the one place parallelism is applied inside a rank; its docstring gives the
+order. The rest of this module is the glue it uses between Megatron-Core and DeepSpeed.
 """
 
 from __future__ import annotations
@@ -16,10 +9,65 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from dsforge.recipe import Resolved
+from dsforge.runtime.grads import sum_sequence_parallel_grads
+from dsforge.runtime.init import init_layout_invariant
+from dsforge.runtime.model import build_model_chunks
+from dsforge.runtime.moe_glue import deepspeed_sees_megatron_moe, register_experts
+from dsforge.translate.deepspeed_config import deepspeed_config
+from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
+                                        parallel_state_kwargs, transformer_config_kwargs)
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What `build_rank` makes: this rank's model chunks (one per virtual pipeline stage) and
+    the DeepSpeed engine around them (`engine.module.chunks` are the same modules)."""
+
+    chunks: list[nn.Module]
+    engine: Any  # deepspeed.DeepSpeedEngine
+
+
+def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
+               timeout_s: float) -> RankParts:
+    """Apply parallelism inside this rank, in this order (each step needs the ones before):
+
+      1. the CPU backend (cpu_backend.py) when `device` is the CPU, before anything touches
+         torch.cuda or DeepSpeed's comm layer;
+      2. torch.distributed and DeepSpeed's comm layer on `backend` (nccl / gloo), collectives
+         timing out after `timeout_s`;
+      3. Megatron-Core parallel state from the translated kwargs, model-parallel RNG seeded;
+      4. model chunks built (one per virtual stage) from the TransformerConfig translated for
+         this device, then initialised layout-invariantly (model.py, init.py);
+      5. gradient hooks: sequence-parallel parameters summed over TP, expert parameters named
+         and their groups registered with DeepSpeed (grads.py, moe_glue.py);
+      6. deepspeed.initialize on a container of the chunks with the DeepSpeed config translated
+         for this device and `MegatronMPU`, so DeepSpeed reduces gradients over Megatron's
+         data-parallel group and computes the gradient norm over the tensor x pipeline group.
+    """
+    recipe, layout = resolved.recipe, resolved.layout
+    if device.type == "cpu":
+        from dsforge.runtime import cpu_backend
+
+        cpu_backend.activate()
+    init_distributed(backend, timeout_s)
+    init_parallel_state(parallel_state_kwargs(layout), recipe.train.seed, timeout_s)
+    config = build_transformer_config(transformer_config_kwargs(
+        model=recipe.model, train=recipe.train, layout=layout, device=device.type))
+    chunks = build_model_chunks(config, gpt_model_kwargs(model=recipe.model, layout=layout), device)
+    init_layout_invariant(chunks, seed=recipe.train.seed, std=recipe.model.init_std,
+                          num_layers=recipe.model.num_layers)
+    container = ModelChunks(chunks)
+    has_experts = attach_gradient_hooks(container)
+    engine = initialize_deepspeed(container, deepspeed_config(
+        train=recipe.train, zero=recipe.zero, layout=layout, device=device.type), has_experts)
+    return RankParts(chunks=chunks, engine=engine)
 
 
 class MegatronMPU:
@@ -98,15 +146,16 @@ def init_parallel_state(parallel_kwargs: dict[str, Any], seed: int, timeout_s: f
     model_parallel_cuda_manual_seed(seed)
 
 
-def wrap_with_deepspeed(chunks: list[nn.Module], ds_config: dict[str, Any]):
+def attach_gradient_hooks(container: ModelChunks) -> bool:
+    """Sequence-parallel gradients summed over TP; expert parameters registered for DeepSpeed.
+    Returns whether the model has experts."""
+    sum_sequence_parallel_grads(container)
+    return register_experts(container)
+
+
+def initialize_deepspeed(container: ModelChunks, ds_config: dict[str, Any], has_experts: bool):
     import deepspeed
 
-    from dsforge.runtime.grads import sum_sequence_parallel_grads
-    from dsforge.runtime.moe_glue import deepspeed_sees_megatron_moe, register_experts
-
-    container = ModelChunks(chunks)
-    sum_sequence_parallel_grads(container)
-    has_experts = register_experts(container)
     with deepspeed_sees_megatron_moe() if has_experts else contextlib.nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=container,
                                                model_parameters=list(container.parameters()),

@@ -3,7 +3,8 @@
 WORD (dsforge/launch/job.py) holds the resolved recipe, the run directory, the options and
 the forwarded environment. Every rank writes the recipe to RUN_DIR/recipe.yaml on its own node,
 re-resolves it against WORLD_SIZE (pure and deterministic, so all ranks agree) and trains. The
-order in which parallelism is applied is written once, in dsforge/runtime/engine.py.
+order in which parallelism is applied is written once, in dsforge/runtime/engine.py's
+`build_rank`; the training loop is trainer.py's `train_loop`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import faulthandler
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -21,9 +21,12 @@ from pathlib import Path
 
 import torch
 
+from dsforge.console import RankConsole
 from dsforge.launch.env import check_names
 from dsforge.launch.job import JobSpec
+from dsforge.runtime import failure
 from dsforge.runtime.build_locks import clear_stale_locks
+from dsforge.runtime.watchdog import Watchdog
 from dsforge.recipe import Topology, load_recipe, resolve
 
 
@@ -59,48 +62,6 @@ def threads_per_rank(environ=os.environ) -> int | None:
         return None
     local_ranks = max(1, int(environ.get("LOCAL_SIZE", 1)))
     return max(1, len(os.sched_getaffinity(0)) // local_ranks)
-
-
-DUMP_GRACE_S = 3.0
-
-
-class Watchdog:
-    """Ends the rank when a step makes no progress for `timeout_s`, naming rank and step.
-
-    A hung collective never returns, so the check runs on its own thread; it dumps every
-    thread's Python stack before exiting so the stuck call is visible.
-    """
-
-    def __init__(self, timeout_s: float, rank: int):
-        self.timeout_s, self.rank = timeout_s, rank
-        self.step, self.deadline = -1, None
-        self._lock = threading.Lock()
-        threading.Thread(target=self._watch, daemon=True, name="dsforge-watchdog").start()
-
-    def arm(self, step: int) -> None:
-        with self._lock:
-            self.step, self.deadline = step, time.monotonic() + self.timeout_s
-
-    def disarm(self) -> None:
-        with self._lock:
-            self.deadline = None
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout_s / 4))
-            with self._lock:
-                expired = self.deadline is not None and time.monotonic() > self.deadline
-                step = self.step
-            if expired:
-                print(f"dsforge: rank {self.rank} stuck: step {step} made no progress for "
-                      f"{self.timeout_s:.0f}s (a hung collective?). Python stacks:",
-                      file=sys.stderr, flush=True)
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                # The other ranks are usually stuck too (waiting for this one): give their
-                # watchdogs time to print their stacks before this exit makes the launcher
-                # kill them.
-                time.sleep(DUMP_GRACE_S)
-                os._exit(3)
 
 
 # Failure drills for tests and for checking a cluster's failure handling:
@@ -153,12 +114,12 @@ def run_rank(job: JobSpec) -> None:
     rank = int(os.environ.get("RANK", 0))
     # `kill -USR1` on a rank prints every thread's Python stack without stopping it.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    console = RankConsole(marked=job.marked_output)
     progress = {"step": -1}
     try:
-        _train(job, rank, progress)
-    except Exception:
-        print(f"dsforge: rank {rank} failed at step {progress['step']}:\n{traceback.format_exc()}",
-              file=sys.stderr, flush=True)
+        _train(job, rank, progress, console)
+    except Exception as exc:
+        _report_failure(job, rank, progress["step"], exc, console)
         # Skip interpreter teardown: process-group destructors can block on dead peers.
         os._exit(1)
     sys.stdout.flush()
@@ -166,37 +127,47 @@ def run_rank(job: JobSpec) -> None:
     os._exit(0)
 
 
-def _train(job: JobSpec, rank: int, progress: dict) -> None:
+def _report_failure(job: JobSpec, rank: int, step: int, exc: Exception,
+                    console: RankConsole) -> None:
+    """The failure record, one line for the user, the whole traceback for the log."""
+    detail = traceback.format_exc()
+    message = traceback.format_exception_only(exc)[-1].strip()
+    record = failure.Failure(rank=rank, step=step, kind=failure.kind_of(exc), message=message,
+                             detail=detail)
+    failure.write(Path(job.run_dir), record)
+    console.say(f"dsforge: {record.headline()}")
+    print(f"dsforge: rank {rank} failed at step {step}:\n{detail}", file=sys.stderr, flush=True)
+
+
+def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole) -> None:
     from dsforge.runtime.heartbeat import Heartbeat
-    from dsforge.runtime.trainer import Trainer
+    from dsforge.runtime.trainer import Trainer, train_loop
 
     threads = threads_per_rank()
     if threads is not None:
         torch.set_num_threads(threads)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         # Before the process group forms, so no rank of this job is building an op yet.
-        clear_stale_locks(log=lambda line: print(line, file=sys.stderr, flush=True))
+        clear_stale_locks(log=console.say)
     run_dir = Path(job.run_dir)
     recipe = load_recipe(_write_recipe(run_dir, job.recipe_yaml, rank))
     resolved = resolve(recipe, Topology(world_size=int(os.environ.get("WORLD_SIZE", 1))))
     device, backend = pick_device(job.device, job.backend)
-    watchdog = Watchdog(job.step_timeout_s, rank)
+    watchdog = Watchdog(job.step_timeout_s, rank, run_dir=run_dir, console=console)
     trainer = Trainer(resolved, device=device, backend=backend, run_dir=run_dir,
                       collective_timeout_s=job.step_timeout_s, resume=job.resume,
-                      measure=job.measure)
+                      measure=job.measure, console=console)
     fault = parse_fault(os.environ.get(FAULT_ENV))
-    every = resolved.recipe.train.checkpoint_every
     heartbeat = Heartbeat(run_dir, rank)
-    for step in range(trainer.start_step, resolved.recipe.train.steps):
+
+    def before_step(step: int) -> None:
         progress["step"] = step
         watchdog.arm(step)
         heartbeat.beat(step)
         inject_fault(fault, rank, step)
-        trainer.train_step(step)
-        if every and (step + 1) % every == 0:
-            trainer.save_checkpoint(step + 1, fault=_save_fault(fault))
-    watchdog.disarm()
-    trainer.finish()
+
+    train_loop(trainer, before_step=before_step, after_steps=watchdog.disarm,
+               save_fault=_save_fault(fault))
 
 
 def _write_recipe(run_dir: Path, text: str, rank: int) -> Path:

@@ -1,4 +1,5 @@
-"""Set up a rank (groups, model, engine, data) and run training steps with metrics."""
+"""A rank's training: the parts from engine.build_rank, the data, steps with metrics, and
+`train_loop`, the loop both `dsforge run`'s ranks and the distributed tests' worker run."""
 
 from __future__ import annotations
 
@@ -6,39 +7,32 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from dsforge.console import RankConsole
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.hardware import gpu_for_device_name
 from dsforge.recipe import Resolved
 from dsforge.runtime import checkpoint
 from dsforge.runtime import data as data_mod
-from dsforge.runtime.engine import init_distributed, init_parallel_state, wrap_with_deepspeed
-from dsforge.runtime.init import init_layout_invariant
+from dsforge.runtime.engine import build_rank
 from dsforge.runtime.metrics import MetricsWriter, format_summary, make_record
-from dsforge.runtime.model import build_model_chunks
 from dsforge.runtime.step import step_pipelined, step_unpipelined
-from dsforge.translate.deepspeed_config import deepspeed_config
-from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
-                                        parallel_state_kwargs, transformer_config_kwargs)
 
 
 class Trainer:
     def __init__(self, resolved: Resolved, *, device: torch.device, backend: str, run_dir: Path,
-                 collective_timeout_s: float, resume: bool = False, measure: bool = False):
+                 collective_timeout_s: float, resume: bool = False, measure: bool = False,
+                 console: RankConsole | None = None):
         self.resolved, self.device, self.run_dir = resolved, device, run_dir
         self.measure = measure
+        self.console = console or RankConsole(marked=False)
         recipe, layout = resolved.recipe, resolved.layout
-        if device.type == "cpu":
-            from dsforge.runtime import cpu_backend
-
-            cpu_backend.activate()
-        init_distributed(backend, collective_timeout_s)
-        init_parallel_state(parallel_state_kwargs(layout), recipe.train.seed, collective_timeout_s)
-        self.chunks = self._build_model()
+        parts = build_rank(resolved, device=device, backend=backend, timeout_s=collective_timeout_s)
+        self.chunks, self.engine = parts.chunks, parts.engine
         self.timers = self._schedule_timers() if measure and layout.pp > 1 else None
-        self.engine = wrap_with_deepspeed(self.chunks, self._deepspeed_config())
         self.source = data_mod.open_source(source=recipe.data.source, seq_len=recipe.train.seq_len,
                                            vocab_size=recipe.model.vocab_size, seed=recipe.train.seed,
                                            token_dtype=recipe.data.token_dtype)
@@ -51,35 +45,8 @@ class Trainer:
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl") if self.reporter else None
         if self.reporter and resume:
             self.metrics.keep_steps_before(self.start_step)
-        self.progress = self._progress_bar() if self.reporter else None
         if self.reporter:
             self._write_manifest()
-
-    def _deepspeed_config(self) -> dict:
-        recipe, layout = self.resolved.recipe, self.resolved.layout
-        config = deepspeed_config(train=recipe.train, zero=recipe.zero, layout=layout)
-        if self.device.type == "cpu" and recipe.zero.offload_optimizer == "none":
-            # torch's AdamW: DeepSpeed would otherwise compile its fused CPU Adam op on first
-            # use (minutes on a small machine) to compute the same update.
-            config["optimizer"]["params"]["torch_adam"] = True
-        return config
-
-    def _build_model(self) -> list[torch.nn.Module]:
-        recipe, layout = self.resolved.recipe, self.resolved.layout
-        kwargs = transformer_config_kwargs(model=recipe.model, train=recipe.train, layout=layout)
-        # Megatron's own init must run: it is what marks tensor-parallel parameters
-        # (tensor_model_parallel, partition_dim), which DeepSpeed's gradient norm and init.py
-        # rely on. init.py then overwrites the values layout-invariantly.
-        on_cpu = self.device.type == "cpu"
-        # Batched p2p with gloo pairs same-tag messages by posting order, and with pp=2 the
-        # next and previous rank are the same peer: interleaved 1F1B then swaps tensors of
-        # equal shape silently. Megatron's unbatched path orders sends/recvs by rank parity.
-        kwargs.update(use_cpu_initialization=on_cpu, batch_p2p_comm=not on_cpu)
-        config = build_transformer_config(kwargs)
-        chunks = build_model_chunks(config, gpt_model_kwargs(model=recipe.model, layout=layout), self.device)
-        init_layout_invariant(chunks, seed=recipe.train.seed, std=recipe.model.init_std,
-                              num_layers=recipe.model.num_layers)
-        return chunks
 
     def _resume(self) -> int:
         root = checkpoint.checkpoint_root(self.run_dir)
@@ -141,14 +108,8 @@ class Trainer:
             hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
             device=self.device, ended_at=ended_at)
         self.metrics.write(record)
-        self.progress.update(1)
-        self.progress.set_postfix_str(_postfix(record))
-
-    def _progress_bar(self):
-        from tqdm import tqdm
-
-        return tqdm(total=self.resolved.recipe.train.steps, desc=self.resolved.recipe.name,
-                    unit="step", dynamic_ncols=True)
+        self.console.progress(name=recipe.name, step=step + 1, steps=recipe.train.steps,
+                              postfix=_postfix(record))
 
     def _write_manifest(self) -> None:
         from dsforge.runtime.manifest import environment_manifest
@@ -160,10 +121,10 @@ class Trainer:
         self._write_rank_summary()
         if not self.reporter:
             return
-        self.progress.close()
+        self.console.close()
         summary = self.metrics.summary()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(format_summary(summary), flush=True)
+        self.console.say(format_summary(summary))
 
     def _write_rank_summary(self) -> None:
         """RUN_DIR/ranks/rankNNNNN.json: what only this rank knows (its memory, its bubble)."""
@@ -189,6 +150,30 @@ class Trainer:
         from dsforge.runtime.tensor_census import live_tensor_bytes
 
         return live_tensor_bytes(self.engine, self.device)
+
+
+def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = None,
+               after_steps: Callable[[], None] | None = None,
+               save_fault: Callable[[int, int], None] | None = None) -> None:
+    """Steps trainer.start_step .. train.steps - 1 with a checkpoint every
+    train.checkpoint_every steps, then the summaries (`Trainer.finish`).
+
+    runtime/rank.py adds what only a launched rank needs: `before_step(step)` arms its
+    watchdog, beats its heartbeat and runs the fault drill; `after_steps()` disarms the
+    watchdog; `save_fault(rank, steps_done)` is the drill that dies while saving.
+    tests/distributed/worker.py runs the same loop without them.
+    """
+    train = trainer.resolved.recipe.train
+    every = train.checkpoint_every
+    for step in range(trainer.start_step, train.steps):
+        if before_step is not None:
+            before_step(step)
+        trainer.train_step(step)
+        if every and (step + 1) % every == 0:
+            trainer.save_checkpoint(step + 1, fault=save_fault)
+    if after_steps is not None:
+        after_steps()
+    trainer.finish()
 
 
 def _postfix(r) -> str:

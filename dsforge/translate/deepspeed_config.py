@@ -1,5 +1,9 @@
 """Recipe -> DeepSpeed config dict (pure). tests/unit/test_translate.py feeds every generated
-config to DeepSpeed's own DeepSpeedConfig, which must accept it."""
+config to DeepSpeed's own DeepSpeedConfig, which must accept it.
+
+The config depends on the device the ranks train on ("cpu" | "cuda", translate/device.py);
+the CPU-only setting is marked where it is set.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,16 @@ from typing import Any
 from dsforge.estimate.memory import REDUCE_BUCKET_SIZE
 from dsforge.recipe.resolve import Layout
 from dsforge.recipe.schema import TrainConfig, ZeroConfig
+from dsforge.translate.device import check_device
 
 # dsforge prints its own progress; keep DeepSpeed's per-step log out of the way.
 _STEPS_PER_PRINT = 1_000_000
 
 
-def deepspeed_config(*, train: TrainConfig, zero: ZeroConfig, layout: Layout) -> dict[str, Any]:
+def deepspeed_config(*, train: TrainConfig, zero: ZeroConfig, layout: Layout,
+                     device: str) -> dict[str, Any]:
+    """DeepSpeed's config for ranks on `device` ("cpu" | "cuda")."""
+    check_device(device)
     config: dict[str, Any] = {
         # DeepSpeed checks train_batch_size == micro x grad_accum x its data-parallel size.
         "train_batch_size": layout.global_batch,
@@ -32,6 +40,11 @@ def deepspeed_config(*, train: TrainConfig, zero: ZeroConfig, layout: Layout) ->
         # Megatron-Core's schedule runs the backward passes, not engine.backward(); step() is
         # then the accumulation boundary that reduces, clips and updates.
         config["managed_gradient_accumulation"] = False
+    if device == "cpu" and zero.offload_optimizer == "none":
+        # torch's AdamW: DeepSpeed would otherwise compile its fused CPU Adam op on first use
+        # (minutes on a small machine) to compute the same update. Optimizer offload keeps
+        # DeepSpeed's CPU Adam op, which offload is built around, on every device.
+        config["optimizer"]["params"]["torch_adam"] = True
     config.update(precision_section(train.precision))
     return config
 

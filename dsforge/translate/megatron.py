@@ -3,7 +3,8 @@
 Three dicts: `initialize_model_parallel(**parallel_state_kwargs)`,
 `TransformerConfig(**build(transformer_config_kwargs))` and `GPTModel(config, spec,
 **gpt_model_kwargs)`. Callables and dtypes appear by name so `dsforge plan --json` can print
-them; `build_transformer_config` turns the names into objects.
+them; `build_transformer_config` turns the names into objects. The TransformerConfig depends on
+the ranks' device ("cpu" | "cuda"): the CPU-only settings are decided here, not in the runtime.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from dsforge.estimate.params import padded_vocab_size
 from dsforge.recipe.resolve import Layout
 from dsforge.recipe.schema import ModelConfig, TrainConfig
+from dsforge.translate.device import check_device
 
 # Megatron-Core's rank order: tp varies fastest, so TP groups are consecutive ranks (inside a
 # node when tp <= GPUs per node), and pp slowest, so pipeline stages span nodes.
@@ -33,7 +35,10 @@ def parallel_state_kwargs(layout: Layout) -> dict[str, Any]:
     }
 
 
-def transformer_config_kwargs(*, model: ModelConfig, train: TrainConfig, layout: Layout) -> dict[str, Any]:
+def transformer_config_kwargs(*, model: ModelConfig, train: TrainConfig, layout: Layout,
+                              device: str) -> dict[str, Any]:
+    """TransformerConfig's keyword arguments for ranks on `device` ("cpu" | "cuda")."""
+    check_device(device)
     dtype = _DTYPES[train.precision]
     kwargs: dict[str, Any] = {
         "num_layers": model.num_layers,
@@ -64,6 +69,16 @@ def transformer_config_kwargs(*, model: ModelConfig, train: TrainConfig, layout:
         "fp16": train.precision == "fp16",
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
+        # Megatron initialises the weights on the CPU for CPU ranks (else on the current GPU).
+        # Its init must run either way: it marks tensor-parallel parameters (tensor_model_parallel,
+        # partition_dim), which DeepSpeed's gradient norm and runtime/init.py rely on; init.py
+        # then overwrites the values layout-invariantly.
+        "use_cpu_initialization": device == "cpu",
+        # CPU (gloo) pairs same-tag point-to-point messages by posting order, and with pp = 2
+        # the next and previous stage are the same peer: batched p2p in interleaved 1F1B then
+        # swaps tensors of equal shape silently. The unbatched path orders sends and receives
+        # by rank parity.
+        "batch_p2p_comm": device != "cpu",
     }
     kwargs.update(_recompute_kwargs(train.activation_checkpointing))
     if model.moe is not None:

@@ -1,4 +1,5 @@
-"""One rank of a shared test world: trains several layouts in turn with the real Trainer.
+"""One rank of a shared test world: trains several layouts in turn with the real Trainer and
+the rank's own loop (`train_loop`, without the launched rank's watchdog, heartbeat and faults).
 
 Started by tests/distributed/harness.py with RANK/WORLD_SIZE/MASTER_* set, as a launcher
 would. Sharing the world across layouts pays the process start and imports once.
@@ -35,7 +36,7 @@ def _run_case(case: dict, spec: dict) -> None:
     from megatron.core import parallel_state
 
     from dsforge.recipe import Topology, load_recipe, resolve
-    from dsforge.runtime.trainer import Trainer
+    from dsforge.runtime.trainer import Trainer, train_loop
 
     recipe = load_recipe(spec["recipe"], case["overrides"])
     resolved = resolve(recipe, Topology(world_size=int(os.environ["WORLD_SIZE"])))
@@ -43,9 +44,7 @@ def _run_case(case: dict, spec: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(resolved, device=torch.device("cpu"), backend="gloo", run_dir=run_dir,
                       collective_timeout_s=spec["timeout_s"])
-    for step in range(resolved.recipe.train.steps):
-        trainer.train_step(step)
-    trainer.finish()
+    train_loop(trainer)
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     # Megatron keeps the MoE aux-loss scale at class level; a fresh process starts without it.

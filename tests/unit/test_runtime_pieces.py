@@ -184,3 +184,39 @@ def test_tensor_census_sorts_live_storage_by_owner():
     assert census["optimizer"] >= 16384  # + Adam's step counters
     assert census["other"] >= 4000
     assert census["total"] == sum(census[k] for k in ("params", "grads", "optimizer", "other"))
+
+
+class _RecordingTrainer:
+    """What train_loop uses of a Trainer, recording the calls."""
+
+    def __init__(self, *, steps: int, every: int, start_step: int):
+        from types import SimpleNamespace
+
+        train = SimpleNamespace(steps=steps, checkpoint_every=every)
+        self.resolved = SimpleNamespace(recipe=SimpleNamespace(train=train))
+        self.start_step, self.calls = start_step, []
+
+    def train_step(self, step):
+        self.calls.append(("step", step))
+
+    def save_checkpoint(self, steps_done, fault=None):
+        self.calls.append(("save", steps_done, fault))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_train_loop_resumes_saves_every_n_and_runs_the_rank_hooks():
+    from dsforge.runtime.trainer import train_loop
+
+    trainer = _RecordingTrainer(steps=7, every=3, start_step=2)
+    drill = object()
+    train_loop(trainer, before_step=lambda step: trainer.calls.append(("before", step)),
+               after_steps=lambda: trainer.calls.append(("after",)), save_fault=drill)
+    assert trainer.calls == [
+        ("before", 2), ("step", 2), ("save", 3, drill), ("before", 3), ("step", 3),
+        ("before", 4), ("step", 4), ("before", 5), ("step", 5), ("save", 6, drill),
+        ("before", 6), ("step", 6), ("after",), ("finish",)]
+    plain = _RecordingTrainer(steps=2, every=0, start_step=0)
+    train_loop(plain)  # what tests/distributed/worker.py runs
+    assert plain.calls == [("step", 0), ("step", 1), ("finish",)]

@@ -52,11 +52,11 @@ def _resolved(path, *overrides):
     return recipe, topology
 
 
-def _check_with_deepspeed(resolved):
+def _check_with_deepspeed(resolved, device="cuda"):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     r, lay = resolved.recipe, resolved.layout
-    config = deepspeed_config(train=r.train, zero=r.zero, layout=lay)
+    config = deepspeed_config(train=r.train, zero=r.zero, layout=lay, device=device)
     ds = DeepSpeedConfig(config, mpu=_DataParallel(lay.dp))
     assert ds.train_batch_size == lay.global_batch
     assert ds.gradient_accumulation_steps == lay.grad_accum
@@ -112,7 +112,7 @@ def test_deepspeed_rejects_a_misspelled_zero_key(deepspeed_comm):
 
     resolved = resolve(make_recipe(), Topology(world_size=8))
     config = deepspeed_config(train=resolved.recipe.train, zero=resolved.recipe.zero,
-                              layout=resolved.layout)
+                              layout=resolved.layout, device="cuda")
     config["zero_optimization"]["stgae"] = 1
     with pytest.raises(Exception, match="stgae"):
         DeepSpeedConfig(config, mpu=_DataParallel(resolved.layout.dp))
@@ -121,7 +121,8 @@ def test_deepspeed_rejects_a_misspelled_zero_key(deepspeed_comm):
 def test_scheduler_without_warmup_starts_at_the_peak():
     train = make_recipe("train.warmup_steps=0").train
     resolved = resolve(make_recipe("train.warmup_steps=0"), Topology(world_size=8))
-    section = deepspeed_config(train=train, zero=resolved.recipe.zero, layout=resolved.layout)["scheduler"]
+    section = deepspeed_config(train=train, zero=resolved.recipe.zero, layout=resolved.layout,
+                               device="cuda")["scheduler"]
     assert section["type"] == "WarmupCosineLR" and section["params"]["warmup_min_ratio"] == 1.0
 
 
@@ -133,7 +134,7 @@ def test_megatron_accepts_every_recipe(path):
     recipe, topology = _resolved(path)
     resolved = resolve(recipe, topology)
     r, lay = resolved.recipe, resolved.layout
-    kwargs = transformer_config_kwargs(model=r.model, train=r.train, layout=lay)
+    kwargs = transformer_config_kwargs(model=r.model, train=r.train, layout=lay, device="cuda")
     config = build_transformer_config(kwargs)
     assert config.num_layers == r.model.num_layers
     assert config.num_query_groups == r.model.query_groups
@@ -143,12 +144,63 @@ def test_megatron_accepts_every_recipe(path):
     inspect.signature(GPTModel.__init__).bind(None, config, None, **gpt_model_kwargs(model=r.model, layout=lay))
 
 
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_deepspeed_cpu_settings_are_decided_in_translation(deepspeed_comm, device, offload):
+    """CPU ranks without optimizer offload get torch's AdamW (no fused-Adam op build)."""
+    stage = "zero.stage=2" if offload == "cpu" else "zero.stage=1"
+    resolved = resolve(make_recipe(stage, f"zero.offload_optimizer={offload}"),
+                       Topology(world_size=8))
+    ds = _check_with_deepspeed(resolved, device=device)
+    assert ds.optimizer_name == "adamw"
+    assert ds.optimizer_params.get("torch_adam", False) == (device == "cpu" and offload == "none")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_megatron_cpu_settings_are_decided_in_translation(device):
+    """CPU ranks initialise on the CPU and use unbatched p2p (gloo's tag pairing, see megatron.py)."""
+    resolved = resolve(make_recipe("parallel.pp=2", "parallel.vpp=2"), Topology(world_size=8))
+    r = resolved.recipe
+    config = build_transformer_config(transformer_config_kwargs(
+        model=r.model, train=r.train, layout=resolved.layout, device=device))
+    assert config.use_cpu_initialization == (device == "cpu")
+    assert config.batch_p2p_comm == (device == "cuda")
+
+
+def test_translation_refuses_an_unknown_device():
+    resolved = resolve(make_recipe(), Topology(world_size=8))
+    r = resolved.recipe
+    with pytest.raises(ValueError, match="'gpu'"):
+        deepspeed_config(train=r.train, zero=r.zero, layout=resolved.layout, device="gpu")
+    with pytest.raises(ValueError, match="'gpu'"):
+        transformer_config_kwargs(model=r.model, train=r.train, layout=resolved.layout, device="gpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_plan_shows_the_configs_a_run_on_the_device_uses(device):
+    import torch
+
+    from dsforge.plan import build_plan, render_plan
+
+    resolved = resolve(make_recipe(), Topology(world_size=8))
+    r = resolved.recipe
+    plan = build_plan(resolved, device=device)
+    assert plan["device"] == device
+    assert plan["deepspeed"] == deepspeed_config(train=r.train, zero=r.zero, layout=resolved.layout,
+                                                 device=device)
+    assert plan["megatron"]["transformer_config"] == transformer_config_kwargs(
+        model=r.model, train=r.train, layout=resolved.layout, device=device)
+    assert f"DeepSpeed config (for {device} ranks)" in render_plan(plan)
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    assert build_plan(resolved)["device"] == here  # auto: what `dsforge run` would pick here
+
+
 def test_checkpointing_translates_to_megatron_recompute():
     for mode, granularity in (("none", None), ("selective", "selective"), ("full", "full")):
         resolved = resolve(make_recipe(f"train.activation_checkpointing={mode}"), Topology(world_size=8))
         r = resolved.recipe
         config = build_transformer_config(transformer_config_kwargs(
-            model=r.model, train=r.train, layout=resolved.layout))
+            model=r.model, train=r.train, layout=resolved.layout, device="cuda"))
         assert config.recompute_granularity == granularity
 
 
