@@ -102,7 +102,11 @@ _SEARCH_ONLY = ("gpus", "gpus_per_node", "gpu", "global_batch_tokens", "seq_len"
               help="--search: run short trials of the top layouts here and re-rank by measurement.")
 @click.option("--measure-out", type=click.Path(file_okay=False, path_type=Path),
               help="--measure: where the trials and results.db go [runs/search-MODEL-TIME].")
-def plan(recipe, world_size, hostfile, overrides, as_json, search, top, **search_options):
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True,
+              help="Translate the engine configs for this device; auto = cuda when a GPU is "
+                   "visible here, else cpu (what `dsforge run` would use).")
+def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, **search_options):
     """Show how RECIPE will be laid out, its configs, memory, bubble and FLOPs.
 
     With --search, RECIPE may be a model preset name (e.g. llama3-70b): every valid layout
@@ -111,8 +115,9 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, **search
     if search:
         from dsforge.search.command import run_search_command
 
-        if world_size or hostfile:
-            raise click.UsageError("with --search, give the cluster as --gpus N [--gpus-per-node G]")
+        if world_size or hostfile or device != "auto":
+            raise click.UsageError("with --search, give the cluster as --gpus N [--gpus-per-node G] "
+                                   "(the search plans for GPUs; --device does not apply)")
 
         run_search_command(recipe, overrides=overrides, as_json=as_json, top=top, **search_options)
         return
@@ -122,7 +127,7 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, **search
     from dsforge.plan import build_plan, render_plan
 
     resolved = resolve_or_exit(recipe, overrides, world_size, hostfile)
-    result = build_plan(resolved)
+    result = build_plan(resolved, device=device)
     click.echo(json.dumps(result, indent=2) if as_json else render_plan(result), nl=not as_json)
     if as_json:
         click.echo()
@@ -353,10 +358,15 @@ def _failure_report(run_dir: Path, code: int) -> str:
     from dsforge.runtime.heartbeat import summarize
 
     lines = [f"dsforge: job failed (exit code {code})"]
-    first = failure.first(run_dir)
-    if first is not None:
+    records = failure.read_all(run_dir)
+    if records:
+        first = records[0]
         lines.append(f"  first failure: {first.headline()}")
         lines += ["    " + line for line in first.detail.rstrip().splitlines()[-12:]]
+    hung = [r for r in records if r.kind == "hang"]
+    if len(hung) > 1:  # usually one rank is elsewhere and the rest wait for it in a collective
+        lines.append("  where each stuck rank was:")
+        lines += [f"    rank {r.rank}: {r.innermost_call()}" for r in hung]
     lines.append(f"  every rank's output and the engines' logs: {run_dir / JOB_LOG}")
     return "\n".join(lines + [summarize(run_dir)])
 

@@ -73,12 +73,20 @@ def shrink(recipe: Recipe, grad_accum: int) -> Recipe:
                                data=data)
 
 
+BATCH_FIELDS = ("global_batch", "micro_batch", "grad_accum")
+
+
 def with_overrides(recipe: Recipe, overrides: Iterable[str]) -> Recipe:
-    """`recipe` with the user's --set fields applied again (they win over shrinking)."""
+    """`recipe` with the user's --set fields applied again (they win over shrinking). A batch
+    field given lets the other two be derived again (global = micro x grad_accum x dp)."""
     items = parse_overrides(overrides)
     if not items:
         return recipe
-    return build_recipe(apply_overrides(dataclasses.asdict(recipe), items))
+    raw = dataclasses.asdict(recipe)
+    given = {key.split(".", 1)[1] for key, _ in items if key.startswith("train.")}
+    if given & set(BATCH_FIELDS):
+        raw["train"].update({name: None for name in BATCH_FIELDS if name not in given})
+    return build_recipe(apply_overrides(raw, items))
 
 
 

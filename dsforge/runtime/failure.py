@@ -28,6 +28,11 @@ class Failure:
     detail: str = ""  # traceback or stacks
     time: float = 0.0
 
+    def innermost_call(self) -> str:
+        """The last `File "...", line N, in f` of the detail: where the rank was."""
+        frames = [line.strip() for line in self.detail.splitlines() if line.strip().startswith("File ")]
+        return frames[-1] if frames else "(no stack recorded)"
+
     def headline(self) -> str:
         what = {"hang": "stuck", "oom": "out of memory"}.get(self.kind, "failed")
         return f"rank {self.rank} {what} at step {self.step}: {self.message}"

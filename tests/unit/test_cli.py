@@ -33,7 +33,7 @@ def test_validate_exits_2_with_every_problem():
     assert "errors" in out
     for rule in ("[P2]", "[L2]", "[T1]", "[Z2]"):
         assert rule in out
-    assert "use vpp in {1, 2, 4, 5, 10, 20}" in out
+    assert "use parallel.vpp in {1, 2, 4, 5, 10, 20}" in out
 
 
 def test_validate_with_a_hostfile_uses_its_slots():

@@ -49,6 +49,14 @@ def test_set_fields_win_over_shrinking():
     assert tiny.recipe.train.steps == 7 and tiny.recipe.train.precision == "fp32"
 
 
+def test_a_set_batch_field_lets_the_others_follow():
+    path = REPO / "recipes" / "13b_8gpu_zero3.yaml"
+    overrides = ("train.global_batch=64",)
+    tiny = tiny_resolved(resolve_file(path, overrides), overrides)
+    lay = tiny.layout
+    assert (lay.global_batch, lay.micro_batch, lay.grad_accum, lay.dp) == (64, 1, 8, 8)
+
+
 def test_a_set_field_that_breaks_the_tiny_layout_is_reported():
     path = REPO / "recipes" / "70b_pp4.yaml"
     with pytest.raises(RecipeError) as caught:
