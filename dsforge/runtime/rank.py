@@ -27,7 +27,7 @@ from dsforge.launch.job import JobSpec
 from dsforge.runtime import failure
 from dsforge.runtime.build_locks import clear_stale_locks
 from dsforge.runtime.watchdog import Watchdog
-from dsforge.recipe import Topology, load_recipe, resolve
+from dsforge.recipe import resolve_file
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -150,8 +150,8 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole) -> Non
         # Before the process group forms, so no rank of this job is building an op yet.
         clear_stale_locks(log=console.say)
     run_dir = Path(job.run_dir)
-    recipe = load_recipe(_write_recipe(run_dir, job.recipe_yaml, rank))
-    resolved = resolve(recipe, Topology(world_size=int(os.environ.get("WORLD_SIZE", 1))))
+    resolved = resolve_file(_write_recipe(run_dir, job.recipe_yaml, rank),
+                            world_size=int(os.environ.get("WORLD_SIZE", 1)))
     device, backend = pick_device(job.device, job.backend)
     watchdog = Watchdog(job.step_timeout_s, rank, run_dir=run_dir, console=console)
     trainer = Trainer(resolved, device=device, backend=backend, run_dir=run_dir,

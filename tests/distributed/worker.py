@@ -35,11 +35,10 @@ def main() -> None:
 def _run_case(case: dict, spec: dict) -> None:
     from megatron.core import parallel_state
 
-    from dsforge.recipe import Topology, load_recipe, resolve
+    from dsforge.recipe import resolve_file
     from dsforge.runtime.trainer import Trainer, train_loop
 
-    recipe = load_recipe(spec["recipe"], case["overrides"])
-    resolved = resolve(recipe, Topology(world_size=int(os.environ["WORLD_SIZE"])))
+    resolved = resolve_file(spec["recipe"], case["overrides"], world_size=int(os.environ["WORLD_SIZE"]))
     run_dir = Path(spec["out"]) / case["name"]
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(resolved, device=torch.device("cpu"), backend="gloo", run_dir=run_dir,
