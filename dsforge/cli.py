@@ -13,6 +13,9 @@ import click
 
 from dsforge.launch.hostfile import active_hosts, read_hostfile
 from dsforge.problems import EXIT_INVALID, errors, print_problems
+
+# Exit codes of a job dsforge stopped on request: Ctrl-C, SIGHUP, SIGTERM (128 + signal).
+STOPPED_CODES = (130, 129, 143)
 from dsforge.recipe import RecipeError, Resolved, resolve_file
 
 
@@ -170,8 +173,10 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     """Train RECIPE: validate, check that it fits this machine, then start the ranks with
     DeepSpeed's launcher, here or on the hosts of --hostfile. Also runs as the script
     `deepspeed ... -m dsforge run` starts."""
-    from dsforge.launch.job import JobSpec, Placement, launch_command, plain_deepspeed_command
+    from dsforge.launch.job import (JobSpec, Placement, launch_command, plain_deepspeed_command,
+                                    remote_shell_problems)
     from dsforge.launch.local import free_port
+    from dsforge.launch.owner import current_owner
     from dsforge.recipe.loader import dump_recipe
 
     if local_rank is not None:  # started by DeepSpeed's launcher: be a rank
@@ -189,11 +194,13 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
                                create=not dry_run)
     job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
                   device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
-                  env=_forwarded_env())
+                  env=_forwarded_env(), owner=current_owner())
     placement = Placement(world_size=resolved.layout.world_size, hostfile=hostfile,
                           launcher=launcher, include=include, exclude=exclude,
                           master_addr=master_addr, master_port=master_port or free_port(),
                           node_rank=node_rank)
+    _exit_if_problems("launch", remote_shell_problems(placement, cwd=os.getcwd(),
+                                                      python=sys.executable))
     command = launch_command(placement, job)
     if hostfile and node_rank is None and launcher in ("pdsh", "openmpi", "mvapich") and not dry_run:
         _preflight_or_exit(recipe, hostfile, include, exclude, placement.master_port,
@@ -203,10 +210,25 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
         click.echo("# the same job as a plain deepspeed command:\n"
                    + plain_deepspeed_command(placement, Path(recipe), run_dir, overrides))
         return
-    code = _launch(command, run_dir, resolved.layout.world_size, timeout, verbose)
+    local_ranks = _ranks_started_here(resolved, hostfile, include, exclude, node_rank)
+    code = _launch(command, run_dir, local_ranks, timeout, verbose)
     if code == 0 and tiny:
         code = _check_tiny_layout(resolved, run_dir, timeout, verbose)
     sys.exit(code)
+
+
+def _exit_if_problems(source: str, problems) -> None:
+    if problems:
+        print_problems(source, tuple(problems))
+        sys.exit(EXIT_INVALID)
+
+
+def _ranks_started_here(resolved: Resolved, hostfile, include, exclude, node_rank) -> int:
+    """How many ranks this dsforge starts (and must hear completion from): all of them, or
+    with --no-ssh only its node's."""
+    if node_rank is None:
+        return resolved.layout.world_size
+    return active_hosts(read_hostfile(hostfile), include, exclude).node_slots[node_rank]
 
 
 def _command_words(recipe: str, overrides: tuple[str, ...], world_size: int | None) -> list[str]:
@@ -326,55 +348,47 @@ def _forwarded_env() -> dict[str, str]:
         sys.exit(EXIT_INVALID)
 
 
-def _launch(command: list[str], run_dir: Path, world_size: int, timeout: float | None,
+def _launch(command: list[str], run_dir: Path, ranks: int, timeout: float | None,
             verbose: bool) -> int:
-    """Run the job with dsforge's lines on the terminal and everything in RUN_DIR/job.log."""
+    """Run the job with dsforge's lines on the terminal and everything in RUN_DIR/job.log.
+    Success is every one of its `ranks` reporting completion, not only the launcher's exit
+    code (a launcher killed by a signal, or a cut remote command, can exit 0)."""
+    from dsforge.launch.diagnose import failure_report
     from dsforge.launch.job import runner_env
     from dsforge.launch.local import run_job
     from dsforge.launch.output import JobView
     from dsforge.launch.run_dir import JOB_LOG
 
     env, dropped = runner_env(os.environ)
+    env["DSFORGE_JOB_DIR"] = str(run_dir.resolve())  # tags every local process of the job
     for name in dropped:
         click.echo(f"  note: {name} is forwarded inside the job, not exported by DeepSpeed's "
                    "runner (its value is not shell-safe)", err=True)
     log = run_dir / JOB_LOG
-    click.echo(f"dsforge: starting {world_size} rank{'s' if world_size > 1 else ''}; run directory {run_dir}, engine logs in "
+    click.echo(f"dsforge: starting {ranks} rank{'s' if ranks > 1 else ''}; run directory {run_dir}, engine logs in "
                f"{log}", err=True)
     view = JobView(verbose=verbose)
     try:
         code = run_job(command, timeout_s=timeout, env=env, log_path=log, on_line=view.feed)
     finally:
         view.close()
-    if code != 0:
-        click.echo(_failure_report(run_dir, code), err=True)
+    if code == 0 and len(view.done_ranks) < ranks:
+        click.echo(f"dsforge: the launcher exited 0 but only {len(view.done_ranks)} of {ranks} "
+                   "ranks reported completion; the run did not finish", err=True)
+        code = 1
+    if code in STOPPED_CODES:
+        click.echo(f"dsforge: stopped (exit code {code}); what was written is in {run_dir}",
+                   err=True)
+    elif code != 0:
+        click.echo(failure_report(run_dir, code, view.done_ranks), err=True)
     return code
-
-
-def _failure_report(run_dir: Path, code: int) -> str:
-    """The first failing rank's error (its record), where to read more, each rank's progress."""
-    from dsforge.launch.run_dir import JOB_LOG
-    from dsforge.runtime import failure
-    from dsforge.runtime.heartbeat import summarize
-
-    lines = [f"dsforge: job failed (exit code {code})"]
-    records = failure.read_all(run_dir)
-    if records:
-        first = records[0]
-        lines.append(f"  first failure: {first.headline()}")
-        lines += ["    " + line for line in first.detail.rstrip().splitlines()[-12:]]
-    hung = [r for r in records if r.kind == "hang"]
-    if len(hung) > 1:  # usually one rank is elsewhere and the rest wait for it in a collective
-        lines.append("  where each stuck rank was:")
-        lines += [f"    rank {r.rank}: {r.innermost_call()}" for r in hung]
-    lines.append(f"  every rank's output and the engines' logs: {run_dir / JOB_LOG}")
-    return "\n".join(lines + [summarize(run_dir)])
 
 
 def _check_tiny_layout(tiny: Resolved, run_dir: Path, timeout: float | None, verbose: bool) -> int:
     """Train the same tiny model on one rank and compare losses; 1 if they disagree."""
     from dsforge.launch.job import JobSpec, Placement, launch_command
     from dsforge.launch.local import free_port
+    from dsforge.launch.owner import current_owner
     from dsforge.launch.smoke import compare_losses
     from dsforge.recipe.loader import dump_recipe
     from dsforge.recipe.tiny import reference_resolved
@@ -383,7 +397,7 @@ def _check_tiny_layout(tiny: Resolved, run_dir: Path, timeout: float | None, ver
     ref_dir = run_dir / "reference"
     ref_dir.mkdir()
     job = JobSpec(recipe_yaml=dump_recipe(reference.recipe), run_dir=str(ref_dir.resolve()),
-                  device="cpu", backend="gloo", env=_forwarded_env())
+                  device="cpu", backend="gloo", env=_forwarded_env(), owner=current_owner())
     command = launch_command(Placement(world_size=1, master_port=free_port()), job)
     click.echo("dsforge: checking the layout against a single-rank run of the same tiny model",
                err=True)
@@ -446,26 +460,29 @@ def _run_dir_or_exit(run_dir: Path | None, resolved: Resolved, *, resume: bool, 
                    "recorded as study NAME-tiny.")
 def bench(study, out, retry_failed, tiny):
     """Run every cell of STUDY (a sweep over recipe fields) and record the results in
-    OUT/results.db; finished cells are skipped when the study is run again."""
-    from dsforge.bench.run import run_study
-    from dsforge.bench.store import Store
-    from dsforge.bench.study import load_study
+    OUT/results.db; finished cells are skipped when the study is run again. Exit status: 0
+    every cell has a result, 2 invalid study or unusable OUT, 75 cells busy or the database
+    locked (run again later), 130/143 stopped by Ctrl-C/SIGTERM (docs/bench.md)."""
+    from dsforge.bench.run import bench_study
+    from dsforge.bench.study import check_study, load_study
 
     try:
         parsed, recipe_path = load_study(study)
     except RecipeError as exc:
         print_problems(study, exc.problems)
         sys.exit(EXIT_INVALID)
+    problems = check_study(parsed, recipe_path)
+    if problems:  # before any cell runs
+        print_problems(study, problems)
+        sys.exit(EXIT_INVALID)
     if tiny:  # never mixed with the study's real results
         parsed = dataclasses.replace(parsed, name=f"{parsed.name}-tiny")
     out = out or Path("benchmarks") / parsed.name
-    store = Store(out / "results.db")
-    try:
-        run_study(parsed, recipe_path, store, out, retry_failed=retry_failed, tiny=tiny,
-                  log=lambda line: click.echo(line, err=True))
-    finally:
-        store.close()
-    click.echo(f"results: {out / 'results.db'}; report: dsforge report {out / 'results.db'}")
+    code = bench_study(parsed, recipe_path, out, retry_failed=retry_failed, tiny=tiny,
+                       log=lambda line: click.echo(line, err=True))
+    if code != EXIT_INVALID:
+        click.echo(f"results: {out / 'results.db'}; report: dsforge report {out / 'results.db'}")
+    sys.exit(code)
 
 
 @main.command()
@@ -477,6 +494,11 @@ def bench(study, out, retry_failed, tiny):
 def report(results, out, peak_tflops):
     """Write a markdown report with PNG plots from a bench results database."""
     from dsforge.bench.report import write_report
+    from dsforge.bench.store import BenchError
 
-    path = write_report(results, out or results.parent, peak_tflops=peak_tflops)
+    try:
+        path = write_report(results, out or results.parent, peak_tflops=peak_tflops)
+    except BenchError as exc:  # not a results database, or OUT not writable
+        click.echo(f"dsforge report: {exc}", err=True)
+        sys.exit(exc.exit_code)
     click.echo(f"report: {path}")

@@ -55,6 +55,11 @@ class RankConsole:
         self._bar.update(1)
         self._bar.set_postfix_str(postfix)
 
+    def done(self, rank: int) -> None:
+        """This rank finished its part of the job."""
+        if self.marked:
+            self._emit(kind="done", rank=rank)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

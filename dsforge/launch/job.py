@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dsforge.launch.env import check_names
+from dsforge.problems import Problem
 
 # Variables forwarded to every rank (inside the job word, never through a shell).
 FORWARD_PREFIXES = ("DSFORGE_", "NCCL_", "GLOO_", "TORCH_", "CUDA_DEVICE_MAX_CONNECTIONS",
@@ -41,6 +42,9 @@ class JobSpec:
     # Lines for the user marked for `dsforge run`'s reader (console.py); False when a plain
     # `deepspeed ... -m dsforge run` starts the ranks and they print to the terminal themselves.
     marked_output: bool = True
+    # "host:pid:start" of the dsforge that started the job: ranks on that host end the job
+    # when it is gone (launch/owner.py); "" = nobody to watch (a plain `deepspeed` start).
+    owner: str = ""
     env: dict[str, str] = field(default_factory=dict)
 
     def encode(self) -> str:
@@ -79,6 +83,31 @@ def runner_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     env = {k: v for k, v in environ.items() if k not in dropped}
     env["DS_ENV_FILE"] = "/nonexistent/dsforge-forwards-env-in-the-job-word"
     return env, dropped
+
+
+# A host name or an IPv4/IPv6 address, nothing a shell would read as syntax.
+_ADDRESS = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|[0-9A-Fa-f:.]+)$")
+
+
+def remote_shell_problems(placement: Placement, *, cwd: str, python: str) -> list[Problem]:
+    """H6: what DeepSpeed's multi-node runners paste into a remote shell unquoted, beyond the
+    job word: the working directory (`cd CWD;`, and PYTHONPATH), the Python executable and
+    --master-addr. Each must be plain, or dsforge refuses to launch."""
+    problems = []
+    if placement.master_addr is not None and not _ADDRESS.match(placement.master_addr):
+        problems.append(Problem(rule="H6", fields={"--master-addr": placement.master_addr},
+                                message="not a host name or IP address",
+                                fix="give the first node's host name or address, e.g. 10.0.0.1"))
+    if placement.hostfile is None:
+        return problems  # no remote shell: the local launcher passes arguments as a list
+    for name, value in (("working directory", cwd), ("Python executable", python)):
+        if not _PLAIN.match(value):
+            problems.append(Problem(
+                rule="H6", fields={name: value},
+                message="DeepSpeed's runner pastes it unquoted into every node's shell, where "
+                        "characters outside letters, digits and _./:=,+@%- would run as commands",
+                fix="start dsforge from a directory and with a Python whose paths are plain"))
+    return problems
 
 
 def launch_command(placement: Placement, job: JobSpec) -> list[str]:

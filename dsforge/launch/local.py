@@ -1,12 +1,14 @@
 """Start a job's ranks on this machine through DeepSpeed's launcher, and always end them.
 
 The launcher runs in a new session (its own process group), so every rank it spawns can be
-ended by signalling the group: on Ctrl-C, on a wall-clock timeout, or when dsforge exits.
-DeepSpeed's launcher itself ends all ranks when one of them fails.
+ended by signalling the group: on Ctrl-C, SIGTERM or SIGHUP, on a wall-clock timeout, or when
+dsforge exits. A SIGKILLed dsforge cannot do it: the ranks then end the group themselves
+(launch/owner.py). DeepSpeed's launcher itself ends all ranks when one of them fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -31,7 +33,8 @@ def free_port() -> int:
 
 def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | None = None,
             log_path: Path | None = None, on_line: Callable[[str], None] | None = None) -> int:
-    """Run the launcher to completion; returns its exit code (124 on timeout, 130 on Ctrl-C).
+    """Run the launcher to completion; returns its exit code (124 on timeout, 130 on Ctrl-C,
+    128 + N when dsforge receives signal N: 143 for SIGTERM, 129 for SIGHUP).
 
     With `log_path` its output goes there; with `on_line` too, each line is also handed to
     `on_line` as it arrives (the terminal view of `dsforge run`)."""
@@ -42,7 +45,8 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
                             stderr=subprocess.STDOUT if piped or out else None)
     reader = _copy_lines(proc.stdout, out, on_line) if piped else None
     try:
-        return proc.wait(timeout=timeout_s)
+        with _stop_on_signals():
+            return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         print(f"dsforge: job exceeded {timeout_s:.0f}s; stopping every rank", file=sys.stderr)
         stop_group(proc, signal.SIGTERM)
@@ -51,6 +55,11 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
         print("dsforge: interrupted; stopping every rank", file=sys.stderr)
         stop_group(proc, signal.SIGINT)
         return 130
+    except Stopped as stop:
+        print(f"dsforge: {signal.Signals(stop.signum).name} received; stopping every rank",
+              file=sys.stderr)
+        stop_group(proc, signal.SIGTERM)
+        return 128 + stop.signum
     finally:
         _kill_group(proc.pid)  # nothing of the job outlives dsforge
         if reader is not None:
@@ -77,6 +86,34 @@ def _copy_lines(stream, out, on_line: Callable[[str], None]) -> threading.Thread
     thread = threading.Thread(target=copy, daemon=True, name="dsforge-job-output")
     thread.start()
     return thread
+
+
+class Stopped(Exception):
+    """dsforge itself was asked to stop (SIGTERM, SIGHUP)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGTERM and SIGHUP stop the job as Ctrl-C does: they are what `timeout`, systemd, a
+    scheduler's preemption and a dropped ssh session send. (Handlers can only be installed
+    from the main thread; elsewhere the defaults stay.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def stop_group(proc: subprocess.Popen, sig: int) -> None:

@@ -19,6 +19,7 @@ class JobView:
         self.verbose, self.out = verbose, out
         self._bar = None
         self.lines_shown: list[str] = []
+        self.done_ranks: set[int] = set()  # ranks that reported completing their part
 
     def feed(self, line: str) -> None:
         """One line of the launcher's output (without its newline)."""
@@ -31,6 +32,8 @@ class JobView:
             self._progress(event)
         elif event["kind"] == "line":
             self._write(str(event.get("text", "")))
+        elif event["kind"] == "done":
+            self.done_ranks.add(int(event["rank"]))
 
     def close(self) -> None:
         if self._bar is not None:

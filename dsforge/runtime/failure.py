@@ -4,8 +4,8 @@ A rank that fails writes what happened (rank, step, kind, message, traceback) be
 exits; `dsforge run` prints the first one and `dsforge bench` classifies a cell by it, so
 neither has to read meaning into the text a rank printed. Kinds: "exception", "oom" (an
 out-of-memory error the rank caught), "hang" (its watchdog ended a step that made no
-progress). A rank killed from outside (SIGKILL, the kernel's OOM killer) writes nothing: the
-launcher's exit code is then all there is.
+progress), "killed" (ended by a signal without a word; written by its supervisor,
+runtime/supervise.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-KINDS = ("exception", "oom", "hang")
+KINDS = ("exception", "oom", "hang", "killed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +34,7 @@ class Failure:
         return frames[-1] if frames else "(no stack recorded)"
 
     def headline(self) -> str:
-        what = {"hang": "stuck", "oom": "out of memory"}.get(self.kind, "failed")
+        what = {"hang": "stuck", "oom": "out of memory", "killed": "died"}.get(self.kind, "failed")
         return f"rank {self.rank} {what} at step {self.step}: {self.message}"
 
 
@@ -62,18 +62,19 @@ def write(run_dir: Path, failure: Failure) -> None:
 
 
 def read_all(run_dir: Path) -> list[Failure]:
-    """Every complete record, earliest first (the first is usually the cause)."""
+    """Every complete record, the likely cause first: ranks killed from outside (their peers
+    then fail on the broken connection, possibly before the kill is recorded), then the
+    rest, earliest first."""
     failures = []
     for path in sorted(directory(run_dir).glob("rank*.json")):
         try:
             failures.append(Failure(**json.loads(path.read_text())))
         except (OSError, ValueError, TypeError):
             continue
-    return sorted(failures, key=lambda f: f.time)
+    return sorted(failures, key=lambda f: (f.kind != "killed", f.time))
 
 
 def first(run_dir: Path) -> Failure | None:
-    """The cause: the earliest hang or exception record (peers that lost a dead rank's
-    connection fail later, with errors of their own)."""
+    """The likely cause (see read_all)."""
     failures = read_all(run_dir)
     return failures[0] if failures else None

@@ -13,19 +13,21 @@ import argparse
 import faulthandler
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
 import warnings
 from pathlib import Path
 
-import torch
-
 from dsforge.console import RankConsole
 from dsforge.launch.env import check_names
+from dsforge.launch.diagnose import write_pid
 from dsforge.launch.job import JobSpec
+from dsforge.launch.owner import watch_owner
 from dsforge.runtime import failure
 from dsforge.runtime.build_locks import clear_stale_locks
+from dsforge.runtime.supervise import run_supervised
 from dsforge.runtime.watchdog import Watchdog
 from dsforge.recipe import resolve_file
 
@@ -37,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def pick_device(choice: str, backend: str) -> tuple[torch.device, str]:
+def pick_device(choice: str, backend: str) -> tuple["torch.device", str]:
+    import torch
+
     use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -103,11 +107,17 @@ def _save_fault(fault):
 
 
 def main(argv=None) -> None:
-    run_rank(JobSpec.decode(parse_args(argv).job))
+    job = JobSpec.decode(parse_args(argv).job)
+    run_supervised(lambda: run_rank(job), run_dir=Path(job.run_dir),
+                   rank=int(os.environ.get("RANK", 0)))
 
 
 def run_rank(job: JobSpec) -> None:
-    """Train this rank's part of the job; never returns (exit code 0, or 1 with the error)."""
+    """Train this rank's part of the job; never returns (exit code 0, or 1 with the error).
+
+    torch and the engines are imported only after the owner watch runs: with many ranks on a
+    few cores the imports take minutes, and an orphaned job must not wait for them."""
+    watch_owner(job.owner)
     check_names(job.env)
     os.environ.update(job.env)
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
@@ -115,6 +125,7 @@ def run_rank(job: JobSpec) -> None:
     # `kill -USR1` on a rank prints every thread's Python stack without stopping it.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     console = RankConsole(marked=job.marked_output)
+    write_pid(Path(job.run_dir), rank, socket.gethostname(), os.getpid())
     progress = {"step": -1}
     try:
         _train(job, rank, progress, console)
@@ -122,6 +133,7 @@ def run_rank(job: JobSpec) -> None:
         _report_failure(job, rank, progress["step"], exc, console)
         # Skip interpreter teardown: process-group destructors can block on dead peers.
         os._exit(1)
+    console.done(rank)  # `dsforge run` counts these: success means every rank got here
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -142,6 +154,8 @@ def _report_failure(job: JobSpec, rank: int, step: int, exc: Exception,
 def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole) -> None:
     from dsforge.runtime.heartbeat import Heartbeat
     from dsforge.runtime.trainer import Trainer, train_loop
+
+    import torch
 
     threads = threads_per_rank()
     if threads is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.processes import job_processes
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
 QUICK = ["--set", "train.steps=6", "--set", "train.timing_warmup=1"]
@@ -24,10 +25,12 @@ def dsforge(*args: str, env: dict | None = None, timeout: float = 240):
                           timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
 
 
-def _job_processes(run_dir) -> list[str]:
-    """Live processes whose command line names this test's run directory."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if str(run_dir) in line and "ps -eo" not in line]
+def _job_processes(run_dir) -> list[int]:
+    """Live processes of the job (tests/processes.py), waiting a moment for exits in flight."""
+    deadline = time.monotonic() + 5
+    while job_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return job_processes(run_dir)
 
 
 def test_run_trains_and_writes_metrics(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.distributed.test_run import _job_processes
 
 IN_CI = {
     "70b_pp4": 900,  # 32 ranks: tp4 x pp4 x vpp5 x dp2, sequence parallel, ZeRO-1, bf16, full AC
@@ -26,11 +27,6 @@ IN_CI = {
 SMALL = {"smoke", "tiny", "tiny_moe", "tiny_pp"}  # CPU recipes: tested at their own size
 SHIPPED = [p.stem for p in sorted((REPO / "recipes").glob("*.yaml")) if p.stem not in SMALL]
 ALL = os.environ.get("DSFORGE_TINY_ALL") == "1"
-
-
-def _processes_of(run_dir: Path) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if str(run_dir) in line and "ps -eo" not in line]
 
 
 def _case(name: str):
@@ -50,4 +46,4 @@ def test_shipped_recipe_at_tiny_size(tmp_path, name, limit):
     assert "layout check: the loss matches a single-rank run" in result.stderr
     assert "[INFO]" not in result.stderr and "--job" not in result.stderr
     assert (run_dir / "summary.json").exists() and (run_dir / "reference" / "summary.json").exists()
-    assert not _processes_of(run_dir)
+    assert not _job_processes(run_dir)

@@ -1,0 +1,88 @@
+"""Each rank process is two: a small supervisor and the rank it forks.
+
+Only a process's parent learns how it ended. DeepSpeed's launcher is the rank's parent and
+logs one exit code for the whole node, so a rank killed from outside (SIGKILL, the kernel's
+out-of-memory killer, a segfault in a kernel) would die without a word while its peers report
+"connection reset". The supervisor forks before torch is imported (cheap: no threads, no
+engines), waits for the rank, records how it ended when it ended by a signal without writing
+its own failure record (runtime/failure.py, kind "killed"), and ends the same way so the
+launcher sees the same exit status. Signals the launcher sends (SIGINT, SIGTERM, SIGHUP,
+SIGUSR1 for stacks) are passed on; the rank dies with its supervisor (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Callable
+
+from dsforge.runtime import failure
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+_PR_SET_PDEATHSIG = 1
+
+
+def run_supervised(run: Callable[[], None], *, run_dir: Path, rank: int) -> None:
+    """Run `run` (which never returns) in a forked child and end as it ends."""
+    supervisor = os.getpid()
+    child = os.fork()
+    if child == 0:
+        _die_with_parent(supervisor)
+        run()
+        os._exit(0)
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: _forward(child, signum))
+    status = _wait(child)
+    if os.WIFSIGNALED(status):
+        _record_kill(run_dir, rank, os.WTERMSIG(status))
+        _end_like(os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _die_with_parent(supervisor: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the owner watch still ends orphans
+        pass
+    if os.getppid() != supervisor:  # the supervisor died before prctl took effect
+        os._exit(1)
+
+
+def _forward(child: int, signum: int) -> None:
+    try:
+        os.kill(child, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _wait(child: int) -> int:
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            return status
+        except InterruptedError:  # a forwarded signal arrived
+            continue
+
+
+def _record_kill(run_dir: Path, rank: int, signum: int) -> None:
+    """A failure record, unless the rank wrote its own before dying (then that one is right)."""
+    if any(f.rank == rank for f in failure.read_all(run_dir)):
+        return
+    from dsforge.runtime.heartbeat import read_all
+
+    beat = read_all(run_dir).get(rank)
+    name = signal.Signals(signum).name
+    hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if signum == signal.SIGKILL else ""
+    failure.write(run_dir, failure.Failure(rank=rank, step=beat[0] if beat else -1, kind="killed",
+                                           message=f"killed by {name}{hint}"))
+
+
+def _end_like(signum: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # the signal was ignored or blocked

@@ -1,0 +1,138 @@
+"""A job's whole life under signals: SIGTERM and SIGHUP stop it like Ctrl-C, a SIGKILLed
+`dsforge run` still takes its job down, and the leftover check really sees a job's processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dsforge.launch.job import JobSpec, Placement, launch_command
+from dsforge.launch.local import free_port
+from dsforge.recipe import resolve_file
+from dsforge.recipe.loader import dump_recipe
+from tests.conftest import REPO
+from tests.processes import job_processes
+
+TINY = str(REPO / "recipes" / "tiny.yaml")
+FOREVER = ["--set", "train.steps=100000"]
+
+
+def _start(run_dir) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, *FOREVER,
+                             "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_training(run_dir, proc, timeout_s: float = 150) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (run_dir / "metrics.jsonl").exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the job never started training"
+        time.sleep(0.5)
+
+
+def _gone_within(run_dir, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while job_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return job_processes(run_dir)
+
+
+def _kill_leftovers(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_and_sighup_stop_the_job_like_ctrl_c(tmp_path, sig, code):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    try:
+        _wait_for_training(run_dir, proc)
+        assert job_processes(run_dir), "the leftover check sees the running job"
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, stderr[-2000:]
+    assert f"{signal.Signals(sig).name} received; stopping every rank" in stderr
+    assert not _gone_within(run_dir, 5)
+
+
+def test_a_sigkilled_dsforge_still_takes_its_job_down(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    try:
+        _wait_for_training(run_dir, proc)
+        job = job_processes(run_dir)
+        assert len(job) >= 3, job  # DeepSpeed's runner, its launcher, two ranks
+        proc.kill()  # SIGKILL: dsforge can do nothing; its ranks notice it is gone
+        proc.wait()
+        left = _gone_within(run_dir, 15)
+    finally:
+        proc.kill()
+    _kill_leftovers(left)
+    assert not left, f"orphaned processes: {left}"
+
+
+def test_the_leftover_check_sees_a_real_orphan(tmp_path):
+    """Without an owner to watch, a job whose starter is gone keeps running: the check must
+    find it (the check made by every launch test would otherwise prove nothing)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    resolved = resolve_file(TINY, [FOREVER[1]])
+    job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir), device="cpu",
+                  owner="")  # nobody to watch, as when a plain `deepspeed` starts the ranks
+    command = launch_command(Placement(world_size=2, master_port=free_port()), job)
+    env = {k: v for k, v in os.environ.items() if k != "DSFORGE_JOB_DIR"}  # found by job word
+    runner = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(job_processes(run_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        found = job_processes(run_dir)
+        assert len(found) >= 2, "the two ranks carry the run directory only in their job word"
+    finally:
+        os.killpg(runner.pid, signal.SIGKILL)
+        runner.wait()
+    assert not _gone_within(run_dir, 10)
+
+
+def _rank_pid(run_dir, rank: int) -> int:
+    from dsforge.launch.diagnose import started_ranks
+
+    return int(started_ranks(run_dir)[rank].split()[1])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_rank_killed_or_stopped_from_outside_is_named(tmp_path, sig):
+    """Its peers fail on the broken connection or hang; the report names the rank that
+    caused it, with the signal when one ended it (its supervisor saw it)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, *FOREVER, "--run-dir",
+                             str(run_dir), "--step-timeout", "8"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_training(run_dir, proc)
+        victim = _rank_pid(run_dir, 1)
+        os.kill(victim, sig)
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode not in (0, None)
+    if sig == signal.SIGKILL:
+        assert "first failure: rank 1 died at step" in stderr, stderr[-3000:]
+        assert "killed by SIGKILL (out of memory?" in stderr
+    else:  # a stopped rank says nothing at all: named as the one that did not report
+        assert "stopped without reporting an error" in stderr, stderr[-3000:]
+        assert f"rank 1 (pid {victim} " in stderr and "last progress" in stderr
+    _kill_leftovers(_gone_within(run_dir, 10))
