@@ -41,8 +41,11 @@ class Heartbeat:
             if beat is None or beat == self._written:
                 return
             partial = self.path.with_name(self.path.name + ".partial")
-            partial.write_text(f"{beat[0]} {beat[1]:.3f}\n")
-            os.replace(partial, self.path)
+            try:
+                partial.write_text(f"{beat[0]} {beat[1]:.3f}\n")
+                os.replace(partial, self.path)
+            except OSError:
+                return  # best effort (a full disk): training goes on, the next beat retries
             self._written = beat
 
     def _write_loop(self) -> None:

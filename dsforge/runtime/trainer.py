@@ -56,9 +56,17 @@ class Trainer:
         return checkpoint.load(self.engine, root, record["tag"], torch.distributed.get_rank())
 
     def save_checkpoint(self, steps_done: int, fault=None) -> None:
-        checkpoint.save(self.engine, checkpoint.checkpoint_root(self.run_dir), step=steps_done,
-                        recipe=asdict(self.resolved.recipe), world_size=self.resolved.layout.world_size,
-                        rank=torch.distributed.get_rank(), fault=fault)
+        root = checkpoint.checkpoint_root(self.run_dir)
+        try:
+            checkpoint.save(self.engine, root, step=steps_done, recipe=asdict(self.resolved.recipe),
+                            world_size=self.resolved.layout.world_size,
+                            rank=torch.distributed.get_rank(), fault=fault)
+        except (OSError, RuntimeError) as exc:
+            # torch's serializer reports a full disk as "basic_ios::clear", without a path.
+            raise checkpoint.CheckpointError(
+                f"could not write the checkpoint of step {steps_done} under {root}: {exc}. Is the "
+                f"disk full? (df -h {root}); the previous complete checkpoint stays the latest"
+            ) from exc
 
     def _schedule_timers(self):
         from dsforge.runtime.timers import ScheduleTimers

@@ -1,0 +1,47 @@
+"""A full disk during a run: the checkpoint error names the path and the likely cause; the
+heartbeat thread keeps going instead of dying with a traceback."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from dsforge.runtime import checkpoint
+from dsforge.runtime.heartbeat import Heartbeat
+from dsforge.runtime.trainer import Trainer
+
+
+def test_a_failed_checkpoint_write_names_the_directory(tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(checkpoint, "save", full_disk)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    trainer = types.SimpleNamespace(run_dir=tmp_path, engine=None, resolved=types.SimpleNamespace(
+        recipe=types.SimpleNamespace(), layout=types.SimpleNamespace(world_size=1)))
+    monkeypatch.setattr("dsforge.runtime.trainer.asdict", lambda _: {})
+    with pytest.raises(checkpoint.CheckpointError) as caught:
+        Trainer.save_checkpoint(trainer, 4)
+    text = str(caught.value)
+    assert str(tmp_path / "checkpoints") in text and "disk full" in text and "step 4" in text
+
+
+def test_heartbeat_survives_a_failing_write(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    beat = Heartbeat(tmp_path, rank=0, write_every_s=3600)
+    real_write = Path.write_text
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", no_space)
+    beat.beat(1)
+    beat.flush()  # would raise (and kill the writer thread) before the fix
+    assert not beat.path.exists()
+    monkeypatch.setattr(Path, "write_text", real_write)
+    beat.flush()  # the next flush writes once the disk has room again
+    assert beat.path.read_text().split()[0] == "1"
