@@ -34,7 +34,7 @@ def new_run_dir(run_dir: Path | None, name: str, *, create: bool = True) -> Path
         raise RunDirError(f"--run-dir {run_dir} is not empty; choose a new directory so no "
                           "earlier run's metrics are mixed in")
     if create:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        _make(run_dir)
     return run_dir
 
 
@@ -43,5 +43,17 @@ def existing_run_dir(run_dir: Path | None, *, create: bool = True) -> Path:
     if run_dir is None:
         raise RunDirError("--resume and --no-ssh node ranks > 0 need --run-dir")
     if create:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        _make(run_dir)
     return run_dir
+
+
+def _make(run_dir: Path) -> None:
+    """Create it and check that it can be written, before any rank starts."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".dsforge-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise RunDirError(f"cannot write the run directory {run_dir}: {exc.strerror}; choose a "
+                          "writable place with --run-dir, or set DSFORGE_RUNS") from None
