@@ -6,12 +6,13 @@ puts measured figures next to the planner's predictions (memory per GPU, pipelin
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from dsforge.bench.run import largest_census
-from dsforge.bench.store import Row, Store
+from dsforge.bench.store import BenchError, Row, Store
 from dsforge.estimate.hardware import gpu_for_device_name
 
 GiB = 1024**3
@@ -20,10 +21,26 @@ MiB = 1024**2
 
 def aggregate(rows: list[Row]) -> list[dict]:
     """One entry per cell: repeats pooled (step times over every measured step of every repeat)."""
+    return [_cell_summary(repeats) for repeats in current_cells(rows)[0]]
+
+
+def current_cells(rows: list[Row]) -> tuple[list[list[Row]], int]:
+    """Each combination of axes' rows of the cell measured last, and how many cells that
+    leaves out: cells of an earlier base recipe (bench/study.py: the key includes the base),
+    kept in the database but superseded."""
     cells: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
         cells[row.cell].append(row)
-    return [_cell_summary(repeats) for repeats in cells.values()]
+    latest: dict[str, list[Row]] = {}
+    for repeats in cells.values():
+        axes = json.dumps(repeats[0].axes, sort_keys=True)
+        if axes not in latest or _finished(repeats) > _finished(latest[axes]):
+            latest[axes] = repeats
+    return list(latest.values()), len(cells) - len(latest)
+
+
+def _finished(repeats: list[Row]) -> float:
+    return max(r.finished or 0.0 for r in repeats)
 
 
 def _cell_summary(repeats: list[Row]) -> dict:
@@ -65,19 +82,32 @@ def _max_bubble(ok: list[Row]) -> float | None:
 
 
 def write_report(store_path: Path, out_dir: Path, peak_tflops: float | None = None) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """OUT_DIR/report.md and a plot per study; BenchError (naming the path) for a file that is
+    not a results database or an OUT_DIR that cannot be written."""
     store = Store(store_path)
     try:
         rows = store.rows()
     finally:
         store.close()
+    try:
+        return _write(rows, out_dir, peak_tflops)
+    except OSError as exc:
+        raise BenchError(f"{out_dir}: cannot write the report: {exc.strerror or exc}"
+                         + (f" ({exc.filename})" if exc.filename else "")) from None
+
+
+def _write(rows: list[Row], out_dir: Path, peak_tflops: float | None) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
     studies: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
         studies[row.study].append(row)
     parts = ["# dsforge bench report", "", _formula_text(), ""]
     for study, study_rows in studies.items():
-        cells = aggregate(study_rows)
-        parts += _study_section(study, cells, out_dir, peak_tflops)
+        parts += _study_section(study, aggregate(study_rows), out_dir, peak_tflops)
+        superseded = current_cells(study_rows)[1]
+        if superseded:
+            parts += [f"{superseded} earlier cell(s) of {study}, measured for an earlier version "
+                      "of its base recipe, are kept in the database and not shown.", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(parts) + "\n")
     return path

@@ -2,48 +2,168 @@
 
 Each cell and repeat is its own `dsforge` job (DeepSpeed's launcher, its own process group,
 reaped afterwards) with a wall-clock timeout. Outcomes: ok, oom, timeout, crashed (read from
-the exit code and the logs), or rejected (invalid recipe, never started). Rows already in the
-store are skipped; failed ones are run again with `retry_failed`.
+the exit code and the ranks' failure records), or rejected (invalid recipe, never started).
+
+A cell's directory, OUT/cells/KEY/repeatN, has one owner at a time (dsforge/lock.py): a cell
+whose lock another live bench holds, or whose earlier job still runs, is `busy` - not run and
+not recorded. The owner empties the directory, runs the job, and writes the result to
+RUN_DIR/result.json (atomically) before the database, so a result the database could not take
+is imported by the next run instead of measured again.
+
+Rows already in the store are skipped; failed ones (oom/timeout/crashed) are run again with
+`retry_failed`. Rejected cells are checked again on every run (no job starts for that): one
+that dsforge now accepts runs, one still invalid keeps its row. Ctrl-C or SIGTERM while a cell
+runs stops the study: the cell gets no row (Interrupted, with run_job's 130 or 128 + signal).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import shutil
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dsforge.bench.store import FAILED, Row, Store
-from dsforge.bench.study import Cell, Study, expand
+from dsforge import lock
+from dsforge.bench.store import EXIT_TRY_AGAIN, FAILED, BenchError, Row, Store, StoreLocked
+from dsforge.bench.study import Cell, Study, expand, study_identity
+from dsforge.files import write_atomic
 from dsforge.launch.job import JobSpec, Placement, launch_command
 from dsforge.launch.local import free_port, run_job
+from dsforge.launch.owner import current_owner
 from dsforge.problems import RecipeError, errors
 from dsforge.recipe import Resolved, resolve_file
 from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.tiny import tiny_resolved
 from dsforge.runtime import failure
 
-# Exit codes of a launcher whose rank the kernel killed (SIGKILL: usually its OOM killer).
-_KILLED = (-9, 137)
+# Exit codes of a launcher whose rank the kernel killed (SIGKILL, usually its OOM killer):
+# the signal as Python reports it, as a shell does (128 + 9), and as DeepSpeed's launcher
+# does (sys.exit(-9), i.e. -9 & 0xff).
+_KILLED = (-9, 137, 247)
+# run_job's codes when dsforge itself was stopped: SIGHUP, Ctrl-C (SIGINT), SIGTERM.
+STOPPED = (129, 130, 143)
+RESULT = "result.json"
+
+
+class Interrupted(KeyboardInterrupt):
+    """dsforge was stopped while a cell ran; the cell has no result. `code` is the exit status
+    the study should end with (130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, code: int, cell: Cell, repeat: int):
+        super().__init__(code)
+        self.code, self.cell, self.repeat = code, cell, repeat
+
+
+@dataclass
+class Outcome:
+    """What a run of a study left undone: cells another owner held (not run, no row)."""
+
+    busy: list[str] = field(default_factory=list)
+
+
+def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed: bool = False,
+                tiny: bool = False, log: Callable[[str], None] = print) -> int:
+    """`dsforge bench`: run_study with its store in OUT/results.db, as an exit status:
+    0 when every cell has a result; EXIT_TRY_AGAIN (75) when cells were busy or the database
+    stayed locked (nothing finished is lost: run the study again); 130 / 143 when stopped
+    by Ctrl-C / SIGTERM (the cell in flight has no row); 2 for an unusable database or OUT."""
+    try:
+        store = Store(out_dir / "results.db")
+    except BenchError as exc:
+        log(f"dsforge bench: {exc}")
+        return exc.exit_code
+    try:
+        outcome = run_study(study, recipe_path, store, out_dir, retry_failed=retry_failed,
+                            tiny=tiny, log=log)
+    except Interrupted as stop:
+        log(f"dsforge bench: stopped while {_label(stop.cell)} repeat {stop.repeat} ran; it has "
+            "no result and runs when the study is run again")
+        return stop.code
+    except KeyboardInterrupt:
+        log("dsforge bench: interrupted")
+        return 130
+    except StoreLocked as exc:
+        log(f"dsforge bench: {exc}; each finished result is kept in its cell directory "
+            f"({out_dir / 'cells'}/KEY/repeatN/{RESULT}) and imported when the study runs again")
+        return exc.exit_code
+    except BenchError as exc:
+        log(f"dsforge bench: {exc}")
+        return exc.exit_code
+    finally:
+        store.close()
+    if outcome.busy:
+        log(f"dsforge bench: {len(outcome.busy)} cell repeat(s) not run because another process "
+            "owns them (see above); run the study again once it is done")
+        return EXIT_TRY_AGAIN
+    return 0
 
 
 def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
               retry_failed: bool = False, tiny: bool = False,
-              log: Callable[[str], None] = print) -> None:
-    cells = expand(study)
+              log: Callable[[str], None] = print) -> Outcome:
+    """Every cell and repeat that has no finished row for this study's base; raises
+    Interrupted when stopped, RecipeError if the base recipe does not load."""
+    cells = expand(study, base=study_identity(study, recipe_path))
+    try:
+        (out_dir / "cells").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BenchError(f"{out_dir}: cannot write the cells' directories: {exc.strerror or exc}") from None
     log(f"study {study.name}: {len(cells)} cells x {study.measure.repeats} repeats")
+    outcome = Outcome()
     for index, cell in enumerate(cells, start=1):
         for repeat in range(study.measure.repeats):
-            previous = store.status(study.name, cell.key, repeat)
-            if previous is not None and not (retry_failed and previous in FAILED):
+            where = f"[{index}/{len(cells)}] {_label(cell)} repeat {repeat}"
+            previous = _import_saved(study, cell, repeat, store, out_dir, log, where)
+            if previous is not None and not _run_again(previous, retry_failed):
                 continue
-            row = run_cell(study, recipe_path, cell, repeat, out_dir, tiny=tiny)
+            try:
+                row = run_cell(study, recipe_path, cell, repeat, out_dir, tiny=tiny)
+            except lock.Busy as busy:
+                outcome.busy.append(where)
+                log(f"{where}: busy, not run ({busy})")
+                continue
+            if previous is not None and previous.status == row.status == "rejected" \
+                    and previous.reason == row.reason:
+                continue  # still invalid, for the same reasons
             store.write(row)
-            log(f"[{index}/{len(cells)}] {_label(cell)} repeat {repeat}: {row.status}"
-                + (f" ({row.reason})" if row.reason else ""))
+            log(f"{where}: {row.status}" + (f" ({row.reason})" if row.reason else ""))
+    return outcome
+
+
+def _run_again(previous: Row, retry_failed: bool) -> bool:
+    return previous.status == "rejected" or (retry_failed and previous.status in FAILED)
+
+
+def _import_saved(study: Study, cell: Cell, repeat: int, store: Store, out_dir: Path,
+                  log: Callable[[str], None], where: str) -> Row | None:
+    """The cell's row, after importing its saved result if the store lacks it (a database
+    that was locked, or a bench killed between the two writes)."""
+    previous = store.get(study.name, cell.key, repeat)
+    saved = saved_result(cell_dir(out_dir, cell, repeat), study.name, cell.key, repeat)
+    if saved is not None and (previous is None or (previous.finished or 0) < saved.finished):
+        store.write(saved)
+        log(f"{where}: {saved.status} (imported from {cell_dir(out_dir, cell, repeat) / RESULT})")
+        return saved
+    return previous
+
+
+def cell_dir(out_dir: Path, cell: Cell, repeat: int) -> Path:
+    return out_dir / "cells" / cell.key / f"repeat{repeat}"
+
+
+def saved_result(run_dir: Path, study: str, key: str, repeat: int) -> Row | None:
+    """RUN_DIR/result.json if it is a complete result of this study, cell and repeat."""
+    try:
+        row = Row(**json.loads((run_dir / RESULT).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return row if (row.study, row.cell, row.repeat) == (study, key, repeat) and row.finished else None
 
 
 def _label(cell: Cell) -> str:
@@ -52,22 +172,30 @@ def _label(cell: Cell) -> str:
 
 def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: Path, *,
              tiny: bool = False) -> Row:
+    """One repeat of one cell: `rejected` without a job if its recipe is invalid; otherwise
+    its job, run while this process owns the cell's directory. Raises lock.Busy if another
+    owner holds it and Interrupted if dsforge is stopped meanwhile."""
     base = dict(study=study.name, cell=cell.key, repeat=repeat, axes=cell.axes)
     try:
         resolved = _resolve_cell(study, recipe_path, cell, tiny)
     except RecipeError as exc:
         reason = "; ".join(str(p) for p in errors(exc.problems))
-        return Row(**base, status="rejected", reason=reason)
-    run_dir = out_dir / "cells" / cell.key / f"repeat{repeat}"
-    shutil.rmtree(run_dir, ignore_errors=True)  # an attempt that never recorded a row
-    run_dir.mkdir(parents=True)
-    started = time.monotonic()
-    code = _launch(study, resolved, run_dir, device="cpu" if tiny else study.device)
-    status, reason = classify(code, run_dir)
-    return Row(**base, status=status, reason=reason, seconds=time.monotonic() - started,
-               recipe=dump_recipe(resolved.recipe), manifest=_read_json(run_dir / "manifest.json"),
-               figures=figures(run_dir) if status == "ok" else None,
-               prediction=prediction(resolved))
+        return Row(**base, status="rejected", reason=reason, finished=time.time())
+    run_dir = cell_dir(out_dir, cell, repeat)
+    with lock.hold_directory(run_dir, what=f"dsforge bench {study.name} cell {cell.key} repeat {repeat}"):
+        shutil.rmtree(run_dir, ignore_errors=True)  # an earlier attempt's files
+        run_dir.mkdir(parents=True)
+        started = time.monotonic()
+        code = _launch(study, resolved, run_dir, device="cpu" if tiny else study.device)
+        if code in STOPPED:
+            raise Interrupted(code, cell, repeat)
+        status, reason = classify(code, run_dir)
+        row = Row(**base, status=status, reason=reason, seconds=time.monotonic() - started,
+                  recipe=dump_recipe(resolved.recipe), manifest=_read_json(run_dir / "manifest.json"),
+                  figures=figures(run_dir) if status == "ok" else None,
+                  prediction=prediction(resolved), finished=time.time())
+        write_atomic(run_dir / RESULT, json.dumps(dataclasses.asdict(row)))
+    return row
 
 
 def _resolve_cell(study: Study, recipe_path: Path, cell: Cell, tiny: bool = False) -> Resolved:
@@ -77,28 +205,57 @@ def _resolve_cell(study: Study, recipe_path: Path, cell: Cell, tiny: bool = Fals
 
 
 def _launch(study: Study, resolved: Resolved, run_dir: Path, device: str) -> int:
-    job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
-                  device=device, step_timeout_s=study.measure.step_timeout_s, measure=True)
+    """The cell's job; it ends itself if this bench dies (owner watch, launch/owner.py), and
+    its local processes carry the run directory (job word and DSFORGE_JOB_DIR) so the next
+    owner of the cell can tell whether it still runs (dsforge/lock.py)."""
+    run_dir = run_dir.resolve()
+    job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir),
+                  device=device, step_timeout_s=study.measure.step_timeout_s, measure=True,
+                  owner=current_owner())
     placement = Placement(world_size=resolved.layout.world_size, hostfile=study.hostfile,
                           master_port=free_port())
     return run_job(launch_command(placement, job), timeout_s=study.measure.timeout_s,
-                   log_path=run_dir / "job.log")
+                   env={**os.environ, lock.JOB_DIR_ENV: str(run_dir)}, log_path=run_dir / "job.log")
 
 
 def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
     """ok / timeout / oom / crashed from the launcher's exit code and the ranks' failure
-    records (runtime/failure.py): a hang ended by a rank's watchdog is a timeout of one step."""
+    records (runtime/failure.py): a hang ended by a rank's watchdog is a timeout of one step;
+    a rank killed by SIGKILL (usually the kernel's OOM killer) is oom, whatever its peers then
+    recorded about the broken connection."""
     if code == 0 and (run_dir / "summary.json").exists():
         return "ok", None
     if code == 124:
         return "timeout", "exceeded the cell's wall-clock limit"
     first = failure.first(run_dir)
-    if first is not None:
-        status = {"hang": "timeout", "oom": "oom"}.get(first.kind, "crashed")
-        return status, first.headline()
+    if first is not None and first.kind in ("hang", "oom"):
+        return {"hang": "timeout", "oom": "oom"}[first.kind], one_line(first.headline())
+    recorded_kill = first is not None and first.kind == "killed" and \
+        first.message.startswith("killed by SIGKILL")
+    if recorded_kill:
+        return "oom", one_line(first.headline())
     if code in _KILLED:
-        return "oom", "a rank was killed (out of memory?)"
+        return "oom", (f"a rank was killed by SIGKILL (launcher exit code {code}), usually the "
+                       f"kernel's out-of-memory killer; see {run_dir / 'job.log'}")
+    if first is not None:
+        return "crashed", one_line(first.headline())
     return "crashed", f"exit code {code}; see {run_dir / 'job.log'}"
+
+
+# Terminal control sequences, and a progress bar as tqdm draws it
+# ("desc:  40%|####      | 4/10 [00:01<00:02, 3.1it/s]"): never part of a reason.
+_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+_PROGRESS = re.compile(r"(?:^[^|]*?:[ \t]*)?\d{1,3}%\|[^|]*\|(?:[ \t]*[\d.]+[kMG]?/[\d.]+[kMG]?)?"
+                       r"(?:[ \t]*\[[^\]]*\])?")
+REASON_CHARS = 500
+
+
+def one_line(text: str) -> str:
+    """`text` as a reason: no escape sequences or progress bars, one line, at most
+    REASON_CHARS characters."""
+    pieces = (_PROGRESS.sub("", piece).strip() for piece in re.split(r"[\r\n]+", _ESCAPES.sub("", text)))
+    line = re.sub(r"\s{2,}", " ", " ".join(piece for piece in pieces if piece))
+    return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
 
 
 def figures(run_dir: Path) -> dict:

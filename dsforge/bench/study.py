@@ -12,6 +12,16 @@ pipeline_stages: 2              # pp of the 1f1b / interleaved cells
 measure: {warmup_steps: 2, steps: 5, repeats: 2, timeout_s: 300}
 ```
 Any recipe field can be an axis by its dotted name; `schedule` is the one special axis.
+
+A cell's identity (`Cell.key`) is a hash of its overrides and of the study's base: the base
+recipe as loaded with the study's `set` (every field explicit), the world and the device
+(`study_identity`). Editing the base recipe or the world gives every cell a new key, so results
+measured for the old recipe are kept but no longer count as finished.
+
+`check_study` finds what would make every cell invalid (a base recipe that does not load, an
+axis or `set` field the recipe does not have, an axis value of the wrong type) so that `dsforge
+bench` refuses the study before any cell runs; what only some axis combinations break is a
+`rejected` cell.
 """
 
 from __future__ import annotations
@@ -24,8 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dsforge.problems import Checks
-from dsforge.recipe.loader import build_dataclass, parse_yaml
+from dsforge.problems import Checks, Problem, RecipeError
+from dsforge.recipe.loader import build_dataclass, dump_recipe, load_recipe, parse_yaml
+
+# Rules of the strict loader (docs/validation.md): a field's name, type or choice, the YAML
+# itself. They depend on one field at a time, so an axis value that breaks one breaks every
+# cell it is in; the section and cross-section rules can depend on the other axes.
+LOADER_RULES = frozenset({"Y1", "Y2", "Y3", "Y5", "Y6", "Z6", "M4"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +94,7 @@ class Study:
 
 @dataclass(frozen=True)
 class Cell:
-    key: str  # stable id: hash of the canonical overrides
+    key: str  # stable id: hash of the canonical overrides and the study's base identity
     axes: dict[str, Any]  # the axis values of this cell, for tables and plots
     overrides: tuple[str, ...]  # --set items that make the cell's recipe
 
@@ -95,25 +110,88 @@ def load_study(path: str | Path) -> tuple[Study, Path]:
     return study, (path.parent / study.recipe).resolve()
 
 
-def expand(study: Study) -> list[Cell]:
-    """Every combination of the axes, in axis order, as recipe overrides."""
+def expand(study: Study, base: str = "") -> list[Cell]:
+    """Every combination of the axes, in axis order, as recipe overrides; `base` is the
+    study's identity (study_identity), part of every cell's key."""
     names = list(study.axes)
     cells = []
     for values in itertools.product(*(study.axes[n] for n in names)):
         axes = dict(zip(names, values))
-        settings = {**study.set, **timing(study.measure)}
-        for name, value in axes.items():
-            settings.update(_schedule(value, study.pipeline_stages) if name == "schedule" else {name: value})
-        cells.append(make_cell(axes, settings))
+        cells.append(make_cell(axes, {**_base_settings(study), **_axis_settings(study, axes)},
+                               base=base))
     return cells
 
 
-def make_cell(axes: dict[str, Any], settings: dict[str, Any]) -> Cell:
+def _base_settings(study: Study) -> dict[str, Any]:
+    return {**study.set, **timing(study.measure)}
+
+
+def _axis_settings(study: Study, axes: dict[str, Any]) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    for name, value in axes.items():
+        settings.update(_schedule(value, study.pipeline_stages) if name == "schedule" else {name: value})
+    return settings
+
+
+def make_cell(axes: dict[str, Any], settings: dict[str, Any], *, base: str = "") -> Cell:
     """The cell whose recipe is the base with `settings` (dotted names) applied; its key is
-    stable across runs, so a study run again finds the rows it already has."""
-    overrides = tuple(f"{k}={_yaml(v)}" for k, v in sorted(settings.items()))
-    key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:16]
+    stable across runs of the same study on the same base, so a study run again finds the
+    rows it already has. Without `base` the key hashes the overrides alone."""
+    overrides = _overrides(settings)
+    identity = json.dumps(overrides) if not base else json.dumps({"overrides": overrides, "base": base})
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return Cell(key=key, axes=axes, overrides=overrides)
+
+
+def study_identity(study: Study, recipe_path: Path) -> str:
+    """What the study's cells are measured on besides their overrides: the base recipe loaded
+    with the study's `set` (every field explicit, so comments and layout of the file do not
+    count, values do), the world size or hostfile content, and the device. RecipeError if the
+    base does not load."""
+    recipe = load_recipe(recipe_path, _overrides(_base_settings(study)))
+    hostfile = Path(study.hostfile).read_text() if study.hostfile and Path(study.hostfile).is_file() else None
+    return json.dumps({"recipe": dump_recipe(recipe), "world_size": study.world_size,
+                       "hostfile": hostfile, "device": study.device}, sort_keys=True)
+
+
+def check_study(study: Study, recipe_path: Path) -> list[Problem]:
+    """Every problem that makes the whole study invalid (see the module docstring): the
+    hostfile, the base recipe with the study's `set`, and each axis value on that base."""
+    problems: list[Problem] = []
+    if study.hostfile:
+        from dsforge.launch.hostfile import read_hostfile
+
+        problems += _problems_of(lambda: read_hostfile(study.hostfile))
+    base = _base_settings(study)
+    loaded = _problems_of(lambda: load_recipe(recipe_path, _overrides(base)))
+    if loaded:
+        return problems + [_noted(p, "the study's base recipe with its set: and measure:")
+                           for p in loaded]
+    seen: set[str] = set()
+    for name, values in study.axes.items():
+        for value in values:
+            settings = {**base, **_axis_settings(study, {name: value})}
+            for p in _problems_of(lambda: load_recipe(recipe_path, _overrides(settings))):
+                if p.rule in LOADER_RULES and str(p) not in seen:
+                    seen.add(str(p))
+                    problems.append(_noted(p, f"axis {name}"))
+    return problems
+
+
+def _problems_of(action) -> list[Problem]:
+    try:
+        action()
+    except RecipeError as exc:
+        return list(exc.problems)
+    return []
+
+
+def _noted(problem: Problem, where: str) -> Problem:
+    return dataclasses.replace(problem, message=f"{problem.message} (in {where})")
+
+
+def _overrides(settings: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(f"{k}={_yaml(v)}" for k, v in sorted(settings.items()))
 
 
 def timing(measure: Measure) -> dict[str, Any]:

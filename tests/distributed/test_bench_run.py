@@ -1,11 +1,18 @@
 """`dsforge bench` end to end on CPU: a study survives a crashing cell, a hanging cell and an
 invalid cell, skips finished cells when run again, re-runs failed ones with --retry-failed, and
-`dsforge report` renders the result."""
+`dsforge report` renders the result. Ctrl-C stops the study with no row for the cell in flight;
+a re-run after a SIGKILLed bench never shares a cell with the orphaned job."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
 
+from dsforge import lock
 from tests.conftest import REPO
 from tests.distributed.test_run import dsforge
 
@@ -66,3 +73,64 @@ def test_bench_tiny_runs_a_gpu_study_layout_on_cpu(tmp_path):
         (name, status, recipe), = con.execute("SELECT study, status, recipe FROM results")
     assert (name, status) == ("big-tiny", "ok")
     assert "hidden_size: 16" in recipe and "stage: 3" in recipe
+
+
+def _start_bench(study, out) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dsforge", "bench", str(study), "--out", str(out)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_job(out, timeout_s: float = 60.0):
+    """The cell directory whose job runs now, once its processes are up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for cell in (out / "cells").glob("*/repeat0"):
+            if cell.is_dir() and lock.job_processes(cell):
+                return cell
+        time.sleep(0.2)
+    raise AssertionError("no cell job started")
+
+
+def _rows(db) -> list:
+    if not db.exists():
+        return []
+    with sqlite3.connect(db) as con:
+        return con.execute("SELECT axes, status FROM results").fetchall()
+
+
+def test_ctrl_c_stops_the_study_and_a_killed_bench_leaves_no_shared_cell(tmp_path):
+    study, out = tmp_path / "drill.yaml", tmp_path / "out"
+    study.write_text(STUDY.replace("train.global_batch: [8, 7]", "train.global_batch: [8, 16]"))
+    db = out / "results.db"
+
+    bench = _start_bench(study, out)
+    cell = _wait_for_job(out)
+    bench.send_signal(signal.SIGINT)
+    _, stderr = bench.communicate(timeout=60)
+    assert bench.returncode == 130, stderr[-3000:]
+    assert "stopped while train.global_batch=8 repeat 0 ran" in stderr
+    assert _rows(db) == [] and [p.name for p in (out / "cells").iterdir() if p.is_dir()] == [cell.parent.name]
+    assert not lock.job_processes(cell)  # nothing of the job is left
+
+    one_cell = tmp_path / "drill-8.yaml"  # the same study's first cell alone
+    one_cell.write_text(STUDY.replace("train.global_batch: [8, 7]", "train.global_batch: [8]"))
+    bench = _start_bench(one_cell, out)
+    cell = _wait_for_job(out)
+    bench.kill()  # SIGKILL: its job is orphaned
+    bench.communicate()
+    orphans = lock.job_processes(cell)
+    rerun = dsforge("bench", str(one_cell), "--out", str(out))
+    try:
+        if rerun.returncode == 75:  # the orphan still wrote into the cell
+            assert "train.global_batch=8 repeat 0: busy, not run" in rerun.stderr
+            assert '{"train.global_batch": 8}' not in dict(_rows(db))
+        else:  # the orphan had ended itself before the cell was taken over
+            assert rerun.returncode == 0, rerun.stderr[-3000:]
+            assert not set(orphans) & set(lock.job_processes(cell))
+    finally:
+        for pid in lock.job_processes(cell):  # the orphan this test made
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert orphans
