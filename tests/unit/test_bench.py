@@ -323,6 +323,7 @@ def test_an_invalid_study_exits_2_listing_every_problem_before_any_cell(tmp_path
     assert result.exit_code == 2, result.output
     for text in expected:
         assert text in result.output
+    assert result.output.count("zero.stag=") <= 1  # an unknown axis once, not once per value
     assert not jobs.launched and not out.exists()
 
 
