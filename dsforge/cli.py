@@ -14,6 +14,8 @@ import click
 from dsforge.launch.hostfile import active_hosts, read_hostfile
 from dsforge.problems import EXIT_INVALID, errors, print_problems
 
+# Run-directory locks this process holds until it exits (launch/run_dir.claim).
+_HELD: list = []
 # Exit codes of a job dsforge stopped on request: Ctrl-C, SIGHUP, SIGTERM (128 + signal).
 STOPPED_CODES = (130, 129, 143)
 from dsforge.recipe import RecipeError, Resolved, resolve_file
@@ -354,13 +356,14 @@ def _launch(command: list[str], run_dir: Path, ranks: int, timeout: float | None
     Success is every one of its `ranks` reporting completion, not only the launcher's exit
     code (a launcher killed by a signal, or a cut remote command, can exit 0)."""
     from dsforge.launch.diagnose import failure_report
+    from dsforge.lock import JOB_DIR_ENV
     from dsforge.launch.job import runner_env
     from dsforge.launch.local import run_job
     from dsforge.launch.output import JobView
     from dsforge.launch.run_dir import JOB_LOG
 
     env, dropped = runner_env(os.environ)
-    env["DSFORGE_JOB_DIR"] = str(run_dir.resolve())  # tags every local process of the job
+    env[JOB_DIR_ENV] = str(run_dir.resolve())  # tags every local process of the job
     for name in dropped:
         click.echo(f"  note: {name} is forwarded inside the job, not exported by DeepSpeed's "
                    "runner (its value is not shell-safe)", err=True)
@@ -431,14 +434,20 @@ def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_time
 def _run_dir_or_exit(run_dir: Path | None, resolved: Resolved, *, resume: bool, joining: bool,
                      create: bool) -> Path:
     """A new, empty run directory; or, to resume or join, the existing one (with a checkpoint
-    this recipe can continue from, to resume)."""
-    from dsforge.launch.run_dir import RunDirError, existing_run_dir, new_run_dir
+    this recipe can continue from, to resume). Unless joining another node's run or only
+    printing commands, this process owns it until it exits (launch/run_dir.claim)."""
+    from dsforge.launch.run_dir import RunDirError, claim, existing_run_dir, new_run_dir
     from dsforge.runtime.checkpoint import CheckpointError, check_resumable
 
     try:
         if not (resume or joining):
-            return new_run_dir(run_dir, resolved.recipe.name, create=create)
+            run_dir = new_run_dir(run_dir, resolved.recipe.name, create=create)
+            if create:
+                _HELD.append(claim(run_dir, fresh=True))
+            return run_dir
         run_dir = existing_run_dir(run_dir, create=create)
+        if resume and create:
+            _HELD.append(claim(run_dir, fresh=False))
         if resume:
             record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),
                                      resolved.layout.world_size)

@@ -6,6 +6,7 @@ nodes after the first with --no-ssh, use the directory that exists. In it:
   job.log          everything the launcher and the ranks printed (engine logs included)
   recipe.yaml      the resolved recipe;  manifest.json, metrics.jsonl, summary.json
   ranks/, heartbeats/, failures/, checkpoints/
+Beside it, NAME.lock: held (flock) by the dsforge that owns the directory while it runs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+
+from dsforge.lock import Busy, Lock, hold_directory
 
 JOB_LOG = "job.log"
 
@@ -27,15 +30,37 @@ def runs_root(environ=os.environ) -> Path:
 
 def new_run_dir(run_dir: Path | None, name: str, *, create: bool = True) -> Path:
     """`run_dir`, or a fresh one under runs_root(); it must be empty so no earlier run's
-    metrics are mixed in."""
+    metrics are mixed in. (With `create`, call `claim` before relying on the emptiness: two
+    runs may check at the same moment.)"""
     if run_dir is None:
         run_dir = runs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise RunDirError(f"--run-dir {run_dir} is not empty; choose a new directory so no "
-                          "earlier run's metrics are mixed in")
+    _check_empty(run_dir)
     if create:
         _make(run_dir)
     return run_dir
+
+
+def claim(run_dir: Path, *, fresh: bool) -> Lock:
+    """Own `run_dir` for this process's lifetime (dsforge/lock.py: a flock beside it, and no
+    live process of an earlier job in it). A `fresh` directory is checked again for
+    emptiness once owned, so of two runs started together one is refused."""
+    try:
+        lock = hold_directory(run_dir, what=f"dsforge run (run directory {run_dir})")
+    except Busy as busy:
+        raise RunDirError(f"{busy}; wait for it to end, or choose another --run-dir") from None
+    if fresh:
+        try:
+            _check_empty(run_dir)
+        except RunDirError:
+            lock.release()
+            raise
+    return lock
+
+
+def _check_empty(run_dir: Path) -> None:
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise RunDirError(f"--run-dir {run_dir} is not empty; choose a new directory so no "
+                          "earlier run's metrics are mixed in")
 
 
 def existing_run_dir(run_dir: Path | None, *, create: bool = True) -> Path:

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from dsforge.bench.run import Interrupted
 from dsforge.bench.study import Measure
 from dsforge.files import write_atomic
 from dsforge.problems import EXIT_INVALID, Problem, RecipeError, did_you_mean, print_problems
@@ -199,4 +200,8 @@ def _measure(base: Recipe, result: SearchResult, top: int, out: Path | None):
     out = out or Path("runs") / f"search-{base.model.preset or base.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     click.echo(f"measuring the top {min(top, len(result.ranked))} layouts on this machine; "
                f"results in {out}/results.db", err=True)
-    return measure_top(base, result, top, out, Measure(), log=lambda line: click.echo(line, err=True))
+    try:
+        return measure_top(base, result, top, out, Measure(), log=lambda line: click.echo(line, err=True))
+    except Interrupted as stop:  # Ctrl-C or SIGTERM: the interrupted trial has no result
+        click.echo(f"dsforge: stopped; finished trials are in {out}/results.db", err=True)
+        sys.exit(stop.code)

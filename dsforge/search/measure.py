@@ -19,7 +19,8 @@ from typing import Callable
 
 from dsforge.bench.run import run_cell
 from dsforge.bench.store import FAILED, Store
-from dsforge.bench.study import Cell, Measure, Study, make_cell, timing
+from dsforge.bench.study import Cell, Measure, Study, make_cell, study_identity, timing
+from dsforge.lock import Busy
 from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.schema import Recipe
 from dsforge.search.search import Ranked, SearchResult
@@ -44,11 +45,11 @@ def candidate_overrides(r: Ranked) -> dict[str, object]:
             "train.activation_checkpointing": recipe.train.activation_checkpointing}
 
 
-def _cell(rank: int, r: Ranked, measure: Measure) -> Cell:
+def _cell(rank: int, r: Ranked, measure: Measure, base: str) -> Cell:
     settings = {**candidate_overrides(r), **timing(measure)}
     # The learning-rate warmup must be shorter than the trial.
     settings["train.warmup_steps"] = min(r.resolved.recipe.train.warmup_steps, settings["train.steps"] - 1)
-    return make_cell({"candidate": rank}, settings)
+    return make_cell({"candidate": rank}, settings, base=base)
 
 
 def measure_top(base: Recipe, result: SearchResult, top: int, out_dir: Path, measure: Measure,
@@ -61,12 +62,17 @@ def measure_top(base: Recipe, result: SearchResult, top: int, out_dir: Path, mea
                   world_size=result.space.gpus, axes={"candidate": list(range(1, len(shown) + 1))},
                   measure=measure)
     store = Store(out_dir / "results.db")
+    base_identity = study_identity(study, recipe_path)  # an edited base is a new trial
     trials = []
     try:
         for rank, candidate in enumerate(shown, start=1):
-            cell = _cell(rank, candidate, measure)
+            cell = _cell(rank, candidate, measure, base_identity)
             if store.status(study.name, cell.key, 0) in (None, *FAILED):
-                row = run_cell(study, recipe_path, cell, 0, out_dir)
+                try:
+                    row = run_cell(study, recipe_path, cell, 0, out_dir)
+                except Busy as busy:  # another dsforge measures this trial right now
+                    log(f"trial {rank}/{len(shown)}: busy, not run ({busy})")
+                    continue
                 store.write(row)
                 log(f"trial {rank}/{len(shown)}: {row.status}" + (f" ({row.reason})" if row.reason else ""))
             trials.append(_trial(rank, candidate, store, study.name, cell.key))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.processes import job_processes
+from dsforge.lock import job_processes
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
 QUICK = ["--set", "train.steps=6", "--set", "train.timing_warmup=1"]
@@ -26,7 +26,7 @@ def dsforge(*args: str, env: dict | None = None, timeout: float = 240):
 
 
 def _job_processes(run_dir) -> list[int]:
-    """Live processes of the job (tests/processes.py), waiting a moment for exits in flight."""
+    """Live processes of the job (dsforge/lock.py), waiting a moment for exits in flight."""
     deadline = time.monotonic() + 5
     while job_processes(run_dir) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -16,7 +16,7 @@ from dsforge.launch.local import free_port
 from dsforge.recipe import resolve_file
 from dsforge.recipe.loader import dump_recipe
 from tests.conftest import REPO
-from tests.processes import job_processes
+from dsforge.lock import job_processes
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
 FOREVER = ["--set", "train.steps=100000"]

@@ -25,3 +25,16 @@ def test_a_run_directory_that_cannot_be_written_is_refused(tmp_path):
                                            "--run-dir", "/proc/dsforge-x"])
     assert result.exit_code == 2 and "cannot write the run directory" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_run_directory_in_use_is_refused(tmp_path):
+    """Two runs into one directory: the one that does not own it is refused (exit 2), even
+    when both saw it empty (the check is repeated once owned)."""
+    from dsforge.lock import hold_directory
+
+    run_dir = tmp_path / "run"
+    with hold_directory(run_dir, what="another dsforge run"):
+        result = CliRunner().invoke(cli.main, ["run", str(REPO / "recipes" / "tiny.yaml"),
+                                               "--run-dir", str(run_dir)])
+    assert result.exit_code == 2 and "in use by another dsforge run" in result.output
+    assert not run_dir.exists() or not any(run_dir.iterdir())
