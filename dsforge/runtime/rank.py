@@ -19,17 +19,21 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsforge.console import RankConsole
-from dsforge.launch.env import check_names
 from dsforge.launch.diagnose import write_pid
+from dsforge.launch.env import check_names
 from dsforge.launch.job import JobSpec
 from dsforge.launch.owner import watch_owner
 from dsforge.runtime import failure
 from dsforge.runtime.build_locks import clear_stale_locks
 from dsforge.runtime.supervise import run_supervised
-from dsforge.runtime.watchdog import Watchdog
 from dsforge.recipe import resolve_file
+from dsforge.runtime.watchdog import Watchdog
+
+if TYPE_CHECKING:  # torch is imported after the owner watch starts (run_rank)
+    import torch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
