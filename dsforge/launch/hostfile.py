@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from dsforge.problems import Problem, RecipeError
+from dsforge.problems import Problem, RecipeError, read_text
 
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)$")
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
@@ -37,14 +37,20 @@ class Hostfile:
         return tuple(host for host, _ in self.hosts)
 
 
+MAX_HOSTFILE_BYTES = 16 << 20  # a line per host: enough for a million hosts
+MAX_SLOTS = 1 << 16  # ranks on one host
+
+
 def read_hostfile(path: str | Path) -> Hostfile:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise RecipeError([Problem(rule="H3", fields={"hostfile": str(path)},
                                    message="hostfile not found (dsforge never falls back to "
                                            "running on localhost)",
                                    fix="check the path, or leave out --hostfile for a local run")])
-    return parse_hostfile(path.read_text().splitlines(), source=str(path))
+    text = read_text(path, "hostfile", rule="H3", example="hostfiles/2nodes.txt",
+                     limit=MAX_HOSTFILE_BYTES)
+    return parse_hostfile(text.splitlines(), source=str(path))
 
 
 def parse_hostfile(lines: Iterable[str], source: str = "<hostfile>") -> Hostfile:
@@ -89,8 +95,10 @@ def _parse_line(text: str, where: dict, problems: list[Problem]) -> tuple[str, i
                                         "'_' and ':' and may not start with '-'",
                                 fix="use the plain hostname or IP address"))
         return None
-    if not re.fullmatch(r"[0-9]+", slots) or int(slots) < 1:  # not isdigit(): it accepts '²'
-        problems.append(Problem(rule="H1", fields=where, message="slots must be a whole number >= 1",
+    # Not isdigit(): it accepts '²'. A few digits: int() refuses more than 4300.
+    if not re.fullmatch(r"[0-9]{1,9}", slots) or not 1 <= int(slots) <= MAX_SLOTS:
+        problems.append(Problem(rule="H1", fields=where,
+                                message=f"slots must be a whole number from 1 to {MAX_SLOTS:,}",
                                 fix="e.g. slots=8 for a node with 8 GPUs"))
         return None
     return host, int(slots)

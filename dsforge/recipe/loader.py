@@ -4,6 +4,8 @@ Strict means: a safe YAML loader; duplicate keys are an error (PyYAML keeps the 
 silently); unknown keys are an error at every level, with a did-you-mean; every field is
 type-checked, and numbers PyYAML leaves as strings (`3e-4` is a string in YAML 1.1) are
 converted only where the field is a float. Every problem is collected before raising.
+Documents are bounded: UTF-8 text of at most 1 MiB holding at most 10,000 values with every
+alias expanded, so no input turns into a traceback, a hang or a gigabyte error message.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Literal, Union
+from typing import Any, Hashable, Iterable, Literal, Union
 
 import yaml
 
 from dsforge.recipe.presets import PRESETS, apply_preset
-from dsforge.problems import Problem, RecipeError, did_you_mean
-from dsforge.recipe.schema import Recipe
+from dsforge.problems import Problem, RecipeError, did_you_mean, read_text, shorten
+from dsforge.recipe.schema import Recipe, name_problems
 
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -29,10 +31,26 @@ _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$
 def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
     """Read, override and build a recipe; raises RecipeError with every problem found."""
     path = Path(path)
-    raw = read_yaml(path)
-    raw.setdefault("name", path.stem)
-    recipe = build_recipe(apply_overrides(raw, parse_overrides(overrides)))
+    raw = apply_overrides(read_yaml(path), parse_overrides(overrides))
+    if "name" in raw:
+        recipe = build_recipe(raw)
+    else:
+        recipe = _named_after_file(raw, path)
     return _with_data_relative_to(recipe, path.parent)
+
+
+def _named_after_file(raw: dict[str, Any], path: Path) -> Recipe:
+    """A recipe that writes no name: is named after its file; a file name that is no valid
+    recipe name is reported as such (the user wrote no name: to fix)."""
+    try:
+        return build_recipe({**raw, "name": path.stem})
+    except RecipeError as exc:
+        raise RecipeError([
+            dataclasses.replace(p, fields={"recipe": str(path)},
+                                message=f"the recipe writes no name:, so it is named after its "
+                                        f"file, {shorten(path.stem)}, which {p.message}",
+                                fix=f"add a name: line ({p.fix}), or rename the file")
+            if p.rule == "N1" else p for p in exc.problems]) from None
 
 
 def _with_data_relative_to(recipe: Recipe, directory: Path) -> Recipe:
@@ -50,34 +68,104 @@ def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False)
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise RecipeError([Problem(rule="Y6", fields={"recipe": str(path)},
-                                   message="recipe file not found",
-                                   fix="check the path, e.g. recipes/smoke.yaml")])
-    return parse_yaml(path.read_text(), source=str(path))
+MAX_YAML_BYTES = 1 << 20  # a recipe or study is a few KB: read_text's default limit
+MAX_YAML_NODES = 10_000  # values in the document with every alias expanded
+_EXAMPLES = {"recipe": "recipes/smoke.yaml", "study": "recipes/bench/zero_study_cpu.yaml"}
 
 
-def parse_yaml(text: str, source: str = "<string>") -> dict[str, Any]:
-    """Parse YAML with a safe loader that reports every duplicate key (rule Y1)."""
-    loader = _StrictLoader(text)
+def read_yaml(path: Path, what: str = "recipe") -> dict[str, Any]:
+    """The mapping in the YAML file at `path` (a recipe, study or profile: `what`); a missing
+    file, a directory, an unreadable or non-UTF-8 file and bad YAML are RecipeErrors (Y6)."""
+    text = read_text(path, what, rule="Y6", example=_EXAMPLES.get(what, f"{what}.yaml"))
+    return parse_yaml(text, source=str(path), what=what)
+
+
+def parse_yaml(text: str, source: str = "<string>", what: str = "recipe") -> dict[str, Any]:
+    """Parse a YAML mapping with a safe loader that reports every duplicate key (rule Y1) and
+    refuses documents whose aliases expand to more than MAX_YAML_NODES values (Y6)."""
     try:
-        data = loader.get_single_data()
-    except yaml.YAMLError as exc:
-        raise RecipeError([Problem(rule="Y6", fields={"recipe": source},
-                                   message=f"not valid YAML: {exc}",
-                                   fix="fix the YAML syntax at the line shown")]) from None
-    finally:
-        loader.dispose()
-    if loader.duplicates:
-        raise RecipeError(loader.duplicates)
+        data = load_yaml_value(text)
+    except _YamlFailure as exc:
+        raise RecipeError([Problem(rule="Y6", fields={what: source}, message=exc.message,
+                                   fix=exc.fix)]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError([Problem(rule="Y6", fields={"recipe": source},
-                                   message="a recipe must be a YAML mapping of sections",
-                                   fix="start with keys such as name:, model:, train:")])
+        raise RecipeError([Problem(rule="Y6", fields={what: source},
+                                   message=f"a {what} must be a YAML mapping of sections",
+                                   fix="start with keys such as name:, model:, train:"
+                                       if what == "recipe" else "see the shipped examples")])
     return data
+
+
+class _YamlFailure(Exception):
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.message, self.fix = message, fix
+
+
+def load_yaml_value(text: str) -> Any:
+    """The value of one YAML document; _YamlFailure says why there is none, RecipeError
+    lists duplicate keys (Y1)."""
+    if len(text) > MAX_YAML_BYTES:
+        raise _YamlFailure(f"longer than {MAX_YAML_BYTES} characters", "write a shorter document")
+    loader = None
+    try:
+        loader = _StrictLoader(text)  # its reader refuses unprintable characters
+        node = loader.get_single_node()
+        if node is not None:
+            _check_expanded_size(node)
+            data = loader.construct_document(node)
+        else:
+            data = None
+    except yaml.YAMLError as exc:
+        raise _YamlFailure(f"not valid YAML: {exc}", "fix the YAML syntax at the line shown") from None
+    except RecursionError:
+        raise _YamlFailure("nested too deeply", "write a recipe of sections and fields") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise _YamlFailure(f"a value cannot be read: {exc}".split("; use sys.")[0],
+                           "write plain numbers, strings and mappings") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if loader.duplicates:
+        raise RecipeError(loader.duplicates)
+    return data
+
+
+def _check_expanded_size(root: yaml.Node) -> None:
+    """Refuse a document whose aliases expand to more than MAX_YAML_NODES values (a few lines
+    of anchors can stand for gigabytes: every later copy, message or dump would expand them)
+    or refer to themselves."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise _YamlFailure("an alias refers to the value that contains it",
+                               "write the value out instead of the alias")
+        open_nodes.add(key)
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            children = []
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_YAML_NODES:
+                raise _YamlFailure(f"holds more than {MAX_YAML_NODES} values (an alias, *name, "
+                                   "counts as all the values it repeats)",
+                                   "write only the sections and fields the documentation lists")
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root)
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -92,6 +180,8 @@ class _StrictLoader(yaml.SafeLoader):
                 continue  # `<<:` merges are allowed to be overridden by explicit keys
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # the base constructor reports it as a YAML error
             if key in first_line:
                 self.duplicates.append(Problem(
                     rule="Y1", fields={"key": key},
@@ -119,7 +209,13 @@ def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
                                     fix="e.g. --set train.micro_batch=2"))
             continue
         try:
-            parsed.append((key, parse_yaml(f"v: {text}")["v"]))
+            parsed.append((key, load_yaml_value(f"v: {text}")["v"]))
+        except _YamlFailure as exc:
+            syntax = exc.message.startswith("not valid YAML")
+            problems.append(Problem(rule="Y6", fields={"--set": item},
+                                    message=f"the value after '=': {exc.message}",
+                                    fix="quote it as YAML, e.g. --set 'name=\"my run\"'"
+                                        if syntax else exc.fix))
         except RecipeError as exc:
             problems.extend(exc.problems)
     if problems:
@@ -153,6 +249,8 @@ def build_recipe(raw: dict[str, Any]) -> Recipe:
     if isinstance(raw.get("model"), dict):
         raw["model"] = _with_preset(raw["model"], problems)
     recipe = _build(Recipe, raw, "", problems)
+    if recipe is None and isinstance(raw.get("name"), str) and not any(p.rule == "N1" for p in problems):
+        problems.extend(name_problems(raw["name"]))  # also when a section failed to build
     if problems:
         raise RecipeError(problems)
     return recipe
@@ -162,10 +260,11 @@ def _with_preset(raw_model: dict[str, Any], problems: list[Problem]) -> dict[str
     preset = raw_model.get("preset")
     if preset is None:
         return raw_model
-    if preset not in PRESETS:
+    if not isinstance(preset, str) or preset not in PRESETS:
         problems.append(Problem(rule="M4", fields={"model.preset": preset},
                                 message="unknown model preset",
-                                fix=f"use one of {', '.join(PRESETS)}.{did_you_mean(str(preset), PRESETS)}"))
+                                fix=f"use one of {', '.join(PRESETS)}."
+                                    f"{did_you_mean(_word(preset), PRESETS)}"))
         return {k: v for k, v in raw_model.items() if k != "preset"}
     return apply_preset(raw_model, preset)
 
@@ -237,10 +336,19 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
         problems.append(Problem(rule="Y2", fields={where: value},
                                 message=f"expected {_TYPE_WORDS[tp]}, got {type(value).__name__}",
                                 fix=_TYPE_FIXES[tp]))
+    elif checked is _NOT_FINITE:
+        problems.append(Problem(rule="Y2", fields={where: value},
+                                message="NaN and infinities are not allowed (nor numbers beyond "
+                                        "a float's range)", fix=_TYPE_FIXES[tp]))
+    elif checked is _OUT_OF_RANGE:
+        problems.append(Problem(rule="Y2", fields={where: value},
+                                message="integer out of range: -2**63 <= value < 2**63",
+                                fix=_TYPE_FIXES[tp]))
     return checked
 
 
-_INVALID = object()
+_INVALID, _NOT_FINITE, _OUT_OF_RANGE = object(), object(), object()
+_INT64 = 1 << 63  # torch, numpy and DeepSpeed's JSON readers take 64-bit integers
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 _TYPE_FIXES = {int: "write a whole number such as 8", float: "write a number such as 3.0e-4",
                bool: "write true or false", str: "quote the value"}
@@ -253,13 +361,19 @@ def _coerce_scalar(value: Any, tp: type) -> Any:
     if isinstance(value, bool):
         return _INVALID  # bool is an int subclass: `tp: true` must not mean tp=1
     if tp is int:
-        return value if isinstance(value, int) else _INVALID
+        if not isinstance(value, int):
+            return _INVALID
+        return value if -_INT64 <= value < _INT64 else _OUT_OF_RANGE
     if tp is float:
         if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
             value = float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            return float(value)
-        return _INVALID
+        if not isinstance(value, (int, float)):
+            return _INVALID
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond a float's range
+            return _NOT_FINITE
+        return value if math.isfinite(value) else _NOT_FINITE
     if tp is str:
         return value if isinstance(value, str) else _INVALID
     raise TypeError(f"unsupported recipe field type {tp!r}")
@@ -271,5 +385,10 @@ def _coerce_choice(value: Any, choices: tuple, where: str, problems: list[Proble
     problems.append(Problem(rule="Y3", fields={where: value},
                             message=f"must be one of {', '.join(map(str, choices))}",
                             fix=f"pick one of {', '.join(map(str, choices))}."
-                                f"{did_you_mean(str(value), choices)}"))
+                                f"{did_you_mean(_word(value), choices)}"))
     return value
+
+
+def _word(value: Any) -> str:
+    """A value to look for a close choice to: short strings as they are (no quotes)."""
+    return value if isinstance(value, str) and len(value) <= 100 else shorten(value)

@@ -19,7 +19,7 @@ from dsforge.launch.hostfile import Hostfile, active_hosts, read_hostfile
 from dsforge.problems import Problem, RecipeError, errors
 from dsforge.recipe.layout import Topology, batch_sizes, data_parallel_size
 from dsforge.recipe.loader import load_recipe
-from dsforge.recipe.schema import Recipe
+from dsforge.recipe.schema import MAX_WORLD, Recipe
 from dsforge.recipe.validate import validate
 
 
@@ -81,6 +81,11 @@ def topology_for(recipe: Recipe, *, world_size: int | None = None,
     if first_size < 1:
         problems.append(Problem(rule="Y4", fields={first_name: first_size},
                                 message="the world size must be >= 1", fix="use 1 or more GPUs"))
+    elif first_size > MAX_WORLD:
+        problems.append(Problem(rule="Y4", fields={first_name: first_size},
+                                message=f"the world size must be at most {MAX_WORLD:,} GPUs "
+                                        "(dsforge's limit, far beyond real clusters)",
+                                fix="check the number of GPUs"))
     if problems:
         return None, problems
     return Topology(world_size=first_size, node_slots=_node_slots(recipe, hostfile),

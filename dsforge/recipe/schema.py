@@ -7,11 +7,12 @@ together (RecipeError). Rules that span sections or need the world size live in
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 from dsforge.estimate.hardware import GPU_KEYS
-from dsforge.problems import Checks, did_you_mean
+from dsforge.problems import Checks, Problem, did_you_mean
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Checkpointing = Literal["none", "selective", "full"]
@@ -20,11 +21,38 @@ LrDecay = Literal["cosine", "linear", "constant"]
 TokenDtype = Literal["uint16", "uint32"]
 
 
+# Largest values dsforge accepts. Far beyond any real model or cluster, they keep every loop
+# over layers, ranks or candidate values (plan, the fixes validation suggests) short.
+MAX_LAYERS = 10_000
+MAX_WIDTH = 1 << 20  # hidden, ffn and head sizes
+MAX_HEADS = 1 << 16
+MAX_VOCAB = 1 << 24
+MAX_SEQ_LEN = 1 << 22
+MAX_EXPERTS = 4096
+MAX_ROTARY_BASE = 10**12
+MAX_WORLD = 1 << 18  # ranks, and any one parallel degree
+MAX_BATCH = 1 << 24  # sequences per step (global_batch), per microbatch, microbatches
+MAX_STEPS = 10**9
+# numpy's legacy seeding takes 0 <= seed < 2**32; the data order multiplies the seed by about
+# 2**20 and torch generators take seeds below 2**64 (runtime/data.py).
+SEED_LIMIT = 1 << 32
+MAX_NAME = 100
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
 def _positive(checks: Checks, rule: str, section: str, **values: int | float | None) -> None:
     for name, value in values.items():
         if value is not None:
             checks.require(value > 0, rule, {f"{section}.{name}": value}, "must be > 0",
                            f"set {section}.{name} to a positive value")
+
+
+def _at_most(checks: Checks, rule: str, section: str, limit: int, **values: int | None) -> None:
+    for name, value in values.items():
+        if value is not None:
+            checks.require(value <= limit, rule, {f"{section}.{name}": value},
+                           f"must be at most {limit:,} (dsforge's limit, far beyond real jobs)",
+                           f"set {section}.{name} to a value up to {limit:,}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +67,8 @@ class MoEConfig:
         c = Checks()
         _positive(c, "M1", "model.moe", num_experts=self.num_experts,
                   ffn_hidden_size=self.ffn_hidden_size, frequency=self.frequency)
+        _at_most(c, "M1", "model.moe", MAX_EXPERTS, num_experts=self.num_experts)
+        _at_most(c, "M1", "model.moe", MAX_WIDTH, ffn_hidden_size=self.ffn_hidden_size)
         c.require(0 < self.top_k <= self.num_experts, "E2",
                   {"model.moe.top_k": self.top_k, "model.moe.num_experts": self.num_experts},
                   "top_k must be between 1 and num_experts",
@@ -76,13 +106,22 @@ class ModelConfig:
                   kv_channels=self.kv_channels, vocab_size=self.vocab_size,
                   max_seq_len=self.max_seq_len, rotary_base=self.rotary_base,
                   norm_epsilon=self.norm_epsilon, init_std=self.init_std)
+        _at_most(c, "M1", "model", MAX_LAYERS, num_layers=self.num_layers)
+        _at_most(c, "M1", "model", MAX_WIDTH, hidden_size=self.hidden_size,
+                 ffn_hidden_size=self.ffn_hidden_size, kv_channels=self.kv_channels)
+        _at_most(c, "M1", "model", MAX_HEADS, num_attention_heads=self.num_attention_heads,
+                 num_kv_heads=self.num_kv_heads)
+        _at_most(c, "M1", "model", MAX_VOCAB, vocab_size=self.vocab_size)
+        _at_most(c, "M1", "model", MAX_SEQ_LEN, max_seq_len=self.max_seq_len)
+        _at_most(c, "M1", "model", MAX_ROTARY_BASE, rotary_base=self.rotary_base)
         if self.num_kv_heads and self.num_attention_heads > 0:
             c.require(self.num_attention_heads % self.num_kv_heads == 0, "M2",
                       {"model.num_attention_heads": self.num_attention_heads,
                        "model.num_kv_heads": self.num_kv_heads},
                       "num_attention_heads must be a multiple of num_kv_heads (query groups)",
                       "use model.num_kv_heads in {"
-                      + ", ".join(map(str, divisors(self.num_attention_heads))) + "}")
+                      + ", ".join(map(str, divisors(min(self.num_attention_heads, MAX_HEADS))))
+                      + "}")
         if self.kv_channels is None and self.num_attention_heads > 0:
             c.require(self.hidden_size % self.num_attention_heads == 0, "T2",
                       {"model.hidden_size": self.hidden_size,
@@ -130,6 +169,8 @@ class ParallelConfig:
         if self.etp is not None:
             c.require(self.etp >= 1, "P3", {"parallel.etp": self.etp}, "must be >= 1",
                       "set parallel.etp to 1 or more, or leave it out to use tp")
+        _at_most(c, "P3", "parallel", MAX_WORLD, tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep,
+                 etp=self.etp, cp=self.cp, dp=self.dp)
         c.require(self.dp == -1 or self.dp >= 1, "P3", {"parallel.dp": self.dp},
                   "must be >= 1, or -1 for the rest of the world", "use parallel.dp: -1")
         c.require(not self.sequence_parallel or self.tp > 1, "T3",
@@ -217,7 +258,14 @@ class TrainConfig:
                   "use train.timing_warmup < train.steps")
         _positive(c, "B2", "train", seq_len=self.seq_len, global_batch=self.global_batch,
                   micro_batch=self.micro_batch, grad_accum=self.grad_accum)
+        _at_most(c, "B2", "train", MAX_SEQ_LEN, seq_len=self.seq_len)
+        _at_most(c, "B2", "train", MAX_BATCH, global_batch=self.global_batch,
+                 micro_batch=self.micro_batch, grad_accum=self.grad_accum)
         _positive(c, "R1", "train", steps=self.steps, lr=self.lr, adam_eps=self.adam_eps)
+        _at_most(c, "R1", "train", MAX_STEPS, steps=self.steps)
+        c.require(0 <= self.seed < SEED_LIMIT, "R1", {"train.seed": self.seed},
+                  "must be >= 0 and below 2**32 (numpy and the data order's generators take "
+                  "no larger seeds)", "use a seed such as 1234")
         c.require(0 <= self.warmup_steps < max(self.steps, 1), "R1",
                   {"train.warmup_steps": self.warmup_steps, "train.steps": self.steps},
                   "warmup must be >= 0 and shorter than the run",
@@ -251,6 +299,8 @@ class DataConfig:
         c = Checks()
         c.require(bool(self.source.strip()), "D1", {"data.source": self.source},
                   "must not be empty", "use 'synthetic' or the path of a token file")
+        c.require("\0" not in self.source, "D1", {"data.source": self.source},
+                  "a path cannot hold a NUL character", "write the token file's path")
         c.raise_if_any()
 
 
@@ -263,6 +313,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         c = Checks()
         _positive(c, "C1", "cluster", nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+        _at_most(c, "C1", "cluster", MAX_WORLD, nodes=self.nodes, gpus_per_node=self.gpus_per_node)
         if self.gpu is not None:
             c.require(self.gpu in GPU_KEYS, "C2", {"cluster.gpu": self.gpu}, "unknown GPU",
                       f"use one of {', '.join(GPU_KEYS)}.{did_you_mean(self.gpu, GPU_KEYS)}")
@@ -283,6 +334,11 @@ class Recipe:
     data: DataConfig = DataConfig()
     cluster: ClusterConfig | None = None
 
+    def __post_init__(self) -> None:
+        c = Checks()
+        c.problems.extend(name_problems(self.name))
+        c.raise_if_any()
+
     @property
     def schedule(self) -> str:
         """Pipeline schedule the recipe asks for: none, 1f1b or interleaved."""
@@ -292,4 +348,27 @@ class Recipe:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n >= 1, ascending (trial division up to sqrt(n): n may be a world of a
+    million ranks, and validation asks again for every value it suggests)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def name_problems(name: str) -> list[Problem]:
+    """N1: a recipe name is a plain file-name word; it names the run directory
+    (runs/NAME-TIME) and must not lead out of it."""
+    if len(name) <= MAX_NAME and _NAME.fullmatch(name):
+        return []
+    plain = re.sub(r"[^A-Za-z0-9._-]+", "_", name[:MAX_NAME]).lstrip("._-") or "my_run"
+    return [Problem(rule="N1", fields={"name": name},
+                    message=f"must be a plain name: letters, digits, '.', '_' and '-', not "
+                            f"starting with '.' or '-', at most {MAX_NAME} characters (it names "
+                            "the run directory)",
+                    fix=f"use e.g. name: {plain}")]

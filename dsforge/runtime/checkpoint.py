@@ -14,14 +14,22 @@ latest. Data needs no state: step t always reads the same samples (runtime/data.
 
 Everything DeepSpeed loads is a pickle, so before anything is unpickled the checkpoint's files
 must belong to the current user and must not be writable by others (`check_safe_to_load`).
+`latest` must hold a plain tag (stepNNNNNNNN) of a directory beside it, the completion marker
+must be whole JSON, and every file listed in it must be there with the size it was saved with
+(`check_complete`), so a resume is refused before any rank starts rather than by ranks dying
+mid-load. Rule ids CK1-CK4: docs/validation.md.
 """
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import pwd
 import random
+import re
 import stat
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +37,7 @@ import numpy as np
 import torch
 
 from dsforge.files import write_atomic
+from dsforge.problems import Problem, shorten
 
 COMPLETE = "dsforge_complete.json"
 LATEST = "latest"
@@ -38,8 +47,21 @@ LATEST = "latest"
 RESUMABLE_CHANGES = {"train.timing_warmup", "train.checkpoint_every"}
 
 
+_TAG = re.compile(rb"step[0-9]{8}")
+_MAX_MARKER_BYTES = 1 << 20  # the marker holds the resolved recipe: a few KB
+
+
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint that cannot be resumed; `problem` (when set) names the file, the rule, why
+    and the fix."""
+
+    def __init__(self, message: str | Problem):
+        self.problem = message if isinstance(message, Problem) else None
+        super().__init__(str(message))
+
+
+def _refuse(rule: str, path: Path, message: str, fix: str) -> CheckpointError:
+    return CheckpointError(Problem(rule=rule, fields={"file": str(path)}, message=message, fix=fix))
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -65,36 +87,196 @@ def save(engine, root: Path, *, step: int, recipe: dict[str, Any], world_size: i
     torch.distributed.barrier()  # every rank has finished writing
     if rank == 0:
         write_atomic(root / tag / COMPLETE, json.dumps(
-            {"step": step, "tag": tag, "world_size": world_size, "recipe": recipe}, indent=2))
+            {"step": step, "tag": tag, "world_size": world_size, "recipe": recipe,
+             "files": _listing(root / tag)}, indent=2))
         write_atomic(root / LATEST, tag)
     torch.distributed.barrier()
 
 
+def _listing(directory: Path) -> dict[str, int]:
+    """Every file of a checkpoint directory (relative path -> bytes), as the marker records it
+    for check_complete."""
+    return {str(path.relative_to(directory)): path.stat().st_size
+            for path in sorted(directory.rglob("*"))
+            if path.is_file() and path.name != COMPLETE and not path.name.endswith(".partial")}
+
+
 def latest_complete(root: Path) -> dict[str, Any] | None:
-    """The completion record of the newest published checkpoint, or None (reads JSON only)."""
+    """The completion record of the newest published checkpoint, or None when nothing was
+    published (reads `latest` and JSON only; CheckpointError when either is unusable)."""
+    tag = read_latest(root)
+    return None if tag is None else read_marker(root, tag)
+
+
+def read_latest(root: Path) -> str | None:
+    """The tag `latest` names (CK1): a plain stepNNNNNNNN, so it can only name a directory
+    beside it, never ../../another-run/checkpoints/..."""
     pointer = root / LATEST
-    if not pointer.is_file():
+    try:
+        info = pointer.lstat()
+    except FileNotFoundError:
         return None
-    tag = pointer.read_text().strip()
-    marker = root / tag / COMPLETE
-    if not marker.is_file():
-        raise CheckpointError(f"{pointer} names {tag}, which has no completion marker")
-    return json.loads(marker.read_text())
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+        raise _refuse("CK1", pointer, f"is a {_kind(info)}, not a file holding a tag",
+                      f"remove it and write the tag of a complete checkpoint under {root} into "
+                      "a plain file (e.g. step00000006)")
+    with open(pointer, "rb") as f:
+        data = f.read(64)
+    if not _TAG.fullmatch(data.strip()):
+        raise _refuse("CK1", pointer,
+                      f"holds {shorten(data[:24])}{'...' if len(data) > 24 else ''}, not the "
+                      "tag of a checkpoint in this directory "
+                      "(stepNNNNNNNN: no path, nothing else)",
+                      f"write the tag of a complete checkpoint under {root} into it "
+                      "(a directory with dsforge_complete.json), or start a new run")
+    return data.strip().decode()
+
+
+def read_marker(root: Path, tag: str) -> dict[str, Any]:
+    """The completion record of checkpoint `tag` (CK3): whole JSON with its step, tag, world
+    size, recipe and (since dsforge records them) the files and their sizes."""
+    directory, pointer = root / tag, root / LATEST
+    try:
+        info = directory.lstat()
+    except FileNotFoundError:
+        raise _refuse("CK1", pointer, f"names {tag}, which does not exist under {root}",
+                      "write the tag of a complete checkpoint into it, or start a new run") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise _refuse("CK1", pointer, f"names {tag}, which is a {_kind(info)}, not a checkpoint "
+                      "directory", "write the tag of a complete checkpoint into it")
+    marker = directory / COMPLETE
+    try:
+        info = marker.lstat()
+    except FileNotFoundError:
+        raise _refuse("CK3", marker, f"is missing: latest names {tag}, whose save never finished",
+                      "write the tag of an earlier complete checkpoint into latest, or start a "
+                      "new run") from None
+    fix = ("the marker is written last and atomically by dsforge, so this one was changed "
+           "afterwards: restore it, or write an earlier complete checkpoint's tag into latest")
+    if not stat.S_ISREG(info.st_mode):
+        raise _refuse("CK3", marker, f"is a {_kind(info)}, not a file", fix)
+    if info.st_size > _MAX_MARKER_BYTES:
+        raise _refuse("CK3", marker, f"is {info.st_size:,} bytes, far more than a marker", fix)
+    try:
+        record = json.loads(marker.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _refuse("CK3", marker, f"is not whole JSON ({shorten(str(exc))}): cut short?",
+                      fix) from None
+    problem = _marker_problem(record, tag)
+    if problem:
+        raise _refuse("CK3", marker, problem, fix)
+    return record
+
+
+def _marker_problem(record: Any, tag: str) -> str:
+    """What is wrong with a parsed completion record, or ''."""
+    if not isinstance(record, dict):
+        return "does not hold a JSON object"
+    if record.get("tag") != tag:
+        return f"records tag {shorten(record.get('tag'))}, not {tag}"
+    for key, minimum in (("step", 0), ("world_size", 1)):
+        value = record.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            return f"records {key} {shorten(value)}, not a whole number >= {minimum}"
+    recipe = record.get("recipe")
+    if not isinstance(recipe, dict) or not all(isinstance(v, (dict, type(None)))
+                                               for k, v in recipe.items() if k != "name"):
+        return "does not record the recipe as sections of fields"
+    files = record.get("files", {})
+    if not isinstance(files, dict) or not all(
+            isinstance(name, str) and _inside(name) and isinstance(size, int)
+            for name, size in files.items()):
+        return "does not record its files as relative paths inside the checkpoint with sizes"
+    return ""
+
+
+def _inside(name: str) -> bool:
+    path = Path(name)
+    return bool(name) and not path.is_absolute() and ".." not in path.parts
+
+
+def _kind(info: os.stat_result) -> str:
+    if stat.S_ISLNK(info.st_mode):
+        return "symbolic link"
+    if stat.S_ISDIR(info.st_mode):
+        return "directory"
+    return "regular file" if stat.S_ISREG(info.st_mode) else "special file"
 
 
 def check_safe_to_load(root: Path, tag: str) -> None:
-    """Refuse checkpoints written by another user or writable by others, before unpickling."""
+    """Refuse checkpoints written by another user, holding symbolic links, or writable by
+    others (CK2), before anything is unpickled. Group-writable files are refused unless the
+    group is the user's private group (see _private_group)."""
     uid = os.getuid()
-    for path in [root, root / tag, *sorted((root / tag).rglob("*"))]:
+    pointer = root / LATEST
+    latest = [pointer] if pointer.is_symlink() or pointer.exists() else []
+    for path in [root, *latest, root / tag, *sorted((root / tag).rglob("*"))]:
         info = path.lstat()
-        if info.st_uid != uid:
-            raise CheckpointError(f"{path} belongs to uid {info.st_uid}, not to you (uid {uid}); "
-                                  "dsforge does not unpickle other users' checkpoints")
-        if info.st_mode & stat.S_IWOTH:
-            raise CheckpointError(f"{path} is writable by every user; anyone could have replaced "
-                                  f"it. Fix: chmod o-w -R {root} if you trust its contents")
         if stat.S_ISLNK(info.st_mode):
-            raise CheckpointError(f"{path} is a symbolic link; refusing to follow it")
+            raise _refuse("CK2", path, "is a symbolic link; dsforge does not follow links out "
+                          "of a checkpoint", "replace it with the file itself if you trust it")
+        if info.st_uid != uid:
+            raise _refuse("CK2", path, f"belongs to uid {info.st_uid}, not to you (uid {uid}); "
+                          "dsforge does not unpickle other users' checkpoints",
+                          "copy the checkpoint into a run directory of your own if you trust it")
+        if info.st_mode & stat.S_IWOTH:
+            raise _refuse("CK2", path, "is writable by every user; anyone could have replaced it",
+                          f"chmod -R o-w {root} if you trust its contents")
+        if info.st_mode & stat.S_IWGRP and not _private_group(info.st_gid, uid):
+            raise _refuse("CK2", path, f"is writable by group {_group_name(info.st_gid)}, which "
+                          "is not your private group: its other members could have replaced it",
+                          f"chmod -R g-w {root} if you trust its contents")
+
+
+@lru_cache(maxsize=None)
+def _private_group(gid: int, uid: int) -> bool:
+    """Whether only user `uid` belongs to group `gid`: it is the user's primary group, lists
+    no other member, and is no other account's primary group (the user-private-group scheme,
+    where umask 002 makes files group-writable). Unknown groups or users are not private."""
+    try:
+        group, user = grp.getgrgid(gid), pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    if user.pw_gid != gid or set(group.gr_mem) - {user.pw_name}:
+        return False
+    return not any(other.pw_gid == gid and other.pw_uid != uid for other in pwd.getpwall())
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return f"{grp.getgrgid(gid).gr_name} (gid {gid})"
+    except KeyError:
+        return f"gid {gid}"
+
+
+def check_complete(root: Path, record: dict[str, Any]) -> None:
+    """CK4: every file checkpoint `record` was saved with is there with its recorded size
+    (DeepSpeed's model and optimizer states for every rank, dsforge's RNG and expert files),
+    so a resume is refused before any rank starts. A marker that lists no files (dsforge
+    before it recorded them) is checked for one non-empty RNG file per rank and no empty file."""
+    directory = root / record["tag"]
+    if "files" in record:
+        expected = dict(record["files"])
+    else:
+        expected = {f"dsforge_rng_rank{rank:05d}.pt": None for rank in range(record["world_size"])}
+        expected.update({name: None for name in _listing(directory)})
+    wrong = []
+    for name, size in expected.items():
+        try:
+            actual = (directory / name).lstat().st_size
+        except FileNotFoundError:
+            wrong.append(f"{name} (missing)")
+            continue
+        if actual == 0 or (size is not None and actual != size):
+            wrong.append(f"{name} ({actual} bytes, saved with {size})" if size is not None
+                         else f"{name} (empty)")
+    if wrong:
+        shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+        raise _refuse("CK4", directory,
+                      f"{len(wrong)} of the {len(expected)} files this checkpoint was saved with "
+                      f"are missing or changed: {shown}",
+                      "restore them, or write the tag of an earlier complete checkpoint into "
+                      f"{root / LATEST}, or start a new run")
 
 
 def recipe_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -117,6 +299,7 @@ def check_resumable(run_dir: Path, recipe: dict[str, Any], world_size: int) -> d
     if record is None:
         raise CheckpointError(f"no complete checkpoint under {root}")
     check_safe_to_load(root, record["tag"])
+    check_complete(root, record)
     differences = recipe_differences(record["recipe"], recipe)
     if record["world_size"] != world_size:
         differences.append(f"world size: {record['world_size']} in the checkpoint, {world_size} now")
@@ -129,6 +312,7 @@ def check_resumable(run_dir: Path, recipe: dict[str, Any], world_size: int) -> d
 def load(engine, root: Path, tag: str, rank: int) -> int:
     """Restore engine and RNG state; returns the number of steps already done."""
     check_safe_to_load(root, tag)
+    check_complete(root, read_marker(root, tag))
     _, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                        load_lr_scheduler_states=True)
     if client is None or "dsforge_step" not in client:

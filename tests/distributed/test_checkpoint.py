@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from dsforge.runtime import checkpoint
 from tests.conftest import REPO
 from tests.distributed.test_run import _job_processes, dsforge
 
@@ -34,14 +35,25 @@ def _run(recipe: str, run_dir, extra, env=None, resume=False):
     return dsforge(*args, *(["--resume"] if resume else []), env=env)
 
 
+class _StraightRuns:
+    """`straight_runs / name`: the uninterrupted 6-step run of layout `name`, trained the first
+    time a test asks for it (the refusal tests need only zero1_dp2)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def __truediv__(self, name: str):
+        run_dir = self.out / name
+        if not (run_dir / "summary.json").exists():
+            recipe, extra = LAYOUTS[name]
+            result = _run(recipe, run_dir, extra)
+            assert result.returncode == 0, result.stderr[-3000:]
+        return run_dir
+
+
 @pytest.fixture(scope="module")
 def straight_runs(tmp_path_factory):
-    """The uninterrupted 6-step run of every layout (also reused by the refusal tests)."""
-    out = tmp_path_factory.mktemp("straight")
-    for name, (recipe, extra) in LAYOUTS.items():
-        result = _run(recipe, out / name, extra)
-        assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return _StraightRuns(tmp_path_factory.mktemp("straight"))
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -93,6 +105,62 @@ def test_world_writable_checkpoint_is_refused_before_unpickling(straight_runs, t
     os.chmod(run_dir / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt", 0o666)
     result = _run("tiny.yaml", run_dir, [], resume=True)
     assert result.returncode == 2 and "writable by every user" in result.stderr
+
+
+def test_the_marker_lists_every_file_each_rank_wrote(straight_runs):
+    step = straight_runs / "zero1_dp2" / "checkpoints" / "step00000006"
+    files = json.loads((step / "dsforge_complete.json").read_text())["files"]
+    on_disk = {p.name: p.stat().st_size for p in step.iterdir() if p.name != "dsforge_complete.json"}
+    assert files == on_disk
+    assert {"dsforge_rng_rank00000.pt", "dsforge_rng_rank00001.pt"} <= set(files)
+    assert len([name for name in files if "optim_states" in name]) == 2  # ZeRO-1, dp 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_optimizer_shard_is_refused_before_any_rank_starts(straight_runs, tmp_path,
+                                                                     damage):
+    run_dir = _copy_run(straight_runs, tmp_path)
+    step = run_dir / "checkpoints" / "step00000006"
+    (shard,) = [p for p in step.iterdir() if p.name.startswith("zero_pp_rank_1")]
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:100])
+    result = _run("tiny.yaml", run_dir, [], resume=True)
+    assert result.returncode == 2 and "[CK4]" in result.stderr and shard.name in result.stderr
+    assert "resuming" not in result.stderr  # refused before the ranks were started
+
+
+def test_latest_naming_another_runs_checkpoint_is_refused(straight_runs, tmp_path):
+    """../../other-run/checkpoints/step00000006 resumed someone else's run."""
+    _copy_run(straight_runs, tmp_path / "other-run")
+    run_dir = _copy_run(straight_runs, tmp_path / "mine")
+    (run_dir / "checkpoints" / "latest").write_text("../../../other-run/zero1_dp2/checkpoints/"
+                                                    "step00000006")
+    result = _run("tiny.yaml", run_dir, [], resume=True)
+    assert result.returncode == 2 and "[CK1]" in result.stderr
+
+
+def test_group_writable_checkpoint_of_a_shared_group_is_refused(straight_runs, tmp_path):
+    run_dir = _copy_run(straight_runs, tmp_path)
+    shard = run_dir / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt"
+    if os.getuid() == 0:
+        os.chown(shard, 0, 4242)  # a group with no entry: never the user's private group
+    elif checkpoint._private_group(os.getgid(), os.getuid()):
+        pytest.skip("needs root to give the file a group other than your private one")
+    os.chmod(shard, 0o664)
+    result = _run("tiny.yaml", run_dir, [], resume=True)
+    assert result.returncode == 2 and "writable by group" in result.stderr
+
+
+def test_a_symlinked_file_is_called_a_symlink(straight_runs, tmp_path):
+    run_dir = _copy_run(straight_runs, tmp_path)
+    shard = run_dir / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt"
+    shard.rename(tmp_path / "moved.pt")
+    shard.symlink_to(tmp_path / "moved.pt")
+    result = _run("tiny.yaml", run_dir, [], resume=True)
+    assert result.returncode == 2 and "symbolic link" in result.stderr
+    assert "writable by every user" not in result.stderr
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="changing a file's owner needs root")

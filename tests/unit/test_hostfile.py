@@ -6,7 +6,7 @@ import pytest
 
 from dsforge.launch.env import check_names
 from dsforge.launch.hostfile import parse_hostfile, read_hostfile
-from dsforge.problems import RecipeError
+from dsforge.problems import RecipeError, print_problems
 from tests.conftest import HOSTFILES, rule_ids
 
 
@@ -63,3 +63,36 @@ def test_invalid_variable_names_are_rejected(name):
     with pytest.raises(RecipeError) as info:
         check_names({name: "x"})
     assert rule_ids(info.value) == {"H4"}
+
+
+def test_a_non_utf8_hostfile_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_bytes(b"node-1 slots=8\nn\xf6de-2 slots=8\n")
+    with pytest.raises(RecipeError) as info:
+        read_hostfile(path)
+    (problem,) = info.value.problems
+    assert problem.rule == "H3" and problem.fields == {"hostfile": str(path)}
+    assert "not UTF-8 text (byte 0xf6 on line 2)" in problem.message
+
+
+def test_a_directory_is_not_a_hostfile(tmp_path):
+    with pytest.raises(RecipeError, match="is a directory"):
+        read_hostfile(tmp_path)
+
+
+@pytest.mark.parametrize("slots", ["1" + "0" * 5000, "65537", "99999999999"])
+def test_slots_beyond_the_limit_are_rejected(slots):
+    with pytest.raises(RecipeError) as info:
+        parse_hostfile([f"node-1 slots={slots}"])
+    assert rule_ids(info.value) == {"H1"} and "from 1 to 65,536" in str(info.value)
+
+
+def test_ten_thousand_bad_lines_print_twenty_problems_and_a_count(capsys):
+    with pytest.raises(RecipeError) as info:
+        parse_hostfile(["bad line"] * 10_000)
+    assert len(info.value.problems) == 10_000
+    assert str(info.value).splitlines()[-1] == "... and 9980 more"
+    print_problems("hosts", info.value.problems)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "hosts: 10000 errors" and lines[-1] == "  ... and 9980 more"
+    assert len(lines) == 22

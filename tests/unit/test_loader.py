@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
-from dsforge.recipe.loader import load_recipe, parse_overrides
+from dsforge.recipe.loader import load_recipe, parse_overrides, read_yaml
 from dsforge.problems import RecipeError
 from tests.conftest import REPO, make_recipe, rule_ids
 
@@ -33,7 +36,11 @@ def test_float_written_without_a_dot_is_accepted_for_float_fields(recipe_file):
     ("train.global_batch", "8.5", "expected an integer"),
     ("parallel.tp", "true", "expected an integer"),
     ("train.lr", "fast", "expected a number"),
-    ("train.lr", ".nan", "expected a number"),
+    ("train.lr", ".nan", "NaN and infinities are not allowed"),
+    ("train.lr", "-.inf", "NaN and infinities are not allowed"),
+    ("train.lr", "1e999", "NaN and infinities are not allowed"),
+    ("train.lr", "1" + "0" * 400, "NaN and infinities are not allowed"),
+    ("train.steps", str(2**63), "integer out of range"),
     ("model.tie_embeddings", "1", "expected true or false"),
     ("name", "7", "expected a string"),
 ])
@@ -146,3 +153,117 @@ def test_unsafe_yaml_tags_are_refused(recipe_file):
 def test_name_defaults_to_the_file_stem(recipe_file):
     recipe = load_recipe(recipe_file(GOOD.replace("name: demo\n", ""), name="my_job.yaml"))
     assert recipe.name == "my_job"
+
+
+def test_a_non_utf8_recipe_names_the_file_the_byte_and_the_line(recipe_file):
+    path = recipe_file("")
+    path.write_bytes(b"name: demo\nmodel: {preset: tiny}  # caf\xe9\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    (problem,) = info.value.problems
+    assert problem.rule == "Y6" and problem.fields == {"recipe": str(path)}
+    assert "not UTF-8 text (byte 0xe9 on line 2)" in problem.message
+
+
+def test_a_directory_is_called_a_directory(tmp_path):
+    with pytest.raises(RecipeError, match="is a directory, not a recipe file"):
+        load_recipe(tmp_path)
+
+
+def test_a_study_file_is_named_as_a_study(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(RecipeError) as info:
+        read_yaml(path, what="study")
+    assert info.value.problems[0].fields == {"study": str(path)}
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels + 1):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_is_refused_before_it_expands(recipe_file):
+    """Ten lines that stand for 10**10 values: the old loader accepted them and the unknown-key
+    message printed them all."""
+    start = time.monotonic()
+    with pytest.raises(RecipeError) as info:
+        load_recipe(recipe_file(GOOD + _alias_bomb()))
+    assert time.monotonic() - start < 5
+    (problem,) = info.value.problems
+    assert problem.rule == "Y6" and "holds more than 10000 values" in problem.message
+    assert len(str(info.value)) < 500
+
+
+def test_anchors_and_merge_keys_within_the_limit_still_load(recipe_file):
+    text = ("name: demo\nmodel: &m {preset: tiny}\n"
+            "train:\n  <<: {seq_len: 64, steps: 10, lr: 3e-4}\n  global_batch: 8\n"
+            "cluster: {gpus_per_node: 8}\n")
+    recipe = load_recipe(recipe_file(text))
+    assert recipe.train.steps == 10 and recipe.train.global_batch == 8
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a: &a [*a]\n", "refers to the value that contains it"),
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+    ("a: 1" + "0" * 5000 + "\n", "integer string conversion"),
+    ("? [a, b]\n: 1\n", "not valid YAML"),
+    ("name: \"a\\0b\"\x00\n", "not valid YAML"),
+], ids=["recursive-alias", "deep-nesting", "5000-digit-int", "list-key", "nul-character"])
+def test_yaml_that_python_cannot_hold_is_a_y6_error(recipe_file, text, message):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(recipe_file(text))
+    (problem,) = info.value.problems
+    assert problem.rule == "Y6" and message in problem.message
+
+
+def test_a_bad_set_value_names_the_set_item():
+    with pytest.raises(RecipeError) as info:
+        parse_overrides(["name=foo: bar"])
+    (problem,) = info.value.problems
+    assert problem.fields == {"--set": "name=foo: bar"} and "not valid YAML" in problem.message
+    assert "<string>" not in str(problem)
+
+
+def test_a_preset_that_is_not_a_word_is_an_unknown_preset():
+    with pytest.raises(RecipeError) as info:
+        make_recipe("model.preset=[1, 2]")
+    assert "M4" in rule_ids(info.value)
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", ".hidden", "-rf", "a b", "a\0b", "x" * 101,
+                                  "x" * 300, ""])
+def test_a_recipe_name_must_be_a_plain_file_name(name):
+    with pytest.raises(RecipeError) as info:
+        make_recipe(f"name={json.dumps(name)}")
+    (problem,) = info.value.problems
+    assert problem.rule == "N1" and problem.fields == {"name": name}
+    assert "use e.g. name: " in problem.fix and len(str(problem)) < 900
+
+
+@pytest.mark.parametrize("name", ["tiny", "7b_1gpu", "a.b-c_d", "x" * 100])
+def test_plain_names_are_accepted(name):
+    assert make_recipe(f"name={name}").name == name
+
+
+def test_a_bad_name_is_reported_with_the_other_problems():
+    with pytest.raises(RecipeError) as info:
+        make_recipe("name=../x", "train.lr=fast")
+    assert rule_ids(info.value) == {"N1", "Y2"}
+
+
+def test_a_file_name_that_is_no_recipe_name_names_the_file(recipe_file):
+    path = recipe_file(GOOD.replace("name: demo\n", ""), name="my recipe.yaml")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    (problem,) = info.value.problems
+    assert problem.rule == "N1" and problem.fields == {"recipe": str(path)}
+    assert "writes no name:" in problem.message and "name: my_recipe" in problem.fix
+
+
+def test_values_in_problems_are_shortened():
+    with pytest.raises(RecipeError) as info:
+        make_recipe("train.lr=" + json.dumps([list(range(1000))] * 5))
+    assert len(str(info.value)) < 300

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import time
 
+import numpy as np
 import pytest
 import yaml
 
@@ -11,7 +13,7 @@ from dsforge.problems import RecipeError, errors
 from dsforge.recipe import Topology, resolve, resolve_file, validate
 from dsforge.recipe.schema import (ClusterConfig, DataConfig, ModelConfig, MoEConfig, ParallelConfig,
                                    TrainConfig, ZeroConfig)
-from tests.conftest import BASE, make_recipe, rule_ids
+from tests.conftest import BASE, REPO, make_recipe, rule_ids
 
 MOE = ("model.preset=tiny-moe",)
 
@@ -348,3 +350,133 @@ def test_a_suggested_tp_also_clears_the_other_problems_about_tp():
                             "parallel.pp=4", "train.global_batch=64", world=32)
     assert {p.rule for p in problems} == {"P2", "T1"}
     assert all(p.fix.startswith("use parallel.tp in {1, 2, 4, 8}") for p in problems)
+
+
+# Issue 10, item 14: values without bounds hung `plan` (num_layers 10**30) or crashed every
+# rank (seed 2**62). Each: (overrides, rule, field).
+OUT_OF_BOUNDS = [
+    (["model.num_layers=10001"], "M1", "model.num_layers"),
+    (["model.num_layers=1000000000000000000"], "M1", "model.num_layers"),
+    (["model.hidden_size=1048577"], "M1", "model.hidden_size"),
+    (["model.ffn_hidden_size=1048577"], "M1", "model.ffn_hidden_size"),
+    (["model.num_attention_heads=65537"], "M1", "model.num_attention_heads"),
+    (["model.vocab_size=16777217"], "M1", "model.vocab_size"),
+    (["model.max_seq_len=4194305"], "M1", "model.max_seq_len"),
+    (["model.rotary_base=1000000000001"], "M1", "model.rotary_base"),
+    ([*MOE, "model.moe.num_experts=4097"], "M1", "model.moe.num_experts"),
+    ([*MOE, "model.moe.ffn_hidden_size=1048577"], "M1", "model.moe.ffn_hidden_size"),
+    (["train.seq_len=4194305"], "B2", "train.seq_len"),
+    (["train.global_batch=16777217"], "B2", "train.global_batch"),
+    (["train.micro_batch=16777217"], "B2", "train.micro_batch"),
+    (["train.steps=1000000001"], "R1", "train.steps"),
+    (["train.seed=4611686018427387904"], "R1", "train.seed"),
+    (["train.seed=4294967296"], "R1", "train.seed"),
+    (["train.seed=-1"], "R1", "train.seed"),
+    (["parallel.tp=262145"], "P3", "parallel.tp"),
+    (["parallel.dp=262145"], "P3", "parallel.dp"),
+    (["cluster.gpus_per_node=262145"], "C1", "cluster.gpus_per_node"),
+    (["data.source=\"a\\0b\""], "D1", "data.source"),
+]
+
+
+@pytest.mark.parametrize("overrides, rule, field", OUT_OF_BOUNDS,
+                         ids=[c[0][-1] for c in OUT_OF_BOUNDS])
+def test_values_beyond_dsforge_limits_are_rejected(overrides, rule, field):
+    with pytest.raises(RecipeError) as info:
+        make_recipe(*overrides)
+    assert any(p.rule == rule and field in p.fields for p in info.value.problems), info.value
+
+
+def test_the_limits_themselves_are_accepted():
+    recipe = make_recipe("train.seed=4294967295", "train.seed=0", "model.num_layers=10000",
+                         "train.steps=1000000000")
+    assert recipe.train.seed == 0 and recipe.model.num_layers == 10000
+
+
+def test_a_world_beyond_the_limit_is_rejected(base_file):
+    exc = _raised(base_file, [], world_size=2**18 + 1)
+    assert rule_ids(exc) == {"Y4"} and "at most 262,144" in str(exc)
+
+
+@pytest.mark.parametrize("overrides, world, rule", [
+    (("model.ffn_hidden_size=1048575", "parallel.tp=2", "train.global_batch=16"), 8, "T1"),
+    (("train.global_batch=16777215",), 8, "B2"),
+    (("train.global_batch=16777215", "train.micro_batch=null"), 8, "B2"),
+    (("model.num_layers=9999", "parallel.pp=2", "train.global_batch=16"), 8, "L1"),
+    (("parallel.tp=3",), 2**18, "P2"),
+])
+def test_suggestions_for_values_near_the_limits_come_quickly(overrides, world, rule):
+    start = time.monotonic()
+    problems = problems_for(*overrides, world=world)
+    assert rule in rule_ids(problems) and time.monotonic() - start < 20
+    assert all(problem.fix for problem in problems)
+
+
+def test_tp_groups_spanning_nodes_are_found_without_a_loop_over_ranks():
+    start = time.monotonic()
+    problems = problems_for("parallel.tp=2", world=2**18, node_slots=(1,) * 2**18)
+    assert "P4" in rule_ids(problems) and time.monotonic() - start < 20
+    spanning = [p for p in problems_for("parallel.tp=4", world=12, node_slots=(2, 4, 6))
+                if p.rule == "P4"]
+    assert spanning and spanning[0].message.startswith("2 tensor-parallel group(s)")
+
+
+# Issue 10, item 12: token files that do not match the recipe fail at validation, not in the
+# ranks after start-up.
+def _token_file(tmp_path, ids, dtype: str, name="tokens.bin") -> str:
+    path = tmp_path / name
+    np.asarray(ids).astype(np.dtype(dtype).newbyteorder("=")).tofile(path)
+    return str(path)
+
+
+IDS = np.random.default_rng(0).integers(1, 250, 5000)
+
+
+def _data_problems(source: str, *overrides: str) -> list:
+    return [p for p in problems_for(f"data.source={source}", *overrides) if p.rule.startswith("D")]
+
+
+def test_a_matching_token_file_passes(tmp_path):
+    assert not _data_problems(_token_file(tmp_path, IDS, "uint16"))
+    assert not _data_problems(_token_file(tmp_path, IDS, "uint32"), "data.token_dtype=uint32")
+    assert not _data_problems(str(REPO / "data" / "tempest.u16.bin"))
+
+
+def test_a_directory_is_not_a_token_file(tmp_path):
+    (problem,) = _data_problems(str(tmp_path))
+    assert problem.rule == "D2" and "is a directory" in problem.message
+
+
+def test_a_vocabulary_smaller_than_the_files_ids(tmp_path):
+    (problem,) = _data_problems(_token_file(tmp_path, IDS * 100, "uint16"))
+    assert problem.rule == "D3"
+    assert set(problem.fields) == {"data.source", "data.token_dtype", "model.vocab_size"}
+    assert f"at least {IDS.max() * 100 + 1}" in problem.fix
+
+
+def test_a_uint16_file_declared_uint32(tmp_path):
+    (problem,) = _data_problems(_token_file(tmp_path, IDS, "uint16"), "data.token_dtype=uint32")
+    assert problem.rule == "D4" and problem.fix == "set data.token_dtype: uint16"
+    odd = _token_file(tmp_path, IDS[:4999], "uint16", name="odd.bin")
+    (problem,) = _data_problems(odd, "data.token_dtype=uint32")
+    assert problem.rule == "D2" and "not a whole number of uint32 tokens" in problem.message
+
+
+def test_a_uint32_file_read_as_uint16_is_caught_by_its_zero_high_halves(tmp_path):
+    (problem,) = _data_problems(_token_file(tmp_path, IDS, "uint32"))
+    assert problem.rule == "D4" and problem.fix == "set data.token_dtype: uint32"
+    assert {"data.source", "data.token_dtype"} <= set(problem.fields)
+
+
+def test_large_32bit_vocabularies_read_as_uint16_are_caught_too(tmp_path):
+    ids = np.random.default_rng(1).integers(0, 128_000, 5000)
+    (problem,) = _data_problems(_token_file(tmp_path, ids, "uint32"), "model.vocab_size=128256")
+    assert problem.rule == "D4"
+    assert not _data_problems(_token_file(tmp_path, ids, "uint32", name="ok.bin"),
+                              "model.vocab_size=128256", "data.token_dtype=uint32")
+
+
+def test_a_large_file_is_checked_from_a_sample(tmp_path):
+    ids = np.random.default_rng(2).integers(1, 250, 3_000_000)
+    (problem,) = _data_problems(_token_file(tmp_path, ids, "uint32"))
+    assert problem.rule == "D4" and "in a sample of" in problem.message

@@ -1,0 +1,248 @@
+"""What a resume trusts before any rank starts (CK1-CK4): `latest`, the completion marker,
+who may have written the files, and whether every saved file is still there."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsforge.runtime import checkpoint
+from dsforge.runtime.checkpoint import (CheckpointError, check_complete, check_resumable,
+                                        check_safe_to_load, latest_complete)
+
+RECIPE = {"name": "t", "model": {"num_layers": 2}, "parallel": {"tp": 1}, "zero": {"stage": 1},
+          "train": {"steps": 6}, "data": {"source": "synthetic"}, "cluster": None}
+FILES = {"mp_rank_00_model_states.pt": 100, "zero_pp_rank_0_mp_rank_00_optim_states.pt": 300,
+         "zero_pp_rank_1_mp_rank_00_optim_states.pt": 300, "dsforge_rng_rank00000.pt": 20,
+         "dsforge_rng_rank00001.pt": 20}
+
+
+def _checkpoint(run_dir: Path, step: int = 3, files: dict[str, int] | None = FILES,
+                world_size: int = 2) -> Path:
+    """A run directory whose checkpoint `step` looks like dsforge saved it (2 ranks)."""
+    root = run_dir / "checkpoints"
+    tag = f"step{step:08d}"
+    (root / tag).mkdir(parents=True)
+    for name, size in (files or FILES).items():
+        (root / tag / name).write_bytes(b"x" * size)
+    record = {"step": step, "tag": tag, "world_size": world_size, "recipe": RECIPE}
+    if files is not None:
+        record["files"] = files
+    (root / tag / "dsforge_complete.json").write_text(json.dumps(record))
+    (root / "latest").write_text(tag)
+    return root
+
+
+def _refused(run_dir: Path) -> CheckpointError:
+    with pytest.raises(CheckpointError) as info:
+        check_resumable(run_dir, RECIPE, 2)
+    return info.value
+
+
+def test_a_complete_checkpoint_of_your_own_is_resumable(tmp_path):
+    _checkpoint(tmp_path)
+    assert check_resumable(tmp_path, RECIPE, 2)["step"] == 3
+
+
+@pytest.mark.parametrize("content", [
+    "../../other-run/checkpoints/step00000002",
+    "/abs/step00000002",
+    "step00000002/../step00000003",
+    "step3",
+    "",
+])
+def test_latest_must_be_a_plain_step_tag(tmp_path, content):
+    root = _checkpoint(tmp_path)
+    (root / "latest").write_text(content)
+    error = _refused(tmp_path)
+    assert error.problem.rule == "CK1" and "not the tag of a checkpoint" in str(error)
+    assert str(root / "latest") in str(error)
+
+
+def test_latest_pointing_outside_the_run_is_refused_even_when_the_target_is_complete(tmp_path):
+    """Issue 10: ../../other-run/checkpoints/step00000002 resumed someone else's run."""
+    _checkpoint(tmp_path / "other-run", step=2)
+    root = _checkpoint(tmp_path / "mine")
+    (root / "latest").write_text("../../other-run/checkpoints/step00000002")
+    assert _refused(tmp_path / "mine").problem.rule == "CK1"
+
+
+def test_a_binary_latest_is_a_clear_error(tmp_path):
+    root = _checkpoint(tmp_path)
+    (root / "latest").write_bytes(b"\x80\x00\xff" * 1000)
+    error = _refused(tmp_path)
+    assert error.problem.rule == "CK1" and len(str(error)) < 600
+
+
+def test_latest_naming_a_missing_directory(tmp_path):
+    root = _checkpoint(tmp_path)
+    (root / "latest").write_text("step00000009")
+    assert "names step00000009, which does not exist" in str(_refused(tmp_path))
+
+
+def test_latest_as_a_symlink_is_refused(tmp_path):
+    root = _checkpoint(tmp_path)
+    (root / "latest").unlink()
+    (root / "latest").symlink_to(root / "step00000003" / "dsforge_complete.json")
+    error = _refused(tmp_path)
+    assert error.problem.rule == "CK1" and "symbolic link" in str(error)
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"step": 3, "tag": "step00000003", "world_si', "not whole JSON"),
+    ("\xff\xfe", "not whole JSON"),
+    ("[1, 2]", "JSON object"),
+    ('{"step": 3, "tag": "step00000004", "world_size": 2, "recipe": {}}', "records tag"),
+    ('{"step": "3", "tag": "step00000003", "world_size": 2, "recipe": {}}', "records step"),
+    ('{"step": 3, "tag": "step00000003", "world_size": 2, "recipe": {"model": 1}}', "recipe"),
+    ('{"step": 3, "tag": "step00000003", "world_size": 2, "recipe": {}, '
+     '"files": {"../../etc/passwd": 1}}', "relative paths"),
+])
+def test_a_truncated_or_damaged_marker_is_a_clear_error(tmp_path, text, why):
+    root = _checkpoint(tmp_path)
+    (root / "step00000003" / "dsforge_complete.json").write_bytes(text.encode("latin-1"))
+    error = _refused(tmp_path)
+    assert error.problem.rule == "CK3" and why in str(error)
+
+
+def test_a_missing_marker_says_the_save_never_finished(tmp_path):
+    root = _checkpoint(tmp_path)
+    (root / "step00000003" / "dsforge_complete.json").unlink()
+    assert "whose save never finished" in str(_refused(tmp_path))
+
+
+def test_nothing_published_is_none(tmp_path):
+    assert latest_complete(tmp_path / "checkpoints") is None
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "empty"])
+def test_a_missing_or_truncated_optimizer_shard_is_found_before_any_rank_starts(tmp_path, damage):
+    root = _checkpoint(tmp_path)
+    shard = root / "step00000003" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(b"x" * (0 if damage == "empty" else 150))
+    error = _refused(tmp_path)
+    assert error.problem.rule == "CK4" and shard.name in str(error)
+
+
+def test_a_marker_without_a_file_list_needs_an_rng_file_per_rank_and_no_empty_file(tmp_path):
+    root = _checkpoint(tmp_path, files=None)
+    record = latest_complete(root)
+    check_complete(root, record)
+    (root / "step00000003" / "dsforge_rng_rank00001.pt").unlink()
+    with pytest.raises(CheckpointError, match="dsforge_rng_rank00001.pt .missing."):
+        check_complete(root, record)
+    (root / "step00000003" / "dsforge_rng_rank00001.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty"):
+        check_complete(root, record)
+
+
+def test_world_writable_files_are_refused(tmp_path):
+    root = _checkpoint(tmp_path)
+    os.chmod(root / "step00000003" / "mp_rank_00_model_states.pt", 0o666)
+    error = _refused(tmp_path)
+    assert error.problem.rule == "CK2" and "writable by every user" in str(error)
+
+
+def test_world_writable_latest_is_refused(tmp_path):
+    root = _checkpoint(tmp_path)
+    os.chmod(root / "latest", 0o666)
+    assert "writable by every user" in str(_refused(tmp_path))
+
+
+def test_group_writable_files_are_refused_unless_the_group_is_yours_alone(tmp_path, monkeypatch):
+    root = _checkpoint(tmp_path)
+    os.chmod(root / "step00000003" / "mp_rank_00_model_states.pt", 0o664)
+    monkeypatch.setattr(checkpoint, "_private_group", lambda gid, uid: False)
+    error = _refused(tmp_path)
+    assert error.problem.rule == "CK2" and "writable by group" in str(error)
+    assert "chmod -R g-w" in str(error)
+    monkeypatch.setattr(checkpoint, "_private_group", lambda gid, uid: True)
+    check_resumable(tmp_path, RECIPE, 2)
+
+
+class _Account:
+    def __init__(self, name, uid, gid, members=()):
+        self.pw_name, self.pw_uid, self.pw_gid = name, uid, gid
+        self.gr_name, self.gr_mem = name, list(members)
+
+
+@pytest.mark.parametrize("group_members, others_primary_gid, gid, private", [
+    ((), 2000, 1000, True),  # user-private group (umask 002 makes files group-writable)
+    (("bob",), 2000, 1000, False),  # bob is a member
+    ((), 1000, 1000, False),  # bob's primary group too
+    ((), 2000, 2000, False),  # not the user's primary group
+])
+def test_private_group(monkeypatch, group_members, others_primary_gid, gid, private):
+    alice = _Account("alice", 1000, 1000)
+    bob = _Account("bob", 1001, others_primary_gid)
+    monkeypatch.setattr(checkpoint.pwd, "getpwuid", lambda uid: {1000: alice, 1001: bob}[uid])
+    monkeypatch.setattr(checkpoint.pwd, "getpwall", lambda: [alice, bob])
+    monkeypatch.setattr(checkpoint.grp, "getgrgid", lambda g: _Account("g", 0, g, group_members))
+    checkpoint._private_group.cache_clear()
+    try:
+        assert checkpoint._private_group(gid, 1000) is private
+    finally:
+        checkpoint._private_group.cache_clear()
+
+
+def test_an_unknown_group_is_not_private():
+    checkpoint._private_group.cache_clear()
+    assert not checkpoint._private_group(987654, os.getuid())
+
+
+def test_a_symlink_is_called_a_symlink(tmp_path):
+    root = _checkpoint(tmp_path)
+    shard = root / "step00000003" / "mp_rank_00_model_states.pt"
+    target = tmp_path / "elsewhere.pt"
+    shard.rename(target)
+    shard.symlink_to(target)
+    error = _refused(tmp_path)
+    assert "symbolic link" in str(error) and "writable by every user" not in str(error)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="changing a file's owner needs root")
+def test_a_file_of_another_user_is_refused(tmp_path):
+    root = _checkpoint(tmp_path)
+    os.chown(root / "step00000003" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", 4242, 4242)
+    assert "belongs to uid 4242" in str(_refused(tmp_path))
+
+
+def test_load_checks_before_unpickling(tmp_path):
+    root = _checkpoint(tmp_path)
+    (root / "step00000003" / "dsforge_rng_rank00001.pt").unlink()
+
+    class NeverLoads:
+        def load_checkpoint(self, *args, **kwargs):
+            raise AssertionError("unpickled an incomplete checkpoint")
+
+    with pytest.raises(CheckpointError, match="CK4"):
+        checkpoint.load(NeverLoads(), root, "step00000003", rank=0)
+    check_safe_to_load(root, "step00000003")  # the files that are there are safe
+
+
+def test_save_records_every_file_and_its_size(tmp_path, monkeypatch):
+    """The marker lists what every rank wrote (listed by rank 0 after the barrier)."""
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
+
+    class Engine:
+        module = torch.nn.Linear(2, 2)
+
+        def save_checkpoint(self, root, tag, client_state, save_latest):
+            (Path(root) / tag).mkdir(parents=True)
+            for name, size in FILES.items():
+                if "rng" not in name:
+                    (Path(root) / tag / name).write_bytes(b"x" * size)
+
+    root = tmp_path / "checkpoints"
+    checkpoint.save(Engine(), root, step=3, recipe=RECIPE, world_size=1, rank=0)
+    record = latest_complete(root)
+    assert set(record["files"]) == {n for n in FILES if "rng" not in n} | {"dsforge_rng_rank00000.pt"}
+    assert record["files"]["zero_pp_rank_1_mp_rank_00_optim_states.pt"] == 300
+    check_complete(root, record)
