@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dsforge.problems import Checks, Problem, RecipeError
-from dsforge.recipe.loader import build_dataclass, dump_recipe, load_recipe, parse_yaml
+from dsforge.recipe.loader import build_dataclass, dump_recipe, load_recipe, read_yaml
 
 # Rules of the strict loader (docs/validation.md): a field's name, type or choice, the YAML
 # itself. They depend on one field at a time, so an axis value that breaks one breaks every
@@ -102,7 +102,7 @@ class Cell:
 def load_study(path: str | Path) -> tuple[Study, Path]:
     """The study and the path of its base recipe (relative to the study file)."""
     path = Path(path)
-    raw = parse_yaml(path.read_text(), source=str(path))
+    raw = read_yaml(path, what="study")
     raw.setdefault("name", path.stem)
     study = build_dataclass(Study, raw)
     if study.hostfile:  # relative to the study file, like the recipe

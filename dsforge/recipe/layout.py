@@ -6,6 +6,9 @@ Pure functions shared by `validate` (which reports when they do not come out who
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 from dataclasses import dataclass
 
 from dsforge.recipe.schema import Recipe
@@ -17,15 +20,18 @@ class Topology:
     node_slots: tuple[int, ...] | None = None  # ranks per node in rank order; None = unknown
     source: str = ""  # the recipe field or option the world size came from
 
+    @functools.cached_property
+    def _node_ends(self) -> list[int]:
+        """For each node, the first rank of the next one (a plain dict write: frozen allows it)."""
+        return list(itertools.accumulate(self.node_slots))
+
     def node_of(self, rank: int) -> int | None:
         if self.node_slots is None:
             return None
-        first = 0
-        for node, slots in enumerate(self.node_slots):
-            if rank < first + slots:
-                return node
-            first += slots
-        raise ValueError(f"rank {rank} is outside a world of {sum(self.node_slots)}")
+        ends = self._node_ends
+        if not 0 <= rank < ends[-1]:
+            raise ValueError(f"rank {rank} is outside a world of {ends[-1]}")
+        return bisect.bisect_right(ends, rank)
 
 
 def data_parallel_size(recipe: Recipe, world_size: int) -> int | None:

@@ -69,7 +69,8 @@ def shrink(recipe: Recipe, grad_accum: int) -> Recipe:
     data = recipe.data
     if recipe.model.vocab_size > TINY_MAX_VOCAB:
         data = dataclasses.replace(data, source="synthetic")
-    return dataclasses.replace(recipe, name=f"{recipe.name}-tiny", model=model, train=train,
+    # Names become directory names (at most 100 characters, rule N1): room for the suffixes.
+    return dataclasses.replace(recipe, name=f"{recipe.name[:80]}-tiny", model=model, train=train,
                                data=data)
 
 

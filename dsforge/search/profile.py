@@ -126,7 +126,7 @@ def read_profile(path: Path) -> ProfileFile:
         raise RecipeError([Problem(rule="S1", fields={"--profile": str(path)}, message="file not found",
                                    fix="check the path (docs/search.md shows a profile)")])
     try:
-        return build_dataclass(ProfileFile, read_yaml(path))
+        return build_dataclass(ProfileFile, read_yaml(path, what="profile"))
     except RecipeError as exc:
         raise RecipeError(dataclasses.replace(p, fields={f"{path}: {k}": v for k, v in p.fields.items()})
                           for p in exc.problems) from None
