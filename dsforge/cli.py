@@ -189,6 +189,12 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     _print_warnings(resolved.warnings)
     if hostfile is None and not skip_fit_check:
         _fit_or_exit(_command_words(recipe, overrides, world_size), resolved, device, tiny)
+    placement = Placement(world_size=resolved.layout.world_size, hostfile=hostfile,
+                          launcher=launcher, include=include, exclude=exclude,
+                          master_addr=master_addr, master_port=master_port or free_port(),
+                          node_rank=node_rank)
+    _exit_if_problems("launch", remote_shell_problems(placement, cwd=os.getcwd(),
+                                                      python=sys.executable))
     # With --no-ssh every node starts its own dsforge; nodes after the first join the run
     # directory the first one made (it may already hold their peers' files).
     joining = node_rank is not None and node_rank > 0
@@ -197,12 +203,6 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
                   device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
                   env=_forwarded_env(), owner=current_owner())
-    placement = Placement(world_size=resolved.layout.world_size, hostfile=hostfile,
-                          launcher=launcher, include=include, exclude=exclude,
-                          master_addr=master_addr, master_port=master_port or free_port(),
-                          node_rank=node_rank)
-    _exit_if_problems("launch", remote_shell_problems(placement, cwd=os.getcwd(),
-                                                      python=sys.executable))
     command = launch_command(placement, job)
     if hostfile and node_rank is None and launcher in ("pdsh", "openmpi", "mvapich") and not dry_run:
         _preflight_or_exit(recipe, hostfile, include, exclude, placement.master_port,
