@@ -99,8 +99,11 @@ def read_record(prefix: str | Path) -> tuple[TokenizerIdentity, dict[str, Any]] 
     except (OSError, ValueError) as exc:
         raise DataError("PREFIX", str(prefix), f"{path} cannot be read ({exc})",
                         "prepare the dataset again with `dsforge data prepare`") from None
-    if not is_record(data) or data.get("version") != RECORD_VERSION:
-        raise DataError("PREFIX", str(prefix), f"{path} is not a dsforge dataset record "
-                        f"(format {RECORD_FORMAT!r} version {RECORD_VERSION})",
-                        "prepare the dataset again with `dsforge data prepare`, or remove the file")
-    return TokenizerIdentity.from_dict(data["tokenizer"]), data.get("dataset", {})
+    try:
+        if is_record(data) and data.get("version") == RECORD_VERSION:
+            return TokenizerIdentity.from_dict(data["tokenizer"]), data.get("dataset", {})
+    except (KeyError, TypeError):
+        pass
+    raise DataError("PREFIX", str(prefix), f"{path} is not a dsforge dataset record "
+                    f"(format {RECORD_FORMAT!r} version {RECORD_VERSION})",
+                    "prepare the dataset again with `dsforge data prepare`, or remove the file")

@@ -163,6 +163,21 @@ def test_plain_text_is_one_document_in_pieces_cut_after_newlines(tmp_path):
     assert [e for _, _, e in pieces] == [False] * (len(pieces) - 1) + [True]
 
 
+def test_a_long_text_file_is_one_document_of_several_sequences(bpe_tokenizer, tmp_path):
+    result = prepare([str(TEMPEST), str(write_jsonl(tmp_path / "d.jsonl", ["after"]))],
+                     tokenizer=str(bpe_tokenizer), output=tmp_path / "t", workers=2,
+                     piece_bytes=8192, batch_bytes=4096)
+    dataset = megatron_indexed_dataset().IndexedDataset(str(result.prefix))
+    assert (result.documents, len(dataset.document_indices) - 1) == (2, 2)
+    assert result.sequences == len(dataset) > 10
+    tokenizer = load_tokenizer(str(bpe_tokenizer))
+    pieces = [t for b in batches(expand_inputs([str(TEMPEST)]), piece_bytes=8192)
+              for t in b.texts("text")]
+    play, after = documents(result.prefix)
+    assert play == [i for ids in tokenizer.encode(pieces) for i in ids] + [0]  # one EOD, last
+    assert after == list(tokenizer.encode(["after"])[0]) + [0]
+
+
 # ---------------------------------------------------------------------------- the format
 
 def test_prepared_files_are_read_by_megatron_core(bpe_tokenizer, tmp_path):
@@ -222,6 +237,15 @@ def test_a_vocabulary_of_65500_or_more_is_written_as_int32(tmp_path):
 
 def test_open_dataset_refuses_incomplete_or_mismatched_files(tmp_path):
     result = prepare([str(TEMPEST)], tokenizer="bytes", output=tmp_path / "t", workers=0)
+    record = Path(f"{result.prefix}.tokenizer.json")
+    good = record.read_text()
+    record.write_text(good.replace('"tokens": ', '"tokens": 1'))
+    with pytest.raises(DataError, match="the record belongs to other files"):
+        open_dataset(result.prefix)
+    record.write_text("{}")
+    with pytest.raises(DataError, match="is not a dsforge dataset record"):
+        open_dataset(result.prefix)
+    record.write_text(good)
     bin_path = Path(f"{result.prefix}.bin")
     with open(bin_path, "r+b") as f:
         f.truncate(bin_path.stat().st_size - 2)
@@ -264,8 +288,13 @@ def test_a_failure_midway_leaves_nothing_that_looks_finished(fault, raised, bpe_
     assert multiprocessing.active_children() == []  # the pool was ended
 
 
-def test_ctrl_c_stops_the_command_and_its_workers_and_removes_partial_files(tmp_path):
-    """A real SIGINT to the process group (as a terminal sends it) while a worker is busy."""
+@pytest.mark.parametrize("number, group, code", [(signal.SIGINT, True, 130),
+                                                 (signal.SIGTERM, False, 143)],
+                         ids=["ctrl-c-to-the-group", "sigterm"])
+def test_a_stopped_command_ends_its_workers_and_removes_partial_files(number, group, code,
+                                                                      tmp_path):
+    """A real Ctrl-C to the process group (as a terminal sends it), or `kill PID`, while a
+    worker is busy."""
     corpus = tempest_jsonl(tmp_path / "tempest.jsonl")
     out, marker = tmp_path / "out", uuid.uuid4().hex
     env = dict(os.environ, **{FAULT_ENV: "hang:0", "DSFORGE_TEST_MARK": marker})
@@ -279,13 +308,13 @@ def test_ctrl_c_stops_the_command_and_its_workers_and_removes_partial_files(tmp_
             assert process.poll() is None, process.communicate()
             time.sleep(0.2)
         time.sleep(1.0)  # the pool is running and batch 0 hangs in a worker
-        os.killpg(process.pid, signal.SIGINT)
+        (os.killpg if group else os.kill)(process.pid, number)
         _, stderr = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 130, stderr
-    assert "stopped by SIGINT" in stderr and "Traceback" not in stderr
+    assert process.returncode == code, stderr
+    assert f"stopped by {signal.Signals(number).name}" in stderr and "Traceback" not in stderr
     assert leftovers(out) == []
     assert _processes_marked(marker) == []
 
