@@ -1,0 +1,504 @@
+#!/usr/bin/env python3
+"""The dsforge GPU kit's driver (benchmarks/gpu/README.md).
+
+    python3 benchmarks/gpu/kit.py [--dry-run] [--out DIR] [--gpu KEY] [--budget S] MEASUREMENT...
+    python3 benchmarks/gpu/kit.py --list            # measurements, calls, estimated durations
+    python3 benchmarks/gpu/kit.py --check-wheels    # what build_kit.sh built
+
+MEASUREMENT is a name from kit_plan.MEASUREMENTS, `callN` (one device-tool call's worth) or
+`all`. On the GPU machine (run.sh calls this) the steps run one after another from the
+repository root: install the carried wheels, check the environment, then the measurements, each
+within what is left of the call's budget (a step that no longer fits is skipped and says so).
+Everything lands in --out (the device tool's $OUT; at most 8 files come back): table.md,
+results.json, kit.log, kit-files.tar.gz (logs, run directories' small files, bench databases
+and reports) and torch_extensions.tar.gz when DeepSpeed built ops (carry it to the next call).
+The table is printed last.
+
+--dry-run needs no GPU: it checks the wheels and pins, every recipe and study the measurements
+use (valid for one GPU, fitting the H100 and H200 by dsforge's memory model), the calls'
+durations against the budget, prints the exact commands, and renders the table from invented
+inputs (GEMMs measured on the CPU at tiny shapes). Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+KIT = Path(__file__).resolve().parent
+REPO = KIT.parents[1]
+for _path in (str(KIT), str(REPO)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import kit_plan
+import kit_results
+import kit_wheels
+from kit_plan import CALL_BUDGET_S, CALLS, MEASUREMENTS, PLANNED_GPUS, Context, Step
+
+GiB = 1024**3
+DEFAULT_WORK = Path("/tmp/dsforge-gpu-kit")
+EXTENSION_CACHE = kit_wheels.WHEELS / "cache" / "torch_extensions.tar.gz"
+ARCHIVE_FILE_LIMIT = 4 * 1024**2  # larger files stay out of kit-files.tar.gz
+RETURN_FILE_LIMIT = 16 * 1024**2  # the device tool's limit per returned file
+SAMPLED = ("pytest", "run", "bench")  # steps whose peak GPU memory nvidia-smi records
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kit.py", description=__doc__.splitlines()[0])
+    parser.add_argument("measurements", nargs="*", metavar="MEASUREMENT")
+    parser.add_argument("--dry-run", action="store_true", help="check and print; no GPU needed")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or DEFAULT_WORK / "out"))
+    parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="scratch folder")
+    parser.add_argument("--gpu", choices=PLANNED_GPUS, help="plan for this GPU [detected; "
+                                                            "h100 in a dry run]")
+    parser.add_argument("--budget", type=float, default=CALL_BUDGET_S,
+                        help="seconds this call may take before steps are skipped")
+    parser.add_argument("--wheels", type=Path, default=kit_wheels.WHEELS)
+    parser.add_argument("--imports", action="store_true",
+                        help="dry run: also import dsforge's runtime (deepspeed, megatron-core) "
+                             "and check every distribution it loads is carried or in the image")
+    parser.add_argument("--list", action="store_true", help="list the measurements and calls")
+    parser.add_argument("--check-wheels", action="store_true", help="check the wheels folder")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        print("\n".join(list_lines()))
+        return 0
+    if args.check_wheels:
+        lines, problems = wheel_check(args.wheels)
+        print("\n".join(lines))
+        return 1 if problems else 0
+    try:
+        measurements = kit_plan.select(args.measurements)
+    except ValueError as exc:
+        print(f"kit.py: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        return dry_run(measurements, args)
+    return execute(measurements, args)
+
+
+def list_lines() -> list[str]:
+    lines = []
+    for call, names in CALLS.items():
+        seconds = "; ".join(f"~{kit_plan.call_seconds(call, g) / 60:.1f} min on {g}" for g in PLANNED_GPUS)
+        lines.append(f"call{call} ({seconds}): {' '.join(names)}")
+        lines += [f"  {n}: {MEASUREMENTS[n].about}" for n in names]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Dry run
+
+
+def wheel_check(folder: Path, with_tree: bool = True) -> tuple[list[str], list[str]]:
+    """Lines to print and the problems: pins against setup.cfg, the folder's wheels (absent is
+    'not built', not a problem), their requirements, the size that travels."""
+    pins = kit_wheels.read_pins()
+    problems = kit_wheels.pin_problems(pins, kit_wheels.setup_requirements())
+    report = kit_wheels.check_wheels(folder, kit_wheels.expected_wheels(pins))
+    if report.state == "incomplete":
+        problems += report.problems
+    elif report.state == "complete":
+        problems += kit_wheels.requirement_problems(folder)
+    resolver = _resolver_lines(folder, problems) if report.state == "complete" else []
+    tree = kit_wheels.tree_bytes() if with_tree else None
+    if tree is not None and tree + report.bytes > kit_wheels.TREE_LIMIT_BYTES:
+        problems.append("the working tree and the wheels exceed the device tool's 64 MiB")
+    lines = kit_wheels.wheel_lines(report, pins, tree) + resolver
+    lines.append("pins: " + ("match setup.cfg" if not kit_wheels.pin_problems(
+        pins, kit_wheels.setup_requirements()) else "DO NOT match setup.cfg"))
+    lines += [f"  problem: {p}" for p in problems]
+    return lines, problems
+
+
+def _resolver_lines(folder: Path, problems: list[str]) -> list[str]:
+    """pip's resolver on the install step, where a Python 3.12 is found here."""
+    python312 = kit_wheels.find_python312()
+    if python312 is None:
+        return ["  pip resolver: not tried (no Python 3.12 here; set KIT_PYTHON312)"]
+    ok, tail = kit_wheels.resolve_install(folder, kit_plan.install_requirements(), python312)
+    if not ok:
+        problems.append(f"pip cannot install the kit from {folder}: {tail}")
+    return ["  pip resolver (Python 3.12 venv, the image's packages as stand-ins): "
+            + ("ok: " + tail.splitlines()[-1] if ok else "FAILS")]
+
+
+def spec_check() -> tuple[list[str], list[str]]:
+    """Every run of every measurement on each planned GPU: valid for one GPU, and fitting
+    where it is planned (a planned run that does not fit is a problem: the kit would skip it)."""
+    lines, problems = ["runs (world size 1; memory by dsforge's model, as dsforge plan --json):"], []
+    for m in MEASUREMENTS.values():
+        for spec in m.runs:
+            for gpu in PLANNED_GPUS:
+                line, problem = _run_verdict(spec, gpu)
+                lines.append(f"  {m.name:7} {spec.label:26} {gpu}: {line}")
+                problems += [problem] if problem else []
+    study_lines, study_problems = study_check()
+    return lines + study_lines, problems + study_problems
+
+
+def _run_verdict(spec: kit_plan.RunSpec, gpu: str) -> tuple[str, str | None]:
+    from dsforge.problems import RecipeError
+
+    try:
+        resolved = kit_plan.resolve_run(spec, gpu)
+    except RecipeError as exc:
+        return "INVALID", f"{spec.label} ({spec.recipe}): " + "; ".join(map(str, exc.problems))
+    total = kit_plan.prediction(resolved)["memory_bytes"]["total"]
+    note = kit_plan.fit_note(resolved, gpu)
+    if gpu not in spec.gpus:
+        return f"{total / GiB:6.1f} GiB, not planned on this GPU", None
+    if note:
+        return f"{total / GiB:6.1f} GiB, DOES NOT FIT", f"{spec.label} on {gpu}: {note}"
+    return f"{total / GiB:6.1f} GiB, fits, runs", None
+
+
+def study_check() -> tuple[list[str], list[str]]:
+    from dsforge.bench.study import check_study, expand, load_study, study_identity
+    from dsforge.problems import RecipeError
+    from dsforge.recipe import resolve_file
+
+    lines, problems = ["studies (as dsforge bench checks them; memory by dsforge's model):"], []
+    for m in MEASUREMENTS.values():
+        for spec in m.studies:
+            try:
+                study, recipe = load_study(REPO / spec.study)
+                found = check_study(study, recipe)
+                cells = expand(study, base=study_identity(study, recipe)) if not found else []
+            except RecipeError as exc:
+                found, cells = list(exc.problems), []
+            problems += [f"{spec.study}: {p}" for p in found]
+            for cell in cells:
+                resolved = resolve_file(recipe, cell.overrides, world_size=study.world_size)
+                total = kit_plan.prediction(resolved)["memory_bytes"]["total"]
+                fits = {g: kit_plan.fit_note(resolved, g) is None for g in PLANNED_GPUS}
+                problems += [f"{spec.study} {cell.axes} does not fit {g}" for g, ok in fits.items() if not ok]
+                lines.append(f"  {spec.label} {cell.axes}: {total / GiB:.1f} GiB, fits "
+                             + ", ".join(g for g, ok in fits.items() if ok))
+    return lines, problems
+
+
+def call_check() -> tuple[list[str], list[str]]:
+    lines, problems = [f"calls (estimates; each within {CALL_BUDGET_S:.0f} s of the 600 s limit):"], []
+    for call in CALLS:
+        for gpu in PLANNED_GPUS:
+            seconds = kit_plan.call_seconds(call, gpu)
+            lines.append(f"  call{call} on {gpu}: ~{seconds:.0f} s")
+            if seconds > CALL_BUDGET_S:
+                problems.append(f"call{call} on {gpu}: ~{seconds:.0f} s > {CALL_BUDGET_S:.0f} s")
+    total = {g: sum(kit_plan.call_seconds(c, g) for c in CALLS) for g in PLANNED_GPUS}
+    lines.append("  all calls: " + ", ".join(f"~{s / 60:.1f} min on {g}" for g, s in total.items())
+                 + " (plus each call's machine start)")
+    return lines, problems
+
+
+def import_check() -> tuple[list[str], list[str]]:
+    found = kit_wheels.imported_distributions()
+    problems = kit_wheels.import_problems(found, kit_wheels.read_pins())
+    lines = [f"imports: dsforge's runtime loads {len(found)} distributions; "
+             + ("each is carried or in the GPU image" if not problems else "SOME ARE MISSING")]
+    return lines + [f"  problem: {p}" for p in problems], problems
+
+
+def command_lines(steps: list[Step]) -> list[str]:
+    lines = []
+    for s in steps:
+        head = f"# {s.name} ({s.kind}; ~{s.expected_s:.0f} s, limit {s.timeout_s:.0f} s)"
+        if s.kind == "skip":
+            lines.append(f"# {s.name}: skipped: {s.note}")
+        elif s.kind == "plan":
+            lines += [f"# {s.name}: {s.note}; equivalent to", shlex.join(s.argv)]
+        else:
+            lines += [head + (f"; {s.note}" if s.note else ""), shlex.join(s.argv)]
+    return lines
+
+
+def fake_table(steps: list[Step], gpu: str, selected: list[str]) -> str:
+    """The table from invented run/test/study inputs, this CPU's environment and GEMMs measured
+    on the CPU at tiny shapes."""
+    import gemm
+    import probe_env
+
+    with tempfile.TemporaryDirectory(prefix="dsforge-kit-dry-") as tmp:
+        work = Path(tmp)
+        records = kit_results.write_fake_inputs(steps, work, gpu)
+        records.update({s.name: {"status": "fake", "seconds": s.expected_s} for s in steps
+                        if s.kind in ("install", "env")})
+        facts = probe_env.collect(quick=True)
+        (work / "env.json").write_text(json.dumps(facts))
+        if "gemm" in selected:
+            measured = gemm.run(list(kit_plan.gemm_recipes()), gpu, tiny=True, reps=2, warmup=1)
+            (work / "gemm.json").write_text(json.dumps(measured))
+        return kit_results.render(kit_results.collect(steps, records, work, gpu), fake=True)
+
+
+def dry_run(measurements: list[kit_plan.Measurement], args: argparse.Namespace) -> int:
+    gpu = args.gpu or "h100"
+    names = [m.name for m in measurements]
+    print(f"dsforge GPU kit: dry run for {gpu} ({' '.join(names)}); no GPU is used and nothing "
+          "is measured")
+    problems = []
+    checks = [lambda: wheel_check(args.wheels), spec_check, call_check]
+    checks += [import_check] if args.imports else []
+    for check in checks:
+        lines, found = check()
+        print("\n".join(lines))
+        problems += found
+    ctx = Context(gpu=gpu, python="python3", work=args.work)
+    steps = kit_plan.steps(measurements, ctx)
+    print(f"commands on the {gpu} machine, from the repository root "
+          f"(~{sum(s.expected_s for s in steps):.0f} s):")
+    print("\n".join(command_lines(steps)))
+    print(fake_table(steps, gpu, names))
+    print(f"dry run: {len(problems)} problem(s)" if problems else "dry run: ok")
+    return 1 if problems else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU machine
+
+
+class Log:
+    """Prints and keeps a copy in OUT/kit.log."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, text: str) -> None:
+        print(text, flush=True)
+        with self.path.open("a") as f:
+            f.write(text + "\n")
+
+
+class SmiSampler:
+    """The peak of nvidia-smi's memory.used while a step runs (every 200 ms): the job's
+    reserved memory plus its CUDA context and NCCL buffers, next to dsforge's
+    max_memory_allocated. Read-only: it changes nothing on the card."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and shutil.which("nvidia-smi") is not None
+        self.peak_mib: int | None = None
+        self.proc = self.thread = None
+
+    def __enter__(self) -> SmiSampler:
+        if self.enabled:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used",
+                                          "--format=csv,noheader,nounits", "-lms", "200"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.thread = threading.Thread(target=self._read, daemon=True)
+            self.thread.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.strip().isdigit():
+                self.peak_mib = max(self.peak_mib or 0, int(line.strip()))
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.thread.join(timeout=5)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return None if self.peak_mib is None else self.peak_mib * 1024**2
+
+
+def detect_gpu(log: Log) -> str:
+    from dsforge.estimate.hardware import gpu_for_device_name
+
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip() if shutil.which("nvidia-smi") else ""
+    gpu = gpu_for_device_name(out.splitlines()[0]) if out else None
+    if gpu is not None and gpu.key in PLANNED_GPUS:
+        return gpu.key
+    log(f"kit: GPU {out or '(none found)'!r} is not one the kit plans for; planning as h100")
+    return "h100"
+
+
+def step_environment(work: Path) -> dict[str, str]:
+    """The working tree's dsforge first on the path (for the ranks DeepSpeed starts too),
+    unbuffered output, DeepSpeed's JIT builds in the work folder."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(PYTHONUNBUFFERED="1", TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"),
+               DSFORGE_RUNS=str(work / "runs"))
+    return env
+
+
+def installed(step: Step) -> bool:
+    """Are the versions the install step names already installed?"""
+    from importlib.metadata import PackageNotFoundError, version
+
+    wanted = [a.split("==") for a in step.argv if "==" in a]
+    try:
+        return all(version(name) == pinned for name, pinned in wanted)
+    except PackageNotFoundError:
+        return False
+
+
+def run_command(argv: tuple[str, ...], log_path: Path, env: dict, timeout: float) -> int:
+    """The command in its own process group, output to `log_path`; 124 after `timeout` (its
+    group gets SIGTERM - dsforge then stops its job - and SIGKILL 30 s later)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            return proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+            return 124
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_plan(step: Step, ctx: Context) -> dict:
+    """`dsforge plan --json` for the run, computed in this process (megatron-core imported
+    once, not once per run)."""
+    from dsforge.plan import build_plan
+
+    try:
+        plan = build_plan(kit_plan.resolve_run(step.spec, ctx.gpu), device="cuda")
+    except Exception as exc:  # recorded, and the run still goes ahead
+        return {"status": "failed", "note": f"{type(exc).__name__}: {exc}"}
+    path = ctx.work / "plans" / f"{step.spec.label}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=2) + "\n")
+    return {"status": "ok"}
+
+
+def run_step(step: Step, ctx: Context, env: dict, deadline: float, log: Log) -> dict:
+    if step.kind == "skip":
+        return {"status": "skipped", "note": step.note}
+    if step.kind == "install" and installed(step):
+        return {"status": "ok", "note": "already installed"}
+    if step.kind == "plan":
+        return run_plan(step, ctx)
+    left = deadline - time.monotonic()
+    if left < step.expected_s:
+        return {"status": "skipped", "note": f"not enough time left in this call (~{step.expected_s:.0f} s "
+                                             f"needed, {left:.0f} s left)"}
+    if step.kind == "run":  # an earlier call's run on this machine: dsforge wants it empty
+        shutil.rmtree(ctx.work / "runs" / step.spec.label, ignore_errors=True)
+    log_path = ctx.work / "logs" / f"{step.name}.log"
+    started = time.monotonic()
+    with SmiSampler(step.kind in SAMPLED) as smi:
+        code = run_command(step.argv, log_path, env, min(step.timeout_s, left))
+    record = {"status": "ok" if code == 0 else "timeout" if code == 124 else f"failed ({code})",
+              "seconds": time.monotonic() - started, "returncode": code,
+              "smi_peak_bytes": smi.peak_bytes}
+    if code != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        log("\n".join(f"    | {line}" for line in tail))
+    return record
+
+
+def restore_extension_cache(work: Path, log: Log) -> None:
+    """A carried build of DeepSpeed's ops (an earlier call's torch_extensions.tar.gz), with
+    every file made newer than the sources just installed so ninja keeps them."""
+    if not EXTENSION_CACHE.is_file():
+        return
+    target = work / "torch_extensions"
+    target.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(EXTENSION_CACHE) as archive:
+        archive.extractall(target, filter="data")
+    now = time.time()
+    for path in target.rglob("*"):
+        os.utime(path, (now, now))
+    log(f"kit: restored DeepSpeed's op builds from {EXTENSION_CACHE.relative_to(REPO)}")
+
+
+def write_outputs(steps: list[Step], records: dict, ctx: Context, out: Path) -> str:
+    """results.json, table.md and kit-files.tar.gz in OUT (rewritten after every step, so a
+    call cut short still returns what it measured); returns the table."""
+    result = kit_results.collect(steps, records, ctx.work, ctx.gpu)
+    table = kit_results.render(result)
+    (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / "table.md").write_text(table)
+    archive_work(ctx.work, out / "kit-files.tar.gz")
+    return table
+
+
+def archive_work(work: Path, target: Path) -> None:
+    skip_dirs = {"torch_extensions", "checkpoints", "out"}
+    partial = target.with_suffix(".partial")
+    with tarfile.open(partial, "w:gz") as archive:
+        for path in sorted(work.rglob("*")):
+            inside = path.relative_to(work)
+            if path.is_file() and not skip_dirs & set(inside.parts) and \
+                    path.stat().st_size <= ARCHIVE_FILE_LIMIT:
+                archive.add(path, arcname=str(inside))
+    partial.replace(target)
+
+
+def save_extension_cache(work: Path, out: Path, log: Log) -> None:
+    built = work / "torch_extensions"
+    if not any(built.rglob("*.so")):
+        return
+    target = out / "torch_extensions.tar.gz"
+    with tarfile.open(target, "w:gz") as archive:
+        archive.add(built, arcname=".")
+    if target.stat().st_size > RETURN_FILE_LIMIT:
+        target.unlink()
+        log("kit: DeepSpeed's op builds are over 16 MiB; not returned")
+
+
+def execute(measurements: list[kit_plan.Measurement], args: argparse.Namespace) -> int:
+    start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    log = Log(args.out / "kit.log")
+    ctx = Context(gpu=args.gpu or detect_gpu(log), python=sys.executable, work=args.work)
+    steps = kit_plan.steps(measurements, ctx)
+    env, records = step_environment(args.work), {}
+    log(f"kit: {len(steps)} steps for {ctx.gpu} ({' '.join(m.name for m in measurements)}), "
+        f"budget {args.budget:.0f} s, work folder {args.work}")
+    for index, step in enumerate(steps):
+        record = run_step(step, ctx, env, start + args.budget, log)
+        records[step.name] = record
+        log(f"[{time.monotonic() - start:5.0f} s] {step.name}: {record['status']}"
+            + (f" ({record['note']})" if record.get("note") else ""))
+        if step.kind == "install" and record["status"] == "ok":
+            restore_extension_cache(args.work, log)
+        if step.required and record["status"] != "ok":
+            for later in steps[index + 1:]:
+                records[later.name] = {"status": "not run", "note": f"{step.name} failed"}
+            break
+        write_outputs(steps, records, ctx, args.out)
+    save_extension_cache(args.work, args.out, log)
+    table = write_outputs(steps, records, ctx, args.out)
+    log(table)
+    return 0 if all(r["status"] in ("ok", "skipped") for r in records.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

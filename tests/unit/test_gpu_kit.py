@@ -1,0 +1,256 @@
+"""The GPU kit (benchmarks/gpu) without a GPU: its dry run, the wheel and pin checks, the
+planned recipes and studies, the command list, the table, and the driver's step runner."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+KIT = REPO / "benchmarks" / "gpu"
+
+
+def _load_kit():
+    """kit.py puts benchmarks/gpu on sys.path, so its sibling modules import by name."""
+    spec = importlib.util.spec_from_file_location("gpu_kit", KIT / "kit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kit = _load_kit()
+kit_plan, kit_results, kit_wheels = kit.kit_plan, kit.kit_results, kit.kit_wheels
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_dry_run_passes_without_wheels_and_prints_every_command(gpu, tmp_path, capsys):
+    code = kit.main(["--dry-run", "--gpu", gpu, "--wheels", str(tmp_path / "absent"), "all"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "wheels (" in out and "not built" in out and "dry run: ok" in out
+    assert "FAKE INPUTS" in out and "Nothing here is a GPU measurement" in out
+    steps = kit_plan.steps(kit_plan.select(["all"]), kit.Context(gpu=gpu, python="python3",
+                                                                 work=kit.DEFAULT_WORK))
+    for step in steps:
+        if step.kind not in ("skip",):
+            assert " ".join(step.argv[:3]) in out and step.argv[-1] in out
+    assert out.rstrip().endswith("dry run: ok")
+
+
+def test_unknown_measurement_is_a_usage_error(capsys):
+    assert kit.main(["--dry-run", "mfu-70b"]) == 2
+    assert "unknown measurement 'mfu-70b'" in capsys.readouterr().err
+
+
+def test_selection_by_name_call_and_all():
+    assert [m.name for m in kit_plan.select(["call3"])] == ["mfu-1b", "mfu-3b"]
+    assert [m.name for m in kit_plan.select(["gemm", "call1", "gemm"])] == ["gemm", "gpu-tests", "zero"]
+    every = [m.name for m in kit_plan.select(["all"])]
+    assert sorted(every) == sorted(kit_plan.MEASUREMENTS) and len(set(every)) == len(every)
+    assert sorted(n for names in kit_plan.CALLS.values() for n in names) == sorted(kit_plan.MEASUREMENTS)
+    assert all(m.name in kit_plan.CALLS[m.call] for m in kit_plan.MEASUREMENTS.values())
+    with pytest.raises(ValueError):
+        kit_plan.select([])
+
+
+def test_kit_pins_match_setup_cfg_and_a_drift_is_caught():
+    pins, setup = kit_wheels.read_pins(), kit_wheels.setup_requirements()
+    assert kit_wheels.pin_problems(pins, setup) == []
+    drifted = [kit_wheels.Pin(p.name, "0.19.7" if p.name == "deepspeed" else p.version, p.why) for p in pins]
+    assert any("deepspeed==0.19.8" in p for p in kit_wheels.pin_problems(drifted, setup))
+
+
+def _fake_wheel(folder: Path, name: str, version: str, requires=(), tag="py3-none-any") -> Path:
+    path = folder / f"{name.replace('-', '_')}-{version}-{tag}.whl"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name.replace('-', '_')}-{version}.dist-info/METADATA", metadata)
+    return path
+
+
+def test_wheel_checks_on_a_fake_folder(tmp_path):
+    expected = kit_wheels.expected_wheels(kit_wheels.read_pins())
+    for name, version in expected.items():
+        requires = {"deepspeed": ["hjson", "pydantic>=2.0.0", "torch>=2.0", 'pywin32; sys_platform == "win32"'],
+                    "megatron-core": ["torch>=2.6.0", "packaging>=24.2"],
+                    "dsforge": ["deepspeed==0.19.8", "megatron-core==0.16.1", "torch>=2.4"]}.get(name, [])
+        _fake_wheel(tmp_path, name, version, requires)
+    report = kit_wheels.check_wheels(tmp_path, expected)
+    assert report.state == "complete" and report.problems == []
+    assert kit_wheels.requirement_problems(tmp_path) == []  # the win32-only requirement is not ours
+
+    _fake_wheel(tmp_path, "hjson", "3.0.0")
+    (tmp_path / "packaging-26.2-py3-none-any.whl").unlink()
+    _fake_wheel(tmp_path, "extra-thing", "1.0", ["no-such-package>=1"], tag="cp311-cp311-manylinux_2_17_x86_64")
+    report = kit_wheels.check_wheels(tmp_path, expected)
+    text = "\n".join(report.problems)
+    assert report.state == "incomplete"
+    assert "hjson: 2 versions" in text and "packaging==26.2: missing" in text
+    assert "extra-thing 1.0: not in requirements.txt" in text and "not installable on CPython 3.12" in text
+    assert any("no-such-package" in p and "neither carried" in p
+               for p in kit_wheels.requirement_problems(tmp_path))
+    lines, problems = kit.wheel_check(tmp_path, with_tree=False)
+    assert problems and any("incomplete" in line for line in lines)
+
+
+def test_the_wheels_folder_is_ignored_and_travels_within_the_limit():
+    ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q",
+                              "benchmarks/gpu/wheels/deepspeed-0.19.8-py3-none-any.whl"])
+    assert ignored.returncode == 0
+    assert kit_wheels.tree_bytes() < kit_wheels.TREE_LIMIT_BYTES
+
+
+@pytest.mark.skipif(kit_wheels.check_wheels(kit_wheels.WHEELS, kit_wheels.expected_wheels(
+    kit_wheels.read_pins())).state != "complete" or kit_wheels.find_python312() is None,
+    reason="needs the built kit (build_kit.sh) and a Python 3.12")
+def test_pip_resolves_the_built_kit_for_the_gpu_image():
+    ok, tail = kit_wheels.resolve_install(kit_wheels.WHEELS, kit_plan.install_requirements(),
+                                          kit_wheels.find_python312())
+    assert ok, tail
+
+
+def test_import_check_flags_what_the_image_lacks():
+    pins = kit_wheels.read_pins()
+    assert kit_wheels.import_problems(["PyYAML", "hjson", "pydantic_core", "jaraco.text"], pins) == []
+    assert kit_wheels.import_problems(["transformer_engine"], pins) == [
+        "dsforge's runtime imports transformer-engine, which is neither carried nor in the GPU image"]
+
+
+def test_planned_runs_and_studies_validate_and_fit_where_planned():
+    lines, problems = kit.spec_check()
+    assert problems == []
+    runs = [(spec, gpu) for m in kit_plan.MEASUREMENTS.values() for spec in m.runs for gpu in spec.gpus]
+    assert len(runs) == sum(1 for line in lines if line.endswith("fits, runs"))
+    for spec, gpu in runs:
+        assert kit_plan.resolve_run(spec, gpu).layout.world_size == 1
+
+
+def test_each_call_fits_its_budget_by_the_estimates():
+    _, problems = kit.call_check()
+    assert problems == []
+    assert all(kit_plan.call_seconds(c, g) <= kit_plan.CALL_BUDGET_S
+               for c in kit_plan.CALLS for g in kit_plan.PLANNED_GPUS)
+
+
+def test_kit_recipes_and_studies_start_with_a_comment():
+    files = sorted((KIT / "recipes").glob("*.yaml")) + sorted((KIT / "studies").glob("*.yaml"))
+    assert len(files) >= 4
+    for path in files:
+        assert path.read_text().startswith("# "), path
+
+
+def test_commands_per_gpu():
+    ctx = lambda gpu: kit.Context(gpu=gpu, python="PY", work=Path("/w"))
+    h100 = kit_plan.steps(kit_plan.select(["mfu-7b"]), ctx("h100"))
+    h200 = kit_plan.steps(kit_plan.select(["mfu-7b"]), ctx("h200"))
+    assert [s.kind for s in h100] == ["install", "env", "plan", "run"]
+    assert h100[0].argv[:6] == ("PY", "-m", "pip", "install", "--no-index", "--find-links")
+    assert [s.name for s in h200 if s.kind == "run"] == ["7b-full-mb1", "7b-full-mb2"]
+    run = next(s for s in h200 if s.name == "7b-full-mb2")
+    assert run.argv[:8] == ("PY", "-m", "dsforge", "run", "recipes/7b_1gpu.yaml", "--world-size",
+                            "1", "--run-dir")
+    assert run.argv[8] == "/w/runs/7b-full-mb2"
+    assert "train.micro_batch=2" in run.argv and "cluster.gpu=h200" in run.argv
+    first_job = next(s for s in h200 if s.kind in ("pytest", "run", "bench"))
+    assert first_job.expected_s == 100 + kit_plan.JIT_BUILD_S  # pays for the FusedAdam build
+
+
+def test_a_run_that_does_not_fit_becomes_a_skip_with_the_reason():
+    spec = kit_plan.RunSpec(label="7b-none-mb4", recipe="recipes/7b_1gpu.yaml",
+                            overrides=("train.activation_checkpointing=none", "train.micro_batch=4"))
+    [step] = kit_plan.run_steps(spec, "m", kit.Context(gpu="h100", python="PY", work=Path("/w")))
+    assert step.kind == "skip" and "GiB per GPU >" in step.note and "H100" in step.note
+
+
+def test_kempnerforge_formula_equals_dsforges_for_llama_and_differs_when_heads_x_dim_is_not_hidden():
+    from dsforge.estimate.flops import flops_per_token
+    from tests.conftest import make_recipe
+
+    llama = make_recipe("model.preset=llama2-7b", "train.seq_len=4096").model
+    assert kit_results.kempnerforge_flops_per_token(llama, 4096) == 46_084_915_200
+    wide = make_recipe("model.kv_channels=32").model  # 4 heads x 32 = 128 != hidden 64
+    assert kit_results.kempnerforge_flops_per_token(wide, 64) != flops_per_token(wide, 64).model
+
+
+def test_table_from_fake_inputs(tmp_path):
+    steps = kit_plan.steps(kit_plan.select(["all"]), kit.Context(gpu="h200", python="PY", work=tmp_path))
+    records = kit_results.write_fake_inputs(steps, tmp_path, "h200")
+    result = kit_results.collect(steps, records, tmp_path, "h200")
+    table = kit_results.render(result, fake=True)
+    assert [r["label"] for r in result["runs"]] == [s.name for s in steps if s.kind in ("run", "skip")]
+    for row in result["runs"]:
+        assert row["mfu"] == pytest.approx(kit_results.FAKE_MFU)
+        assert row["mfu_kempnerforge"] == pytest.approx(kit_results.FAKE_MFU)
+        assert row["allocated_bytes"] / row["predicted_bytes"] == pytest.approx(0.9, abs=1e-6)
+    assert result["gpu_tests"]["counts"]["passed"] == 2 and result["precision"]["within_tolerance"]
+    zero = result["studies"]["zero-1b"]
+    assert sorted(c["axes"]["zero.stage"] for c in zero) == [0, 1, 2, 3]
+    assert "| 7b-full-mb2 | fake |" in table and "| zero.stage=3 | ok |" in table
+    assert "FAKE INPUTS" in table and "MFU 6P+12LDS" in table
+
+
+def _step(name, code, expected=1.0, timeout=30.0, kind="gemm"):
+    return kit.Step(name=name, kind=kind, argv=(sys.executable, "-c", code), expected_s=expected,
+                    timeout_s=timeout)
+
+
+def test_the_driver_runs_steps_within_the_budget_and_writes_its_files(tmp_path, monkeypatch, capsys):
+    steps = [_step("fine", "print('hello')"), _step("broken", "import sys; sys.exit(3)"),
+             _step("slow", "import time; time.sleep(60)", timeout=1.0),
+             _step("too-long", "print(1)", expected=10_000),
+             kit.Step(name="unplanned", kind="skip", note="does not fit")]
+    monkeypatch.setattr(kit.kit_plan, "steps", lambda measurements, ctx: steps)
+    out, work = tmp_path / "out", tmp_path / "work"
+    started = time.monotonic()
+    code = kit.main(["--out", str(out), "--work", str(work), "--gpu", "h100", "--budget", "300", "gemm"])
+    assert time.monotonic() - started < 30  # the slow step's group was stopped at its limit
+    assert code == 1
+    results = json.loads((out / "results.json").read_text())
+    status = {s["name"]: s["status"] for s in results["steps"]}
+    assert status == {"fine": "ok", "broken": "failed (3)", "slow": "timeout",
+                      "too-long": "skipped", "unplanned": "skipped"}
+    assert (work / "logs" / "fine.log").read_text() == "hello\n"
+    with tarfile.open(out / "kit-files.tar.gz") as archive:
+        assert "logs/fine.log" in archive.getnames()
+    assert "| too-long | skipped |" in (out / "table.md").read_text()
+    assert capsys.readouterr().out.rstrip().endswith((out / "table.md").read_text().rstrip())
+    assert "kit: " in (out / "kit.log").read_text()
+
+
+def test_a_failed_required_step_stops_the_call(tmp_path, monkeypatch):
+    steps = [kit.Step(name="env", kind="env", argv=(sys.executable, "-c", "raise SystemExit(1)"),
+                      expected_s=1, timeout_s=30, required=True), _step("after", "print(1)")]
+    monkeypatch.setattr(kit.kit_plan, "steps", lambda measurements, ctx: steps)
+    out = tmp_path / "out"
+    assert kit.main(["--out", str(out), "--work", str(tmp_path / "w"), "--gpu", "h100", "gemm"]) == 1
+    status = {s["name"]: s["status"] for s in json.loads((out / "results.json").read_text())["steps"]}
+    assert status == {"env": "failed (1)", "after": "not run"}
+
+
+def test_probe_env_quick_on_this_cpu(tmp_path):
+    import probe_env
+
+    assert probe_env.main(["--quick", "--out", str(tmp_path / "env.json")]) == 1  # no CUDA here
+    facts = json.loads((tmp_path / "env.json").read_text())
+    assert facts["dsforge"]["from_working_tree"] and facts["problems"] == ["torch sees no CUDA device"]
+
+
+def test_gemm_code_runs_on_the_cpu_at_tiny_shapes():
+    import gemm
+
+    result = gemm.run(["benchmarks/gpu/recipes/1b_1gpu.yaml"], "h100", tiny=True, reps=1, warmup=0)
+    [model] = result["models"]
+    assert len(model["gemms"]) == 5 * 3 and model["share_of_peak"] is None
+    assert result["planner_compute_efficiency"] == 0.6 and model["attention"]["seconds"] > 0
+    flops = sum(g["count"] * 2 * g["m"] * g["k"] * g["n"] for g in model["gemms"])
+    assert model["step_gemm_flops"] == flops
