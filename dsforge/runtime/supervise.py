@@ -22,6 +22,11 @@ from typing import Callable
 from dsforge.runtime import failure
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+# Signals that end a rank as a failure of its own. SIGINT, SIGTERM and SIGHUP are requests to
+# stop: DeepSpeed's launcher sends SIGTERM to every rank of a node once one of them failed,
+# and dsforge stops jobs with them; recording those would hide the rank that failed first.
+FAILURES = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE,
+            signal.SIGILL)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -37,7 +42,8 @@ def run_supervised(run: Callable[[], None], *, run_dir: Path, rank: int) -> None
         signal.signal(sig, lambda signum, _frame: _forward(child, signum))
     status = _wait(child)
     if os.WIFSIGNALED(status):
-        _record_kill(run_dir, rank, os.WTERMSIG(status))
+        if os.WTERMSIG(status) in FAILURES:
+            _record_kill(run_dir, rank, os.WTERMSIG(status))
         _end_like(os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status))
 
@@ -83,6 +89,7 @@ def _record_kill(run_dir: Path, rank: int, signum: int) -> None:
 def _end_like(signum: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    signal.signal(signum, signal.SIG_DFL)
+    if signum != signal.SIGKILL:  # SIGKILL's action cannot be set, and is already the default
+        signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     os._exit(128 + signum)  # the signal was ignored or blocked
