@@ -19,7 +19,7 @@ from typing import Callable
 
 from dsforge.bench.run import run_cell
 from dsforge.bench.store import FAILED, Store
-from dsforge.bench.study import Cell, Measure, Study, make_cell, study_identity, timing
+from dsforge.bench.study import Cell, Measure, Study, make_cell, timing
 from dsforge.lock import Busy
 from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.schema import Recipe
@@ -62,7 +62,9 @@ def measure_top(base: Recipe, result: SearchResult, top: int, out_dir: Path, mea
                   world_size=result.space.gpus, axes={"candidate": list(range(1, len(shown) + 1))},
                   measure=measure)
     store = Store(out_dir / "results.db")
-    base_identity = study_identity(study, recipe_path)  # an edited base is a new trial
+    # The trials' key includes what they are measured on, so another base is a new trial
+    # (the study's own identity would apply its timing to the base, whose warmup may not fit).
+    base_identity = f"{dump_recipe(base)}\nworld_size: {result.space.gpus}"
     trials = []
     try:
         for rank, candidate in enumerate(shown, start=1):
