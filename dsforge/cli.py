@@ -16,8 +16,6 @@ from dsforge.problems import EXIT_INVALID, errors, print_problems
 
 # Run-directory locks this process holds until it exits (launch/run_dir.claim).
 _HELD: list = []
-# Exit codes of a job dsforge stopped on request: Ctrl-C, SIGHUP, SIGTERM (128 + signal).
-STOPPED_CODES = (130, 129, 143)
 from dsforge.recipe import RecipeError, Resolved, resolve_file
 
 
@@ -175,6 +173,7 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     """Train RECIPE: validate, check that it fits this machine, then start the ranks with
     DeepSpeed's launcher, here or on the hosts of --hostfile. Also runs as the script
     `deepspeed ... -m dsforge run` starts."""
+    from dsforge.launch import start
     from dsforge.launch.job import (JobSpec, Placement, launch_command, plain_deepspeed_command,
                                     remote_shell_problems)
     from dsforge.launch.local import free_port
@@ -184,11 +183,19 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     if local_rank is not None:  # started by DeepSpeed's launcher: be a rank
         _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_timeout, resume)
     resolved = resolve_or_exit(recipe, overrides, world_size, hostfile, include, exclude)
-    if tiny:
-        resolved, device, backend = _tiny_or_exit(recipe, resolved, overrides, device, backend)
-    _print_warnings(resolved.warnings)
-    if hostfile is None and not skip_fit_check:
-        _fit_or_exit(_command_words(recipe, overrides, world_size), resolved, device, tiny)
+    try:
+        if tiny:
+            if device == "cuda" or backend == "nccl":
+                raise click.UsageError("--tiny runs on CPU ranks (gloo); leave out --device "
+                                       "and --backend")
+            resolved = start.shrink_to_tiny(recipe, resolved, overrides, _say)
+            device, backend = "cpu", "gloo"
+        _print_warnings(resolved.warnings)
+        if hostfile is None and not skip_fit_check:
+            command_words = start.command_words(recipe, overrides, world_size)
+            _print_warnings(start.check_fit(command_words, resolved, device, tiny))
+    except start.Refused as refused:
+        _exit_refused(refused)
     placement = Placement(world_size=resolved.layout.world_size, hostfile=hostfile,
                           launcher=launcher, include=include, exclude=exclude,
                           master_addr=master_addr, master_port=master_port or free_port(),
@@ -198,8 +205,8 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     # With --no-ssh every node starts its own dsforge; nodes after the first join the run
     # directory the first one made (it may already hold their peers' files).
     joining = node_rank is not None and node_rank > 0
-    run_dir = _run_dir_or_exit(run_dir, resolved, resume=resume, joining=joining,
-                               create=not dry_run)
+    run_dir = _own_run_dir_or_exit(run_dir, resolved, resume=resume, joining=joining,
+                                   create=not dry_run)
     job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
                   device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
                   env=_forwarded_env(), owner=current_owner())
@@ -212,11 +219,24 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
         click.echo("# the same job as a plain deepspeed command:\n"
                    + plain_deepspeed_command(placement, Path(recipe), run_dir, overrides))
         return
-    local_ranks = _ranks_started_here(resolved, hostfile, include, exclude, node_rank)
-    code = _launch(command, run_dir, local_ranks, timeout, verbose)
+    ranks = _ranks_started_here(resolved, hostfile, include, exclude, node_rank)
+    code = start.launch_and_watch(command, run_dir, ranks, timeout=timeout, verbose=verbose,
+                                  say=_say)
     if code == 0 and tiny:
-        code = _check_tiny_layout(resolved, run_dir, timeout, verbose)
+        code = start.check_tiny_layout(resolved, run_dir, env=_forwarded_env(), timeout=timeout,
+                                       verbose=verbose, say=_say)
     sys.exit(code)
+
+
+def _say(line: str) -> None:
+    click.echo(line, err=True)
+
+
+def _exit_refused(refused) -> None:
+    print_problems(refused.source, refused.problems)
+    if refused.advice:
+        click.echo(refused.advice, err=True)
+    sys.exit(EXIT_INVALID)
 
 
 def _exit_if_problems(source: str, problems) -> None:
@@ -231,79 +251,6 @@ def _ranks_started_here(resolved: Resolved, hostfile, include, exclude, node_ran
     if node_rank is None:
         return resolved.layout.world_size
     return active_hosts(read_hostfile(hostfile), include, exclude).node_slots[node_rank]
-
-
-def _command_words(recipe: str, overrides: tuple[str, ...], world_size: int | None) -> list[str]:
-    """The user's `dsforge run` command, for the ways forward a refusal suggests."""
-    words = ["dsforge", "run", recipe]
-    words += ["--world-size", str(world_size)] if world_size else []
-    for item in overrides:
-        words += ["--set", item]
-    return words
-
-
-def _tiny_or_exit(recipe: str, resolved: Resolved, overrides, device: str, backend: str):
-    from dsforge.recipe.tiny import tiny_resolved
-
-    if device == "cuda" or backend == "nccl":
-        raise click.UsageError("--tiny runs on CPU ranks (gloo); leave out --device/--backend")
-    try:
-        tiny = tiny_resolved(resolved, overrides)
-    except RecipeError as exc:
-        print_problems(f"{recipe} at tiny size", exc.problems)
-        sys.exit(EXIT_INVALID)
-    lay, m = tiny.layout, tiny.recipe.model
-    click.echo(f"dsforge: {recipe} at tiny size: the same layout ({_layout_text(lay)}, ZeRO "
-               f"{tiny.recipe.zero.stage}, {tiny.recipe.train.precision}, activation checkpointing "
-               f"{tiny.recipe.train.activation_checkpointing}) with {m.num_layers} layers of "
-               f"hidden {m.hidden_size}, {lay.grad_accum} microbatches of {lay.micro_batch} x "
-               f"{tiny.recipe.train.seq_len} tokens, {tiny.recipe.train.steps} steps on CPU ranks",
-               err=True)
-    return tiny, "cpu", "gloo"
-
-
-def _layout_text(lay) -> str:
-    parts = [f"{lay.world_size} ranks: dp{lay.dp}", f"tp{lay.tp}"]
-    parts += [f"pp{lay.pp}"] if lay.pp > 1 else []
-    parts += [f"vpp{lay.vpp}"] if lay.vpp > 1 else []
-    parts += [f"ep{lay.ep}"] if lay.ep > 1 else []
-    parts += ["sequence parallel"] if lay.sequence_parallel else []
-    return " x ".join(parts[:-1] if lay.sequence_parallel else parts) + (
-        " + sequence parallel" if lay.sequence_parallel else "")
-
-
-def _fit_or_exit(command: list[str], resolved: Resolved, device: str, tiny: bool) -> None:
-    """Refuse, in a second and before any rank starts, a job this machine cannot hold."""
-    from dsforge.launch.fit import Machine, device_for, fit_problems
-    from dsforge.launch.probe import probe
-    from dsforge.problems import errors
-
-    machine = Machine.from_probe("this machine", probe())
-    problems = fit_problems(resolved, machine, device=device_for(device, machine))
-    if not errors(problems):
-        _print_warnings(problems)
-        return
-    print_problems(f"{command[2]} does not fit {machine.describe()}", tuple(problems))
-    click.echo(_ways_forward(command, resolved, tiny), err=True)
-    sys.exit(EXIT_INVALID)
-
-
-def _ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
-    from dsforge.launch.fit import GiB, rank_memory_bytes
-
-    lay = resolved.layout
-    lines = ["ways forward:",
-             f"  - run it on {lay.world_size} GPUs with {rank_memory_bytes(resolved) / GiB:,.0f}+ GiB "
-             "each over a hostfile (hostfiles/ has examples): "
-             f"{shlex.join(command + ['--hostfile', 'HOSTFILE'])}",
-             "  - shrink it: fewer ranks (--world-size, parallel.*), a smaller model (model.*), "
-             "or less memory a rank (zero.stage, train.activation_checkpointing, "
-             "train.micro_batch); `dsforge plan --search` finds layouts that fit"]
-    if not tiny:
-        lines.append(f"  - smoke-test this exact layout at tiny size on CPU: "
-                     f"{shlex.join(command + ['--tiny'])}")
-    lines.append("  - or start anyway: add --skip-fit-check")
-    return "\n".join(lines)
 
 
 def _preflight_or_exit(recipe: str, hostfile: str, include: str, exclude: str, port: int,
@@ -350,68 +297,6 @@ def _forwarded_env() -> dict[str, str]:
         sys.exit(EXIT_INVALID)
 
 
-def _launch(command: list[str], run_dir: Path, ranks: int, timeout: float | None,
-            verbose: bool) -> int:
-    """Run the job with dsforge's lines on the terminal and everything in RUN_DIR/job.log.
-    Success is every one of its `ranks` reporting completion, not only the launcher's exit
-    code (a launcher killed by a signal, or a cut remote command, can exit 0)."""
-    from dsforge.launch.diagnose import failure_report
-    from dsforge.lock import JOB_DIR_ENV
-    from dsforge.launch.job import runner_env
-    from dsforge.launch.local import run_job
-    from dsforge.launch.output import JobView
-    from dsforge.launch.run_dir import JOB_LOG
-
-    env, dropped = runner_env(os.environ)
-    env[JOB_DIR_ENV] = str(run_dir.resolve())  # tags every local process of the job
-    for name in dropped:
-        click.echo(f"  note: {name} is forwarded inside the job, not exported by DeepSpeed's "
-                   "runner (its value is not shell-safe)", err=True)
-    log = run_dir / JOB_LOG
-    click.echo(f"dsforge: starting {ranks} rank{'s' if ranks > 1 else ''}; run directory {run_dir}, engine logs in "
-               f"{log}", err=True)
-    view = JobView(verbose=verbose)
-    try:
-        code = run_job(command, timeout_s=timeout, env=env, log_path=log, on_line=view.feed)
-    finally:
-        view.close()
-    if code == 0 and len(view.done_ranks) < ranks:
-        click.echo(f"dsforge: the launcher exited 0 but only {len(view.done_ranks)} of {ranks} "
-                   "ranks reported completion; the run did not finish", err=True)
-        code = 1
-    if code in STOPPED_CODES:
-        click.echo(f"dsforge: stopped (exit code {code}); what was written is in {run_dir}",
-                   err=True)
-    elif code != 0:
-        click.echo(failure_report(run_dir, code, view.done_ranks), err=True)
-    return code
-
-
-def _check_tiny_layout(tiny: Resolved, run_dir: Path, timeout: float | None, verbose: bool) -> int:
-    """Train the same tiny model on one rank and compare losses; 1 if they disagree."""
-    from dsforge.launch.job import JobSpec, Placement, launch_command
-    from dsforge.launch.local import free_port
-    from dsforge.launch.owner import current_owner
-    from dsforge.launch.smoke import compare_losses
-    from dsforge.recipe.loader import dump_recipe
-    from dsforge.recipe.tiny import reference_resolved
-
-    reference = reference_resolved(tiny)
-    ref_dir = run_dir / "reference"
-    ref_dir.mkdir()
-    job = JobSpec(recipe_yaml=dump_recipe(reference.recipe), run_dir=str(ref_dir.resolve()),
-                  device="cpu", backend="gloo", env=_forwarded_env(), owner=current_owner())
-    command = launch_command(Placement(world_size=1, master_port=free_port()), job)
-    click.echo("dsforge: checking the layout against a single-rank run of the same tiny model",
-               err=True)
-    code = _launch(command, ref_dir, 1, timeout, verbose)
-    if code != 0:
-        return code
-    check = compare_losses(run_dir, ref_dir, tiny.recipe.train.precision)
-    click.echo(f"dsforge: {check.describe()}", err=True)
-    return 0 if check.ok else 1
-
-
 def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_timeout, resume):
     """`deepspeed [--hostfile H] -m dsforge run RECIPE`: every rank resolves the recipe
     against WORLD_SIZE itself and trains; the run directory must be the same on every rank."""
@@ -431,62 +316,21 @@ def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_time
                      marked_output=False))
 
 
-def _run_dir_or_exit(run_dir: Path | None, resolved: Resolved, *, resume: bool, joining: bool,
-                     create: bool) -> Path:
-    """A new, empty run directory; or, to resume or join, the existing one (with a checkpoint
-    this recipe can continue from, to resume). Unless joining another node's run or only
-    printing commands, this process owns it until it exits (launch/run_dir.claim)."""
-    from dsforge.launch.run_dir import RunDirError, claim, existing_run_dir, new_run_dir
-    from dsforge.runtime.checkpoint import CheckpointError, check_resumable
+def _own_run_dir_or_exit(run_dir: Path | None, resolved: Resolved, *, resume: bool,
+                         joining: bool, create: bool) -> Path:
+    from dsforge.launch.run_dir import RunDirError
+    from dsforge.launch.start import own_run_dir
+    from dsforge.runtime.checkpoint import CheckpointError
 
     try:
-        if not (resume or joining):
-            run_dir = new_run_dir(run_dir, resolved.recipe.name, create=create)
-            if create:
-                _HELD.append(claim(run_dir, fresh=True))
-            return run_dir
-        run_dir = existing_run_dir(run_dir, create=create)
-        if resume and create:
-            _HELD.append(claim(run_dir, fresh=False))
-        if resume:
-            record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),
-                                     resolved.layout.world_size)
-            click.echo(f"dsforge: resuming {run_dir} after step {record['step']}", err=True)
-        return run_dir
+        run_dir, lock = own_run_dir(run_dir, resolved, resume=resume, joining=joining,
+                                    create=create, say=_say)
     except RunDirError as exc:
         raise click.UsageError(str(exc)) from None
     except CheckpointError as exc:
         raise click.UsageError(f"cannot resume: {exc}") from None
-
-
-@main.group()
-def data() -> None:
-    """Prepare corpora for training (docs/data.md)."""
-
-
-@data.command("prepare")
-@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
-@click.option("--tokenizer", required=True, metavar="T",
-              help="A local tokenizer.json, a local Hugging Face model folder, or 'bytes' "
-                   "(UTF-8 bytes, EOD 256). Nothing is downloaded.")
-@click.option("--output", required=True, metavar="PREFIX",
-              help="Writes PREFIX.bin, PREFIX.idx and PREFIX.tokenizer.json.")
-@click.option("--text-key", default="text", show_default=True,
-              help="The field of each JSON-lines record that holds the document.")
-@click.option("--workers", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Tokenizing processes (0: this process). The output does not depend on it.")
-@click.option("--eod-token", default=None,
-              help="End-of-document token [default: the tokenizer's eos_token].")
-@click.option("--overwrite", is_flag=True, help="Replace an existing PREFIX.bin/.idx.")
-@click.option("--progress/--no-progress", default=None,
-              help="Progress bar on stderr [default: when stderr is a terminal].")
-def data_prepare(inputs, **options):
-    """Tokenize INPUT... (JSON-lines or plain text files, folders or globs of them) into a
-    Megatron indexed dataset PREFIX.bin/.idx, the format Megatron-LM's and GPT-NeoX's tools
-    read and write. Exit status: 0 written, 2 bad input (nothing written), 130/143 stopped."""
-    from dsforge.data.prepare import prepare_main
-
-    sys.exit(prepare_main(inputs, **options))
+    _HELD.append(lock)  # owned until this process exits
+    return run_dir
 
 
 @main.command()

@@ -1,0 +1,171 @@
+"""The steps of `dsforge run` between a resolved recipe and a finished job.
+
+In order: shrink to tiny size (`--tiny`), refuse what does not fit this machine, own the run
+directory, launch with dsforge's lines on the terminal (everything else in RUN_DIR/job.log),
+decide success from every rank's completion, and after a `--tiny` run compare its losses with
+a single rank's. Refusals raise `Refused` with the problems to print; the click command in
+cli.py turns them into exit code 2. `say` prints one of dsforge's own lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+from pathlib import Path
+from typing import Callable
+
+from dsforge.launch.diagnose import failure_report
+from dsforge.launch.fit import GiB, Machine, device_for, fit_problems, rank_memory_bytes
+from dsforge.launch.job import JobSpec, Placement, launch_command, runner_env
+from dsforge.launch.local import free_port, run_job
+from dsforge.launch.output import JobView
+from dsforge.launch.owner import current_owner
+from dsforge.launch.probe import probe
+from dsforge.launch.run_dir import JOB_LOG, claim, existing_run_dir, new_run_dir
+from dsforge.launch.smoke import compare_losses
+from dsforge.lock import JOB_DIR_ENV, Lock
+from dsforge.problems import Problem, RecipeError, errors
+from dsforge.recipe import Resolved
+from dsforge.recipe.loader import dump_recipe
+from dsforge.recipe.tiny import reference_resolved, tiny_resolved
+
+Say = Callable[[str], None]
+# Exit codes of a job dsforge stopped on request: Ctrl-C, SIGHUP, SIGTERM (128 + signal).
+STOPPED_CODES = (130, 129, 143)
+
+
+class Refused(Exception):
+    """The job must not start: `problems` to print under `source`, then `advice`."""
+
+    def __init__(self, source: str, problems, advice: str = ""):
+        super().__init__(source)
+        self.source, self.problems, self.advice = source, tuple(problems), advice
+
+
+def command_words(recipe: str, overrides: tuple[str, ...], world_size: int | None) -> list[str]:
+    """The user's `dsforge run` command, for the ways forward a refusal suggests."""
+    words = ["dsforge", "run", recipe]
+    words += ["--world-size", str(world_size)] if world_size else []
+    for item in overrides:
+        words += ["--set", item]
+    return words
+
+
+def shrink_to_tiny(recipe: str, resolved: Resolved, overrides, say: Say) -> Resolved:
+    """The same layout at tiny size (recipe/tiny.py), said in one line."""
+    try:
+        tiny = tiny_resolved(resolved, overrides)
+    except RecipeError as exc:
+        raise Refused(f"{recipe} at tiny size", exc.problems) from None
+    lay, r = tiny.layout, tiny.recipe
+    say(f"dsforge: {recipe} at tiny size: the same layout ({layout_text(lay)}, ZeRO "
+        f"{r.zero.stage}, {r.train.precision}, activation checkpointing "
+        f"{r.train.activation_checkpointing}) with {r.model.num_layers} layer"
+        f"{'s' if r.model.num_layers > 1 else ''} of hidden "
+        f"{r.model.hidden_size}, {lay.grad_accum} microbatches of {lay.micro_batch} x "
+        f"{r.train.seq_len} tokens, {r.train.steps} steps on CPU ranks")
+    return tiny
+
+
+def layout_text(lay) -> str:
+    """e.g. '32 ranks: dp2 x tp4 x pp4 x vpp5 + sequence parallel'."""
+    parts = [f"{lay.world_size} ranks: dp{lay.dp}", f"tp{lay.tp}"]
+    parts += [f"pp{lay.pp}"] if lay.pp > 1 else []
+    parts += [f"vpp{lay.vpp}"] if lay.vpp > 1 else []
+    parts += [f"ep{lay.ep}"] if lay.ep > 1 else []
+    return " x ".join(parts) + (" + sequence parallel" if lay.sequence_parallel else "")
+
+
+def check_fit(command: list[str], resolved: Resolved, device: str, tiny: bool) -> list[Problem]:
+    """This machine's warnings for the job; Refused, in a second and before any rank starts,
+    when it cannot hold the job (launch/fit.py)."""
+    machine = Machine.from_probe("this machine", probe())
+    problems = fit_problems(resolved, machine, device=device_for(device, machine))
+    if errors(problems):
+        raise Refused(f"{command[2]} does not fit {machine.describe()}", problems,
+                      ways_forward(command, resolved, tiny))
+    return problems
+
+
+def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
+    lay = resolved.layout
+    lines = ["ways forward:",
+             f"  - run it on {lay.world_size} GPUs with {rank_memory_bytes(resolved) / GiB:,.0f}+ "
+             "GiB each over a hostfile (hostfiles/ has examples): "
+             f"{shlex.join(command + ['--hostfile', 'HOSTFILE'])}",
+             "  - shrink it: fewer ranks (--world-size, parallel.*), a smaller model (model.*), "
+             "or less memory a rank (zero.stage, train.activation_checkpointing, "
+             "train.micro_batch); `dsforge plan --search` finds layouts that fit"]
+    if not tiny:
+        lines.append("  - smoke-test this exact layout at tiny size on CPU: "
+                     f"{shlex.join(command + ['--tiny'])}")
+    lines.append("  - or start anyway: add --skip-fit-check")
+    return "\n".join(lines)
+
+
+def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joining: bool,
+                create: bool, say: Say) -> tuple[Path, Lock | None]:
+    """A new, empty run directory; or, to resume or join, the existing one (with a checkpoint
+    this recipe can continue from, to resume). Unless joining another node's run or only
+    printing commands, the returned lock makes this process its owner: keep it until exit.
+    Raises RunDirError or CheckpointError."""
+    from dsforge.runtime.checkpoint import check_resumable
+
+    if not (resume or joining):
+        run_dir = new_run_dir(run_dir, resolved.recipe.name, create=create)
+        return run_dir, claim(run_dir, fresh=True) if create else None
+    run_dir = existing_run_dir(run_dir, create=create)
+    lock = claim(run_dir, fresh=False) if resume and create else None
+    if resume:
+        record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),
+                                 resolved.layout.world_size)
+        say(f"dsforge: resuming {run_dir} after step {record['step']}")
+    return run_dir, lock
+
+
+def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: float | None,
+                     verbose: bool, say: Say) -> int:
+    """Run the job with dsforge's lines on the terminal and everything in RUN_DIR/job.log.
+    Success is every one of its `ranks` reporting completion, not only the launcher's exit
+    code (a launcher killed by a signal, or a cut remote command, can exit 0)."""
+    env, dropped = runner_env(os.environ)
+    env[JOB_DIR_ENV] = str(run_dir.resolve())  # tags every local process of the job
+    for name in dropped:
+        say(f"  note: {name} is forwarded inside the job, not exported by DeepSpeed's runner "
+            "(its value is not shell-safe)")
+    log = run_dir / JOB_LOG
+    say(f"dsforge: starting {ranks} rank{'s' if ranks > 1 else ''}; run directory {run_dir}, "
+        f"engine logs in {log}")
+    view = JobView(verbose=verbose)
+    try:
+        code = run_job(command, timeout_s=timeout, env=env, log_path=log, on_line=view.feed)
+    finally:
+        view.close()
+    if code == 0 and len(view.done_ranks) < ranks:
+        say(f"dsforge: the launcher exited 0 but only {len(view.done_ranks)} of {ranks} ranks "
+            "reported completion; the run did not finish")
+        code = 1
+    if code in STOPPED_CODES:
+        say(f"dsforge: stopped (exit code {code}); what was written is in {run_dir}")
+    elif code != 0:
+        say(failure_report(run_dir, code, view.done_ranks))
+    return code
+
+
+def check_tiny_layout(tiny: Resolved, run_dir: Path, *, env: dict[str, str],
+                      timeout: float | None, verbose: bool, say: Say) -> int:
+    """Train the same tiny model on one rank and compare losses; 1 if they disagree."""
+    reference = reference_resolved(tiny)
+    ref_dir = run_dir / "reference"
+    ref_dir.mkdir()
+    job = JobSpec(recipe_yaml=dump_recipe(reference.recipe), run_dir=str(ref_dir.resolve()),
+                  device="cpu", backend="gloo", env=env, owner=current_owner())
+    command = launch_command(Placement(world_size=1, master_port=free_port()), job)
+    say("dsforge: checking the layout against a single-rank run of the same tiny model")
+    code = launch_and_watch(command, ref_dir, 1, timeout=timeout, verbose=verbose, say=say)
+    if code != 0:
+        return code
+    check = compare_losses(run_dir, ref_dir, tiny.recipe.train.precision)
+    say(f"dsforge: {check.describe()}")
+    return 0 if check.ok else 1
