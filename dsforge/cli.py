@@ -333,6 +333,36 @@ def _own_run_dir_or_exit(run_dir: Path | None, resolved: Resolved, *, resume: bo
     return run_dir
 
 
+@main.group()
+def data() -> None:
+    """Prepare corpora for training (docs/data.md)."""
+
+
+@data.command("prepare")
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("--tokenizer", required=True, metavar="T",
+              help="A local tokenizer.json, a local Hugging Face model folder, or 'bytes' "
+                   "(UTF-8 bytes, EOD 256). Nothing is downloaded.")
+@click.option("--output", required=True, metavar="PREFIX",
+              help="Writes PREFIX.bin, PREFIX.idx and PREFIX.tokenizer.json.")
+@click.option("--text-key", default="text", show_default=True,
+              help="The field of each JSON-lines record that holds the document.")
+@click.option("--workers", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Tokenizing processes (0: this process). The output does not depend on it.")
+@click.option("--eod-token", default=None,
+              help="End-of-document token [default: the tokenizer's eos_token].")
+@click.option("--overwrite", is_flag=True, help="Replace an existing PREFIX.bin/.idx.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar on stderr [default: when stderr is a terminal].")
+def data_prepare(inputs, **options):
+    """Tokenize INPUT... (JSON-lines or plain text files, folders or globs of them) into a
+    Megatron indexed dataset PREFIX.bin/.idx, the format Megatron-LM's and GPT-NeoX's tools
+    read and write. Exit status: 0 written, 2 bad input (nothing written), 130/143 stopped."""
+    from dsforge.data.prepare import prepare_main
+
+    sys.exit(prepare_main(inputs, **options))
+
+
 @main.command()
 @click.argument("study", type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),

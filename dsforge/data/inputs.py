@@ -80,7 +80,8 @@ def expand_inputs(patterns: Sequence[str]) -> list[InputFile]:
     files: dict[Path, InputFile] = {}
     for pattern in patterns:
         for path in _expand(pattern):
-            files.setdefault(path.resolve(), _input_file(path, pattern))
+            if path.resolve() not in files:
+                files[path.resolve()] = _input_file(path)
     return list(files.values())
 
 
@@ -106,11 +107,10 @@ def _expand(pattern: str) -> list[Path]:
     raise DataError(ARGUMENT, pattern, "no such file or folder", "check the path")
 
 
-def _input_file(path: Path, pattern: str) -> InputFile:
+def _input_file(path: Path) -> InputFile:
     if not path.is_file():
-        raise DataError(ARGUMENT, str(path), "is not a regular file (a broken link, a device "
-                        "or a pipe)" if path != Path(pattern) else "is not a regular file",
-                        "name regular files, folders or globs")
+        raise DataError(ARGUMENT, str(path), "is not a regular file (a broken link, a device, "
+                        "a pipe)", "name regular files, folders or globs")
     if not os.access(path, os.R_OK):
         raise DataError(ARGUMENT, str(path), "cannot be read (permission denied)",
                         "make it readable (chmod +r) or leave it out")

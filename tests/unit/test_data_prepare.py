@@ -149,6 +149,9 @@ def test_inputs_expand_folders_and_globs_in_order_once(tmp_path):
     found = expand_inputs([str(tmp_path / "b" / "d.json"), str(tmp_path), str(tmp_path / "*.jsonl")])
     assert [f.path.relative_to(tmp_path).as_posix() for f in found] == ["b/d.json", "a.jsonl", "b/c.txt"]
     assert [f.jsonl for f in found] == [True, True, False]
+    (tmp_path / "broken.txt").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(DataError, match="is not a regular file"):
+        expand_inputs([str(tmp_path / "broken.txt")])
 
 
 def test_plain_text_is_one_document_in_pieces_cut_after_newlines(tmp_path):
