@@ -206,7 +206,7 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     # directory the first one made (it may already hold their peers' files).
     joining = node_rank is not None and node_rank > 0
     run_dir = _own_run_dir_or_exit(run_dir, resolved, resume=resume, joining=joining,
-                                   create=not dry_run)
+                                   create=not dry_run, peers_may_join=node_rank is not None)
     job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
                   device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
                   env=_forwarded_env(), owner=current_owner())
@@ -317,14 +317,14 @@ def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_time
 
 
 def _own_run_dir_or_exit(run_dir: Path | None, resolved: Resolved, *, resume: bool,
-                         joining: bool, create: bool) -> Path:
+                         joining: bool, create: bool, peers_may_join: bool) -> Path:
     from dsforge.launch.run_dir import RunDirError
     from dsforge.launch.start import own_run_dir
     from dsforge.runtime.checkpoint import CheckpointError
 
     try:
         run_dir, lock = own_run_dir(run_dir, resolved, resume=resume, joining=joining,
-                                    create=create, say=_say)
+                                    create=create, say=_say, peers_may_join=peers_may_join)
     except RunDirError as exc:
         raise click.UsageError(str(exc)) from None
     except CheckpointError as exc:

@@ -105,14 +105,18 @@ def acquire(path: Path, *, what: str = "") -> Lock:
     return Lock(path, fd, owner)
 
 
-def hold_directory(directory: Path, *, what: str = "", wait_s: float | None = None) -> Lock:
-    """Own `directory`: its lock, and no live process of a job started for it (waiting up to
-    `wait_s`, default LEFTOVER_WAIT_S, for such processes to end). Raises Busy otherwise."""
+def hold_directory(directory: Path, *, what: str = "", wait_s: float | None = None,
+                   check_jobs: bool = True) -> Lock:
+    """Own `directory`: its lock, and (with `check_jobs`) no live process of a job started for
+    it (waiting up to `wait_s`, default LEFTOVER_WAIT_S, for such processes to end). Raises
+    Busy otherwise."""
     directory = Path(directory).absolute()
     try:
         lock = acquire(lock_path(directory), what=what)
     except Busy as busy:
         raise Busy(directory, owner=busy.owner) from None
+    if not check_jobs:
+        return lock
     deadline = time.monotonic() + (LEFTOVER_WAIT_S if wait_s is None else wait_s)
     while pids := job_processes(directory):
         if time.monotonic() >= deadline:

@@ -40,12 +40,15 @@ def new_run_dir(run_dir: Path | None, name: str, *, create: bool = True) -> Path
     return run_dir
 
 
-def claim(run_dir: Path, *, fresh: bool) -> Lock:
+def claim(run_dir: Path, *, fresh: bool, peers_may_join: bool = False) -> Lock:
     """Own `run_dir` for this process's lifetime (dsforge/lock.py: a flock beside it, and no
     live process of an earlier job in it). A `fresh` directory is checked again for
-    emptiness once owned, so of two runs started together one is refused."""
+    emptiness once owned, so of two runs started together one is refused. With
+    `peers_may_join` (--no-ssh node 0) other nodes' processes of this same job may already
+    run here (several nodes on one machine), so live job processes are not waited for."""
     try:
-        lock = hold_directory(run_dir, what=f"dsforge run (run directory {run_dir})")
+        lock = hold_directory(run_dir, what=f"dsforge run (run directory {run_dir})",
+                              check_jobs=not peers_may_join)
     except Busy as busy:
         raise RunDirError(f"{busy}; wait for it to end, or choose another --run-dir") from None
     if fresh:

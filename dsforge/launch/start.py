@@ -105,7 +105,7 @@ def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
 
 
 def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joining: bool,
-                create: bool, say: Say) -> tuple[Path, Lock | None]:
+                create: bool, say: Say, peers_may_join: bool = False) -> tuple[Path, Lock | None]:
     """A new, empty run directory; or, to resume or join, the existing one (with a checkpoint
     this recipe can continue from, to resume). Unless joining another node's run or only
     printing commands, the returned lock makes this process its owner: keep it until exit.
@@ -114,9 +114,10 @@ def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joini
 
     if not (resume or joining):
         run_dir = new_run_dir(run_dir, resolved.recipe.name, create=create)
-        return run_dir, claim(run_dir, fresh=True) if create else None
+        lock = claim(run_dir, fresh=True, peers_may_join=peers_may_join) if create else None
+        return run_dir, lock
     run_dir = existing_run_dir(run_dir, create=create)
-    lock = claim(run_dir, fresh=False) if resume and create else None
+    lock = claim(run_dir, fresh=False, peers_may_join=peers_may_join) if resume and create else None
     if resume:
         record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),
                                  resolved.layout.world_size)
