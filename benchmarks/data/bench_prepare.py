@@ -82,11 +82,21 @@ def run(corpus: Path, tokenizer: str, workers: int, out: Path, tries: int, quiet
     shared machine used more than `quiet` of a core during it; the least disturbed try."""
     rows = []
     for attempt in range(1, tries + 1):
+        wait_for_quiet(quiet)
         rows.append(dict(run_once(corpus, tokenizer, workers, out), attempt=attempt))
         if rows[-1]["others_cores"] <= quiet:
             break
-        time.sleep(5)
     return min(rows, key=lambda row: row["others_cores"])
+
+
+def wait_for_quiet(quiet: float, longest: float = 120.0) -> None:
+    """Until other processes have used at most `quiet` cores for 5 s (or `longest` seconds)."""
+    deadline = time.monotonic() + longest
+    while time.monotonic() < deadline:
+        busy = busy_cpu_seconds()
+        time.sleep(5)
+        if (busy_cpu_seconds() - busy) / 5 <= quiet:
+            return
 
 
 def run_once(corpus: Path, tokenizer: str, workers: int, out: Path) -> dict:
@@ -128,12 +138,17 @@ def main() -> None:
                           args.quiet)
                 row.update(corpus=corpus_name, tokenizer=tokenizer_name)
                 rows.append(row)
+                write_results(args, work, rows)  # after every row: a stopped run keeps its rows
                 print(f"| {corpus_name} | {tokenizer_name} | {workers} | {row['input_mb']:.1f} | "
                       f"{row['tokens']:,} | {row['seconds']:.2f} | {row['mb_per_s']:.2f} | "
                       f"{row['tokens_per_s']:,.0f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | "
                       f"{row['others_cores']:.2f} |", flush=True)
+
+
+def write_results(args, work: Path, rows: list[dict]) -> None:
     machine = {"python": platform.python_version(), "cpus": _cpus(), "platform": platform.platform()}
-    results = {"copies": args.copies, "machine": machine, "work": str(work), "runs": rows}
+    results = {"copies": args.copies, "quiet": args.quiet, "machine": machine, "work": str(work),
+               "runs": rows}
     (Path(__file__).parent / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
