@@ -28,13 +28,19 @@ def runs_root(environ=os.environ) -> Path:
     return Path(environ.get("DSFORGE_RUNS") or "runs")
 
 
-def new_run_dir(run_dir: Path | None, name: str, *, create: bool = True) -> Path:
+# What an earlier run leaves behind. With --no-ssh, other nodes of the same job may already
+# have written their own files (pid files, heartbeats) when node 0 looks: only these count.
+EARLIER_RUN = ("metrics.jsonl", "summary.json", "checkpoints")
+
+
+def new_run_dir(run_dir: Path | None, name: str, *, create: bool = True,
+                peers_may_join: bool = False) -> Path:
     """`run_dir`, or a fresh one under runs_root(); it must be empty so no earlier run's
     metrics are mixed in. (With `create`, call `claim` before relying on the emptiness: two
     runs may check at the same moment.)"""
     if run_dir is None:
         run_dir = runs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    _check_empty(run_dir)
+    _check_empty(run_dir, peers_may_join)
     if create:
         _make(run_dir)
     return run_dir
@@ -53,15 +59,19 @@ def claim(run_dir: Path, *, fresh: bool, peers_may_join: bool = False) -> Lock:
         raise RunDirError(f"{busy}; wait for it to end, or choose another --run-dir") from None
     if fresh:
         try:
-            _check_empty(run_dir)
+            _check_empty(run_dir, peers_may_join)
         except RunDirError:
             lock.release()
             raise
     return lock
 
 
-def _check_empty(run_dir: Path) -> None:
-    if run_dir.exists() and any(run_dir.iterdir()):
+def _check_empty(run_dir: Path, peers_may_join: bool = False) -> None:
+    if peers_may_join:
+        used = any((run_dir / name).exists() for name in EARLIER_RUN)
+    else:
+        used = run_dir.exists() and any(run_dir.iterdir())
+    if used:
         raise RunDirError(f"--run-dir {run_dir} is not empty; choose a new directory so no "
                           "earlier run's metrics are mixed in")
 

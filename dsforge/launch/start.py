@@ -113,7 +113,8 @@ def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joini
     from dsforge.runtime.checkpoint import check_resumable
 
     if not (resume or joining):
-        run_dir = new_run_dir(run_dir, resolved.recipe.name, create=create)
+        run_dir = new_run_dir(run_dir, resolved.recipe.name, create=create,
+                              peers_may_join=peers_may_join)
         lock = claim(run_dir, fresh=True, peers_may_join=peers_may_join) if create else None
         return run_dir, lock
     run_dir = existing_run_dir(run_dir, create=create)
