@@ -36,6 +36,7 @@ from dsforge.files import write_atomic
 from dsforge.launch.job import JobSpec, Placement, launch_command
 from dsforge.launch.local import free_port, run_job
 from dsforge.launch.owner import current_owner
+from dsforge.launch.run_dir import JOB_LOG
 from dsforge.problems import RecipeError, errors
 from dsforge.recipe import Resolved, resolve_file
 from dsforge.recipe.loader import dump_recipe
@@ -215,7 +216,7 @@ def _launch(study: Study, resolved: Resolved, run_dir: Path, device: str) -> int
     placement = Placement(world_size=resolved.layout.world_size, hostfile=study.hostfile,
                           master_port=free_port())
     return run_job(launch_command(placement, job), timeout_s=study.measure.timeout_s,
-                   env={**os.environ, lock.JOB_DIR_ENV: str(run_dir)}, log_path=run_dir / "job.log")
+                   env={**os.environ, lock.JOB_DIR_ENV: str(run_dir)}, log_path=run_dir / JOB_LOG)
 
 
 def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
@@ -236,10 +237,10 @@ def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
         return "oom", one_line(first.headline())
     if code in _KILLED:
         return "oom", (f"a rank was killed by SIGKILL (launcher exit code {code}), usually the "
-                       f"kernel's out-of-memory killer; see {run_dir / 'job.log'}")
+                       f"kernel's out-of-memory killer; see {run_dir / JOB_LOG}")
     if first is not None:
         return "crashed", one_line(first.headline())
-    return "crashed", f"exit code {code}; see {run_dir / 'job.log'}"
+    return "crashed", f"exit code {code}; see {run_dir / JOB_LOG}"
 
 
 # Terminal control sequences, and a progress bar as tqdm draws it
