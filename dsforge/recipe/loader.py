@@ -23,7 +23,8 @@ import yaml
 
 from dsforge.recipe.presets import PRESETS, apply_preset
 from dsforge.problems import Problem, RecipeError, did_you_mean, read_text, shorten
-from dsforge.recipe.schema import Recipe, name_problems
+from dsforge.data.tokenizers import BYTES as BYTES_TOKENIZER
+from dsforge.recipe.schema import SYNTHETIC, Recipe, name_problems
 
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -54,18 +55,33 @@ def _named_after_file(raw: dict[str, Any], path: Path) -> Recipe:
 
 
 def _with_data_relative_to(recipe: Recipe, directory: Path) -> Recipe:
-    """A relative token-file path means relative to the recipe's own directory, so a recipe
-    runs the same from any working directory."""
-    source = recipe.data.source
-    if source == "synthetic" or Path(source).is_absolute():
-        return recipe
-    data = dataclasses.replace(recipe.data, source=str((directory / source).resolve()))
+    """Relative data paths (source, each blend path, tokenizer, cache_dir) mean relative to
+    the recipe's own directory, so a recipe runs the same from any working directory."""
+    def absolute(path: str | None) -> str | None:
+        if path is None or path in (SYNTHETIC, BYTES_TOKENIZER) or Path(path).is_absolute():
+            return path
+        return str((directory / path).resolve())
+
+    d = recipe.data
+    source = (absolute(d.source) if isinstance(d.source, str) else
+              tuple(dataclasses.replace(part, path=absolute(part.path)) for part in d.source))
+    data = dataclasses.replace(d, source=source, tokenizer=absolute(d.tokenizer),
+                               cache_dir=absolute(d.cache_dir))
     return dataclasses.replace(recipe, data=data)
 
 
 def dump_recipe(recipe: Recipe) -> str:
     """YAML that load_recipe reads back into an equal Recipe (every field explicit)."""
-    return yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False)
+    return yaml.safe_dump(_lists(dataclasses.asdict(recipe)), sort_keys=False)
+
+
+def _lists(value: Any) -> Any:
+    """asdict's tuples (a blend) as YAML lists: safe_dump writes no tuples."""
+    if isinstance(value, dict):
+        return {key: _lists(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_lists(item) for item in value]
+    return value
 
 
 MAX_YAML_BYTES = 1 << 20  # a recipe or study is a few KB: read_text's default limit
@@ -316,10 +332,17 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
     """`value` checked (and, for floats written as strings, converted) against type `tp`."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        options = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        tp, origin = options[0], typing.get_origin(options[0])
+        tp = _union_option(value, [a for a in typing.get_args(tp) if a is not type(None)])
+        origin = typing.get_origin(tp)
+    if origin is tuple:  # tuple[X, ...]: a YAML list of X
+        if not isinstance(value, (list, tuple)):
+            problems.append(Problem(rule="Y2", fields={where: value}, message="expected a list",
+                                    fix="see the documented example"))
+            return value
+        item = typing.get_args(tp)[0]
+        return tuple(_coerce(v, item, f"{where}[{i}]", problems) for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where, problems)
     if origin is Literal:
@@ -345,6 +368,16 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
                                 message="integer out of range: -2**63 <= value < 2**63",
                                 fix=_TYPE_FIXES[tp]))
     return checked
+
+
+def _union_option(value: Any, options: list[Any]) -> Any:
+    """The option of a union type a written value means: a list for a tuple option (a blend),
+    else the first option (str | tuple[...] reads a string as the string)."""
+    if isinstance(value, (list, tuple)):
+        for option in options:
+            if typing.get_origin(option) is tuple:
+                return option
+    return options[0]
 
 
 _INVALID, _NOT_FINITE, _OUT_OF_RANGE = object(), object(), object()

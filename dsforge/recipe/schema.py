@@ -7,6 +7,7 @@ together (RecipeError). Rules that span sections or need the world size live in
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -249,6 +250,8 @@ class TrainConfig:
     seed: int = 1234
     timing_warmup: int = 1  # first steps left out of timing summaries (marked in metrics)
     checkpoint_every: int = 0  # save a checkpoint every N steps; 0 = never
+    eval_every: int = 0  # validation loss every N steps and after the last; 0 = never
+    eval_iters: int = 10  # global batches of held-out samples per evaluation
 
     def __post_init__(self) -> None:
         c = Checks()
@@ -276,6 +279,11 @@ class TrainConfig:
         c.require(self.checkpoint_every >= 0, "R1", {"train.checkpoint_every": self.checkpoint_every},
                   "must be >= 0",
                   "use train.checkpoint_every: 0 for no checkpoints, or N to save every N steps")
+        c.require(self.eval_every >= 0, "R1", {"train.eval_every": self.eval_every},
+                  "must be >= 0", "use train.eval_every: 0 for no validation, or N to "
+                  "evaluate every N steps and at the end")
+        _positive(c, "R1", "train", eval_iters=self.eval_iters)
+        _at_most(c, "R1", "train", MAX_STEPS, eval_every=self.eval_every, eval_iters=self.eval_iters)
         for name in ("weight_decay", "grad_clip"):
             value = getattr(self, name)
             c.require(value >= 0, "R1", {f"train.{name}": value}, "must be >= 0",
@@ -291,17 +299,99 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    source: str = "synthetic"  # "synthetic" or the path of a token file
-    token_dtype: TokenDtype = "uint16"  # element type of the token file
+class BlendPart:
+    """One dataset of a blend: a Megatron dataset prefix and its relative weight."""
+    path: str
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         c = Checks()
-        c.require(bool(self.source.strip()), "D1", {"data.source": self.source},
-                  "must not be empty", "use 'synthetic' or the path of a token file")
-        c.require("\0" not in self.source, "D1", {"data.source": self.source},
-                  "a path cannot hold a NUL character", "write the token file's path")
+        c.require(bool(self.path.strip()) and "\0" not in self.path, "D1",
+                  {"data.source[].path": self.path}, "must be a dataset prefix",
+                  "write the prefix of PREFIX.bin + PREFIX.idx, e.g. corpus/wiki_text_document")
+        c.require(self.weight >= 0, "D5", {"data.source[].weight": self.weight},
+                  "a blend weight must be >= 0 (weights are relative shares)",
+                  "use a weight such as 0.7 for 70%, or remove the dataset")
         c.raise_if_any()
+
+
+SYNTHETIC = "synthetic"
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def split_shares(split: str) -> tuple[float, float, float] | None:
+    """The train/validation/test shares a split string names ("98,1,1" or "98/1/1", relative
+    like Megatron's --split; missing trailing parts are 0), normalised to sum 1; None when it
+    is not such a string."""
+    parts = [part.strip() for part in re.split(r"[,/]", split)]
+    if not 1 <= len(parts) <= 3:
+        return None
+    try:
+        values = [float(part) for part in parts]
+    except ValueError:
+        return None
+    if any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
+        return None
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return values[0] / total, values[1] / total, values[2] / total
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    # "synthetic", a Megatron dataset prefix (PREFIX.bin + PREFIX.idx), a flat token file, or
+    # a blend: a list of {path: PREFIX, weight: W} (Megatron's --data-path W1 P1 W2 P2).
+    source: str | tuple[BlendPart, ...] = SYNTHETIC
+    token_dtype: TokenDtype = "uint16"  # element type of a flat token file
+    split: str = "98,1,1"  # train, validation, test shares of each dataset
+    tokenizer: str | None = None  # "bytes", a tokenizer.json or a local Hugging Face model folder
+    cache_dir: str | None = None  # dataset index cache; None: $XDG_CACHE_HOME/dsforge/indices
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        if isinstance(self.source, str):
+            c.require(bool(self.source.strip()), "D1", {"data.source": self.source},
+                      "must not be empty",
+                      "use 'synthetic', a dataset prefix or the path of a token file")
+            c.require("\0" not in self.source, "D1", {"data.source": self.source},
+                      "a path cannot hold a NUL character", "write the dataset's path")
+        else:
+            c.require(len(self.source) > 0, "D5", {"data.source": []}, "an empty blend",
+                      "list at least one {path: PREFIX, weight: W}, or write one prefix")
+            weights = [part.weight for part in self.source]
+            c.require(not self.source or sum(weights) > 0, "D5", {"data.source[].weight": weights},
+                      "the blend weights add up to 0", "give at least one dataset a weight > 0")
+        c.require(split_shares(self.split) is not None, "D6", {"data.split": self.split},
+                  "must be up to three non-negative numbers for train, validation and test, "
+                  "separated by commas, that do not all add up to 0",
+                  "use e.g. data.split: \"98,1,1\" (shares are relative: 969,30,1 works too)")
+        for name in ("tokenizer", "cache_dir"):
+            value = getattr(self, name)
+            c.require(value is None or (bool(value.strip()) and "\0" not in value), "D1",
+                      {f"data.{name}": value}, "must be a path",
+                      f"write a path, or leave data.{name} out")
+        c.raise_if_any()
+
+    @property
+    def is_synthetic(self) -> bool:
+        return self.source == SYNTHETIC
+
+    @property
+    def blend(self) -> tuple[BlendPart, ...]:
+        """The datasets named by source (one of weight 1 when it is a single path)."""
+        if isinstance(self.source, str):
+            return () if self.is_synthetic else (BlendPart(path=self.source),)
+        return self.source
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    """Where metrics go besides RUN_DIR/metrics.jsonl (docs/recipe.md#tracking)."""
+    tensorboard: bool = False  # event files under RUN_DIR/tensorboard
+    wandb: bool = False  # Weights & Biases (files under RUN_DIR/wandb)
+    wandb_project: str = "dsforge"
+    wandb_entity: str | None = None
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: no network call at all
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,6 +422,7 @@ class Recipe:
     zero: ZeroConfig = ZeroConfig()
     train: TrainConfig
     data: DataConfig = DataConfig()
+    tracking: TrackingConfig = TrackingConfig()
     cluster: ClusterConfig | None = None
 
     def __post_init__(self) -> None:
