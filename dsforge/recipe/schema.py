@@ -319,10 +319,9 @@ SYNTHETIC = "synthetic"
 SPLIT_NAMES = ("train", "validation", "test")
 
 
-def split_shares(split: str) -> tuple[float, float, float] | None:
-    """The train/validation/test shares a split string names ("98,1,1" or "98/1/1", relative
-    like Megatron's --split; missing trailing parts are 0), normalised to sum 1; None when it
-    is not such a string."""
+def split_parts(split: str) -> list[float] | None:
+    """The numbers of a split string ("98,1,1" or "98/1/1"; missing trailing parts are 0), or
+    None when it is not up to three finite non-negative numbers."""
     parts = [part.strip() for part in re.split(r"[,/]", split)]
     if not 1 <= len(parts) <= 3:
         return None
@@ -330,11 +329,45 @@ def split_shares(split: str) -> tuple[float, float, float] | None:
         values = [float(part) for part in parts]
     except ValueError:
         return None
-    if any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
+    if any(not math.isfinite(v) or v < 0 for v in values):
         return None
-    values += [0.0] * (3 - len(values))
+    return values + [0.0] * (3 - len(values))
+
+
+def split_shares(split: str) -> tuple[float, float, float] | None:
+    """The train/validation/test shares of a valid split (percent adding up to 100, or
+    fractions adding up to 1), or None."""
+    values = split_parts(split)
+    if values is None:
+        return None
     total = sum(values)
+    if not any(math.isclose(total, whole, rel_tol=1e-6) for whole in SPLIT_TOTALS):
+        return None
     return values[0] / total, values[1] / total, values[2] / total
+
+
+SPLIT_TOTALS = (100.0, 1.0)
+
+
+def _split_problem(split: str) -> Problem | None:
+    """D6: a split is percent adding up to 100 (or fractions adding up to 1). Megatron
+    normalises any numbers; dsforge refuses a total like 101, which is more often a typo."""
+    values = split_parts(split)
+    if values is None:
+        return Problem(rule="D6", fields={"data.split": split},
+                       message="must be up to three non-negative numbers for train, validation "
+                               "and test, separated by commas",
+                       fix='use e.g. data.split: "98,1,1"')
+    if split_shares(split) is not None:
+        return None
+    total = sum(values)
+    if total <= 0:
+        fix = 'use e.g. data.split: "98,1,1"'
+    else:
+        fix = "use data.split: \"" + ",".join(f"{100 * v / total:.4g}" for v in values) + "\""
+    return Problem(rule="D6", fields={"data.split": split},
+                   message=f"adds up to {total:g}: the shares of train, validation and test are "
+                           "percent adding up to 100 (or fractions adding up to 1)", fix=fix)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -361,10 +394,9 @@ class DataConfig:
             weights = [part.weight for part in self.source]
             c.require(not self.source or sum(weights) > 0, "D5", {"data.source[].weight": weights},
                       "the blend weights add up to 0", "give at least one dataset a weight > 0")
-        c.require(split_shares(self.split) is not None, "D6", {"data.split": self.split},
-                  "must be up to three non-negative numbers for train, validation and test, "
-                  "separated by commas, that do not all add up to 0",
-                  "use e.g. data.split: \"98,1,1\" (shares are relative: 969,30,1 works too)")
+        split = _split_problem(self.split)
+        if split is not None:
+            c.problems.append(split)
         for name in ("tokenizer", "cache_dir"):
             value = getattr(self, name)
             c.require(value is None or (bool(value.strip()) and "\0" not in value), "D1",

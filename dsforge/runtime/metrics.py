@@ -28,6 +28,7 @@ class StepRecord:
     step_time_s: float
     tokens_per_s: float
     tokens_per_s_per_gpu: float
+    tflops_per_gpu: float  # model TFLOP/s per rank (the FLOPs MFU counts)
     mfu: float | None  # None: no known peak (CPU or an unknown GPU)
     hfu: float | None
     peak_memory_bytes: int
@@ -36,6 +37,7 @@ class StepRecord:
     # the loop's period, everything included (data, metrics, heartbeat): see
     # benchmarks/overhead.
     ended_at: float | None = None
+    loss_scale: float | None = None  # fp16's dynamic loss scale after the step; None otherwise
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
@@ -49,16 +51,19 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, step_time_s: float,
                 tokens_per_step: int, world_size: int, flops_per_token: float,
                 hardware_flops_per_token: float, peak_flops: float | None,
-                device: torch.device, ended_at: float | None = None) -> StepRecord:
+                device: torch.device, ended_at: float | None = None,
+                loss_scale: float | None = None) -> StepRecord:
     tokens_per_s = tokens_per_step / step_time_s
     per_gpu = tokens_per_s / world_size
     memory, source = peak_memory(device)
     return StepRecord(step=step, warmup=warmup, loss=loss,
                       grad_norm=None if grad_norm is None else float(grad_norm), lr=lr,
                       step_time_s=step_time_s, tokens_per_s=tokens_per_s,
-                      tokens_per_s_per_gpu=per_gpu, mfu=mfu(per_gpu, flops_per_token, peak_flops),
+                      tokens_per_s_per_gpu=per_gpu,
+                      tflops_per_gpu=per_gpu * flops_per_token / 1e12, mfu=mfu(per_gpu, flops_per_token, peak_flops),
                       hfu=mfu(per_gpu, hardware_flops_per_token, peak_flops),
-                      peak_memory_bytes=memory, memory_source=source, ended_at=ended_at)
+                      peak_memory_bytes=memory, memory_source=source, ended_at=ended_at,
+                      loss_scale=loss_scale)
 
 
 class MetricsWriter:
