@@ -22,6 +22,7 @@ is refused too. flock is local to a machine (on NFS it is not reliable across ho
 from __future__ import annotations
 
 import base64
+import contextlib
 import binascii
 import fcntl
 import json
@@ -30,6 +31,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 # The environment variable that tags every local process of a job with its run directory
 # (set by `dsforge run` and `dsforge bench` for the launcher; inherited by the ranks).
@@ -124,6 +126,19 @@ def hold_directory(directory: Path, *, what: str = "", wait_s: float | None = No
             raise Busy(directory, pids=tuple(pids))
         time.sleep(0.2)
     return lock
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on file `path` (created if needed), waiting for it: for work
+    one process of a machine does while the others wait (building a dataset index cache)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
 
 
 def read_owner(path: Path) -> Owner | None:

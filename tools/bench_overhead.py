@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from dsforge.launch.local import free_port, run_job
+from dsforge.metrics_file import read_metrics
 from dsforge.runtime.rank import threads_per_rank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def run_dsforge(work: Path, overrides: list[str], steps: int, timeout_s: float) 
     for item in overrides:
         command += ["--set", item]
     run_group(command, work / "dsforge.log", timeout_s)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records, _ = read_metrics(run_dir / "metrics.jsonl")
     return [r["ended_at"] for r in records]
 
 

@@ -35,6 +35,7 @@ from dsforge.bench.study import Cell, Study, expand, study_identity
 from dsforge.files import write_atomic
 from dsforge.launch.job import JobSpec, Placement, launch_command
 from dsforge.launch.local import free_port, run_job
+from dsforge.metrics_file import read_metrics
 from dsforge.launch.owner import current_owner
 from dsforge.launch.run_dir import JOB_LOG
 from dsforge.problems import RecipeError, errors
@@ -262,7 +263,7 @@ def one_line(text: str) -> str:
 def figures(run_dir: Path) -> dict:
     """Measured figures of one repeat: per-step times of the measured steps, throughput,
     MFU/HFU medians, peak memory max over ranks, measured bubble per pipeline stage."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records, _ = read_metrics(run_dir / "metrics.jsonl")
     measured = [r for r in records if not r["warmup"]]
     ranks = [_read_json(p) for p in sorted((run_dir / "ranks").glob("rank*.json"))]
     bubbles: dict[int, list[float]] = {}

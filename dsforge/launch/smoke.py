@@ -8,9 +8,9 @@ floating-point reductions. A larger difference means the layout computes somethi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+from dsforge.metrics_file import read_metrics
 
 # Largest per-step loss difference accepted (absolute, on losses of ~5 at tiny size). fp32:
 # different reduction orders move losses by ~1e-5 (tests/distributed/test_equivalence.py
@@ -35,15 +35,18 @@ class LossCheck:
                 f"tolerance {self.tolerance:.0e})")
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def losses(run_dir: Path) -> dict[tuple[str, int], float]:
+    """Training losses by ("loss", step) and validation losses by ("val_loss", step)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return {}
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+    steps, evals = read_metrics(path)
+    return {**{("loss", r["step"]): r["loss"] for r in steps},
+            **{("val_loss", r["step"]): r["val_loss"] for r in evals}}
 
 
 def compare_losses(run_dir: Path, reference_dir: Path, precision: str) -> LossCheck:
     run, reference = losses(run_dir), losses(reference_dir)
-    steps = sorted(set(run) & set(reference))
-    worst = max((abs(run[s] - reference[s]) for s in steps), default=float("inf"))
-    return LossCheck(steps=len(steps), max_difference=worst, tolerance=LOSS_TOLERANCE[precision])
+    common = set(run) & set(reference)
+    worst = max((abs(run[key] - reference[key]) for key in common), default=float("inf"))
+    return LossCheck(steps=sum(kind == "loss" for kind, _ in common), max_difference=worst, tolerance=LOSS_TOLERANCE[precision])

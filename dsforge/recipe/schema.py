@@ -8,6 +8,7 @@ together (RecipeError). Rules that span sections or need the world size live in
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -407,6 +408,16 @@ class DataConfig:
     @property
     def is_synthetic(self) -> bool:
         return self.source == SYNTHETIC
+
+    @property
+    def kind(self) -> str:
+        """"synthetic"; "token_file" (a string naming an existing file: a flat array of ids);
+        or "indexed" (Megatron dataset prefixes, one or a blend). Looks at the file system."""
+        if self.is_synthetic:
+            return "synthetic"
+        if isinstance(self.source, str) and os.path.isfile(self.source):
+            return "token_file"
+        return "indexed"
 
     @property
     def blend(self) -> tuple[BlendPart, ...]:

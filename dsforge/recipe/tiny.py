@@ -67,8 +67,8 @@ def shrink(recipe: Recipe, grad_accum: int) -> Recipe:
         global_batch=None, steps=TINY_STEPS, warmup_steps=0, timing_warmup=1,
         checkpoint_every=min(recipe.train.checkpoint_every, TINY_STEPS))
     data = recipe.data
-    if recipe.model.vocab_size > TINY_MAX_VOCAB:
-        data = dataclasses.replace(data, source="synthetic")
+    if recipe.model.vocab_size > TINY_MAX_VOCAB:  # the tiny model's vocabulary cannot hold it
+        data = dataclasses.replace(data, source="synthetic", tokenizer=None)
     # Names become directory names (at most 100 characters, rule N1): room for the suffixes.
     return dataclasses.replace(recipe, name=f"{recipe.name[:80]}-tiny", model=model, train=train,
                                data=data)

@@ -2,7 +2,9 @@
 
 The reporting rank is rank 0 of the last pipeline stage (tp rank 0, dp rank 0): it has the
 loss. Step records go to metrics.jsonl as they happen; warmup steps carry `"warmup": true`
-and are left out of the summary (medians over the measured steps).
+and are left out of the summary (medians over the measured steps). A validation loss is a
+line of its own, `{"step": s, "val_loss": x}`, after the record of step s (the step it
+follows); dsforge/metrics_file.py's `read_metrics` splits a file into the two kinds.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dsforge.estimate.flops import mfu
+from dsforge.metrics_file import is_validation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,10 +69,22 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                       loss_scale=loss_scale)
 
 
+@dataclass(frozen=True)
+class EvalRecord:
+    step: int  # the training step this evaluation follows
+    val_loss: float
+
+
+def _parse(line: str) -> StepRecord | EvalRecord:
+    data = json.loads(line)
+    return EvalRecord(**data) if is_validation(data) else StepRecord(**data)
+
+
 class MetricsWriter:
     def __init__(self, path: Path):
         self.path = path
         self.records: list[StepRecord] = []
+        self.evals: list[EvalRecord] = []
 
     def keep_steps_before(self, step: int) -> None:
         """On resume: drop records of steps that will be trained again (after the checkpoint)."""
@@ -77,13 +92,26 @@ class MetricsWriter:
             return
         kept = [line for line in self.path.read_text().splitlines()
                 if json.loads(line)["step"] < step]
-        self.records = [StepRecord(**json.loads(line)) for line in kept]
+        parsed = [_parse(line) for line in kept]
+        self.records = [r for r in parsed if isinstance(r, StepRecord)]
+        self.evals = [r for r in parsed if isinstance(r, EvalRecord)]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: StepRecord) -> None:
         self.records.append(record)
+        self._append(asdict(record))
+
+    def write_eval(self, step: int, val_loss: float) -> None:
+        record = EvalRecord(step=step, val_loss=val_loss)
+        self.evals.append(record)
+        self._append(asdict(record))
+
+    def last_eval(self) -> tuple[int, float] | None:
+        return (self.evals[-1].step, self.evals[-1].val_loss) if self.evals else None
+
+    def _append(self, data: dict) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(asdict(record)) + "\n")
+            f.write(json.dumps(data) + "\n")
 
     def summary(self) -> dict:
         measured = [r for r in self.records if not r.warmup] or self.records
@@ -96,12 +124,16 @@ class MetricsWriter:
             "median_tokens_per_s_per_gpu": statistics.median(r.tokens_per_s_per_gpu for r in measured),
             "median_mfu": statistics.median(mfus) if mfus else None,
             "peak_memory_bytes": max(r.peak_memory_bytes for r in self.records),
+            "final_val_loss": self.evals[-1].val_loss if self.evals else None,
+            "val_losses": [[r.step, r.val_loss] for r in self.evals],
         }
 
 
 def format_summary(summary: dict) -> str:
     mfu_text = f"{summary['median_mfu']:.1%}" if summary["median_mfu"] is not None else "n/a"
-    return (f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}; median over "
+    val = summary.get("final_val_loss")
+    val_text = f", validation loss {val:.4f}" if val is not None else ""
+    return (f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}{val_text}; median over "
             f"{summary['measured_steps']} measured steps: {summary['median_step_time_s'] * 1e3:.1f} ms/step, "
             f"{summary['median_tokens_per_s']:,.0f} tok/s ({summary['median_tokens_per_s_per_gpu']:,.0f} per rank), "
             f"MFU {mfu_text}")

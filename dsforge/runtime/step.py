@@ -10,6 +10,8 @@ Two paths, one per kind of layout:
   data-parallel group (ZeRO 0/1), clips and steps. The schedule divides each microbatch loss
   by the number of microbatches, as DeepSpeed's own backward would.
 Both return the step's mean loss on this rank (None on pipeline ranks without the loss).
+`eval_unpipelined` / `eval_pipelined` run the same forward passes without gradients and
+without an update, for the validation loss.
 """
 
 from __future__ import annotations
@@ -54,6 +56,36 @@ def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
         num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=micro_batch,
         forward_only=False)
     engine.step()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.stack([r["loss"] for r in results]).mean()
+
+
+def eval_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
+    losses = []
+    with torch.no_grad():
+        for mb in batches:
+            out = engine(mb.tokens.to(device), mb.position_ids.to(device), None,
+                         labels=mb.labels.to(device))
+            losses.append(_loss_of(out))
+    return torch.stack(losses).mean()
+
+
+def eval_pipelined(chunks, batches: list[Microbatch], *, seq_len: int, micro_batch: int,
+                   device) -> torch.Tensor | None:
+    """Megatron's schedule with forward_only=True: the same p2p pattern as training, minus the
+    backward passes, on every rank of the pipeline (so no rank waits for a peer that skipped)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    iterators = [iter(batches) for _ in chunks]
+    with torch.no_grad():
+        results = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, device=device),
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=micro_batch,
+            forward_only=True)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return torch.stack([r["loss"] for r in results]).mean()

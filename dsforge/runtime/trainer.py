@@ -19,7 +19,8 @@ from dsforge.runtime import checkpoint
 from dsforge.runtime import data as data_mod
 from dsforge.runtime.engine import build_rank
 from dsforge.runtime.metrics import MetricsWriter, format_summary, make_record
-from dsforge.runtime.step import step_pipelined, step_unpipelined
+from dsforge.runtime import step as step_mod
+from dsforge.runtime.tracking import open_tracker
 
 
 class Trainer:
@@ -30,12 +31,12 @@ class Trainer:
         self.measure = measure
         self.console = console or RankConsole(marked=False)
         recipe, layout = resolved.recipe, resolved.layout
+        # Before the process group exists: dataset indices are built once per node under a
+        # file lock, in a private world (dsforge/data/samples.py).
+        self.sources = data_mod.open_sources(resolved)
         parts = build_rank(resolved, device=device, backend=backend, timeout_s=collective_timeout_s)
         self.chunks, self.engine = parts.chunks, parts.engine
         self.timers = self._schedule_timers() if measure and layout.pp > 1 else None
-        self.source = data_mod.open_source(source=recipe.data.source, seq_len=recipe.train.seq_len,
-                                           vocab_size=recipe.model.vocab_size, seed=recipe.train.seed,
-                                           token_dtype=recipe.data.token_dtype)
         self.flops = flops_per_token(recipe.model, recipe.train.seq_len,
                                      recipe.train.activation_checkpointing)
         gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -45,6 +46,9 @@ class Trainer:
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl") if self.reporter else None
         if self.reporter and resume:
             self.metrics.keep_steps_before(self.start_step)
+        self.tracker = open_tracker(recipe, run_dir, resumed_at=self.start_step if resume else None,
+                                    warn=lambda text: self.console.say(f"dsforge: warning: {text}")) \
+            if self.reporter else None
         if self.reporter:
             self._write_manifest()
 
@@ -82,29 +86,73 @@ class Trainer:
         return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
                 and ps.get_data_parallel_rank() == 0)
 
-    def train_step(self, step: int) -> None:
+    def _batches(self, source, index: int) -> list[data_mod.Microbatch]:
         from megatron.core import parallel_state as ps
 
+        layout = self.resolved.layout
+        return data_mod.microbatches(source, step=index, global_batch=layout.global_batch,
+                                     micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
+                                     dp=layout.dp, dp_rank=ps.get_data_parallel_rank(),
+                                     vocab_size=self.resolved.recipe.model.vocab_size)
+
+    def _mean_over_replicas(self, loss: torch.Tensor) -> float:
+        """The mean of a loss over the data-parallel replicas (one host sync)."""
+        from megatron.core import parallel_state as ps
+
+        torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+        return loss.item() / self.resolved.layout.dp
+
+    def train_step(self, step: int) -> None:
         layout, train = self.resolved.layout, self.resolved.recipe.train
-        batches = data_mod.microbatches(self.source, step=step, global_batch=layout.global_batch,
-                                        micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
-                                        dp=layout.dp, dp_rank=ps.get_data_parallel_rank())
+        batches = self._batches(self.sources.train, step)
         lr = self.engine.get_lr()[0]  # the rate this step's update uses
         start = time.perf_counter()
         if layout.pp == 1:
-            loss = step_unpipelined(self.engine, batches, self.device)
+            loss = step_mod.step_unpipelined(self.engine, batches, self.device)
         else:
-            loss = step_pipelined(self.engine, self.chunks, batches, seq_len=train.seq_len,
+            loss = step_mod.step_pipelined(self.engine, self.chunks, batches, seq_len=train.seq_len,
                                   micro_batch=layout.micro_batch, device=self.device)
-        if loss is not None:  # mean over the data-parallel replicas (one host sync per step)
-            torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
-            loss = loss.item() / layout.dp
+        if loss is not None:
+            loss = self._mean_over_replicas(loss)
         elapsed = time.perf_counter() - start
         ended_at = time.time()
         if self.timers is not None:
             self.timers.end_step()
         if self.reporter:
             self._report(step, loss, lr, elapsed, ended_at)
+
+    def evaluate(self, step: int, before_batch: Callable[[int], None] | None = None) -> None:
+        """The validation loss after `step`: train.eval_iters global batches of held-out samples
+        through forward passes only, on every rank (pipeline ranks run the forward-only
+        schedule together). Changes no state training reads: no gradients, no update, no
+        random numbers (eval mode), so training losses are the same with or without it."""
+        layout, train = self.resolved.layout, self.resolved.recipe.train
+        losses = []
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            for index in range(train.eval_iters):
+                if before_batch is not None:
+                    before_batch(step)
+                batches = self._batches(self.sources.validation, index)
+                if layout.pp == 1:
+                    loss = step_mod.eval_unpipelined(self.engine, batches, self.device)
+                else:
+                    loss = step_mod.eval_pipelined(self.chunks, batches, seq_len=train.seq_len,
+                                                   micro_batch=layout.micro_batch, device=self.device)
+                if loss is not None:
+                    losses.append(loss)
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+        if not losses:
+            return
+        val_loss = self._mean_over_replicas(torch.stack(losses).mean())
+        if self.reporter:
+            self.metrics.write_eval(step, val_loss)
+            self.tracker.log_eval(step, val_loss)
+            self.console.progress(name=self.resolved.recipe.name, step=step + 1,
+                                  steps=train.steps, postfix=self._postfix())
 
     def _report(self, step: int, loss: float, lr: float, elapsed: float, ended_at: float) -> None:
         recipe, layout = self.resolved.recipe, self.resolved.layout
@@ -114,10 +162,21 @@ class Trainer:
             step_time_s=elapsed, tokens_per_step=layout.global_batch * recipe.train.seq_len,
             world_size=layout.world_size, flops_per_token=self.flops.model,
             hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
-            device=self.device, ended_at=ended_at)
+            device=self.device, ended_at=ended_at, loss_scale=self._loss_scale())
         self.metrics.write(record)
+        self.tracker.log_step(record)
         self.console.progress(name=recipe.name, step=step + 1, steps=recipe.train.steps,
-                              postfix=_postfix(record))
+                              postfix=self._postfix())
+
+    def _loss_scale(self) -> float | None:
+        """fp16's dynamic loss scale (DeepSpeed's optimizer wrapper holds it); None otherwise."""
+        if self.resolved.recipe.train.precision != "fp16":
+            return None
+        scale = getattr(self.engine.optimizer, "cur_scale", None)
+        return None if scale is None else float(scale)
+
+    def _postfix(self) -> str:
+        return _postfix(self.metrics.records[-1], self.metrics.last_eval())
 
     def _write_manifest(self) -> None:
         from dsforge.runtime.manifest import environment_manifest
@@ -130,6 +189,7 @@ class Trainer:
         if not self.reporter:
             return
         self.console.close()
+        self.tracker.close()
         summary = self.metrics.summary()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.console.say(format_summary(summary))
@@ -167,7 +227,8 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
     train.checkpoint_every steps, then the summaries (`Trainer.finish`).
 
     runtime/rank.py adds what only a launched rank needs: `before_step(step)` arms its
-    watchdog, beats its heartbeat and runs the fault drill; `after_steps()` disarms the
+    watchdog, beats its heartbeat and runs the fault drill (also before each validation
+    batch, so a long evaluation is not taken for a hang); `after_steps()` disarms the
     watchdog; `save_fault(rank, steps_done)` is the drill that dies while saving.
     tests/distributed/worker.py runs the same loop without them.
     """
@@ -177,6 +238,8 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
         if before_step is not None:
             before_step(step)
         trainer.train_step(step)
+        if eval_due(train, step):  # before the save: a resumed run has this step's eval
+            trainer.evaluate(step, before_batch=before_step)
         if every and (step + 1) % every == 0:
             trainer.save_checkpoint(step + 1, fault=save_fault)
     if after_steps is not None:
@@ -184,8 +247,14 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
     trainer.finish()
 
 
-def _postfix(r) -> str:
+def eval_due(train, step: int) -> bool:
+    """Evaluate after every train.eval_every steps and after the last step."""
+    return train.eval_every > 0 and ((step + 1) % train.eval_every == 0 or step + 1 == train.steps)
+
+
+def _postfix(r, last_eval: tuple[int, float] | None) -> str:
     mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
     norm = f"{r.grad_norm:.3f}" if r.grad_norm is not None else "n/a"
-    return (f"loss {r.loss:.4f} | gnorm {norm} | lr {r.lr:.2e} | {r.step_time_s * 1e3:.0f} ms | "
+    val = f" | val {last_eval[1]:.4f}" if last_eval is not None else ""
+    return (f"loss {r.loss:.4f}{val} | gnorm {norm} | lr {r.lr:.2e} | {r.step_time_s * 1e3:.0f} ms | "
             f"{r.tokens_per_s:,.0f} tok/s | MFU {mfu} | mem {r.peak_memory_bytes / 2**20:,.0f} MiB")

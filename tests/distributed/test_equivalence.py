@@ -1,16 +1,19 @@
 """The glue is right: sharded layouts reproduce a single-process run, step by step.
 
-For a fixed tiny model, seed and global batch (8 sequences of 128 tokens of The Tempest per
-step), the loss
-and the global gradient norm of every step must match the single-process reference
-(world 1, 4 microbatches of 2). Weights start layout-invariant (dsforge/runtime/init.py) and
+For a fixed tiny model, seed and global batch (8 sequences of 128 tokens per step from a
+70/30 blend of two Megatron indexed datasets of The Tempest, split 90/5/5, through
+Megatron-Core's GPTDataset and BlendedDataset), the loss and the global gradient norm of every
+step, and the validation loss after steps 2 and 4, must match the single-process reference
+(world 1, 4 microbatches of 2). Evaluating must not change training: cases without
+evaluation have bitwise the same training losses as the same layout with it. Weights start layout-invariant (dsforge/runtime/init.py) and
 every layout sees the same samples per step, so any difference is a bug in the glue:
 gradients reduced over the wrong group, a pipeline message swapped, a shard misplaced.
 Tolerance: float32 on CPU; only the order of floating-point sums differs between layouts,
 observed differences are ~1e-6, the bound is 1e-4 absolute on the loss and 1e-3 relative on
 the gradient norm.
 
-Worlds are spawned once per size and train all their layouts in turn (harness.py).
+Worlds are spawned once per size and train all their layouts in turn (harness.py). A few
+layouts train on the flat token file instead (data/tempest.u16.bin), the other sample source.
 """
 
 from __future__ import annotations
@@ -24,24 +27,31 @@ from tests.distributed.harness import run_world
 # ops, ~2 minutes of C++ compilation); each world also has its own timeout in the harness.
 pytestmark = pytest.mark.timeout(900)
 
-STEPS = 4
+STEPS, EVAL_EVERY = 4, 2
 TEXT = REPO / "data" / "tempest.u16.bin"
+TEMPEST = REPO / "data" / "tempest"  # data/tempest.jsonl prepared with the bytes tokenizer
 BATCH = [f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=2",
          "train.grad_accum=null", "train.warmup_steps=0", "train.timing_warmup=0",
-         "train.lr=1.0e-2", f"data.source={TEXT}"]
+         "train.lr=1.0e-2", "model.vocab_size=512"]  # 257 ids; a multiple of 128 x tp pads alike on every tp
+EVAL = [f"train.eval_every={EVAL_EVERY}", "train.eval_iters=2"]
 DENSE, MOE = REPO / "recipes" / "tiny.yaml", REPO / "recipes" / "tiny_moe.yaml"
+# Filled in by the `results` fixture: the blend's data overrides (its datasets and index
+# cache live in the test's temporary directory).
+DATA: list[str] = []
 
 
-def _case(*overrides: str) -> list[str]:
-    return BATCH + list(overrides)
+def _case(*overrides: str, evaluate: bool = True, data: list[str] | None = None) -> list[str]:
+    return lambda: BATCH + (data if data is not None else DATA) + (EVAL if evaluate else []) \
+        + list(overrides)
 
 
-def _moe(*overrides: str) -> list[str]:
+def _moe(*overrides: str, evaluate: bool = True) -> list[str]:
     # A large load-balancing weight, so a mis-scaled auxiliary loss gradient shows.
-    return _case("model.moe.aux_loss_coeff=1.0", *overrides)
+    return _case("model.moe.aux_loss_coeff=1.0", *overrides, evaluate=evaluate)
 
 
-REFERENCE = {"dense": _case("parallel.dp=1"), "moe": _moe("parallel.dp=1", "parallel.ep=1")}
+REFERENCE = {"dense": _case("parallel.dp=1"), "moe": _moe("parallel.dp=1", "parallel.ep=1"),
+             "dense_file": _case("parallel.dp=1", data=[f"data.source={TEXT}"])}
 
 WORLD2_DENSE = {
     **{f"dp2_zero{s}": _case("parallel.dp=2", f"zero.stage={s}") for s in range(4)},
@@ -54,12 +64,24 @@ WORLD2_DENSE = {
     **{f"pp2_vpp2_zero{s}": _case("parallel.dp=1", "parallel.pp=2", "parallel.vpp=2", f"zero.stage={s}")
        for s in (0, 1)},
 }
+# The same layouts without evaluation: training must be bitwise the same.
+NO_EVAL = {"dp2_zero3": "dp2_zero3_no_eval", "pp2_vpp2_zero1": "pp2_vpp2_zero1_no_eval",
+           "moe_ep2_zero1": "moe_ep2_zero1_no_eval"}
+WORLD2_NO_EVAL = {
+    "dp2_zero3_no_eval": _case("parallel.dp=2", "zero.stage=3", evaluate=False),
+    "pp2_vpp2_zero1_no_eval": _case("parallel.dp=1", "parallel.pp=2", "parallel.vpp=2",
+                                    "zero.stage=1", evaluate=False),
+}
+WORLD2_FILE = {"dp2_file": _case("parallel.dp=2", data=[f"data.source={TEXT}"]),
+               "pp2_file": _case("parallel.dp=1", "parallel.pp=2", data=[f"data.source={TEXT}"])}
 WORLD2_MOE = {
     **{f"moe_ep2_zero{s}": _moe("parallel.dp=2", "parallel.ep=2", f"zero.stage={s}") for s in (0, 1, 2)},
     "moe_dp2": _moe("parallel.dp=2", "parallel.ep=1"),
     "moe_pp2": _moe("parallel.dp=1", "parallel.ep=1", "parallel.pp=2"),
     "moe_dp2_zero3": _moe("parallel.dp=2", "parallel.ep=1", "zero.stage=3"),
 }
+WORLD2_MOE_NO_EVAL = {"moe_ep2_zero1_no_eval": _moe("parallel.dp=2", "parallel.ep=2", "zero.stage=1",
+                                                    evaluate=False)}
 WORLD4_DENSE = {
     "tp2_pp2": _case("parallel.dp=1", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"),
     "pp2_vpp2_dp2": _case("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2"),
@@ -74,35 +96,69 @@ WORLD4_MOE = {
 }
 
 
+def _blend(tmp) -> list[str]:
+    """A 70/30 blend of the shipped Tempest dataset and one of its paragraphs in reverse order
+    (made here with dsforge data prepare), split 90/5/5, its index cache under `tmp`."""
+    from dsforge.data.prepare import prepare
+
+    lines = (REPO / "data" / "tempest.jsonl").read_text().splitlines()
+    reversed_jsonl = tmp / "tempest_reversed.jsonl"
+    reversed_jsonl.write_text("\n".join(reversed(lines)) + "\n")
+    prepare([str(reversed_jsonl)], tokenizer="bytes", output=tmp / "tempest_reversed", progress=False)
+    return [f"data.source=[{{path: {TEMPEST}, weight: 0.7}}, "
+            f"{{path: {tmp / 'tempest_reversed'}, weight: 0.3}}]",
+            "data.split=90,5,5", f"data.cache_dir={tmp / 'cache'}"]
+
+
+def _cases(cases: dict) -> dict[str, list[str]]:
+    return {name: make() for name, make in cases.items()}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Every layout's metrics; four worlds, each spawned once."""
+    """Every layout's metrics; six worlds, each spawned once."""
     out = tmp_path_factory.mktemp("equivalence")
+    DATA[:] = _blend(out)
     found = {}
-    found.update(run_world(1, {"ref_dense": REFERENCE["dense"]}, recipe=DENSE, out=out / "w1d"))
-    found.update(run_world(1, {"ref_moe": REFERENCE["moe"]}, recipe=MOE, out=out / "w1m"))
-    found.update(run_world(2, {**WORLD2_DENSE, **BF16}, recipe=DENSE, out=out / "w2d"))
-    found.update(run_world(2, WORLD2_MOE, recipe=MOE, out=out / "w2m"))
-    found.update(run_world(4, WORLD4_DENSE, recipe=DENSE, out=out / "w4d"))
-    found.update(run_world(4, WORLD4_MOE, recipe=MOE, out=out / "w4m"))
+    worlds = [(1, {"ref_dense": REFERENCE["dense"], "ref_dense_file": REFERENCE["dense_file"]}, DENSE),
+              (1, {"ref_moe": REFERENCE["moe"]}, MOE),
+              (2, {**WORLD2_DENSE, **BF16, **WORLD2_NO_EVAL, **WORLD2_FILE}, DENSE),
+              (2, {**WORLD2_MOE, **WORLD2_MOE_NO_EVAL}, MOE),
+              (4, WORLD4_DENSE, DENSE), (4, WORLD4_MOE, MOE)]
+    for i, (size, cases, recipe) in enumerate(worlds):
+        found.update(run_world(size, _cases(cases), recipe=recipe, out=out / f"world{i}"))
     return found
 
 
+def _steps(records: list[dict]) -> list[dict]:
+    return [r for r in records if "val_loss" not in r]
+
+
+def _evals(records: list[dict]) -> list[dict]:
+    return [r for r in records if "val_loss" in r]
+
+
 def _assert_matches(results, name: str, reference: str) -> None:
-    got, ref = results[name], results[reference]
+    got, ref = _steps(results[name]), _steps(results[reference])
     assert len(got) == len(ref) == STEPS, f"{name}: {len(got)} steps recorded"
     for step, (g, r) in enumerate(zip(got, ref)):
         assert g["loss"] == pytest.approx(r["loss"], abs=1e-4), f"{name} loss at step {step}"
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-3), f"{name} grad norm at step {step}"
+    got, ref = _evals(results[name]), _evals(results[reference])
+    assert [e["step"] for e in got] == [e["step"] for e in ref] == [1, 3], f"{name}: evaluations"
+    for g, r in zip(got, ref):
+        assert g["val_loss"] == pytest.approx(r["val_loss"], abs=1e-4), f"{name} val_loss at {g['step']}"
 
 
 def test_reference_learns(results):
-    losses = [r["loss"] for r in results["ref_dense"]]
+    losses = [r["loss"] for r in _steps(results["ref_dense"])]
     assert losses[-1] < losses[0] - 0.5
+    held_out = [r["val_loss"] for r in _evals(results["ref_dense"])]
+    assert held_out[-1] < held_out[0]
 
 
 def test_bf16_follows_the_fp32_trajectory(results):
-    for got, ref in zip(results["dp2_bf16"], results["ref_dense"]):
+    for got, ref in zip(_steps(results["dp2_bf16"]), _steps(results["ref_dense"])):
         assert got["loss"] == pytest.approx(ref["loss"], abs=0.05)
 
 
@@ -114,3 +170,18 @@ def test_dense_layout_matches_single_process(results, name):
 @pytest.mark.parametrize("name", [*WORLD2_MOE, *WORLD4_MOE])
 def test_moe_layout_matches_single_process(results, name):
     _assert_matches(results, name, "ref_moe")
+
+
+@pytest.mark.parametrize("name", WORLD2_FILE)
+def test_flat_token_file_layout_matches_single_process(results, name):
+    _assert_matches(results, name, "ref_dense_file")
+
+
+@pytest.mark.parametrize("with_eval", NO_EVAL)
+def test_evaluation_does_not_change_training(results, with_eval):
+    without = NO_EVAL[with_eval]
+    assert not _evals(results[without]) and _evals(results[with_eval])
+    assert [r["loss"] for r in _steps(results[without])] == \
+        [r["loss"] for r in _steps(results[with_eval])]
+    assert [r["grad_norm"] for r in _steps(results[without])] == \
+        [r["grad_norm"] for r in _steps(results[with_eval])]

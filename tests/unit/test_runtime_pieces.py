@@ -26,9 +26,9 @@ def test_synthetic_samples_are_deterministic_per_sample_id():
 def test_microbatches_split_the_global_batch_over_data_parallel_ranks():
     source = data_mod.SyntheticTokens(seq_len=8, vocab_size=256, seed=0)
     single = data_mod.microbatches(source, step=3, global_batch=8, micro_batch=2, grad_accum=4,
-                                   dp=1, dp_rank=0)
+                                   dp=1, dp_rank=0, vocab_size=256)
     split = [data_mod.microbatches(source, step=3, global_batch=8, micro_batch=2, grad_accum=2,
-                                   dp=2, dp_rank=r) for r in (0, 1)]
+                                   dp=2, dp_rank=r, vocab_size=256) for r in (0, 1)]
     rows = lambda batches: {tuple(row.tolist()) for mb in batches for row in mb.tokens}
     assert rows(single) == rows(split[0]) | rows(split[1])
     assert not rows(split[0]) & rows(split[1])
@@ -36,23 +36,45 @@ def test_microbatches_split_the_global_batch_over_data_parallel_ranks():
     assert torch.equal(mb.tokens[:, 1:], mb.labels[:, :-1])  # labels are the next tokens
 
 
+def test_synthetic_validation_is_another_stream():
+    train = data_mod.SyntheticTokens(seq_len=16, vocab_size=256, seed=1)
+    held_out = data_mod.SyntheticTokens(seq_len=16, vocab_size=256, seed=1, stream=data_mod.VALIDATION)
+    assert not torch.equal(train.sample(3), held_out.sample(3))
+
+
 def test_token_file_windows_shuffle_and_resume(tmp_path):
     path = tmp_path / "t.bin"
     np.arange(1000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(path)
-    source = data_mod.TokenFile(path, seq_len=9, vocab_size=256, seed=3)
-    assert source.num_samples == 111
-    first_epoch = [int(source.sample(i)[0]) for i in range(source.num_samples)]
+    windows = range(0, 111)
+    source = data_mod.TokenFile(path, seq_len=9, seed=3, dtype="uint16", windows=windows, stream=0)
+    first_epoch = [int(source.sample(i)[0]) for i in range(len(windows))]
     assert sorted(first_epoch) == sorted(int(s * 9 % 256) for s in range(111))  # each window once
-    again = data_mod.TokenFile(path, seq_len=9, vocab_size=256, seed=3)
+    again = data_mod.TokenFile(path, seq_len=9, seed=3, dtype="uint16", windows=windows, stream=0)
     assert torch.equal(again.sample(150), source.sample(150))  # resumable: no state beyond the id
     assert [int(source.sample(111 + i)[0]) for i in range(5)] != first_epoch[:5]  # reshuffled
 
 
-def test_token_file_rejects_ids_outside_the_vocabulary(tmp_path):
+def test_split_ranges_cut_like_megatron():
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    assert data_mod.split_ranges(10, "100") == [range(0, 10), range(10, 10), range(10, 10)]
+    for count, split in [(111, "98,1,1"), (784, "90,5,5"), (7, "0.5,0.25,0.25"), (3, "98,1,1"),
+                         (1001, "33.3,33.3,33.4")]:
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+        megatron = [range(int(round(b[0] * count)), int(round(b[1] * count))) if b else None
+                    for b in matrix]  # blended_megatron_dataset_builder's book-ends
+        ours = data_mod.split_ranges(count, split)
+        assert [r for r in megatron if r] == [r for r in ours if r], (count, split)
+
+
+def test_microbatches_refuse_ids_outside_the_vocabulary(tmp_path):
     path = tmp_path / "t.bin"
     np.array([1, 2, 300, 4, 5], dtype=np.uint16).tofile(path)
-    with pytest.raises(ValueError, match="token id 300 is outside"):
-        data_mod.TokenFile(path, seq_len=2, vocab_size=256, seed=0)
+    source = data_mod.TokenFile(path, seq_len=2, seed=0, dtype="uint16", windows=range(2), stream=0)
+    with pytest.raises(ValueError, match="token id 300, outside the model's vocabulary"):
+        data_mod.microbatches(source, step=0, global_batch=2, micro_batch=2, grad_accum=1, dp=1,
+                              dp_rank=0, vocab_size=256)
 
 
 def test_byte_tokenizer_round_trips():
@@ -189,10 +211,10 @@ def test_tensor_census_sorts_live_storage_by_owner():
 class _RecordingTrainer:
     """What train_loop uses of a Trainer, recording the calls."""
 
-    def __init__(self, *, steps: int, every: int, start_step: int):
+    def __init__(self, *, steps: int, every: int, start_step: int, eval_every: int = 0):
         from types import SimpleNamespace
 
-        train = SimpleNamespace(steps=steps, checkpoint_every=every)
+        train = SimpleNamespace(steps=steps, checkpoint_every=every, eval_every=eval_every)
         self.resolved = SimpleNamespace(recipe=SimpleNamespace(train=train))
         self.start_step, self.calls = start_step, []
 
@@ -201,6 +223,9 @@ class _RecordingTrainer:
 
     def save_checkpoint(self, steps_done, fault=None):
         self.calls.append(("save", steps_done, fault))
+
+    def evaluate(self, step, before_batch=None):
+        self.calls.append(("eval", step, before_batch))
 
     def finish(self):
         self.calls.append(("finish",))
@@ -220,3 +245,14 @@ def test_train_loop_resumes_saves_every_n_and_runs_the_rank_hooks():
     plain = _RecordingTrainer(steps=2, every=0, start_step=0)
     train_loop(plain)  # what tests/distributed/worker.py runs
     assert plain.calls == [("step", 0), ("step", 1), ("finish",)]
+
+
+def test_train_loop_evaluates_every_n_steps_and_after_the_last_before_saving():
+    from dsforge.runtime.trainer import train_loop
+
+    trainer = _RecordingTrainer(steps=5, every=2, start_step=0, eval_every=2)
+    hook = lambda step: None
+    train_loop(trainer, before_step=hook)
+    assert trainer.calls == [
+        ("step", 0), ("step", 1), ("eval", 1, hook), ("save", 2, None), ("step", 2), ("step", 3),
+        ("eval", 3, hook), ("save", 4, None), ("step", 4), ("eval", 4, hook), ("finish",)]
