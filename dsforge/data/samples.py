@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ class DatasetTokenizer:
 class Splits:
     train: object  # a Megatron GPTDataset or BlendedDataset
     validation: object | None  # None: the split gives validation no documents
+    built: bool  # this process wrote new index files (False: all were in the cache)
+    seconds: float
 
 
 class MegatronSamples:
@@ -100,10 +103,14 @@ def build_splits(parts: list[tuple[str, float]], *, split: str, seq_len: int, se
         create_attention_mask=False, mmap_bin_files=True)
     sizes = [train_samples, validation_samples, validation_samples]
     cache_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     with _node_build(cache_dir), _quiet_megatron():
+        before = set(os.listdir(cache_dir))
         train, validation, _ = BlendedMegatronDatasetBuilder(
             GPTDataset, sizes, lambda: True, config).build()
-    return Splits(train=train, validation=validation)
+        built = bool(set(os.listdir(cache_dir)) - before)
+    return Splits(train=train, validation=validation, built=built,
+                  seconds=time.perf_counter() - started)
 
 
 @contextlib.contextmanager

@@ -91,6 +91,7 @@ def split_ranges(count: int, split: str) -> list[range]:
 class Sources:
     train: Source
     validation: Source | None  # None: evaluation not asked for
+    note: str | None = None  # what opening them did, for the user (indexed datasets)
 
 
 def open_sources(resolved: Resolved) -> Sources:
@@ -130,16 +131,22 @@ def _indexed_sources(resolved: Resolved, evaluate: bool) -> Sources:
     data, train = recipe.data, recipe.train
     parts = [(part.path, part.weight) for part in data.blend]
     identity = inspect_dataset(parts[0][0]).identity
+    cache = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
     splits = build_splits(
         parts, split=data.split, seq_len=train.seq_len, seed=train.seed,
         train_samples=train.steps * layout.global_batch,
         validation_samples=(train.eval_iters if evaluate else 1) * layout.global_batch,
-        identity=identity, cache_dir=Path(data.cache_dir) if data.cache_dir else default_cache_dir())
+        identity=identity, cache_dir=cache)
     if evaluate and splits.validation is None:
         raise ValueError(f"data.split={data.split!r} gives the validation set no documents; "
                          "give validation a share, or set train.eval_every: 0")
     validation = MegatronSamples(splits.validation, what="validation samples") if evaluate else None
-    return Sources(MegatronSamples(splits.train, what="training samples"), validation)
+    note = (f"data: {len(parts)} dataset{'s' if len(parts) > 1 else ''}, "
+            f"{len(splits.train):,} training samples"
+            + (f", {len(splits.validation):,} validation samples" if evaluate else "")
+            + f"; indices {'built' if splits.built else 'read from the cache'} in "
+              f"{splits.seconds:.1f} s ({cache})")
+    return Sources(MegatronSamples(splits.train, what="training samples"), validation, note)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class StepRecord:
     # benchmarks/overhead.
     ended_at: float | None = None
     loss_scale: float | None = None  # fp16's dynamic loss scale after the step; None otherwise
+    data_time_s: float | None = None  # building this rank's microbatches (inside step_time_s)
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
@@ -55,7 +56,7 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                 tokens_per_step: int, world_size: int, flops_per_token: float,
                 hardware_flops_per_token: float, peak_flops: float | None,
                 device: torch.device, ended_at: float | None = None,
-                loss_scale: float | None = None) -> StepRecord:
+                loss_scale: float | None = None, data_time_s: float | None = None) -> StepRecord:
     tokens_per_s = tokens_per_step / step_time_s
     per_gpu = tokens_per_s / world_size
     memory, source = peak_memory(device)
@@ -66,7 +67,7 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                       tflops_per_gpu=per_gpu * flops_per_token / 1e12, mfu=mfu(per_gpu, flops_per_token, peak_flops),
                       hfu=mfu(per_gpu, hardware_flops_per_token, peak_flops),
                       peak_memory_bytes=memory, memory_source=source, ended_at=ended_at,
-                      loss_scale=loss_scale)
+                      loss_scale=loss_scale, data_time_s=data_time_s)
 
 
 @dataclass(frozen=True)

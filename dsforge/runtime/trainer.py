@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,6 +35,8 @@ class Trainer:
         # Before the process group exists: dataset indices are built once per node under a
         # file lock, in a private world (dsforge/data/samples.py).
         self.sources = data_mod.open_sources(resolved)
+        if self.sources.note and int(os.environ.get("RANK", 0)) == 0:
+            self.console.say(f"dsforge: {self.sources.note}")
         parts = build_rank(resolved, device=device, backend=backend, timeout_s=collective_timeout_s)
         self.chunks, self.engine = parts.chunks, parts.engine
         self.timers = self._schedule_timers() if measure and layout.pp > 1 else None
@@ -104,14 +107,15 @@ class Trainer:
 
     def train_step(self, step: int) -> None:
         layout, train = self.resolved.layout, self.resolved.recipe.train
+        start = time.perf_counter()  # the step's time includes making its batches
         batches = self._batches(self.sources.train, step)
+        data_time = time.perf_counter() - start
         lr = self.engine.get_lr()[0]  # the rate this step's update uses
-        start = time.perf_counter()
         if layout.pp == 1:
             loss = step_mod.step_unpipelined(self.engine, batches, self.device)
         else:
             loss = step_mod.step_pipelined(self.engine, self.chunks, batches, seq_len=train.seq_len,
-                                  micro_batch=layout.micro_batch, device=self.device)
+                                           micro_batch=layout.micro_batch, device=self.device)
         if loss is not None:
             loss = self._mean_over_replicas(loss)
         elapsed = time.perf_counter() - start
@@ -119,7 +123,7 @@ class Trainer:
         if self.timers is not None:
             self.timers.end_step()
         if self.reporter:
-            self._report(step, loss, lr, elapsed, ended_at)
+            self._report(step, loss, lr, elapsed, ended_at, data_time)
 
     def evaluate(self, step: int, before_batch: Callable[[int], None] | None = None) -> None:
         """The validation loss after `step`: train.eval_iters global batches of held-out samples
@@ -154,7 +158,8 @@ class Trainer:
             self.console.progress(name=self.resolved.recipe.name, step=step + 1,
                                   steps=train.steps, postfix=self._postfix())
 
-    def _report(self, step: int, loss: float, lr: float, elapsed: float, ended_at: float) -> None:
+    def _report(self, step: int, loss: float, lr: float, elapsed: float, ended_at: float,
+                data_time: float) -> None:
         recipe, layout = self.resolved.recipe, self.resolved.layout
         record = make_record(
             step=step, warmup=step < recipe.train.timing_warmup, loss=loss,
@@ -162,7 +167,8 @@ class Trainer:
             step_time_s=elapsed, tokens_per_step=layout.global_batch * recipe.train.seq_len,
             world_size=layout.world_size, flops_per_token=self.flops.model,
             hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
-            device=self.device, ended_at=ended_at, loss_scale=self._loss_scale())
+            device=self.device, ended_at=ended_at, loss_scale=self._loss_scale(),
+            data_time_s=data_time)
         self.metrics.write(record)
         self.tracker.log_step(record)
         self.console.progress(name=recipe.name, step=step + 1, steps=recipe.train.steps,

@@ -28,7 +28,7 @@ from dsforge.data.inputs import batches, expand_inputs
 from dsforge.data.prepare import FAULT_ENV, prepare, prepare_main
 from dsforge.data.tokenizers import load_tokenizer
 from tests.conftest import REPO
-from tests.unit.conftest import EOD, TEMPEST
+from tests.conftest import EOD, TEMPEST
 
 DOCS = ["First document.", "", "   \n", "Ariel flies over the isle; Caliban grumbles.",
         "Unicode survives: é ü 漢字 🙂"]
