@@ -22,6 +22,7 @@ from typing import Callable
 from dsforge.runtime import failure
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+STOP_REQUESTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Signals that end a rank as a failure of its own. SIGINT, SIGTERM and SIGHUP are requests to
 # stop: DeepSpeed's launcher sends SIGTERM to every rank of a node once one of them failed,
 # and dsforge stops jobs with them; recording those would hide the rank that failed first.
@@ -60,6 +61,10 @@ def _die_with_parent(supervisor: int) -> None:
 def _forward(child: int, signum: int) -> None:
     try:
         os.kill(child, signum)
+        if signum in STOP_REQUESTS:
+            # A rank stopped from outside (SIGSTOP) keeps the request pending until continued:
+            # without this, DeepSpeed's launcher waits 30 s for it before killing it.
+            os.kill(child, signal.SIGCONT)
     except ProcessLookupError:
         pass
 
