@@ -335,7 +335,7 @@ def _own_run_dir_or_exit(run_dir: Path | None, resolved: Resolved, *, resume: bo
 
 @main.group()
 def data() -> None:
-    """Prepare corpora for training (docs/data.md)."""
+    """Prepare and inspect corpora for training (docs/data.md)."""
 
 
 @data.command("prepare")
@@ -361,6 +361,19 @@ def data_prepare(inputs, **options):
     from dsforge.data.prepare import prepare_main
 
     sys.exit(prepare_main(inputs, **options))
+
+
+@data.command("inspect")
+@click.argument("prefix", metavar="PREFIX")
+@click.option("--scan", is_flag=True,
+              help="Read every token (memory-mapped, in chunks) and print the largest id.")
+def data_inspect(prefix, scan):
+    """Show a Megatron indexed dataset PREFIX.bin/.idx: documents, sequences, tokens, dtype and
+    the tokenizer recorded beside it. Reads the index only, unless --scan. Exit status: 0, or 2
+    for a prefix that cannot be opened."""
+    from dsforge.data.indexed import inspect_main
+
+    sys.exit(inspect_main(prefix, scan=scan))
 
 
 @main.command()

@@ -51,6 +51,13 @@ class TokenizerIdentity:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def summary(self) -> str:
+        """One line for messages: what it is, where, its vocabulary, EOD and a short hash."""
+        where = "" if self.kind == self.name else f" {self.path or self.name}"
+        eod = f"{self.eod_id}" + (f" {self.eod_token!r}" if self.eod_token else "")
+        return (f"{self.kind}{where} (vocab_size {self.vocab_size:,}, eod {eod}, "
+                f"sha256 {self.sha256[:12]})")
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TokenizerIdentity":
         return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})

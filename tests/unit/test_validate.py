@@ -57,7 +57,7 @@ CROSS_SECTION_CASES = [
       "parallel.ep=2"], 8),
     ("E8", [*MOE, "model.bias=true"], 8, [*MOE, "model.bias=true", "parallel.ep=2"], 8),
     ("E6", [*MOE, "parallel.ep=2", "zero.stage=3"], 8, [*MOE, "parallel.ep=1", "zero.stage=3"], 8),
-    ("D2", ["data.source=/nonexistent/tokens.bin"], 8, ["data.source=synthetic"], 8),
+    ("D7", ["data.source=/nonexistent/tokens.bin"], 8, ["data.source=synthetic"], 8),
     ("E7", [*MOE, "parallel.ep=2", "zero.stage=0", "train.checkpoint_every=2"], 8,
      [*MOE, "parallel.ep=2", "zero.stage=1", "train.checkpoint_every=2"], 8),
     ("Z2", ["parallel.pp=2", "zero.stage=2"], 8, ["parallel.pp=2", "zero.stage=1"], 8),
