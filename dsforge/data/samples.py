@@ -34,15 +34,6 @@ import torch
 from dsforge.data.identity import TokenizerIdentity
 from dsforge.lock import exclusive
 
-CACHE_ENV = "XDG_CACHE_HOME"
-
-
-def default_cache_dir() -> Path:
-    """$XDG_CACHE_HOME/dsforge/indices (~/.cache/dsforge/indices): node-local by default."""
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "dsforge" / "indices"
-
-
 class DatasetTokenizer:
     """What Megatron's GPTDataset asks of a tokenizer, from the dataset's recorded identity.
 
@@ -86,11 +77,13 @@ class MegatronSamples:
 
 
 def build_splits(parts: list[tuple[str, float]], *, split: str, seq_len: int, seed: int,
-                 train_samples: int, validation_samples: int,
+                 train_samples: int, validation_samples: int | None,
                  identity: TokenizerIdentity | None, cache_dir: Path) -> Splits:
-    """The train and validation datasets of the blend `parts` ((prefix, weight); weight-0 parts
-    left out) with at least the sample counts asked for. The test split is built too (Megatron
-    builds every split with a share), as small as the validation one: dsforge never reads it."""
+    """The train and, when `validation_samples` is given, validation datasets of the blend
+    `parts` ((prefix, weight); weight-0 parts left out) with at least the sample counts asked
+    for. Parts dsforge does not read (the test part; validation without evaluation) are not
+    built: Megatron would build every part with a share, and an empty one loops forever in
+    GPTDataset._get_num_epochs. Leaving them out changes no document's part."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -101,7 +94,11 @@ def build_splits(parts: list[tuple[str, float]], *, split: str, seq_len: int, se
         path_to_cache=str(cache_dir), tokenizer=DatasetTokenizer(identity),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False, mmap_bin_files=True)
-    sizes = [train_samples, validation_samples, validation_samples]
+    # split_matrix holds each part's book-ends (Megatron's own, from `split`); a None part is
+    # skipped by the builder, the others keep their documents.
+    config.split_matrix = [config.split_matrix[0],
+                           config.split_matrix[1] if validation_samples else None, None]
+    sizes = [train_samples, validation_samples or 0, 0]
     cache_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with _node_build(cache_dir), _quiet_megatron():

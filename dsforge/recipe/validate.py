@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator
 from dsforge.problems import Problem, RecipeError
 from dsforge.recipe.layout import BatchSizes, Topology, batch_sizes, data_parallel_size, derive_batch
 from dsforge.recipe.schema import ParallelConfig, Recipe, TrainConfig, divisors
+from dsforge.recipe.extras import missing_extras
 from dsforge.recipe.validate_data import DATA_RULES
 
 
@@ -460,8 +461,13 @@ def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                           "stage 2/3")
 
 
+def optional_packages(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+    """X1 (recipe/extras.py): TensorBoard and W&B tracking need their packages."""
+    yield from missing_extras(recipe)
+
+
 RULES: tuple[Rule, ...] = (
     parallel_arithmetic, tensor_parallel_in_node, batch_arithmetic, pipeline_layers,
     pipeline_microbatches, pipeline_embeddings, tensor_parallel_shapes, sequence_length,
-    expert_parallel, zero_with_pipeline, *DATA_RULES,
+    expert_parallel, zero_with_pipeline, *DATA_RULES, optional_packages,
 )

@@ -1,11 +1,11 @@
-"""The rules on the data section that need the files it names (D2-D4, D6's second half, D7-D17).
+"""The rules on the data section that need the files it names (D2-D4, D6's second half, D7-D16).
 
 What data.source names decides which rules apply (`_kind`):
 - "synthetic": D15 (a tokenizer is pointless). Validation draws held-out samples from a second
   seeded stream, so train.eval_every works.
 - a flat token file (a string naming an existing file that is not a dataset's .bin or .idx):
   D2-D4; D12/D14 for data.tokenizer.
-- a Megatron dataset prefix or a blend of them: D7-D14, D16, D17, and D6 for a split that
+- a Megatron dataset prefix or a blend of them: D7-D14, D16, and D6 for a split that
   Megatron-Core reads differently from dsforge. Blend parts of weight 0 are left out, as the
   runtime leaves them out (data/samples.py).
 
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
 from dsforge.problems import Problem
+from dsforge.data.cache import default_cache_dir
 from dsforge.recipe.schema import SYNTHETIC, DataConfig, Recipe, split_parts, split_shares
 
 if TYPE_CHECKING:
@@ -326,8 +327,7 @@ def _opened(recipe: Recipe) -> list[_Dataset] | None:
 
 # -------------------------------------------------------------------------------- splits
 
-TRAIN, VALIDATION, TEST = 0, 1, 2
-PART_NAMES = ("training", "validation", "test")
+TRAIN, VALIDATION = 0, 1  # indices of the parts in split_ranges
 
 
 @functools.lru_cache(maxsize=256)
@@ -353,8 +353,8 @@ def _megatron_reading(split: str) -> list[float] | None:
 def dataset_splits(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     """D6: Megatron-Core reads the split as dsforge does; D10: with train.eval_every, every
     dataset's validation part holds a sequence; D11: the training part holds one global
-    batch, and every dataset's training part a sequence; D17: no other part with a share is
-    empty (Megatron-Core builds every part with a share)."""
+    batch, and every dataset's training part a sequence. The test part, and the validation part
+    without evaluation, are never built (data/samples.py), so they may be empty."""
     datasets = _opened(recipe)
     if datasets is None:
         return
@@ -376,7 +376,6 @@ def dataset_splits(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     if recipe.train.eval_every > 0:
         yield from _validation_part(recipe, ctx, parts)
     yield from _training_part(recipe, ctx, parts)
-    yield from _held_out_parts(recipe, ctx, parts)
 
 
 def _validation_part(recipe: Recipe, ctx: _Context, parts: list) -> Iterator[Problem]:
@@ -441,39 +440,6 @@ def _training_part(recipe: Recipe, ctx: _Context, parts: list) -> Iterator[Probl
 
 
 _BATCH_FIELDS = ("global_batch", "micro_batch", "grad_accum")  # those the recipe sets are fields
-
-
-def _held_out_parts(recipe: Recipe, ctx: _Context, parts: list) -> Iterator[Problem]:
-    """D17: the test part (dsforge never reads it) and, without evaluation, the validation
-    part: Megatron-Core builds each part that has a share, with samples, whether it is read
-    or not, and never finishes counting the epochs of an empty one."""
-    split = recipe.data.split
-    checked = [TEST] if recipe.train.eval_every > 0 else [VALIDATION, TEST]
-    empty = {part: [d for d, shares in parts if shares[part] is not None and shares[part][0] == 0]
-             for part in checked}
-    empty = {part: datasets for part, datasets in empty.items() if datasets}
-    if not empty:
-        return
-    each = "; ".join(f"the {PART_NAMES[part]} part ({_share(split, part)}) is empty for "
-                     f"{_sizes(datasets)}" for part, datasets in empty.items())
-    candidates = [_without(split, list(empty)), *_split_candidates(split)]
-    found = ctx.working(recipe, "D17", "data.split", candidates)
-    fix = f'use data.split: "{found[0]}", or ' if found else "use "
-    named = {d.field: d.path for datasets in empty.values() for d in datasets}
-    yield Problem(rule="D17", fields={"data.split": split, **named},
-                  message=f"{each} (Megatron-Core rounds the split's bounds to whole sequences): "
-                          "Megatron-Core builds every part the split gives a share, read or not, "
-                          "and would loop forever drawing samples from an empty one",
-                  fix=fix + "datasets with more documents")
-
-
-def _without(split: str, zeroed: list[int]) -> str:
-    """The split with the shares of the `zeroed` parts moved to training."""
-    values = split_parts(split)
-    values[TRAIN] += sum(values[part] for part in zeroed)
-    for part in zeroed:
-        values[part] = 0.0
-    return ",".join(f"{v:.4g}" for v in values)
 
 
 def _sizes(datasets: list[_Dataset]) -> str:
@@ -614,13 +580,6 @@ def _load_identity(name: str, key: tuple) -> TokenizerIdentity | DataError:
 
 
 # ------------------------------------------------------------------------------ cache_dir
-
-def default_cache_dir() -> Path:
-    """The runtime's default (dsforge/data/samples.py default_cache_dir; a test keeps them
-    equal): $XDG_CACHE_HOME/dsforge/indices, else ~/.cache/dsforge/indices."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "dsforge" / "indices"
-
 
 def cache_dir(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     """D16: the index cache of a dataset recipe is a writable directory, or can be made."""

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from dsforge.recipe import Resolved
-from dsforge.recipe.schema import split_shares
 
 TRAIN, VALIDATION = 0, 1
 
@@ -76,15 +75,11 @@ class TokenFile:
 
 
 def split_ranges(count: int, split: str) -> list[range]:
-    """[0, count) cut into train/validation/test ranges by the split's shares, the way
-    Megatron-Core cuts documents (rounded cumulative book-ends)."""
-    shares = split_shares(split)
-    ends, total = [0], 0.0
-    for share in shares:
-        total += share
-        ends.append(min(count, int(round(total * count))))
-    ends[-1] = count
-    return [range(ends[i], ends[i + 1]) for i in range(3)]
+    """[0, count) cut into train/validation/test ranges exactly as Megatron-Core cuts a
+    dataset's sequences (dsforge/data/indexed.py, the one place of that rule)."""
+    from dsforge.data.indexed import split_ranges as megatron_ranges
+
+    return [range(*bounds) if bounds else range(0) for bounds in megatron_ranges(split, count)]
 
 
 @dataclass(frozen=True)
@@ -125,7 +120,8 @@ def _token_file_sources(resolved: Resolved, evaluate: bool) -> Sources:
 
 def _indexed_sources(resolved: Resolved, evaluate: bool) -> Sources:
     from dsforge.data.indexed import inspect_dataset
-    from dsforge.data.samples import MegatronSamples, build_splits, default_cache_dir
+    from dsforge.data.cache import default_cache_dir
+    from dsforge.data.samples import MegatronSamples, build_splits
 
     recipe, layout = resolved.recipe, resolved.layout
     data, train = recipe.data, recipe.train
@@ -135,7 +131,7 @@ def _indexed_sources(resolved: Resolved, evaluate: bool) -> Sources:
     splits = build_splits(
         parts, split=data.split, seq_len=train.seq_len, seed=train.seed,
         train_samples=train.steps * layout.global_batch,
-        validation_samples=(train.eval_iters if evaluate else 1) * layout.global_batch,
+        validation_samples=train.eval_iters * layout.global_batch if evaluate else None,
         identity=identity, cache_dir=cache)
     if evaluate and splits.validation is None:
         raise ValueError(f"data.split={data.split!r} gives the validation set no documents; "
