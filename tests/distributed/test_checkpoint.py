@@ -1,7 +1,11 @@
 """Checkpoints are complete or invisible, and resume is exact (bitwise on CPU fp32).
 
-Each exactness test trains 6 steps straight (checkpoint every 3), and again with rank 0
-dying at the start of step 4 followed by `--resume`; the per-step losses must be identical.
+Each layout trains 8 steps (checkpoint every 4) once, with a rank dying after step 6 (at the
+start of step 7), or, for zero1_dp2, while it saves the checkpoint of step 8; every step the
+crashed run finished was trained straight through from step 0. `--resume` then trains steps
+4-7 again from the checkpoint of step 4, and the losses of every step both runs trained must be
+identical: three steps (4-6) after the resume, four (4-7) for zero1_dp2. The refusal tests
+resume copies of the finished zero1_dp2 run.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -17,12 +23,17 @@ from tests.conftest import REPO
 from tests.distributed.test_run import _job_processes, dsforge
 
 TEXT = REPO / "data" / "tempest.u16.bin"
-COMMON = ["--set", f"data.source={TEXT}", "--set", "train.steps=6", "--set", "train.checkpoint_every=3"]
+COMMON = ["--set", f"data.source={TEXT}", "--set", "train.steps=8", "--set", "train.checkpoint_every=4"]
+RESUMED_FROM, FINAL = "step00000004", "step00000008"
+# name -> (recipe, --set options, the crash): `exit:R:7` ends rank R at the start of step 7,
+# R being the rank that writes metrics.jsonl (the last pipeline stage's first rank), so the
+# record of step 6 is always written; `save-exit:1:8` ends rank 1 once it has written its files
+# of the step-8 checkpoint, before the checkpoint is published.
 LAYOUTS = {
-    "zero1_dp2": ("tiny.yaml", []),
-    "zero3_dp2": ("tiny.yaml", ["--set", "zero.stage=3"]),
-    "pp2_zero1": ("tiny.yaml", ["--set", "parallel.dp=1", "--set", "parallel.pp=2"]),
-    "moe_ep2_zero1": ("tiny_moe.yaml", []),
+    "zero1_dp2": ("tiny.yaml", [], "save-exit:1:8"),
+    "zero3_dp2": ("tiny.yaml", ["--set", "zero.stage=3"], "exit:0:7"),
+    "pp2_zero1": ("tiny.yaml", ["--set", "parallel.dp=1", "--set", "parallel.pp=2"], "exit:1:7"),
+    "moe_ep2_zero1": ("tiny_moe.yaml", [], "exit:0:7"),
 }
 
 
@@ -35,63 +46,71 @@ def _run(recipe: str, run_dir, extra, env=None, resume=False):
     return dsforge(*args, *(["--resume"] if resume else []), env=env)
 
 
-class _StraightRuns:
-    """`straight_runs / name`: the uninterrupted 6-step run of layout `name`, trained the first
+@dataclass
+class _Resumed:
+    crashed: Path  # a copy of the run directory as the crash left it
+    crash_code: int
+    run_dir: Path  # the same run, resumed to the end
+    stderr: str  # of the resumed run
+
+
+class _ResumedRuns:
+    """`resumed_runs / name`: layout `name` crashed and resumed (LAYOUTS), trained the first
     time a test asks for it (the refusal tests need only zero1_dp2)."""
 
     def __init__(self, out):
-        self.out = out
+        self.out, self.runs = out, {}
 
-    def __truediv__(self, name: str):
-        run_dir = self.out / name
-        if not (run_dir / "summary.json").exists():
-            recipe, extra = LAYOUTS[name]
-            result = _run(recipe, run_dir, extra)
-            assert result.returncode == 0, result.stderr[-3000:]
-        return run_dir
+    def __truediv__(self, name: str) -> _Resumed:
+        if name not in self.runs:
+            recipe, extra, fault = LAYOUTS[name]
+            run_dir, crashed = self.out / name, self.out / f"{name}-as-crashed"
+            crash = _run(recipe, run_dir, extra, env={"DSFORGE_INJECT_FAULT": fault})
+            shutil.copytree(run_dir, crashed, symlinks=True)
+            resumed = _run(recipe, run_dir, extra, resume=True)
+            assert resumed.returncode == 0, resumed.stderr[-3000:]
+            self.runs[name] = _Resumed(crashed, crash.returncode, run_dir, resumed.stderr)
+        return self.runs[name]
 
 
 @pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory):
-    return _StraightRuns(tmp_path_factory.mktemp("straight"))
+def resumed_runs(tmp_path_factory):
+    return _ResumedRuns(tmp_path_factory.mktemp("resumed"))
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_resume_is_exact(straight_runs, tmp_path, name):
-    recipe, extra = LAYOUTS[name]
-    run_dir = tmp_path / "run"
-    crashed = _run(recipe, run_dir, extra, env={"DSFORGE_INJECT_FAULT": "exit:0:4"})
-    assert crashed.returncode != 0
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step00000003"
-    resumed = _run(recipe, run_dir, extra, resume=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming" in resumed.stderr and "after step 3" in resumed.stderr
-    assert _losses(run_dir) == _losses(straight_runs / name)  # bitwise, all 6 steps
-    assert not _job_processes(run_dir)
+def test_resume_is_exact(resumed_runs, name):
+    run = resumed_runs / name
+    assert run.crash_code != 0
+    assert (run.crashed / "checkpoints" / "latest").read_text() == RESUMED_FROM
+    straight = _losses(run.crashed)  # steps 0-6 (0-7 when the save of step 8 failed)
+    assert len(straight) == (8 if LAYOUTS[name][2].startswith("save-exit") else 7)
+    assert "resuming" in run.stderr and "after step 4" in run.stderr
+    resumed = _losses(run.run_dir)
+    assert len(resumed) == 8
+    assert resumed[:len(straight)] == straight  # bitwise, including the steps after the resume
+    assert not _job_processes(run.run_dir)
 
 
-def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_as_latest(straight_runs, tmp_path):
-    run_dir = tmp_path / "run"
-    extra = ["--set", "train.checkpoint_every=2"]
-    crashed = _run("tiny.yaml", run_dir, extra, env={"DSFORGE_INJECT_FAULT": "save-exit:1:4"})
-    assert crashed.returncode != 0
-    checkpoints = run_dir / "checkpoints"
-    assert (checkpoints / "latest").read_text() == "step00000002"
-    assert (checkpoints / "step00000004").exists()  # written in part ...
-    assert not (checkpoints / "step00000004" / "dsforge_complete.json").exists()  # ... never published
-    resumed = _run("tiny.yaml", run_dir, extra, resume=True)
-    assert resumed.returncode == 0 and "after step 2" in resumed.stderr
-    assert not _job_processes(run_dir)
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_as_latest(resumed_runs):
+    run = resumed_runs / "zero1_dp2"  # rank 1 died while saving the checkpoint of step 8
+    assert run.crash_code != 0
+    checkpoints = run.crashed / "checkpoints"
+    assert (checkpoints / "latest").read_text() == RESUMED_FROM
+    assert (checkpoints / FINAL).exists()  # written in part ...
+    assert not (checkpoints / FINAL / "dsforge_complete.json").exists()  # ... never published
+    assert "after step 4" in run.stderr  # the resume took the previous one
+    assert (run.run_dir / "checkpoints" / "latest").read_text() == FINAL
 
 
-def _copy_run(straight_runs, tmp_path, name="zero1_dp2"):
+def _copy_run(resumed_runs, tmp_path, name="zero1_dp2"):
     target = tmp_path / name
-    shutil.copytree(straight_runs / name, target)
+    shutil.copytree((resumed_runs / name).run_dir, target)
     return target
 
 
-def test_resume_with_another_model_or_layout_is_refused(straight_runs, tmp_path):
-    run_dir = _copy_run(straight_runs, tmp_path)
+def test_resume_with_another_model_or_layout_is_refused(resumed_runs, tmp_path):
+    run_dir = _copy_run(resumed_runs, tmp_path)
     result = dsforge("run", str(REPO / "recipes" / "tiny.yaml"), *COMMON, "--set", "parallel.dp=1",
                      "--set", "parallel.tp=2", "--set", "model.num_layers=2",
                      "--run-dir", str(run_dir), "--resume")
@@ -100,15 +119,15 @@ def test_resume_with_another_model_or_layout_is_refused(straight_runs, tmp_path)
     assert "parallel.tp: 1 in the checkpoint, 2 now" in result.stderr
 
 
-def test_world_writable_checkpoint_is_refused_before_unpickling(straight_runs, tmp_path):
-    run_dir = _copy_run(straight_runs, tmp_path)
-    os.chmod(run_dir / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt", 0o666)
+def test_world_writable_checkpoint_is_refused_before_unpickling(resumed_runs, tmp_path):
+    run_dir = _copy_run(resumed_runs, tmp_path)
+    os.chmod(run_dir / "checkpoints" / FINAL / "mp_rank_00_model_states.pt", 0o666)
     result = _run("tiny.yaml", run_dir, [], resume=True)
     assert result.returncode == 2 and "writable by every user" in result.stderr
 
 
-def test_the_marker_lists_every_file_each_rank_wrote(straight_runs):
-    step = straight_runs / "zero1_dp2" / "checkpoints" / "step00000006"
+def test_the_marker_lists_every_file_each_rank_wrote(resumed_runs):
+    step = (resumed_runs / "zero1_dp2").run_dir / "checkpoints" / FINAL  # saved over a torn one
     files = json.loads((step / "dsforge_complete.json").read_text())["files"]
     on_disk = {p.name: p.stat().st_size for p in step.iterdir() if p.name != "dsforge_complete.json"}
     assert files == on_disk
@@ -117,10 +136,10 @@ def test_the_marker_lists_every_file_each_rank_wrote(straight_runs):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
-def test_a_damaged_optimizer_shard_is_refused_before_any_rank_starts(straight_runs, tmp_path,
+def test_a_damaged_optimizer_shard_is_refused_before_any_rank_starts(resumed_runs, tmp_path,
                                                                      damage):
-    run_dir = _copy_run(straight_runs, tmp_path)
-    step = run_dir / "checkpoints" / "step00000006"
+    run_dir = _copy_run(resumed_runs, tmp_path)
+    step = run_dir / "checkpoints" / FINAL
     (shard,) = [p for p in step.iterdir() if p.name.startswith("zero_pp_rank_1")]
     if damage == "missing":
         shard.unlink()
@@ -131,19 +150,18 @@ def test_a_damaged_optimizer_shard_is_refused_before_any_rank_starts(straight_ru
     assert "resuming" not in result.stderr  # refused before the ranks were started
 
 
-def test_latest_naming_another_runs_checkpoint_is_refused(straight_runs, tmp_path):
-    """../../other-run/checkpoints/step00000006 resumed someone else's run."""
-    _copy_run(straight_runs, tmp_path / "other-run")
-    run_dir = _copy_run(straight_runs, tmp_path / "mine")
-    (run_dir / "checkpoints" / "latest").write_text("../../../other-run/zero1_dp2/checkpoints/"
-                                                    "step00000006")
+def test_latest_naming_another_runs_checkpoint_is_refused(resumed_runs, tmp_path):
+    """../../other-run/checkpoints/step00000008 resumed someone else's run."""
+    _copy_run(resumed_runs, tmp_path / "other-run")
+    run_dir = _copy_run(resumed_runs, tmp_path / "mine")
+    (run_dir / "checkpoints" / "latest").write_text(f"../../../other-run/zero1_dp2/checkpoints/{FINAL}")
     result = _run("tiny.yaml", run_dir, [], resume=True)
     assert result.returncode == 2 and "[CK1]" in result.stderr
 
 
-def test_group_writable_checkpoint_of_a_shared_group_is_refused(straight_runs, tmp_path):
-    run_dir = _copy_run(straight_runs, tmp_path)
-    shard = run_dir / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt"
+def test_group_writable_checkpoint_of_a_shared_group_is_refused(resumed_runs, tmp_path):
+    run_dir = _copy_run(resumed_runs, tmp_path)
+    shard = run_dir / "checkpoints" / FINAL / "mp_rank_00_model_states.pt"
     if os.getuid() == 0:
         os.chown(shard, 0, 4242)  # a group with no entry: never the user's private group
     elif checkpoint._private_group(os.getgid(), os.getuid()):
@@ -153,9 +171,9 @@ def test_group_writable_checkpoint_of_a_shared_group_is_refused(straight_runs, t
     assert result.returncode == 2 and "writable by group" in result.stderr
 
 
-def test_a_symlinked_file_is_called_a_symlink(straight_runs, tmp_path):
-    run_dir = _copy_run(straight_runs, tmp_path)
-    shard = run_dir / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt"
+def test_a_symlinked_file_is_called_a_symlink(resumed_runs, tmp_path):
+    run_dir = _copy_run(resumed_runs, tmp_path)
+    shard = run_dir / "checkpoints" / FINAL / "mp_rank_00_model_states.pt"
     shard.rename(tmp_path / "moved.pt")
     shard.symlink_to(tmp_path / "moved.pt")
     result = _run("tiny.yaml", run_dir, [], resume=True)
@@ -164,9 +182,9 @@ def test_a_symlinked_file_is_called_a_symlink(straight_runs, tmp_path):
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="changing a file's owner needs root")
-def test_checkpoint_of_another_user_is_refused(straight_runs, tmp_path):
-    run_dir = _copy_run(straight_runs, tmp_path)
-    os.chown(run_dir / "checkpoints" / "step00000006" / "dsforge_complete.json", 4242, 4242)
+def test_checkpoint_of_another_user_is_refused(resumed_runs, tmp_path):
+    run_dir = _copy_run(resumed_runs, tmp_path)
+    os.chown(run_dir / "checkpoints" / FINAL / "dsforge_complete.json", 4242, 4242)
     result = _run("tiny.yaml", run_dir, [], resume=True)
     assert result.returncode == 2 and "belongs to uid 4242" in result.stderr
 
