@@ -23,6 +23,7 @@ from pathlib import Path
 from kit_plan import RunSpec, Step, StudySpec, prediction, resolve_run
 
 from dsforge.estimate.hardware import gpu_by_key, gpu_for_device_name
+from dsforge.metrics_file import is_validation
 
 GiB = 1024**3
 PRECISION_TOLERANCE = 0.05  # |bf16 - fp32| / fp32 of the last-10-step mean loss
@@ -52,6 +53,11 @@ def read_jsonl(path: Path) -> list[dict]:
         return []
 
 
+def step_records(metrics: Path) -> list[dict]:
+    """A metrics.jsonl's step records (its validation lines left out)."""
+    return [r for r in read_jsonl(metrics) if not is_validation(r)]
+
+
 def peak_flops(device_name: str | None) -> float | None:
     """The run's device's dense bf16 peak; None (MFU n/a) for a CPU or an unknown device."""
     gpu = gpu_for_device_name(device_name) if device_name else None
@@ -75,7 +81,7 @@ def run_row(spec: RunSpec, record: dict, work: Path, gpu: str) -> dict:
         peak = peak_flops(device)
         per_gpu = summary["median_tokens_per_s_per_gpu"]
         kf = kempnerforge_flops_per_token(recipe.model, recipe.train.seq_len)
-        hfus = [r["hfu"] for r in read_jsonl(run_dir / "metrics.jsonl") if not r["warmup"] and r["hfu"]]
+        hfus = [r["hfu"] for r in step_records(run_dir / "metrics.jsonl") if not r["warmup"] and r["hfu"]]
         row.update(step_s=summary["median_step_time_s"], tokens_per_s_per_gpu=per_gpu,
                    mfu=summary["median_mfu"], hfu=statistics.median(hfus) if hfus else None,
                    mfu_kempnerforge=per_gpu * kf / peak if peak else None,
@@ -100,7 +106,7 @@ def precision_row(work: Path) -> dict | None:
     curves = {}
     for precision in ("fp32", "bf16"):
         found = sorted((work / "pytest").glob(f"**/precision-{precision}/metrics.jsonl"))
-        records = read_jsonl(found[-1]) if found else []
+        records = step_records(found[-1]) if found else []
         if not records:
             return None
         curves[precision] = [r["loss"] for r in records]
@@ -296,7 +302,8 @@ def _fake_records(predicted: dict, tokens_per_step: int, peak: float, allocated:
     hfu = FAKE_MFU * predicted["hardware_flops_per_token"] / predicted["flops_per_token"]
     return [StepRecord(step=i, warmup=i < 3, loss=11.0 - 0.1 * i, grad_norm=1.0, lr=3e-4,
                        step_time_s=tokens_per_step / per_gpu, tokens_per_s=per_gpu,
-                       tokens_per_s_per_gpu=per_gpu, mfu=FAKE_MFU, hfu=hfu,
+                       tokens_per_s_per_gpu=per_gpu,
+                       tflops_per_gpu=per_gpu * predicted["flops_per_token"] / 1e12, mfu=FAKE_MFU, hfu=hfu,
                        peak_memory_bytes=allocated, memory_source="FAKE") for i in range(steps)]
 
 

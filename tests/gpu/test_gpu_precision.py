@@ -7,7 +7,6 @@ this test's `precision-fp32` and `precision-bf16` run directories for its table.
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from dsforge.metrics_file import read_metrics
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -30,7 +30,7 @@ def _losses(run_dir, precision: str) -> list[float]:
          "--set", f"train.steps={STEPS}", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records, _ = read_metrics(run_dir / "metrics.jsonl")
     assert len(records) == STEPS
     return [r["loss"] for r in records]
 
