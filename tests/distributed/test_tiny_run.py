@@ -1,9 +1,10 @@
 """`dsforge run RECIPE --tiny` end to end: a shipped recipe's exact layout at tiny size on CPU
 ranks, its losses against one rank's, a quiet terminal, nothing left running.
 
-CI runs the largest and most varied layouts (docs/launch.md says which and why); every other
-shipped recipe runs the same way with DSFORGE_TINY_ALL=1 (32 CPU ranks take ~4 minutes on a
-2-core machine, too slow to run all of them on every change).
+CI runs the most varied layouts at 8 ranks or fewer (docs/launch.md says which and why):
+70b_pp4's interleaved tp x pp x vpp x dp layout on 8 ranks instead of 32, and three shipped
+recipes as they are. Every shipped recipe runs at its own world size with DSFORGE_TINY_ALL=1
+(32 CPU ranks take ~4-5 minutes each on a 2-core machine, too slow for every change).
 """
 
 from __future__ import annotations
@@ -18,10 +19,22 @@ from tests.conftest import REPO
 from tests.distributed.test_run import _job_processes
 
 IN_CI = {
-    "70b_pp4": 900,  # 32 ranks: tp4 x pp4 x vpp5 x dp2, sequence parallel, ZeRO-1, bf16, full AC
-    "13b_8gpu_zero3": 300,  # ZeRO-3 over 8 data-parallel ranks, full AC
+    "13b_8gpu_zero3": 300,  # ZeRO-3 over 8 data-parallel ranks, bf16, full AC
     "moe_8gpu_ep8": 300,  # 8 experts on 8 expert-parallel ranks
-    "7b_1gpu": 300,  # one rank, ZeRO-0
+    "7b_1gpu": 300,  # one rank, ZeRO-0 with bf16 (DeepSpeed's BF16_Optimizer, not ZeRO's)
+}
+# 70b_pp4 (tp4 x pp4 x vpp5 x dp2, 32 ranks) with every parallel dimension kept above 1 in a
+# world of 8: interleaved 1F1B with tensor and sequence parallelism, ZeRO-1 over dp2, bf16 and
+# full activation checkpointing, through the same CLI path. The `layout` text is what --tiny
+# prints, so a change to the recipe that drops one of these fails here.
+SHRUNK = {
+    "70b_pp4_on_8_ranks": {
+        "recipe": "70b_pp4",
+        "set": ["cluster.nodes=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"],
+        "layout": "(8 ranks: dp2 x tp2 x pp2 x vpp2 + sequence parallel, ZeRO 1, bf16, "
+                  "activation checkpointing full)",
+        "limit": 300,
+    },
 }
 SMALL = {"smoke", "tiny", "tiny_moe", "tiny_pp"}  # CPU recipes: tested at their own size
 SHIPPED = [p.stem for p in sorted((REPO / "recipes").glob("*.yaml")) if p.stem not in SMALL]
@@ -33,16 +46,29 @@ def _case(name: str):
     return pytest.param(name, limit, id=name, marks=pytest.mark.timeout(limit + 60))
 
 
-@pytest.mark.parametrize("name, limit", [_case(name) for name in SHIPPED])
-def test_shipped_recipe_at_tiny_size(tmp_path, name, limit):
-    if name not in IN_CI and not ALL:
-        pytest.skip("set DSFORGE_TINY_ALL=1 to run every shipped layout at tiny size")
+def _run_tiny(tmp_path, recipe: str, limit: int, overrides=()) -> subprocess.CompletedProcess:
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "dsforge", "run", str(REPO / "recipes" / f"{name}.yaml"),
-                             "--tiny", "--run-dir", str(run_dir), "--timeout", str(limit)],
+    sets = [word for item in overrides for word in ("--set", item)]
+    result = subprocess.run([sys.executable, "-m", "dsforge", "run", str(REPO / "recipes" / f"{recipe}.yaml"),
+                             "--tiny", *sets, "--run-dir", str(run_dir), "--timeout", str(limit)],
                             capture_output=True, text=True, cwd=REPO, timeout=limit + 30)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "layout check: the loss matches a single-rank run" in result.stderr
     assert "[INFO]" not in result.stderr and "--job" not in result.stderr
     assert (run_dir / "summary.json").exists() and (run_dir / "reference" / "summary.json").exists()
     assert not _job_processes(run_dir)
+    return result
+
+
+@pytest.mark.parametrize("name, limit", [_case(name) for name in SHIPPED])
+def test_shipped_recipe_at_tiny_size(tmp_path, name, limit):
+    if name not in IN_CI and not ALL:
+        pytest.skip("set DSFORGE_TINY_ALL=1 to run every shipped layout at tiny size")
+    _run_tiny(tmp_path, name, limit)
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, id=name, marks=pytest.mark.timeout(case["limit"] + 60))
+                                  for name, case in SHRUNK.items()])
+def test_shipped_layout_in_a_smaller_world(tmp_path, case):
+    result = _run_tiny(tmp_path, case["recipe"], case["limit"], case["set"])
+    assert case["layout"] in result.stderr
