@@ -24,7 +24,7 @@ device: cpu
 set: {{parallel.dp: 2}}
 axes:
   train.global_batch: [8, 7]
-measure: {{warmup_steps: 1, steps: 3, repeats: 1, timeout_s: 120, step_timeout_s: 10}}
+measure: {{warmup_steps: 1, steps: 3, repeats: 1, timeout_s: 120, step_timeout_s: 5}}
 """
 
 

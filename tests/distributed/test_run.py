@@ -110,7 +110,7 @@ def test_a_failing_rank_ends_the_whole_job(tmp_path, kind):
 
 def test_a_hung_rank_is_named_and_the_job_ends(tmp_path):
     run_dir = tmp_path / "run"
-    result = dsforge("run", TINY, *QUICK, "--run-dir", str(run_dir), "--step-timeout", "8",
+    result = dsforge("run", TINY, *QUICK, "--run-dir", str(run_dir), "--step-timeout", "5",
                      env={"DSFORGE_INJECT_FAULT": "hang:0:3"})
     assert result.returncode != 0
     assert "stuck: step 3 made no progress" in result.stderr

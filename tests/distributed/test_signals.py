@@ -119,7 +119,7 @@ def test_a_rank_killed_or_stopped_from_outside_is_named(tmp_path, sig):
     caused it, with the signal when one ended it (its supervisor saw it)."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, *FOREVER, "--run-dir",
-                             str(run_dir), "--step-timeout", "8"], cwd=REPO, stdout=subprocess.PIPE,
+                             str(run_dir), "--step-timeout", "5"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for_training(run_dir, proc)
