@@ -61,18 +61,23 @@ def test_study_survives_failures_and_resumes(tmp_path):
 
 
 def test_bench_tiny_runs_a_gpu_study_layout_on_cpu(tmp_path):
-    """`dsforge bench --tiny`: a GPU-scale study's cells at tiny size, stored as NAME-tiny."""
+    """`dsforge bench --tiny`: a GPU-scale study's cells at tiny size, stored as NAME-tiny.
+
+    The cell is ZeRO-0 in bf16 over 2 data-parallel ranks, DeepSpeed's FP16_Optimizer in bf16
+    mode rather than a ZeRO optimizer: the suite's run of that path (7b_1gpu --tiny, the same
+    on one rank, runs with DSFORGE_TINY_ALL=1)."""
     study, out = tmp_path / "big.yaml", tmp_path / "out"
     study.write_text(f"name: big\nrecipe: {REPO / 'recipes' / '13b_8gpu_zero3.yaml'}\n"
                      "world_size: 2\nset: {cluster: null, train.global_batch: 64}\n"
-                     "axes:\n  zero.stage: [3]\n"
+                     "axes:\n  zero.stage: [0]\n"
                      "measure: {warmup_steps: 1, steps: 3, repeats: 1, timeout_s: 240}\n")
     result = dsforge("bench", str(study), "--out", str(out), "--tiny")
     assert result.returncode == 0, result.stderr[-3000:]
     with sqlite3.connect(out / "results.db") as con:
         (name, status, recipe), = con.execute("SELECT study, status, recipe FROM results")
     assert (name, status) == ("big-tiny", "ok")
-    assert "hidden_size: 16" in recipe and "stage: 3" in recipe
+    assert "hidden_size: 16" in recipe and "stage: 0" in recipe and "precision: bf16" in recipe
+    assert "dp: 2" in recipe
 
 
 def _start_bench(study, out) -> subprocess.Popen:

@@ -2,9 +2,9 @@
 ranks, its losses against one rank's, a quiet terminal, nothing left running.
 
 CI runs the most varied layouts at 8 ranks or fewer (docs/launch.md says which and why):
-70b_pp4's interleaved tp x pp x vpp x dp layout on 8 ranks instead of 32, and three shipped
+70b_pp4's interleaved tp x pp x vpp x dp layout on 8 ranks instead of 32, and two shipped
 recipes as they are. Every shipped recipe runs at its own world size with DSFORGE_TINY_ALL=1
-(32 CPU ranks take ~4-5 minutes each on a 2-core machine, too slow for every change).
+(32 CPU ranks take ~4-6 minutes each on a 2-core machine, too slow for every change).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import pytest
 from tests.conftest import REPO
 from tests.distributed.test_run import _job_processes
 
+# 7b_1gpu (one rank, ZeRO-0, bf16) is opt-in: one-rank jobs run as every --tiny run's
+# reference, and bf16 with ZeRO-0 runs in test_bench_run's --tiny cell.
 IN_CI = {
     "13b_8gpu_zero3": 300,  # ZeRO-3 over 8 data-parallel ranks, bf16, full AC
     "moe_8gpu_ep8": 300,  # 8 experts on 8 expert-parallel ranks
-    "7b_1gpu": 300,  # one rank, ZeRO-0 with bf16 (DeepSpeed's BF16_Optimizer, not ZeRO's)
 }
 # 70b_pp4 (tp4 x pp4 x vpp5 x dp2, 32 ranks) with every parallel dimension kept above 1 in a
 # world of 8: interleaved 1F1B with tensor and sequence parallelism, ZeRO-1 over dp2, bf16 and
