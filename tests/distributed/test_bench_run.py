@@ -16,12 +16,14 @@ from dsforge import lock
 from tests.conftest import REPO
 from tests.distributed.test_run import dsforge
 
+# ZeRO-3, so a measured cell's tensor census (runtime/tensor_census.py) meets ZeRO-3's
+# partitioned parameters; the --tiny test's cell is ZeRO-0, plan --measure's are ZeRO-1 and 2.
 STUDY = f"""
 name: drill
 recipe: {REPO / 'recipes' / 'tiny.yaml'}
 world_size: 2
 device: cpu
-set: {{parallel.dp: 2}}
+set: {{parallel.dp: 2, zero.stage: 3}}
 axes:
   train.global_batch: [8, 7]
 measure: {{warmup_steps: 1, steps: 3, repeats: 1, timeout_s: 120, step_timeout_s: 5}}
