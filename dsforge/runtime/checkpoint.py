@@ -44,7 +44,9 @@ LATEST = "latest"
 
 # Recipe fields a resumed run may change. Everything else must match, train.steps included:
 # it is the horizon of the learning-rate schedule that the checkpoint restores.
-RESUMABLE_CHANGES = {"train.timing_warmup", "train.checkpoint_every"}
+# Evaluation settings and where the data's indices are cached change no training step either.
+RESUMABLE_CHANGES = {"train.timing_warmup", "train.checkpoint_every", "train.eval_every",
+                     "train.eval_iters", "data.cache_dir"}
 
 
 _TAG = re.compile(rb"step[0-9]{8}")
@@ -281,6 +283,8 @@ def check_complete(root: Path, record: dict[str, Any]) -> None:
 
 def recipe_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """'section.field: saved -> current' for every difference a resume must not have."""
+    # The saved recipe went through JSON: compare like with like (a blend's tuple is a list).
+    saved, current = json.loads(json.dumps(saved)), json.loads(json.dumps(current))
     differences = []
     for section in ("model", "parallel", "zero", "train", "data"):
         for key in sorted(set(saved.get(section) or {}) | set(current.get(section) or {})):
