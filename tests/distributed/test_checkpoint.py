@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from dsforge.cli import main
+from dsforge.metrics_file import read_metrics
 from dsforge.runtime import checkpoint
 from tests.conftest import REPO
 from tests.distributed.test_run import _job_processes, dsforge
@@ -35,13 +36,20 @@ RESUMED_FROM, FINAL = "step00000004", "step00000008"
 LAYOUTS = {
     "zero1_dp2": ("tiny.yaml", [], "save-exit:1:8"),
     "zero3_dp2": ("tiny.yaml", ["--set", "zero.stage=3"], "exit:0:7"),
-    "pp2_zero1": ("tiny.yaml", ["--set", "parallel.dp=1", "--set", "parallel.pp=2"], "exit:1:7"),
+    # Validation under a pipeline, before and after the resume (a hang source in Megatron tools).
+    "pp2_zero1": ("tiny.yaml", ["--set", "parallel.dp=1", "--set", "parallel.pp=2",
+                                "--set", "train.eval_every=2", "--set", "train.eval_iters=1"],
+                  "exit:1:7"),
     "moe_ep2_zero1": ("tiny_moe.yaml", [], "exit:0:7"),
 }
 
 
 def _losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
+
+
+def _val_losses(run_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["val_loss"]) for r in read_metrics(run_dir / "metrics.jsonl")[1]]
 
 
 def _run(recipe: str, run_dir, extra, env=None, resume=False):
@@ -101,6 +109,11 @@ def test_resume_is_exact(resumed_runs, name):
     resumed = _losses(run.run_dir)
     assert len(resumed) == 8
     assert resumed[:len(straight)] == straight  # bitwise, including the steps after the resume
+    validation = _val_losses(run.crashed)
+    assert _val_losses(run.run_dir)[:len(validation)] == validation  # bitwise too
+    if "train.eval_every=2" in LAYOUTS[name][1]:
+        assert [step for step, _ in validation] == [1, 3, 5]
+        assert [step for step, _ in _val_losses(run.run_dir)] == [1, 3, 5, 7]
     assert not _job_processes(run.run_dir)
 
 
