@@ -2,8 +2,8 @@
 
 `build_splits` turns the recipe's data section (one prefix or a weighted blend, the split) into
 Megatron-Core's `GPTDataset`s, blended by `BlendedMegatronDatasetBuilder` exactly as
-Megatron-LM's `--data-path W1 P1 W2 P2 --split 98,1,1` would: the same document split, sample
-index, shuffle and blending index (Megatron's compiled helpers), cached as .npy files.
+Megatron-LM's `--data-path W1 P1 W2 P2 --split 98,1,1` would: the same split of each dataset's
+sequences, sample index, shuffle and blending index (Megatron's compiled helpers), cached as .npy files.
 
 Which samples a split holds depends only on the recipe (seed, seq_len, split, weights, the
 number of samples asked for), never on the layout, so every layout reads the same samples for
@@ -34,6 +34,7 @@ import torch
 from dsforge.data.identity import TokenizerIdentity
 from dsforge.lock import exclusive
 
+
 class DatasetTokenizer:
     """What Megatron's GPTDataset asks of a tokenizer, from the dataset's recorded identity.
 
@@ -56,7 +57,7 @@ class DatasetTokenizer:
 @dataclass(frozen=True)
 class Splits:
     train: object  # a Megatron GPTDataset or BlendedDataset
-    validation: object | None  # None: the split gives validation no documents
+    validation: object | None  # None: not asked for, or the split gives it no share
     built: bool  # this process wrote new index files (False: all were in the cache)
     seconds: float
 

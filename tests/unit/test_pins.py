@@ -32,3 +32,19 @@ def test_installed_version_matches_the_pin(package, pinned):
         f"{package} {version(package)} is installed but dsforge pins {pinned}: re-run the "
         "README's install command, or re-check docs/validation.md and the CPU backend facts "
         "before moving the pin")
+
+
+def test_megatron_dataset_internals_dsforge_relies_on():
+    """dsforge/data/samples.py leaves unread parts out by setting them to None in the config's
+    split_matrix, which the builder reads per part; and gives GPTDataset a tokenizer stand-in
+    whose pad raises (Megatron then pads with -1, no real id)."""
+    import dataclasses
+    import inspect
+
+    from megatron.core.datasets import blended_megatron_dataset_builder as builder
+    from megatron.core.datasets import megatron_dataset
+    from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+
+    assert "split_matrix" in {f.name for f in dataclasses.fields(BlendedMegatronDatasetConfig)}
+    assert "self.config.split_matrix" in inspect.getsource(builder.BlendedMegatronDatasetBuilder)
+    assert megatron_dataset._PAD_TOKEN_ID == -1
