@@ -58,7 +58,8 @@ class DatasetTokenizer:
 class Splits:
     train: object  # a Megatron GPTDataset or BlendedDataset
     validation: object | None  # None: not asked for, or the split gives it no share
-    built: bool  # this process wrote new index files (False: all were in the cache)
+    built: bool  # index files were written since this process started (by it, or by another
+    # rank of the node that took the build lock first); False: all came from the cache
     seconds: float
 
 
@@ -103,12 +104,21 @@ def build_splits(parts: list[tuple[str, float]], *, split: str, seq_len: int, se
     cache_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with _node_build(cache_dir), _quiet_megatron():
-        before = set(os.listdir(cache_dir))
         train, validation, _ = BlendedMegatronDatasetBuilder(
             GPTDataset, sizes, lambda: True, config).build()
-        built = bool(set(os.listdir(cache_dir)) - before)
-    return Splits(train=train, validation=validation, built=built,
+    return Splits(train=train, validation=validation, built=_written_since_start(cache_dir),
                   seconds=time.perf_counter() - started)
+
+
+def _written_since_start(cache_dir: Path) -> bool:
+    """Whether index files in `cache_dir` are newer than this process: the ranks of a job
+    start together, before any of them builds, so this tells a job that built its indices
+    from one that found them, whichever rank of the node took the lock first."""
+    import psutil  # a DeepSpeed dependency
+
+    started = psutil.Process().create_time()
+    return any(entry.stat().st_mtime >= started for entry in os.scandir(cache_dir)
+               if entry.name.endswith(".npy"))
 
 
 @contextlib.contextmanager
