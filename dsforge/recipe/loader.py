@@ -324,8 +324,19 @@ def _build(cls: type, raw: Any, path: str, problems: list[Problem]) -> Any:
     try:
         return cls(**kwargs)
     except RecipeError as exc:
-        problems.extend(exc.problems)
+        problems.extend(_numbered(problem, path) for problem in exc.problems)
         return None
+
+
+def _numbered(problem: Problem, path: str) -> Problem:
+    """A list item's own rules name their fields generically (data.source[].weight); say which
+    item: data.source[1].weight."""
+    generic = re.sub(r"\[\d+\]", "[]", path)
+    if generic == path:
+        return problem
+    fields = {(path + key[len(generic):] if key.startswith(generic) else key): value
+              for key, value in problem.fields.items()}
+    return dataclasses.replace(problem, fields=fields)
 
 
 def _coerce(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:

@@ -22,6 +22,7 @@ from dsforge.data.indexed import megatron_indexed_dataset, split_ranges
 from dsforge.data.prepare import prepare
 from dsforge.recipe import Topology, validate
 from dsforge.recipe import validate_data
+from dsforge.problems import RecipeError
 from tests.conftest import make_recipe
 
 BYTES_VOCAB = "model.vocab_size=257"  # the bytes tokenizer's 256 bytes and its EOD
@@ -451,3 +452,31 @@ def test_tracking_without_its_package_is_refused_before_launch(monkeypatch):
                         lambda name, *a: None if name == "wandb" else real(name, *a))
     problem = only(problems("tracking.wandb=true"), "X1")
     assert problem.fields == {"tracking.wandb": True} and "dsforge[wandb]" in problem.fix
+
+
+@pytest.mark.parametrize("source, rule, field, words", [
+    ("[{path: a, weight: 1}, {path: b, weight: -1}]", "D5", "data.source[1].weight", "must be >= 0"),
+    ("[{path: a, weight: 0}, {path: b, weight: 0.0}]", "D5", "data.source[].weight", "add up to 0"),
+    ("[]", "D5", "data.source", "an empty blend"),
+    ("[{path: a, weight: heavy}]", "Y2", "data.source[0].weight", "expected a number"),
+    ("[{path: a, wieght: 1}]", "Z6", "data.source[0].wieght", "unknown key"),
+])
+def test_bad_blend_weights_are_refused_when_the_recipe_is_read(source, rule, field, words):
+    with pytest.raises(RecipeError) as caught:
+        make_recipe(f"data.source={source}")
+    (problem,) = caught.value.problems
+    assert (problem.rule, list(problem.fields)) == (rule, [field]) and words in problem.message
+
+
+@pytest.mark.parametrize("split, fix", [
+    ("98,1,2", 'data.split: "97.03,0.9901,1.98"'),
+    ("969,30,1", 'data.split: "96.9,3,0.1"'),
+    ("0,0,0", 'data.split: "98,1,1"'),
+    ("a,b", 'data.split: "98,1,1"'),
+    ("1,2,3,4", 'data.split: "98,1,1"'),
+])
+def test_a_split_that_does_not_add_up_is_refused_with_one_that_does(split, fix):
+    with pytest.raises(RecipeError) as caught:
+        make_recipe(f'data.split="{split}"')
+    (problem,) = caught.value.problems
+    assert problem.rule == "D6" and problem.fields == {"data.split": split} and fix in problem.fix
