@@ -114,6 +114,29 @@ def token_file(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                       fix="check the file's permissions")
         return
     yield from _token_ids(recipe, sample, fields)
+    yield from _token_file_parts(recipe, (tokens - 1) // seq_len)
+
+
+def _token_file_parts(recipe: Recipe, windows: int) -> Iterator[Problem]:
+    """D11 / D10 for a flat token file: the split cuts its windows of seq_len + 1 tokens
+    (runtime/data.py); training needs some, evaluation some held out."""
+    from dsforge.data.indexed import split_ranges
+
+    d, t = recipe.data, recipe.train
+    if split_shares(d.split) is None:
+        return  # D6, found when the section was built
+    train, validation, _ = [(b[1] - b[0]) if b else 0 for b in split_ranges(d.split, windows)]
+    fields = {"data.source": d.source, "data.split": d.split, "train.seq_len": t.seq_len}
+    if not train:
+        yield Problem(rule="D11", fields=fields,
+                      message=f"leaves no training window of the file's {windows} windows of "
+                              f"seq_len + 1 tokens", fix="give training a larger share")
+    elif t.eval_every > 0 and not validation:
+        yield Problem(rule="D10", fields={**fields, "train.eval_every": t.eval_every},
+                      message=f"leaves no validation window of the file's {windows} windows of "
+                              "seq_len + 1 tokens, but train.eval_every asks for a validation loss",
+                      fix="give validation a larger share (e.g. data.split: \"90,10,0\"), use "
+                          "a longer file or a shorter train.seq_len, or set train.eval_every: 0")
 
 
 _TOKEN_BYTES = {"uint16": 2, "uint32": 4}

@@ -23,7 +23,7 @@ from dsforge.data.prepare import prepare
 from dsforge.recipe import Topology, validate
 from dsforge.recipe import validate_data
 from dsforge.problems import RecipeError
-from tests.conftest import make_recipe
+from tests.conftest import REPO, make_recipe
 
 BYTES_VOCAB = "model.vocab_size=257"  # the bytes tokenizer's 256 bytes and its EOD
 WORLD = 8  # BASE: seq_len 64, global_batch 8, micro_batch 1, dp 8
@@ -480,3 +480,13 @@ def test_a_split_that_does_not_add_up_is_refused_with_one_that_does(split, fix):
         make_recipe(f'data.split="{split}"')
     (problem,) = caught.value.problems
     assert problem.rule == "D6" and problem.fields == {"data.split": split} and fix in problem.fix
+
+
+def test_a_flat_token_file_split_without_validation_windows_is_refused():
+    text = REPO / "data" / "tempest.u16.bin"  # 196,878 bytes: 767 windows of 128 + 1 tokens
+    problem = only(problems(f"data.source={text}", "train.seq_len=128", 'data.split="100,0,0"',
+                            "train.eval_every=5"), "D10")
+    assert problem.fields["data.split"] == "100,0,0" and "90,10,0" in problem.fix
+    assert problems(f"data.source={text}", "train.seq_len=128", 'data.split="100,0,0"') == []
+    assert only(problems(f"data.source={text}", "train.seq_len=128", 'data.split="0,50,50"'),
+                "D11")
