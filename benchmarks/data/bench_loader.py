@@ -40,16 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "recipes" / "smoke.yaml"
-TEMPEST = REPO / "data" / "tempest"
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-sys.path.insert(0, str(REPO))  # run from a fresh clone, installed or not
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+from common import ENV, RECIPE, REPO, TEMPEST, loadavg  # noqa: E402 (beside this script)
 
 
 def dsforge(*args: str) -> subprocess.CompletedProcess:

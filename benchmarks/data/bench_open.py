@@ -52,11 +52,7 @@ import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "recipes" / "smoke.yaml"
-TEMPEST = REPO / "data" / "tempest"
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+from common import ENV, RECIPE, REPO, TEMPEST, loadavg  # noqa: E402 (beside this script)
 CHILD_LIMIT_S = 1800
 GIB = 1 << 30
 MB = 1e6
@@ -197,10 +193,6 @@ def child_main(argv: list[str]) -> None:
 
 # ---------------------------------------------------------------------------- in the benchmark
 
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
 def evict(paths: list[Path]) -> None:
     """Drop the files' clean pages from the page cache (so the next process reads cold)."""
     for path in paths:
@@ -335,8 +327,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path)
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        sys.path.insert(0, str(REPO))
+    if args.child:  # common.py has put the checkout on sys.path
         child_main(args.child)
         return
 

@@ -47,17 +47,16 @@ class _Context(Protocol):
 
 
 def _kind(data: DataConfig) -> str:
-    """synthetic, token_file, dataset_file (a dataset's .bin or .idx named instead of its
-    prefix), directory (no dataset prefix either) or dataset (a prefix, or a blend)."""
-    if data.is_synthetic:
-        return "synthetic"
-    if isinstance(data.source, str):
-        path = Path(data.source)
-        if path.is_file():
-            return "dataset_file" if _prefix_of_file(data.source) else "token_file"
-        if path.is_dir() and not _has_dataset_files(data.source):
-            return "directory"
-    return "dataset"
+    """DataConfig.kind (what the ranks read) told apart further for the messages: a token file
+    that is a dataset's .bin or .idx named instead of its prefix ("dataset_file"), and a
+    directory that holds no dataset prefix ("directory"); "indexed" is called "dataset"."""
+    kind = data.kind
+    if kind == "token_file":
+        return "dataset_file" if _prefix_of_file(data.source) else "token_file"
+    if kind == "indexed" and isinstance(data.source, str) and Path(data.source).is_dir() \
+            and not _has_dataset_files(data.source):
+        return "directory"
+    return "dataset" if kind == "indexed" else kind
 
 
 def _prefix_of_file(path: str) -> str | None:

@@ -43,22 +43,10 @@ def step_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
 
 def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
                    micro_batch: int, device) -> torch.Tensor | None:
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    # Every model chunk walks the same microbatches in order; each uses what it needs
-    # (tokens on the first stage, labels on the last).
-    iterators = [iter(batches) for _ in chunks]
-    results = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, device=device),
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=micro_batch,
-        forward_only=False)
+    loss = _run_schedule(chunks, batches, seq_len=seq_len, micro_batch=micro_batch,
+                         device=device, forward_only=False)
     engine.step()
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    return torch.stack([r["loss"] for r in results]).mean()
+    return loss
 
 
 def eval_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
@@ -75,17 +63,27 @@ def eval_pipelined(chunks, batches: list[Microbatch], *, seq_len: int, micro_bat
                    device) -> torch.Tensor | None:
     """Megatron's schedule with forward_only=True: the same p2p pattern as training, minus the
     backward passes, on every rank of the pipeline (so no rank waits for a peer that skipped)."""
+    with torch.no_grad():
+        return _run_schedule(chunks, batches, seq_len=seq_len, micro_batch=micro_batch,
+                             device=device, forward_only=True)
+
+
+def _run_schedule(chunks, batches: list[Microbatch], *, seq_len: int, micro_batch: int, device,
+                  forward_only: bool) -> torch.Tensor | None:
+    """Megatron-Core's schedule (1F1B, or interleaved over the virtual stages) over `batches`;
+    the mean microbatch loss on the last pipeline stage, None elsewhere."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    # Every model chunk walks the same microbatches in order; each uses what it needs
+    # (tokens on the first stage, labels on the last).
     iterators = [iter(batches) for _ in chunks]
-    with torch.no_grad():
-        results = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, device=device),
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=micro_batch,
-            forward_only=True)
+    results = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, device=device),
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=micro_batch,
+        forward_only=forward_only)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return torch.stack([r["loss"] for r in results]).mean()
