@@ -36,17 +36,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsforge.ckpt.format import COMPLETE, STATE_DIR
 from dsforge.files import write_atomic
 from dsforge.problems import Problem, shorten
+from dsforge.runtime.layout_free import write_state
 
-COMPLETE = "dsforge_complete.json"
 LATEST = "latest"
 
 # Recipe fields a resumed run may change. Everything else must match, train.steps included:
 # it is the horizon of the learning-rate schedule that the checkpoint restores.
 # Evaluation settings and where the data's indices are cached change no training step either.
 RESUMABLE_CHANGES = {"train.timing_warmup", "train.checkpoint_every", "train.eval_every",
-                     "train.eval_iters", "data.cache_dir"}
+                     "train.eval_iters", "data.cache_dir", "train.time_limit", "train.keep_last"}
+# How the job is split may change on resume too (with the same global batch): the checkpoint's
+# layout-free state (dsforge/ckpt) is read back onto the new layout.
+LAYOUT_SECTIONS = ("parallel", "zero")
+LAYOUT_FIELDS = {"train.micro_batch", "train.grad_accum"}
 
 
 _TAG = re.compile(rb"step[0-9]{8}")
@@ -81,6 +86,8 @@ def save(engine, root: Path, *, step: int, recipe: dict[str, Any], world_size: i
     engine.save_checkpoint(str(root), tag=tag, client_state={"dsforge_step": step},
                            save_latest=False)
     torch.save(_rng_state(), root / tag / f"dsforge_rng_rank{rank:05d}.pt")
+    write_state(engine, engine.module.chunks, root / tag, rank=rank, world_size=world_size,
+                step=step, padded_vocab_size=_padded_vocab(engine.module.chunks))
     experts = _expert_weights(engine.module)
     if experts:
         torch.save(experts, root / tag / f"dsforge_experts_rank{rank:05d}.pt")
@@ -283,21 +290,40 @@ def check_complete(root: Path, record: dict[str, Any]) -> None:
 
 def recipe_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """'section.field: saved -> current' for every difference a resume must not have."""
+    return [line for name, line in _differences(saved, current)
+            if name not in RESUMABLE_CHANGES and not _is_layout(name)]
+
+
+def layout_changes(saved: dict[str, Any], current: dict[str, Any], saved_world: int,
+                   world: int) -> list[str]:
+    """The differences in how the job is split (LAYOUT_SECTIONS, LAYOUT_FIELDS, world size)."""
+    changes = [line for name, line in _differences(saved, current) if _is_layout(name)]
+    if saved_world != world:
+        changes.append(f"world size: {saved_world} in the checkpoint, {world} now")
+    return changes
+
+
+def _is_layout(name: str) -> bool:
+    return name.split(".")[0] in LAYOUT_SECTIONS or name in LAYOUT_FIELDS
+
+
+def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, str]]:
     # The saved recipe went through JSON: compare like with like (a blend's tuple is a list).
     saved, current = json.loads(json.dumps(saved)), json.loads(json.dumps(current))
     differences = []
     for section in ("model", "parallel", "zero", "train", "data"):
         for key in sorted(set(saved.get(section) or {}) | set(current.get(section) or {})):
-            name = f"{section}.{key}"
             old, new = (saved.get(section) or {}).get(key), (current.get(section) or {}).get(key)
-            if old != new and name not in RESUMABLE_CHANGES:
-                differences.append(f"{name}: {old!r} in the checkpoint, {new!r} now")
+            if old != new:
+                differences.append((f"{section}.{key}",
+                                    f"{section}.{key}: {old!r} in the checkpoint, {new!r} now"))
     return differences
 
 
 def check_resumable(run_dir: Path, recipe: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The completion record a run of `recipe` on `world_size` ranks can resume from: the
-    newest complete checkpoint in `run_dir`, safe to load, of this same model and layout."""
+    newest complete checkpoint in `run_dir`, safe to load, of this same model, data and
+    schedule. The record's "layout_changes" lists how the layout differs (empty: the same)."""
     root = checkpoint_root(run_dir)
     record = latest_complete(root)
     if record is None:
@@ -305,18 +331,32 @@ def check_resumable(run_dir: Path, recipe: dict[str, Any], world_size: int) -> d
     check_safe_to_load(root, record["tag"])
     check_complete(root, record)
     differences = recipe_differences(record["recipe"], recipe)
-    if record["world_size"] != world_size:
-        differences.append(f"world size: {record['world_size']} in the checkpoint, {world_size} now")
     if differences:
-        raise CheckpointError("the recipe differs from the checkpoint's (resharding to a new "
-                              "layout is not supported):\n  " + "\n  ".join(differences))
-    return record
+        raise CheckpointError("the recipe differs from the checkpoint's in more than the layout "
+                              "(parallel.*, zero.*, train.micro_batch, train.grad_accum may "
+                              "change; the rest must not):\n  " + "\n  ".join(differences))
+    changes = layout_changes(record["recipe"], recipe, record["world_size"], world_size)
+    if changes and not (root / record["tag"] / STATE_DIR).is_dir():
+        raise CheckpointError(
+            f"{root / record['tag']} was saved before dsforge checkpoints kept a layout-free "
+            "state, so it resumes only on the layout that wrote it:\n  " + "\n  ".join(changes)
+            + "\nresume it once on its own layout and let it save, then change the layout")
+    return {**record, "layout_changes": changes}
 
 
-def load(engine, root: Path, tag: str, rank: int) -> int:
-    """Restore engine and RNG state; returns the number of steps already done."""
+def load(engine, root: Path, tag: str, rank: int, *, recipe: dict[str, Any] | None = None,
+         world_size: int | None = None, say=None) -> int:
+    """Restore engine and RNG state; returns the number of steps already done. When `recipe`
+    and `world_size` split the job differently from the checkpoint's, the layout-free state
+    is read onto this layout (runtime/layout_free.py) and `say` (rank 0's console, or None)
+    is told how."""
+    record = read_marker(root, tag)
     check_safe_to_load(root, tag)
-    check_complete(root, read_marker(root, tag))
+    check_complete(root, record)
+    changes = [] if recipe is None else layout_changes(record["recipe"], recipe,
+                                                       record["world_size"], world_size)
+    if changes:
+        return _load_on_new_layout(engine, root, tag, record, rank, changes, say)
     _, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                        load_lr_scheduler_states=True)
     if client is None or "dsforge_step" not in client:
@@ -325,6 +365,30 @@ def load(engine, root: Path, tag: str, rank: int) -> int:
     _set_rng_state(rng)
     _restore_expert_weights(engine.module, root / tag / f"dsforge_experts_rank{rank:05d}.pt")
     return int(client["dsforge_step"])
+
+
+def _load_on_new_layout(engine, root: Path, tag: str, record: dict[str, Any], rank: int,
+                        changes: list[str], say) -> int:
+    from dsforge.ckpt.reader import StateError, open_state
+    from dsforge.runtime.layout_free import load_state
+
+    try:
+        notes = load_state(engine, engine.module.chunks, open_state(root / tag))
+    except StateError as exc:
+        raise CheckpointError(f"cannot resume {root / tag} on a new layout: {exc}") from exc
+    # RNG streams belong to ranks; on another layout rank r is another part of the model. No
+    # training step draws random numbers (no dropout; data is indexed by step), so the
+    # seeded streams of this job serve as well.
+    if say is not None:
+        say(f"dsforge: continuing {tag} on a new layout ({'; '.join(changes)})")
+        for note in notes:
+            say(f"dsforge: note: {note}")
+    return int(record["step"])
+
+
+def _padded_vocab(chunks) -> int:
+    """The vocabulary the model was built with: dsforge passes Megatron the padded size."""
+    return int(chunks[0].vocab_size)
 
 
 def _expert_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

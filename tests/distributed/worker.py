@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import sys
 import traceback
 import warnings
@@ -38,11 +39,19 @@ def _run_case(case: dict, spec: dict) -> None:
     from dsforge.recipe import resolve_file
     from dsforge.runtime.trainer import Trainer, train_loop
 
-    resolved = resolve_file(spec["recipe"], case["overrides"], world_size=int(os.environ["WORLD_SIZE"]))
+    recipe = case.get("recipe") or spec["recipe"]
+    resolved = resolve_file(recipe, case["overrides"], world_size=int(os.environ["WORLD_SIZE"]))
     run_dir = Path(spec["out"]) / case["name"]
+    # resume_from: a case trained earlier in this world (so the process group exists); its
+    # checkpoints are copied, then this case resumes from them on its own layout.
+    resume_from = case.get("resume_from")
+    if resume_from and int(os.environ["RANK"]) == 0:
+        shutil.copytree(Path(spec["out"]) / resume_from / "checkpoints", run_dir / "checkpoints")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if resume_from:
+        torch.distributed.barrier()
     trainer = Trainer(resolved, device=torch.device("cpu"), backend="gloo", run_dir=run_dir,
-                      collective_timeout_s=spec["timeout_s"])
+                      collective_timeout_s=spec["timeout_s"], resume=bool(resume_from))
     train_loop(trainer)
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()

@@ -240,9 +240,17 @@ def test_save_records_every_file_and_its_size(tmp_path, monkeypatch):
                 if "rng" not in name:
                     (Path(root) / tag / name).write_bytes(b"x" * size)
 
+    def write_state(engine, chunks, directory, **_):
+        (directory / "dsforge_state").mkdir()
+        (directory / "dsforge_state" / "rank00000.safetensors").write_bytes(b"x" * 7)
+
+    monkeypatch.setattr(Engine.module, "chunks", [], raising=False)
+    monkeypatch.setattr(checkpoint, "write_state", write_state)
+    monkeypatch.setattr(checkpoint, "_padded_vocab", lambda chunks: 128)
     root = tmp_path / "checkpoints"
     checkpoint.save(Engine(), root, step=3, recipe=RECIPE, world_size=1, rank=0)
     record = latest_complete(root)
-    assert set(record["files"]) == {n for n in FILES if "rng" not in n} | {"dsforge_rng_rank00000.pt"}
+    assert set(record["files"]) == {n for n in FILES if "rng" not in n} | {
+        "dsforge_rng_rank00000.pt", "dsforge_state/rank00000.safetensors"}
     assert record["files"]["zero_pp_rank_1_mp_rank_00_optim_states.pt"] == 300
     check_complete(root, record)

@@ -1,0 +1,77 @@
+"""A checkpoint resumes on another layout and training goes on as if nothing had changed.
+
+Each source layout trains 5 steps with a checkpoint after step 3. Its resumed twin copies that
+checkpoint and trains steps 3 and 4 on another layout (tp, pp, vpp, dp, ep, ZeRO stage), from
+the checkpoint's layout-free state (dsforge/ckpt). The resumed losses and gradient norms must
+equal the source's own steps 3 and 4 within fp32 reduction-order noise: the new layout sums
+in another order, as the equivalence tests' layouts do (measured differences are ~1e-7).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import REPO
+from tests.distributed.harness import run_world
+
+pytestmark = pytest.mark.timeout(600)
+
+TEXT = REPO / "data" / "tempest.u16.bin"
+DENSE, MOE = REPO / "recipes" / "tiny.yaml", REPO / "recipes" / "tiny_moe.yaml"
+COMMON = [f"data.source={TEXT}", "train.steps=5", "train.checkpoint_every=3",
+          "train.global_batch=8", "train.micro_batch=2", "train.grad_accum=null",
+          "train.timing_warmup=0", "train.lr=1.0e-2", "train.warmup_steps=2",
+          "model.vocab_size=512"]  # a multiple of 128 x tp: the same padding on tp 1 and 2
+RESUMED_STEPS = [3, 4]
+
+
+def _layout(*overrides: str) -> list[str]:
+    return COMMON + list(overrides)
+
+
+# resumed case -> (source case, source layout, resumed layout, recipe)
+PAIRS = {
+    "dp2_zero1_to_tp2": ("dp2_zero1", _layout("parallel.dp=2", "zero.stage=1"),
+                         _layout("parallel.dp=1", "parallel.tp=2", "zero.stage=1"), DENSE),
+    "pp2_to_dp2_zero3": ("pp2_zero1", _layout("parallel.dp=1", "parallel.pp=2", "zero.stage=1"),
+                         _layout("parallel.dp=2", "zero.stage=3"), DENSE),
+    "zero0_to_zero3": ("dp2_zero0", _layout("parallel.dp=2", "zero.stage=0"),
+                       _layout("parallel.dp=2", "zero.stage=3"), DENSE),
+    "moe_ep2_to_dp2": ("moe_ep2_zero1", _layout("parallel.dp=2", "parallel.ep=2", "zero.stage=1"),
+                       _layout("parallel.dp=2", "parallel.ep=1", "zero.stage=2"), MOE),
+}
+PAIRS4 = {
+    "tp2_pp2_to_pp2_vpp2_dp2": ("tp2_pp2", _layout("parallel.dp=1", "parallel.tp=2", "parallel.pp=2"),
+                                _layout("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2"), DENSE),
+}
+
+
+def _world(size: int, pairs: dict, out):
+    cases, resume_from, recipes = {}, {}, {}
+    for resumed, (source, source_layout, resumed_layout, recipe) in pairs.items():
+        cases[source], recipes[source] = source_layout, recipe
+        cases[resumed], recipes[resumed] = resumed_layout, recipe
+        resume_from[resumed] = source
+    return run_world(size, cases, recipe=DENSE, out=out, resume_from=resume_from, recipes=recipes)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reshard")
+    return {**_world(2, PAIRS, out / "world2"), **_world(4, PAIRS4, out / "world4")}
+
+
+def _steps(records):
+    return {r["step"]: r for r in records if "val_loss" not in r}
+
+
+@pytest.mark.parametrize("resumed", [*PAIRS, *PAIRS4])
+def test_resume_on_another_layout_continues_the_run(results, resumed):
+    source = {**PAIRS, **PAIRS4}[resumed][0]
+    got, ref = _steps(results[resumed]), _steps(results[source])
+    assert sorted(got) == RESUMED_STEPS, f"{resumed} trained steps {sorted(got)}"
+    for step in RESUMED_STEPS:
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], abs=1e-5), f"loss at {step}"
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), \
+            f"grad norm at {step}"
+        assert got[step]["lr"] == ref[step]["lr"], f"learning rate at {step}"

@@ -1,0 +1,129 @@
+"""The pieces of a layout-free checkpoint join back into full tensors, and what a resume on
+another layout accepts and refuses (the multi-rank proof is tests/distributed/test_reshard.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dsforge.ckpt.format import COMPLETE, FORMAT_VERSION, STATE_DIR, STATE_FILE, Piece, piece_key
+from dsforge.ckpt.reader import StateError, open_state
+from dsforge.runtime.checkpoint import CheckpointError, check_resumable
+from dsforge.runtime.names import ParamSpec, shard, unshard
+from tests.unit.test_checkpoint_trust import RECIPE, _checkpoint
+
+
+def _spec(shape, dim, stride, rank, size):
+    return ParamSpec(global_name="w", full_shape=shape, tp_dim=dim, stride=stride, tp_rank=rank,
+                     tp_size=size, expert=False)
+
+
+@pytest.mark.parametrize("dim,stride,size", [(0, 1, 2), (1, 1, 4), (0, 2, 2), (0, 2, 4), (1, 1, 1)])
+def test_shards_join_back_into_the_full_tensor(dim, stride, size):
+    full = torch.arange(8 * 16, dtype=torch.float32).view(8, 16)
+    shards = [shard(full, _spec((8, 16), dim, stride, r, size)) for r in range(size)]
+    assert torch.equal(unshard(shards, dim=dim, stride=stride), full)
+
+
+def test_swiglu_shards_hold_their_gate_and_up_rows():
+    """fc1 is [gate; up]: with stride 2, tp rank r holds [gate_r; up_r] (Megatron's layout)."""
+    gate, up = torch.zeros(4, 3), torch.ones(4, 3)
+    first = shard(torch.cat([gate, up]), _spec((8, 3), 0, 2, 0, 2))
+    assert torch.equal(first, torch.cat([gate[:2], up[:2]]))
+
+
+def _write(directory: Path, pieces_by_rank: dict[int, list[tuple[Piece, torch.Tensor]]],
+           ranks: int | None = None) -> Path:
+    """A checkpoint directory holding only the layout-free state and a marker."""
+    state_dir = directory / STATE_DIR
+    state_dir.mkdir(parents=True)
+    for rank, pieces in pieces_by_rank.items():
+        save_file({p.key: t for p, t in pieces}, str(state_dir / f"rank{rank:05d}.safetensors"),
+                  metadata={"pieces": json.dumps([p.to_json() for p, _ in pieces])})
+    (state_dir / STATE_FILE).write_text(json.dumps(
+        {"format": FORMAT_VERSION, "ranks": ranks or len(pieces_by_rank), "padded_vocab_size": 128}))
+    (directory / COMPLETE).write_text(json.dumps({"recipe": {"train": {"precision": "bf16"}}}))
+    return directory
+
+
+def _pieces(full: torch.Tensor, *, size: int, dp: int, dim: int = 0):
+    """Pieces as tp x dp ranks write them under ZeRO: each shard cut into dp flat ranges."""
+    by_rank = {}
+    for tp_rank in range(size):
+        local = shard(full, _spec(tuple(full.shape), dim, 1, tp_rank, size)).reshape(-1)
+        part = math.ceil(local.numel() / dp)
+        for dp_rank in range(dp):
+            start = dp_rank * part
+            numel = min(part, local.numel() - start)
+            piece = Piece(key=piece_key("fp32", "w", tp_rank, start), name="w", state="fp32",
+                          full_shape=tuple(full.shape), tp_dim=dim, stride=1, tp_rank=tp_rank,
+                          tp_size=size, local_shape=tuple(full.shape[:dim]) + (full.shape[dim] // size,)
+                          + tuple(full.shape[dim + 1:]), start=start, numel=numel)
+            by_rank.setdefault(tp_rank * dp + dp_rank, []).append(
+                (piece, local[start:start + numel].clone()))
+    return by_rank
+
+
+def test_the_reader_joins_data_and_tensor_parallel_pieces(tmp_path):
+    full = torch.randn(6, 10)
+    reader = open_state(_write(tmp_path, _pieces(full, size=2, dp=3, dim=1)))
+    assert reader.names() == ["w"] and reader.padded_vocab_size == 128
+    assert torch.equal(reader.full("w", "fp32"), full)
+    assert reader.full("w").dtype == torch.bfloat16  # "param": the training precision
+    assert not reader.has_state("exp_avg")
+
+
+def test_a_missing_range_is_an_error_not_zeros(tmp_path):
+    pieces = _pieces(torch.randn(6, 10), size=2, dp=3)
+    pieces[1] = []  # dp rank 1 of tp rank 0 wrote nothing
+    with pytest.raises(StateError, match="are in no rank file"):
+        open_state(_write(tmp_path, pieces)).full("w", "fp32")
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    directory = _write(tmp_path, _pieces(torch.randn(4, 4), size=1, dp=2), ranks=3)
+    with pytest.raises(StateError, match="rank00002.safetensors is missing"):
+        open_state(directory)
+
+
+def test_a_checkpoint_without_the_state_says_how_to_get_one(tmp_path):
+    (tmp_path / COMPLETE).write_text(json.dumps({"recipe": {}}))
+    with pytest.raises(StateError, match="Resume it once on its own layout"):
+        open_state(tmp_path)
+
+
+def _other_layout(**changes) -> dict:
+    recipe = json.loads(json.dumps(RECIPE))
+    for field, value in changes.items():
+        section, key = field.split("__")
+        recipe[section][key] = value
+    return recipe
+
+
+def test_a_layout_change_needs_the_layout_free_state(tmp_path):
+    _checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="resumes only on the layout that wrote it") as info:
+        check_resumable(tmp_path, _other_layout(parallel__tp=2), 2)
+    assert "parallel.tp: 1 in the checkpoint, 2 now" in str(info.value)
+
+
+def test_a_layout_change_is_listed_when_the_state_is_there(tmp_path):
+    root = _checkpoint(tmp_path)
+    (root / "step00000003" / STATE_DIR).mkdir()
+    record = check_resumable(tmp_path, _other_layout(parallel__tp=2, zero__stage=3), 4)
+    assert record["layout_changes"] == ["parallel.tp: 1 in the checkpoint, 2 now",
+                                        "zero.stage: 1 in the checkpoint, 3 now",
+                                        "world size: 2 in the checkpoint, 4 now"]
+    assert check_resumable(tmp_path, RECIPE, 2)["layout_changes"] == []
+
+
+def test_a_model_change_is_still_refused_with_the_list(tmp_path):
+    root = _checkpoint(tmp_path)
+    (root / "step00000003" / STATE_DIR).mkdir()
+    with pytest.raises(CheckpointError, match="model.num_layers: 2 in the checkpoint, 4 now"):
+        check_resumable(tmp_path, _other_layout(model__num_layers=4, parallel__tp=2), 2)
