@@ -428,3 +428,21 @@ def report(results, out, peak_tflops):
         click.echo(f"dsforge report: {exc}", err=True)
         sys.exit(exc.exit_code)
     click.echo(f"report: {path}")
+
+
+@main.command()
+@click.argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT",
+                type=click.Path(file_okay=False, path_type=Path))
+@click.option("--to", "out", required=True, type=click.Path(path_type=Path),
+              help="The Hugging Face folder to write; must not exist or be empty.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Weight dtype [default: the training precision's].")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest safetensors shard, e.g. 5GB, 500MB, 2GiB.")
+def export(checkpoint, out, dtype, max_shard_size):
+    """Write a checkpoint as a Hugging Face model folder: Llama for dense models, Mixtral for
+    models whose every layer is MoE (docs/export.md). RUN_DIR means its latest complete
+    checkpoint. Exit status: 0 written, 2 refused (nothing written)."""
+    from dsforge.hf.export import export_main
+
+    sys.exit(export_main(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size))
