@@ -102,15 +102,15 @@ def load_state(engine, chunks, reader: StateReader) -> list[str]:
 
 
 def _install_all(view, chunks, reader: StateReader, moments: bool, notes: list[str]) -> None:
+    """One parameter and one state at a time: the peak is the largest full tensor plus its
+    shard, not the model."""
     for param, spec in param_specs(chunks):
-        values = {}
         for key in STATES:
-            if key != "fp32" and not moments:  # saved before the first step: Adam starts at zero
-                values[key] = torch.zeros(spec.full_shape)
-                continue
+            if key != "fp32" and not moments:
+                continue  # saved before the first step: Adam's moments stay zero (prepare)
             full = _fit(reader.full(spec.global_name, key), spec, notes)
-            values[key] = shard(full, spec)
-        view.install(param, values)
+            view.install(param, key, shard(full, spec))
+            del full
 
 
 def _fit(full: torch.Tensor, spec: ParamSpec, notes: list[str]) -> torch.Tensor:

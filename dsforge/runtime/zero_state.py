@@ -4,8 +4,8 @@ The optimizer state of one parameter is its fp32 master weights and Adam's two m
 answers two questions for the layout-free checkpoint (runtime/layout_free.py):
   fragments(param)          the part of the parameter's (tensor-parallel) shard this rank
                             owns: (flat start, {state: 1-D fp32 tensor}); [] if none
-  install(param, values)    put the full shard's states (values[state], the shard's shape)
-                            into whatever part of them this rank owns
+  install(param, key, value)  put the full shard of state `key` (the shard's shape) into
+                            whatever part of it this rank owns
 `prepare(step)` creates the optimizer's state before `install` (torch's Adam creates it
 lazily at the first step) and `finish()` refreshes the training-precision weights from the
 masters. The DeepSpeed internals used here are pinned in tests/unit/test_pins.py.
@@ -25,8 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from dsforge.ckpt.format import STATES
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -79,16 +77,14 @@ class Zero12:
         for flat in self.zero.single_partition_of_fp32_groups:
             self.base.state[flat] = _new_state(flat, self.base, step)
 
-    def install(self, param, values: dict[str, torch.Tensor]) -> None:
+    def install(self, param, key: str, value: torch.Tensor) -> None:
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is None:
             return
         flat = self._flat(param)
         lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
-        for key in STATES:
-            target = flat if key == "fp32" else self.base.state[flat][key]
-            source = values[key].reshape(-1).narrow(0, lp.start, lp.numel)
-            target.narrow(0, hp.start, hp.numel).copy_(source)
+        target = flat if key == "fp32" else self.base.state[flat][key]
+        target.narrow(0, hp.start, hp.numel).copy_(value.reshape(-1).narrow(0, lp.start, lp.numel))
 
     def finish(self) -> None:
         self.zero.update_lp_params()  # every rank: all-gathers the bit16 partitions
@@ -126,12 +122,11 @@ class Zero3:
         for flat in self.zero.fp32_partitioned_groups_flat:
             self.base.state[flat] = _new_state(flat, self.base, step)
 
-    def install(self, param, values: dict[str, torch.Tensor]) -> None:
+    def install(self, param, key: str, value: torch.Tensor) -> None:
         start, numel, size = self._range(param)
-        for key in STATES:
-            local = torch.zeros(size, dtype=torch.float32)
-            local[:numel] = values[key].reshape(-1)[start:start + numel]
-            self.zero.set_local_hp_param(local, param, None if key == "fp32" else key)
+        local = torch.zeros(size, dtype=torch.float32)
+        local[:numel] = value.reshape(-1)[start:start + numel]
+        self.zero.set_local_hp_param(local, param, None if key == "fp32" else key)
 
     def finish(self) -> None:
         """The training-precision partitions from the fp32 ones, as DeepSpeed's own loader
@@ -195,14 +190,12 @@ class Zero0:
         for holder in {id(h): h for h, _, _ in self.master.values()}.values():
             self.base.state[holder] = _new_state(holder.detach(), self.base, step)
 
-    def install(self, param, values: dict[str, torch.Tensor]) -> None:
+    def install(self, param, key: str, value: torch.Tensor) -> None:
         holder, start, numel = self.master[id(param)]
-        with torch.no_grad():
-            for key in STATES:
-                target = holder.detach() if key == "fp32" else self.base.state[holder][key]
-                target.reshape(-1).narrow(0, start, numel).copy_(values[key].reshape(-1))
-            if holder is not param:
-                param.copy_(values["fp32"].view_as(param))  # the weights the next forward uses
+        target = holder.detach() if key == "fp32" else self.base.state[holder][key]
+        target.reshape(-1).narrow(0, start, numel).copy_(value.reshape(-1))
+        if key == "fp32" and holder is not param:
+            param.copy_(value.view_as(param))  # the weights the next forward uses
 
     def finish(self) -> None:
         pass  # install already wrote the weights

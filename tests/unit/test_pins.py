@@ -48,3 +48,45 @@ def test_megatron_dataset_internals_dsforge_relies_on():
     assert "split_matrix" in {f.name for f in dataclasses.fields(BlendedMegatronDatasetConfig)}
     assert "self.config.split_matrix" in inspect.getsource(builder.BlendedMegatronDatasetBuilder)
     assert megatron_dataset._PAD_TOKEN_ID == -1
+
+
+def test_deepspeed_optimizer_state_internals_dsforge_relies_on():
+    """dsforge/runtime/zero_state.py reads and writes the optimizer state where each ZeRO stage
+    keeps it (layout-free checkpoints): these attributes and their meaning must not move."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero import partition_parameters, stage3, stage_1_and_2
+
+    # deepspeed.utils re-exports a class under the module's name: import the module itself.
+    tensor_fragment = importlib.import_module("deepspeed.utils.tensor_fragment")
+    fields = {f.name for f in dataclasses.fields(tensor_fragment.tensor_fragment)}
+    assert {"lp_fragment_address", "hp_fragment_address"} <= fields
+    assert tensor_fragment.fragment_address._fields == ("numel", "start")
+    zero12 = inspect.getsource(stage_1_and_2.DeepSpeedZeroOptimizer)
+    for text in ("self.bit16_groups", "self.single_partition_of_fp32_groups", "def update_lp_params",
+                 "self._link_all_hp_params()"):
+        assert text in zero12, text
+    zero3 = stage3.DeepSpeedZeroOptimizer_Stage3
+    for method in ("_get_param_partition_group", "get_local_fp32_param", "set_local_hp_param"):
+        assert hasattr(zero3, method), method
+    source3 = inspect.getsource(zero3)
+    for text in ("self.fp32_partitioned_groups_flat", "self.fp16_partitioned_groups_flat",
+                 "self.fp16_partitioned_groups", "self.unflatten"):
+        assert text in source3, text
+    assert "param.ds_tensor.ds_numel = partition_size" in inspect.getsource(partition_parameters)
+    assert "self.fp32_groups.append" in inspect.getsource(FP16_UnfusedOptimizer)
+    assert "self.fp32_groups_flat" in inspect.getsource(FP16_Optimizer)
+
+
+def test_megatron_numbers_experts_as_dsforge_names_them():
+    """runtime/names.py: global expert id = expert-parallel rank x local experts + local id."""
+    import inspect
+
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    source = inspect.getsource(SequentialMLP)
+    assert "local_expert_indices_offset = self.ep_group.rank() * self.num_local_experts" in source
