@@ -3,8 +3,9 @@
 Each source layout trains 5 steps with a checkpoint after step 3. Its resumed twin copies that
 checkpoint and trains steps 3 and 4 on another layout (tp, pp, vpp, dp, ep, ZeRO stage), from
 the checkpoint's layout-free state (dsforge/ckpt). The resumed losses and gradient norms must
-equal the source's own steps 3 and 4 within fp32 reduction-order noise: the new layout sums
-in another order, as the equivalence tests' layouts do (measured differences are ~1e-7).
+equal the source's own steps 3 and 4 within reduction-order noise: the new layout sums in
+another order, as the equivalence tests' layouts do (measured in fp32: losses equal, gradient
+norms within 2e-7 relative; bf16 below).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ PAIRS = {
                        _layout("parallel.dp=2", "zero.stage=3"), DENSE),
     "moe_ep2_to_dp2": ("moe_ep2_zero1", _layout("parallel.dp=2", "parallel.ep=2", "zero.stage=1"),
                        _layout("parallel.dp=2", "parallel.ep=1", "zero.stage=2"), MOE),
+    # bf16: DeepSpeed's fp16/bf16 wrapper without ZeRO -> ZeRO-2 with tensor parallelism.
+    "bf16_zero0_to_tp2_zero2": ("bf16_dp2_zero0",
+                                _layout("parallel.dp=2", "zero.stage=0", "train.precision=bf16"),
+                                _layout("parallel.dp=1", "parallel.tp=2", "zero.stage=2",
+                                        "train.precision=bf16"), DENSE),
 }
 PAIRS4 = {
     "tp2_pp2_to_pp2_vpp2_dp2": ("tp2_pp2", _layout("parallel.dp=1", "parallel.tp=2", "parallel.pp=2"),
@@ -70,8 +76,11 @@ def test_resume_on_another_layout_continues_the_run(results, resumed):
     source = {**PAIRS, **PAIRS4}[resumed][0]
     got, ref = _steps(results[resumed]), _steps(results[source])
     assert sorted(got) == RESUMED_STEPS, f"{resumed} trained steps {sorted(got)}"
+    # bf16 matmuls over tensor-parallel shards round differently (measured: loss 3e-5, grad
+    # norm 2e-3 relative); fp32 layouts differ by ~1e-7.
+    loss_tol, norm_tol = (1e-3, 1e-2) if "bf16" in resumed else (1e-5, 1e-4)
     for step in RESUMED_STEPS:
-        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], abs=1e-5), f"loss at {step}"
-        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), \
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], abs=loss_tol), f"loss at {step}"
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=norm_tol), \
             f"grad norm at {step}"
         assert got[step]["lr"] == ref[step]["lr"], f"learning rate at {step}"
