@@ -134,13 +134,15 @@ def _copy_run(resumed_runs, tmp_path, name="zero1_dp2"):
     return target
 
 
-def test_resume_with_another_model_or_layout_is_refused(resumed_runs, tmp_path):
+def test_resume_with_another_model_is_refused(resumed_runs, tmp_path):
+    """The layout may change on resume (tests/distributed/test_reshard.py), the model not: the
+    refusal lists the model's differences and not the layout's."""
     run_dir = _copy_run(resumed_runs, tmp_path)
     result = _refused_resume(run_dir, "--set", "parallel.dp=1", "--set", "parallel.tp=2",
                              "--set", "model.num_layers=2")
     assert result.returncode == 2
     assert "model.num_layers: 4 in the checkpoint, 2 now" in result.stderr
-    assert "parallel.tp: 1 in the checkpoint, 2 now" in result.stderr
+    assert "parallel.tp: 1 in the checkpoint" not in result.stderr
 
 
 def test_world_writable_checkpoint_is_refused_before_unpickling(resumed_runs, tmp_path):
