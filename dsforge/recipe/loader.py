@@ -383,12 +383,13 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
 
 def _union_option(value: Any, options: list[Any]) -> Any:
     """The option of a union type a written value means: a list for a tuple option (a blend),
-    else the first option (str | tuple[...] reads a string as the string)."""
+    a scalar option of the value's own type (int | str: 3600 or "1h"), else the first option
+    (str | tuple[...] reads a string as the string)."""
     if isinstance(value, (list, tuple)):
         for option in options:
             if typing.get_origin(option) is tuple:
                 return option
-    return options[0]
+    return next((option for option in options if option is type(value)), options[0])
 
 
 _INVALID, _NOT_FINITE, _OUT_OF_RANGE = object(), object(), object()

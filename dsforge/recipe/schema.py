@@ -253,6 +253,14 @@ class TrainConfig:
     checkpoint_every: int = 0  # save a checkpoint every N steps; 0 = never
     eval_every: int = 0  # validation loss every N steps and after the last; 0 = never
     eval_iters: int = 10  # global batches of held-out samples per evaluation
+    # The job's wall-clock limit (time_limit_seconds says which forms): the ranks save a
+    # checkpoint and exit, resumable, before it. None = no limit.
+    time_limit: int | str | None = None
+    keep_last: int = 0  # keep the newest N complete checkpoints; 0 = keep all
+
+    @property
+    def time_limit_s(self) -> int | None:
+        return time_limit_seconds(self.time_limit)
 
     def __post_init__(self) -> None:
         c = Checks()
@@ -296,7 +304,58 @@ class TrainConfig:
                       "must be in [0, 1)" if name != "min_lr_ratio" else "must be in [0, 1]",
                       "typical values: train.adam_beta1 0.9, train.adam_beta2 0.95, "
                       "train.min_lr_ratio 0.1")
+        c.require(self.keep_last >= 0, "R1", {"train.keep_last": self.keep_last}, "must be >= 0",
+                  "use train.keep_last: 0 to keep every checkpoint, or N to keep the newest N")
+        c.require(_time_limit_ok(self.time_limit), "R3", {"train.time_limit": self.time_limit},
+                  "not a time limit: give seconds > 0 (an integer), a number with a unit "
+                  "(90s, 45m, 3h, 2d) or Slurm's MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; a "
+                  "bare number in quotes is refused (Slurm reads it as minutes)",
+                  "e.g. train.time_limit: 3600, \"4h\" or \"1-12:00:00\"; null for no limit")
         c.raise_if_any()
+
+
+def _time_limit_ok(value: int | str | None) -> bool:
+    try:
+        return value is None or time_limit_seconds(value) > 0
+    except ValueError:
+        return False
+
+
+_UNIT_TIME = re.compile(r"([0-9]+)([smhd])")  # 90s, 45m, 3h, 2d
+_DAY_TIME = re.compile(r"([0-9]+)-([0-9]+)(?::([0-9]+))?(?::([0-9]+))?")  # D-HH[:MM[:SS]]
+_CLOCK_TIME = re.compile(r"(?:([0-9]+):)?([0-9]+):([0-9]+)")  # [HH:]MM:SS
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def time_limit_seconds(value: int | str | None) -> int | None:
+    """Seconds of a train.time_limit (None: no limit); ValueError when it is not one.
+
+    An integer is seconds. A string is a whole number with a unit, `90s`, `45m`, `3h`, `2d`,
+    or one of Slurm's `--time` forms that has a colon or a day: `MM:SS`, `HH:MM:SS`, `D-HH`,
+    `D-HH:MM`, `D-HH:MM:SS`. A bare number in a string is refused: Slurm reads "90" as
+    minutes, a recipe's integer 90 is seconds. (YAML 1.1 reads an unquoted 1:30:00 as the
+    integer 5400: the same seconds.)"""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{value!r} is not a time limit")
+    if isinstance(value, int):
+        return value
+    text = value.strip()
+    if match := _UNIT_TIME.fullmatch(text):
+        return int(match[1]) * _UNIT_SECONDS[match[2]]
+    if match := _DAY_TIME.fullmatch(text):
+        days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+        limits = (hours <= 23, minutes <= 59, seconds <= 59)
+    elif match := _CLOCK_TIME.fullmatch(text):
+        days = 0
+        hours, minutes, seconds = (int(g or 0) for g in match.groups())
+        limits = (minutes <= 59 or match[1] is None, seconds <= 59)
+    else:
+        raise ValueError(f"{value!r} is not a time limit")
+    if not all(limits):
+        raise ValueError(f"{value!r}: a field is out of range")
+    return days * 86400 + hours * 3600 + minutes * 60 + seconds
 
 
 @dataclass(frozen=True, kw_only=True)
