@@ -148,6 +148,9 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
 @click.option("--step-timeout", type=float, default=300.0, show_default=True,
               help="Seconds a step may take before its rank is declared stuck and the job ends.")
 @click.option("--timeout", type=float, default=None, help="Wall-clock limit for the whole job.")
+@click.option("--stop-grace", type=click.FloatRange(min=0), default=300.0, show_default=True,
+              help="Seconds the ranks get to save a checkpoint and exit after SIGTERM or SIGUSR1 "
+                   "before the job is stopped at once.")
 @click.option("--resume", is_flag=True,
               help="Continue the run in --run-dir from its latest complete checkpoint.")
 @click.option("--launcher", type=click.Choice(["pdsh", "openmpi", "mvapich", "slurm"]),
@@ -169,7 +172,7 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
 @click.option("--local_rank", type=int, default=None, hidden=True)
 def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_timeout, timeout,
         resume, launcher, include, exclude, node_rank, master_addr, master_port, dry_run, tiny,
-        skip_fit_check, verbose, local_rank):
+        skip_fit_check, verbose, local_rank, stop_grace):
     """Train RECIPE: validate, check that it fits this machine, then start the ranks with
     DeepSpeed's launcher, here or on the hosts of --hostfile. Also runs as the script
     `deepspeed ... -m dsforge run` starts."""
@@ -221,7 +224,7 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
         return
     ranks = _ranks_started_here(resolved, hostfile, include, exclude, node_rank)
     code = start.launch_and_watch(command, run_dir, ranks, timeout=timeout, verbose=verbose,
-                                  say=_say)
+                                  say=_say, stop_grace=stop_grace)
     if code == 0 and tiny:
         code = start.check_tiny_layout(resolved, run_dir, env=_forwarded_env(), timeout=timeout,
                                        verbose=verbose, say=_say)

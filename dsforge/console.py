@@ -60,6 +60,14 @@ class RankConsole:
         if self.marked:
             self._emit(kind="done", rank=rank)
 
+    def stopped(self, rank: int, steps_done: int, reason: str) -> None:
+        """This rank stopped early with the checkpoint of `steps_done` (runtime/preempt.py)."""
+        if self.marked:
+            self._emit(kind="stopped", rank=rank, step=steps_done, reason=reason)
+        elif rank == 0:
+            print(f"dsforge: stopped after step {steps_done} ({reason}) with a checkpoint; "
+                  "continue with --resume", file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

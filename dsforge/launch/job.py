@@ -15,6 +15,7 @@ import json
 import re
 import shlex
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -46,6 +47,9 @@ class JobSpec:
     # when it is gone (launch/owner.py); "" = nobody to watch (a plain `deepspeed` start).
     owner: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    # Unix time the job started (made by `dsforge run`; a rank started by a plain `deepspeed`
+    # makes its own): train.time_limit counts from it.
+    started_at: float = field(default_factory=time.time)
 
     def encode(self) -> str:
         return base64.urlsafe_b64encode(json.dumps(asdict(self)).encode()).decode()

@@ -1,9 +1,17 @@
 """Start a job's ranks on this machine through DeepSpeed's launcher, and always end them.
 
 The launcher runs in a new session (its own process group), so every rank it spawns can be
-ended by signalling the group: on Ctrl-C, SIGTERM or SIGHUP, on a wall-clock timeout, or when
-dsforge exits. A SIGKILLed dsforge cannot do it: the ranks then end the group themselves
-(launch/owner.py). DeepSpeed's launcher itself ends all ranks when one of them fails.
+ended by signalling the group: on Ctrl-C or SIGHUP, on a wall-clock timeout, when a stop
+request's grace runs out, or when dsforge exits. A SIGKILLed dsforge cannot do it: the ranks
+then end the group themselves (launch/owner.py). DeepSpeed's launcher itself ends all ranks
+when one of them fails.
+
+SIGTERM and SIGUSR1 (a scheduler's preemption, a time limit's warning) ask the ranks to save a
+checkpoint and stop (runtime/preempt.py): dsforge passes the signal to each rank of this host
+by pid (RUN_DIR/ranks/rankNNNNN.pid), never to the launcher, which would SIGKILL its ranks 30 s
+after a SIGTERM, whatever they are writing. The ranks agree among themselves, so ranks on other
+hosts stop too. Only when `stop_grace_s` runs out, or a second signal comes, is the group
+stopped at once.
 """
 
 from __future__ import annotations
@@ -19,8 +27,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-# How long ranks get to exit after SIGINT/SIGTERM before the group is killed.
+from dsforge.launch.diagnose import started_ranks
+from dsforge.runtime.preempt import STOP_SIGNALS
+
+# How long ranks get to exit after the group is signalled before it is killed.
 GRACE_S = 10.0
+# How long ranks get to save a checkpoint and exit after a stop request (`--stop-grace`).
+STOP_GRACE_S = 300.0
+_RANK_PROGRAM = b"dsforge.runtime.rank"
 # How long the output copier may take to drain what the killed job left in the pipe.
 READER_JOIN_S = 5.0
 
@@ -32,21 +46,35 @@ def free_port() -> int:
 
 
 def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | None = None,
-            log_path: Path | None = None, on_line: Callable[[str], None] | None = None) -> int:
+            log_path: Path | None = None, on_line: Callable[[str], None] | None = None,
+            run_dir: Path | None = None, stop_grace_s: float = STOP_GRACE_S) -> int:
     """Run the launcher to completion; returns its exit code (124 on timeout, 130 on Ctrl-C,
-    128 + N when dsforge receives signal N: 143 for SIGTERM, 129 for SIGHUP).
+    128 + N when dsforge receives signal N and stops the job at once: 129 for SIGHUP, 143 for
+    a second SIGTERM or when the stop grace runs out).
 
     With `log_path` its output goes there; with `on_line` too, each line is also handed to
-    `on_line` as it arrives (the terminal view of `dsforge run`)."""
+    `on_line` as it arrives (the terminal view of `dsforge run`). With `run_dir`, SIGTERM and
+    SIGUSR1 ask the job's ranks to save and stop, and SIGUSR2 makes them print their stacks."""
     out = open(log_path, "ab") if log_path else None
     piped = on_line is not None
     proc = subprocess.Popen(command, start_new_session=True, env=env,
                             stdout=subprocess.PIPE if piped else out,
                             stderr=subprocess.STDOUT if piped or out else None)
     reader = _copy_lines(proc.stdout, out, on_line) if piped else None
+    stacks = (lambda: signal_ranks(run_dir, proc.pid, signal.SIGUSR2)) if run_dir else None
     try:
-        with _stop_on_signals():
-            return proc.wait(timeout=timeout_s)
+        with _stop_on_signals(on_usr2=stacks):
+            try:
+                return proc.wait(timeout=timeout_s)
+            except Stopped as stop:
+                if run_dir is None or stop.signum not in STOP_SIGNALS:
+                    raise
+                return _save_and_stop(proc, run_dir, stop.signum, stop_grace_s)
+    except GraceOver as over:
+        print(f"dsforge: the ranks did not stop within the grace of {stop_grace_s:.0f}s; "
+              "stopping every rank now", file=sys.stderr)
+        stop_group(proc, signal.SIGTERM)
+        return 128 + over.signum
     except subprocess.TimeoutExpired:
         print(f"dsforge: job exceeded {timeout_s:.0f}s; stopping every rank", file=sys.stderr)
         stop_group(proc, signal.SIGTERM)
@@ -89,7 +117,15 @@ def _copy_lines(stream, out, on_line: Callable[[str], None]) -> threading.Thread
 
 
 class Stopped(Exception):
-    """dsforge itself was asked to stop (SIGTERM, SIGHUP)."""
+    """dsforge itself was asked to stop (SIGTERM, SIGUSR1, SIGHUP)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class GraceOver(Exception):
+    """The ranks asked to save and stop (after signal `signum`) are still running."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -97,10 +133,10 @@ class Stopped(Exception):
 
 
 @contextlib.contextmanager
-def _stop_on_signals():
-    """SIGTERM and SIGHUP stop the job as Ctrl-C does: they are what `timeout`, systemd, a
-    scheduler's preemption and a dropped ssh session send. (Handlers can only be installed
-    from the main thread; elsewhere the defaults stay.)"""
+def _stop_on_signals(on_usr2: Callable[[], object] | None = None):
+    """SIGTERM, SIGUSR1 and SIGHUP raise Stopped: they are what `timeout`, systemd, a
+    scheduler's preemption and a dropped ssh session send. SIGUSR2 calls `on_usr2`.
+    (Handlers can only be installed from the main thread; elsewhere the defaults stay.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -108,12 +144,62 @@ def _stop_on_signals():
     def stop(signum, _frame):
         raise Stopped(signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, stop)
+                for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)}
+    if on_usr2 is not None:
+        previous[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, lambda *_: on_usr2())
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _save_and_stop(proc: subprocess.Popen, run_dir: Path, signum: int, grace_s: float) -> int:
+    """Ask every rank of this host to save and stop, and wait up to `grace_s` for the job to
+    end (the launcher's exit code). Ranks that start later are asked as their pid files
+    appear. A second signal raises Stopped, the end of the grace GraceOver."""
+    print(f"dsforge: {signal.Signals(signum).name} received; every rank saves a checkpoint "
+          f"after its current step and stops (grace {grace_s:.0f}s; a second signal stops the "
+          "job at once)", file=sys.stderr, flush=True)
+    asked: set[int] = set()
+    deadline = time.monotonic() + grace_s
+    while True:
+        asked |= signal_ranks(run_dir, proc.pid, signum, skip=asked)
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                raise GraceOver(signum) from None
+
+
+def signal_ranks(run_dir: Path, pgid: int, sig: int, skip: set[int] = frozenset()) -> set[int]:
+    """Send `sig` to every rank of this host that wrote its pid file (launch/diagnose.py) and
+    is a rank of this job: in process group `pgid`, running the rank program, and the child of
+    a rank's supervisor (runtime/supervise.py), which would pass the signal on a second time.
+    Returns the pids signalled (not those in `skip`)."""
+    host, sent = socket.gethostname(), set()
+    for where in started_ranks(run_dir).values():
+        rank_host, _, pid_text = where.partition(" ")
+        if rank_host != host or not pid_text.isdigit() or int(pid_text) in skip:
+            continue
+        pid = int(pid_text)
+        try:
+            if os.getpgid(pid) != pgid or not _is_supervised_rank(pid):
+                continue
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+        sent.add(pid)
+    return sent
+
+
+def _is_supervised_rank(pid: int) -> bool:
+    try:
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        return all(_RANK_PROGRAM in Path(f"/proc/{p}/cmdline").read_bytes() for p in (pid, parent))
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def stop_group(proc: subprocess.Popen, sig: int) -> None:

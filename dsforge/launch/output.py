@@ -20,6 +20,8 @@ class JobView:
         self._bar = None
         self.lines_shown: list[str] = []
         self.done_ranks: set[int] = set()  # ranks that reported completing their part
+        # rank -> (steps done, why) for ranks that stopped early with a checkpoint
+        self.stopped_ranks: dict[int, tuple[int, str]] = {}
 
     def feed(self, line: str) -> None:
         """One line of the launcher's output (without its newline)."""
@@ -34,6 +36,8 @@ class JobView:
             self._write(str(event.get("text", "")))
         elif event["kind"] == "done":
             self.done_ranks.add(int(event["rank"]))
+        elif event["kind"] == "stopped":
+            self.stopped_ranks[int(event["rank"])] = (int(event["step"]), str(event["reason"]))
 
     def close(self) -> None:
         if self._bar is not None:

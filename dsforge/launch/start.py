@@ -18,7 +18,7 @@ from typing import Callable
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.fit import GiB, Machine, device_for, fit_problems, rank_memory_bytes
 from dsforge.launch.job import JobSpec, Placement, launch_command, runner_env
-from dsforge.launch.local import free_port, run_job
+from dsforge.launch.local import STOP_GRACE_S, free_port, run_job
 from dsforge.launch.output import JobView
 from dsforge.launch.owner import current_owner
 from dsforge.launch.probe import probe
@@ -29,10 +29,12 @@ from dsforge.problems import Problem, RecipeError, errors
 from dsforge.recipe import Resolved
 from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.tiny import reference_resolved, tiny_resolved
+from dsforge.runtime.preempt import EXIT_RESUMABLE
 
 Say = Callable[[str], None]
-# Exit codes of a job dsforge stopped on request: Ctrl-C, SIGHUP, SIGTERM (128 + signal).
-STOPPED_CODES = (130, 129, 143)
+# Exit codes of a job dsforge stopped at once on request: Ctrl-C, SIGHUP, SIGUSR1, SIGTERM
+# (128 + signal; SIGTERM and SIGUSR1 only after a second signal or when the grace ran out).
+STOPPED_CODES = (130, 129, 138, 143)
 
 
 class Refused(Exception):
@@ -127,10 +129,11 @@ def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joini
 
 
 def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: float | None,
-                     verbose: bool, say: Say) -> int:
+                     verbose: bool, say: Say, stop_grace: float = STOP_GRACE_S) -> int:
     """Run the job with dsforge's lines on the terminal and everything in RUN_DIR/job.log.
     Success is every one of its `ranks` reporting completion, not only the launcher's exit
-    code (a launcher killed by a signal, or a cut remote command, can exit 0)."""
+    code (a launcher killed by a signal, or a cut remote command, can exit 0). Ranks that
+    all stopped early with a checkpoint (a signal, train.time_limit) give EXIT_RESUMABLE."""
     env, dropped = runner_env(os.environ)
     env[JOB_DIR_ENV] = str(run_dir.resolve())  # tags every local process of the job
     for name in dropped:
@@ -141,9 +144,15 @@ def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: 
         f"engine logs in {log}")
     view = JobView(verbose=verbose)
     try:
-        code = run_job(command, timeout_s=timeout, env=env, log_path=log, on_line=view.feed)
+        code = run_job(command, timeout_s=timeout, env=env, log_path=log, on_line=view.feed,
+                       run_dir=run_dir, stop_grace_s=stop_grace)
     finally:
         view.close()
+    if code == 0 and view.stopped_ranks and len(view.done_ranks | set(view.stopped_ranks)) >= ranks:
+        steps, reason = max(view.stopped_ranks.values())
+        say(f"dsforge: stopped after step {steps} ({reason}) with a complete checkpoint: "
+            f"resumable, exit code {EXIT_RESUMABLE}; continue with --resume --run-dir {run_dir}")
+        return EXIT_RESUMABLE
     if code == 0 and len(view.done_ranks) < ranks:
         say(f"dsforge: the launcher exited 0 but only {len(view.done_ranks)} of {ranks} ranks "
             "reported completion; the run did not finish")

@@ -25,8 +25,9 @@ from dsforge.console import RankConsole
 from dsforge.launch.diagnose import write_pid
 from dsforge.launch.env import check_names
 from dsforge.launch.job import JobSpec
-from dsforge.launch.owner import watch_owner
+from dsforge.launch.owner import owner_alive, watch_owner
 from dsforge.runtime import failure
+from dsforge.runtime.preempt import StopRequest, Stopped
 from dsforge.runtime.build_locks import clear_stale_locks
 from dsforge.runtime.supervise import run_supervised
 from dsforge.recipe import resolve_file
@@ -75,8 +76,12 @@ def threads_per_rank(environ=os.environ) -> int | None:
 # Failure drills for tests and for checking a cluster's failure handling:
 # DSFORGE_INJECT_FAULT=KIND:RANK:STEP. raise | hang | exit act when RANK starts STEP;
 # save-exit kills RANK while it saves the checkpoint of STEP, after writing its files.
+# Preemption drills: stop sends SIGTERM to the `dsforge run` that started the job (to the
+# rank itself without one on this host) when RANK starts STEP, stop-save the same while RANK
+# saves the checkpoint of STEP; stop-eval sends SIGUSR1 to RANK's supervisor only, as srun
+# signals its tasks, before RANK's first validation batch after STEP.
 FAULT_ENV = "DSFORGE_INJECT_FAULT"
-FAULT_KINDS = ("raise", "hang", "exit", "save-exit")
+FAULT_KINDS = ("raise", "hang", "exit", "save-exit", "stop", "stop-eval", "stop-save")
 
 
 def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
@@ -89,7 +94,7 @@ def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
 
 
 def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> None:
-    if fault is None or fault[0] == "save-exit" or (fault[1], fault[2]) != (rank, step):
+    if fault is None or fault[0] not in ("raise", "hang", "exit") or (fault[1], fault[2]) != (rank, step):
         return
     if fault[0] == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
@@ -99,15 +104,45 @@ def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> No
         time.sleep(1)
 
 
-def _save_fault(fault):
-    if fault is None or fault[0] != "save-exit":
+def _save_fault(fault, owner: str = ""):
+    if fault is None or fault[0] not in ("save-exit", "stop-save"):
         return None
 
-    def die_while_saving(rank: int, steps_done: int) -> None:
-        if (rank, steps_done) == (fault[1], fault[2]):
+    def while_saving(rank: int, steps_done: int) -> None:
+        if (rank, steps_done) != (fault[1], fault[2]):
+            return
+        if fault[0] == "save-exit":
             os._exit(9)
+        signal_the_job(owner)
 
-    return die_while_saving
+    return while_saving
+
+
+class _StopDrill:
+    """The stop and stop-eval drills: one signal at the chosen moment."""
+
+    def __init__(self, fault, rank: int, owner: str):
+        self.armed = fault is not None and fault[0] in ("stop", "stop-eval") and fault[1] == rank
+        self.fault, self.owner, self.calls = fault, owner, 0
+
+    def before(self, step: int) -> None:
+        """Called when a step starts and before each of its validation batches."""
+        if not self.armed or step != self.fault[2]:
+            return
+        self.calls += 1
+        if self.fault[0] == "stop" and self.calls == 1:
+            self.armed = False
+            signal_the_job(self.owner)
+        elif self.fault[0] == "stop-eval" and self.calls == 2:
+            self.armed = False
+            os.kill(os.getppid(), signal.SIGUSR1)  # the supervisor passes it on to this rank
+
+
+def signal_the_job(owner: str) -> None:
+    """SIGTERM to the `dsforge run` that started this job when it runs on this host (the path
+    a scheduler's signal takes), else to this rank itself."""
+    pid = int(owner.rsplit(":", 2)[1]) if owner and owner_alive(owner) else os.getpid()
+    os.kill(pid, signal.SIGTERM)
 
 
 def main(argv=None) -> None:
@@ -121,23 +156,31 @@ def run_rank(job: JobSpec) -> None:
 
     torch and the engines are imported only after the owner watch runs: with many ranks on a
     few cores the imports take minutes, and an orphaned job must not wait for them."""
+    # Before anything else: SIGTERM / SIGUSR1 ask for a checkpoint and a stop (preempt.py),
+    # and `dsforge run` signals the ranks whose pid file exists.
+    stop_request = StopRequest()
+    stop_request.install()
     watch_owner(job.owner)
     check_names(job.env)
     os.environ.update(job.env)
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     rank = int(os.environ.get("RANK", 0))
-    # `kill -USR1` on a rank prints every thread's Python stack without stopping it.
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # `kill -USR2` on a rank prints every thread's Python stack without stopping it.
+    faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)
     console = RankConsole(marked=job.marked_output)
     write_pid(Path(job.run_dir), rank, socket.gethostname(), os.getpid())
     progress = {"step": -1}
     try:
-        _train(job, rank, progress, console)
+        stopped = _train(job, rank, progress, console, stop_request)
     except Exception as exc:
         _report_failure(job, rank, progress["step"], exc, console)
         # Skip interpreter teardown: process-group destructors can block on dead peers.
         os._exit(1)
-    console.done(rank)  # `dsforge run` counts these: success means every rank got here
+    if stopped is not None:
+        # Exit 0: a non-zero code would make DeepSpeed's launcher SIGTERM this node's ranks.
+        console.stopped(rank, stopped.steps_done, stopped.reason)
+    else:
+        console.done(rank)  # `dsforge run` counts these: success means every rank got here
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -155,8 +198,10 @@ def _report_failure(job: JobSpec, rank: int, step: int, exc: Exception,
     print(f"dsforge: rank {rank} failed at step {step}:\n{detail}", file=sys.stderr, flush=True)
 
 
-def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole) -> None:
+def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
+           stop_request: StopRequest) -> Stopped | None:
     from dsforge.runtime.heartbeat import Heartbeat
+    from dsforge.runtime.preempt import Stopper, TimeBudget
     from dsforge.runtime.trainer import Trainer, train_loop
 
     import torch
@@ -176,16 +221,22 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole) -> Non
                       collective_timeout_s=job.step_timeout_s, resume=job.resume,
                       measure=job.measure, console=console)
     fault = parse_fault(os.environ.get(FAULT_ENV))
+    stop_drill = _StopDrill(fault, rank, job.owner)
     heartbeat = Heartbeat(run_dir, rank)
+    train = resolved.recipe.train
+    budget = None if train.time_limit_s is None else TimeBudget(
+        train.time_limit_s, job.started_at, eval_iters=train.eval_iters)
 
     def before_step(step: int) -> None:
         progress["step"] = step
         watchdog.arm(step)
         heartbeat.beat(step)
         inject_fault(fault, rank, step)
+        stop_drill.before(step)
 
-    train_loop(trainer, before_step=before_step, after_steps=watchdog.disarm,
-               save_fault=_save_fault(fault))
+    return train_loop(trainer, before_step=before_step, after_steps=watchdog.disarm,
+                      save_fault=_save_fault(fault, job.owner),
+                      stopper=Stopper(stop_request, budget, device=device))
 
 
 def _write_recipe(run_dir: Path, text: str, rank: int) -> Path:

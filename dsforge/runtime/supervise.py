@@ -6,8 +6,10 @@ out-of-memory killer, a segfault in a kernel) would die without a word while its
 "connection reset". The supervisor forks before torch is imported (cheap: no threads, no
 engines), waits for the rank, records how it ended when it ended by a signal without writing
 its own failure record (runtime/failure.py, kind "killed"), and ends the same way so the
-launcher sees the same exit status. Signals the launcher sends (SIGINT, SIGTERM, SIGHUP,
-SIGUSR1 for stacks) are passed on; the rank dies with its supervisor (PR_SET_PDEATHSIG).
+launcher sees the same exit status. Signals sent to it (SIGINT, SIGHUP; SIGTERM and SIGUSR1,
+which ask the rank to save a checkpoint and stop, runtime/preempt.py; SIGUSR2 for stacks) are
+passed on, so a scheduler that signals the processes it started (srun) reaches the rank; the
+rank dies with its supervisor (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Callable
 
 from dsforge.runtime import failure
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
-STOP_REQUESTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+STOP_REQUESTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 # Signals that end a rank as a failure of its own. SIGINT, SIGTERM and SIGHUP are requests to
 # stop: DeepSpeed's launcher sends SIGTERM to every rank of a node once one of them failed,
 # and dsforge stops jobs with them; recording those would hide the rank that failed first.

@@ -20,6 +20,7 @@ from dsforge.runtime import checkpoint
 from dsforge.runtime import data as data_mod
 from dsforge.runtime.engine import build_rank
 from dsforge.runtime.metrics import MetricsWriter, format_summary, make_record
+from dsforge.runtime.preempt import Stopped, Stopper
 from dsforge.runtime import step as step_mod
 from dsforge.runtime.tracking import open_tracker
 
@@ -228,29 +229,77 @@ class Trainer:
 
 def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = None,
                after_steps: Callable[[], None] | None = None,
-               save_fault: Callable[[int, int], None] | None = None) -> None:
+               save_fault: Callable[[int, int], None] | None = None,
+               stopper: Stopper | None = None) -> Stopped | None:
     """Steps trainer.start_step .. train.steps - 1 with a checkpoint every
-    train.checkpoint_every steps, then the summaries (`Trainer.finish`).
+    train.checkpoint_every steps, then the summaries (`Trainer.finish`). Returns None, or
+    with a `stopper` (runtime/preempt.py) `Stopped` when the ranks agreed after a step to stop
+    early (a signal, train.time_limit): that step's checkpoint is then saved.
 
     runtime/rank.py adds what only a launched rank needs: `before_step(step)` arms its
     watchdog, beats its heartbeat and runs the fault drill (also before each validation
     batch, so a long evaluation is not taken for a hang); `after_steps()` disarms the
-    watchdog; `save_fault(rank, steps_done)` is the drill that dies while saving.
-    tests/distributed/worker.py runs the same loop without them.
+    watchdog; `save_fault(rank, steps_done)` is the drill that dies while saving; `stopper`
+    agrees on stopping once per step (one all-reduce). tests/distributed/worker.py runs the
+    same loop without them.
     """
     train = trainer.resolved.recipe.train
     every = train.checkpoint_every
+    timed = stopper.note if stopper is not None else None
+    stopped = None
     for step in range(trainer.start_step, train.steps):
         if before_step is not None:
             before_step(step)
-        trainer.train_step(step)
+        _timed(timed, "step", trainer.train_step, step)
         if eval_due(train, step):  # before the save: a resumed run has this step's eval
-            trainer.evaluate(step, before_batch=before_step)
-        if every and (step + 1) % every == 0:
-            trainer.save_checkpoint(step + 1, fault=save_fault)
+            _timed(timed, "eval", trainer.evaluate, step, before_batch=before_step)
+        saved = every and (step + 1) % every == 0
+        if saved:
+            _timed(timed, "save", save_and_prune, trainer, step + 1, save_fault)
+        if stopper is not None and step + 1 < train.steps:
+            stopped = stopper.agree(step + 1, next_evaluates=eval_due(train, step + 1))
+            if stopped is not None:
+                if not saved:
+                    save_and_prune(trainer, step + 1, save_fault)
+                break
     if after_steps is not None:
         after_steps()
-    trainer.finish()
+    if stopped is None:
+        trainer.finish()
+    else:
+        _finish_stopped(trainer)
+    return stopped
+
+
+def _finish_stopped(trainer: Trainer) -> None:
+    """Trainer.finish for a run that stops early: the same files, without the closing summary
+    line (`dsforge run` says that the job stopped and how to continue)."""
+    trainer._write_rank_summary()
+    if trainer.reporter:
+        trainer.console.close()
+        trainer.tracker.close()
+        summary = trainer.metrics.summary()
+        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def save_and_prune(trainer: Trainer, steps_done: int, fault=None) -> None:
+    """The checkpoint of `steps_done` steps; then, with train.keep_last, rank 0 deletes the
+    complete checkpoints beyond the newest keep_last (runtime/retention.py)."""
+    trainer.save_checkpoint(steps_done, fault=fault)
+    keep_last = trainer.resolved.recipe.train.keep_last
+    if keep_last and torch.distributed.get_rank() == 0:
+        from dsforge.runtime.retention import prune
+
+        prune(checkpoint.checkpoint_root(trainer.run_dir), keep_last,
+              warn=lambda text: trainer.console.say(f"dsforge: warning: {text}"))
+
+
+def _timed(note: Callable[[str, float], None] | None, kind: str, function, *args, **kwargs):
+    start = time.perf_counter()
+    result = function(*args, **kwargs)
+    if note is not None:
+        note(kind, time.perf_counter() - start)
+    return result
 
 
 def eval_due(train, step: int) -> bool:

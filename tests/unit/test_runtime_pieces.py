@@ -205,7 +205,8 @@ class _RecordingTrainer:
     def __init__(self, *, steps: int, every: int, start_step: int, eval_every: int = 0):
         from types import SimpleNamespace
 
-        train = SimpleNamespace(steps=steps, checkpoint_every=every, eval_every=eval_every)
+        train = SimpleNamespace(steps=steps, checkpoint_every=every, eval_every=eval_every,
+                                keep_last=0)
         self.resolved = SimpleNamespace(recipe=SimpleNamespace(train=train))
         self.start_step, self.calls = start_step, []
 

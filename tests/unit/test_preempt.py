@@ -1,0 +1,305 @@
+"""Preemption, time limits and retention without a job: train.time_limit and train.keep_last
+in the recipe, the time budget, which checkpoints keep_last deletes, the rank's stop request,
+and how `dsforge run` passes a stop request on, waits out its grace or stops at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from dsforge.launch import local
+from dsforge.launch.diagnose import write_pid
+from dsforge.launch.output import JobView
+from dsforge.console import MARK
+from dsforge.problems import RecipeError
+from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe, parse_yaml
+from dsforge.recipe.schema import time_limit_seconds
+from dsforge.runtime import retention
+from dsforge.runtime.checkpoint import COMPLETE, LATEST, tag_for
+from dsforge.runtime.preempt import Stopped, Stopper, StopRequest, TimeBudget
+from tests.conftest import REPO, rule_ids
+from tests.unit.test_runtime_pieces import _RecordingTrainer
+
+TINY = REPO / "recipes" / "tiny.yaml"
+
+
+@pytest.mark.parametrize("value, seconds", [
+    (5400, 5400), ("90s", 90), ("45m", 2700), ("3h", 10800), ("2d", 172800), ("1:30", 90),
+    ("90:00", 5400), ("01:30:00", 5400), ("2-00:00:00", 172800), ("1-12", 129600),
+    ("1-2:30", 95400), (None, None)])
+def test_time_limit_forms(value, seconds):
+    assert time_limit_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["90", "1.5h", "1:75", "1:60:00", "2-24", "-5", "1:2:3:4",
+                                   "1h30m", "", True])
+def test_time_limits_refused(value):
+    with pytest.raises(ValueError):
+        time_limit_seconds(value)
+
+
+def test_time_limit_and_keep_last_in_a_recipe():
+    recipe = load_recipe(TINY, ["train.time_limit=1:30:00", "train.keep_last=3"])
+    assert recipe.train.time_limit_s == 5400  # YAML 1.1 reads 1:30:00 as 5400 itself
+    recipe = load_recipe(TINY, ['train.time_limit="2-00:00:00"'])
+    assert recipe.train.time_limit_s == 172800
+    again = build_recipe(parse_yaml(dump_recipe(recipe)))  # the job word's round trip
+    assert again.train.time_limit == "2-00:00:00"
+    assert load_recipe(TINY).train.time_limit_s is None and load_recipe(TINY).train.keep_last == 0
+
+
+@pytest.mark.parametrize("override, rule", [
+    ('train.time_limit="90"', "R3"), ("train.time_limit=0", "R3"), ("train.time_limit=-1", "R3"),
+    ("train.time_limit=1.5", "Y2"), ("train.keep_last=-1", "R1")])
+def test_bad_time_limit_or_keep_last(override, rule):
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(TINY, [override])
+    assert rule_ids(caught.value) == {rule}
+
+
+def test_time_budget_keeps_room_for_a_step_and_a_save():
+    now = [1000.0]
+    budget = TimeBudget(100, started_at=1000.0, eval_iters=2, clock=lambda: now[0])
+    for seconds in (1.0, 3.0, 2.0):
+        budget.note("step", seconds)
+    budget.note("save", 4.0)
+    assert budget.reserve_s(False) == pytest.approx(1.5 * (3 + 4) + 5)
+    assert budget.reserve_s(True) == pytest.approx(1.5 * (3 + 2 * 3 + 4) + 5)  # eval guessed
+    budget.note("eval", 1.0)
+    assert budget.reserve_s(True) == pytest.approx(1.5 * (3 + 1 + 4) + 5)
+    now[0] = 1000 + 100 - 15.6
+    assert not budget.out_of_time(False)
+    now[0] = 1000 + 100 - 15.5
+    assert budget.out_of_time(False)
+    fresh = TimeBudget(100, started_at=1000.0, clock=lambda: 1000.0)
+    assert fresh.reserve_s(False) == 1.5 * TimeBudget.FIRST_SAVE_GUESS_S + 5  # no save measured
+
+
+def test_the_local_answer_of_a_stopper():
+    request = StopRequest()
+    late = TimeBudget(10, started_at=0.0, clock=lambda: 100.0)
+    assert Stopper(request, None).local(False) == (0, 0)
+    assert Stopper(request, late).local(False) == (0, 1)
+    request.signum = signal.SIGUSR1
+    assert Stopper(request, None).local(False) == (int(signal.SIGUSR1), 0)
+
+
+def test_the_first_stop_signal_asks_the_second_kills():
+    """In a process of its own: the handler sets the request; a second signal is deadly."""
+    code = textwrap.dedent("""
+        import os, signal, time
+        from dsforge.runtime.preempt import StopRequest
+        request = StopRequest()
+        request.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        print("asked", request.signum, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        print("survived", flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=30, cwd=REPO)
+    assert result.stdout.split() == ["asked", str(int(signal.SIGUSR1))]
+    assert result.returncode == -signal.SIGTERM
+
+
+def _checkpoint(root, step, *, complete=True):
+    directory = root / tag_for(step)
+    directory.mkdir(parents=True)
+    (directory / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    if complete:
+        (directory / COMPLETE).write_text(json.dumps(
+            {"step": step, "tag": tag_for(step), "world_size": 2, "files": {},
+             "recipe": {"name": "tiny", "train": {}}}))
+    return directory
+
+
+def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8, 10):
+        _checkpoint(root, step)
+    _checkpoint(root, 3, complete=False)  # a save that died: not ours to judge
+    _checkpoint(root, 12, complete=False)  # being written after latest
+    (root / "step00000014").mkdir()  # empty
+    (root / "step00000001").symlink_to(root / tag_for(2))  # a link is never followed
+    wrong = _checkpoint(root, 5)
+    (wrong / COMPLETE).write_text(json.dumps({"step": 7, "tag": tag_for(7), "world_size": 2,
+                                              "recipe": {}}))  # a marker of another tag
+    for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+        (root / name).write_text("# DeepSpeed's\n")
+    (root / LATEST).write_text(tag_for(8))
+    assert retention.to_delete(root, 0) == []
+    assert retention.to_delete(root, 2) == [tag_for(2), tag_for(4)]
+    assert retention.prune(root, 2) == [tag_for(2), tag_for(4)]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "latest", "step00000001", "step00000003", "step00000005", "step00000006",
+        "step00000008", "step00000010", "step00000012", "step00000014", "zero_to_fp32.py",
+        "zero_to_torch.py"]
+    assert retention.prune(root, 1) == [tag_for(6)]  # never latest, nor newer than latest
+    assert (root / tag_for(8) / COMPLETE).exists() and (root / tag_for(10)).exists()
+
+
+def test_keep_last_deletes_nothing_without_a_readable_latest(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        _checkpoint(root, step)
+    assert retention.prune(root, 1) == []  # no latest
+    (root / LATEST).write_text("../../elsewhere")
+    assert retention.prune(root, 1) == []
+    (root / LATEST).write_text(tag_for(9))  # names nothing
+    assert retention.prune(root, 1) == []
+    assert len(retention.complete_checkpoints(root)) == 3
+    assert retention.prune(tmp_path / "missing", 1) == []
+
+
+def test_a_stopped_rank_is_seen_by_the_job_view():
+    view = JobView(out=open(os.devnull, "w"))
+    view.feed("host-a: " + MARK + json.dumps({"kind": "stopped", "rank": 1, "step": 6,
+                                              "reason": "SIGTERM"}))
+    assert view.stopped_ranks == {1: (6, "SIGTERM")} and not view.done_ranks
+
+
+_FAKE_RANKS = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    # argv: RUN_DIR dsforge.runtime.rank: a supervisor and the rank it forks, like supervise.py
+    run_dir = Path(sys.argv[1])
+    child = os.fork()
+    if child == 0:
+        got = []
+        signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+        signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+        (run_dir / "child").write_text(str(os.getpid()))
+        while not got:
+            time.sleep(0.02)
+        (run_dir / "asked").write_text(str(got[0]))
+        os._exit(0)
+    os.waitpid(child, 0)
+""")
+
+
+def _fake_job(run_dir, seconds=0.0):
+    """A stand-in launcher: a supervisor and its rank; the rank writes its pid file."""
+    proc = subprocess.Popen([sys.executable, "-c", _FAKE_RANKS, str(run_dir), "dsforge.runtime.rank"],
+                            start_new_session=True, cwd=REPO)
+    deadline = time.monotonic() + 20
+    while not (run_dir / "child").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    child = int((run_dir / "child").read_text())
+    import socket
+    write_pid(run_dir, 0, socket.gethostname(), child)
+    write_pid(run_dir, 1, socket.gethostname(), proc.pid)  # a supervisor: never signalled
+    write_pid(run_dir, 2, socket.gethostname(), os.getpid())  # not in the job's group
+    write_pid(run_dir, 3, "another-host", child)
+    return proc, child
+
+
+def test_signal_ranks_reaches_only_the_jobs_supervised_ranks(tmp_path):
+    proc, child = _fake_job(tmp_path)
+    try:
+        assert local.signal_ranks(tmp_path, proc.pid, signal.SIGUSR1) == {child}
+        assert proc.wait(timeout=20) == 0
+        assert (tmp_path / "asked").read_text() == str(int(signal.SIGUSR1))
+    finally:
+        proc.kill()
+
+
+def _send_later(*signals, after=0.3):
+    def send():
+        for sig in signals:
+            time.sleep(after)
+            os.kill(os.getpid(), sig)
+    threading.Thread(target=send, daemon=True).start()
+
+
+def test_run_job_passes_a_stop_request_to_the_ranks_and_waits(tmp_path, capsys):
+    """SIGTERM to dsforge: the ranks get it by pid, the launcher is not signalled, and the
+    job's own exit code comes back."""
+    script = tmp_path / "launcher.py"
+    script.write_text(_FAKE_RANKS)
+    (tmp_path / "run").mkdir()
+    command = [sys.executable, str(script), str(tmp_path / "run"), "dsforge.runtime.rank"]
+    pid_writer = threading.Thread(target=_write_child_pid, args=(tmp_path / "run",), daemon=True)
+    pid_writer.start()
+    _send_later(signal.SIGTERM, after=1.0)
+    code = local.run_job(command, timeout_s=60, run_dir=tmp_path / "run", stop_grace_s=30)
+    assert code == 0
+    assert (tmp_path / "run" / "asked").read_text() == str(int(signal.SIGTERM))
+    assert "every rank saves a checkpoint" in capsys.readouterr().err
+
+
+def _write_child_pid(run_dir):
+    import socket
+    deadline = time.monotonic() + 20
+    while not (run_dir / "child").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    write_pid(run_dir, 0, socket.gethostname(), int((run_dir / "child").read_text()))
+
+
+@pytest.mark.parametrize("second", [True, False])
+def test_a_second_signal_or_the_end_of_the_grace_stops_the_job_at_once(tmp_path, capsys, second):
+    """A launcher whose ranks never stop: a second SIGTERM, or the grace running out, ends
+    the process group (exit 143) and nothing of it is left."""
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    signals = (signal.SIGTERM, signal.SIGTERM) if second else (signal.SIGTERM,)
+    _send_later(*signals)
+    started = time.monotonic()
+    code = local.run_job(command, timeout_s=60, run_dir=tmp_path, stop_grace_s=60 if second else 1)
+    assert code == 143 and time.monotonic() - started < 20
+    err = capsys.readouterr().err
+    assert ("SIGTERM received; stopping every rank" in err) if second else \
+        ("did not stop within the grace of 1s" in err)
+
+
+class _StopAfter:
+    """A Stopper whose ranks agree to stop after `steps_done` steps (no world needed)."""
+
+    def __init__(self, steps_done: int):
+        self.steps_done, self.asked, self.noted = steps_done, [], []
+
+    def note(self, kind, seconds):
+        self.noted.append(kind)
+
+    def agree(self, steps_done, next_evaluates):
+        self.asked.append((steps_done, next_evaluates))
+        return Stopped(steps_done, "SIGTERM") if steps_done == self.steps_done else None
+
+
+class _Trainer(_RecordingTrainer):
+    reporter = False
+
+    def _write_rank_summary(self):
+        self.calls.append(("rank summary",))
+
+
+@pytest.mark.parametrize("stop_after, saves", [(3, [3]), (4, [3, 4]), (6, [3, 6])])
+def test_train_loop_stops_where_the_ranks_agree_with_one_save(stop_after, saves):
+    from dsforge.runtime.trainer import train_loop
+
+    trainer = _Trainer(steps=7, every=3, start_step=0, eval_every=2)
+    stopper = _StopAfter(stop_after)
+    assert train_loop(trainer, stopper=stopper) == Stopped(stop_after, "SIGTERM")
+    assert [call[1] for call in trainer.calls if call[0] == "save"] == saves  # once at most
+    assert trainer.calls[-1] == ("rank summary",) and ("finish",) not in trainer.calls
+    assert [s for s, _ in stopper.asked] == list(range(1, stop_after + 1))
+    assert stopper.asked[0] == (1, True)  # step 1 (0-based) evaluates: the budget keeps room
+
+
+def test_train_loop_does_not_agree_after_the_last_step():
+    from dsforge.runtime.trainer import train_loop
+
+    trainer = _Trainer(steps=3, every=0, start_step=0)
+    stopper = _StopAfter(3)
+    assert train_loop(trainer, stopper=stopper) is None
+    assert [s for s, _ in stopper.asked] == [1, 2] and trainer.calls[-1] == ("finish",)
+    assert stopper.noted == ["step"] * 3
