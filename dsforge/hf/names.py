@@ -179,14 +179,29 @@ def from_hf(model: ModelConfig, padded_vocab: int,
     """dsforge global tensors from Hugging Face tensors named as `pieces` names them (padding
     rows of the vocabulary tensors are zeros). KeyError names a missing tensor; ValueError a
     tensor of the wrong shape."""
-    by_source: dict[str, dict[str, torch.Tensor]] = {}
+    return {name: global_tensor(model, padded_vocab, parts, hf)
+            for name, parts in by_source(model, padded_vocab).items()}
+
+
+def by_source(model: ModelConfig, padded_vocab: int) -> dict[str, list[Piece]]:
+    """The Hugging Face pieces of each dsforge global tensor."""
+    out: dict[str, list[Piece]] = {}
     for piece in pieces(model, padded_vocab):
+        out.setdefault(piece.source, []).append(piece)
+    return out
+
+
+def global_tensor(model: ModelConfig, padded_vocab: int, parts: list[Piece],
+                  hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """One dsforge global tensor from its pieces (`by_source`), `hf` holding at least those."""
+    tensors: dict[str, torch.Tensor] = {}
+    for piece in parts:
         tensor = hf[piece.hf_name]
         if tuple(tensor.shape) != piece.shape:
             raise ValueError(f"{piece.hf_name} has shape {tuple(tensor.shape)}, but the recipe's "
                              f"model needs {piece.shape}")
-        by_source.setdefault(piece.source, {})[piece.part] = tensor
-    return {name: _assemble(model, padded_vocab, parts) for name, parts in by_source.items()}
+        tensors[piece.part] = tensor
+    return _assemble(model, padded_vocab, tensors)
 
 
 def _assemble(model: ModelConfig, padded_vocab: int, parts: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -55,8 +55,9 @@ def _named_after_file(raw: dict[str, Any], path: Path) -> Recipe:
 
 
 def _with_data_relative_to(recipe: Recipe, directory: Path) -> Recipe:
-    """Relative data paths (source, each blend path, tokenizer, cache_dir) mean relative to
-    the recipe's own directory, so a recipe runs the same from any working directory."""
+    """Relative data paths (source, each blend path, tokenizer, cache_dir) and
+    model.init_from mean relative to the recipe's own directory, so a recipe runs the same
+    from any working directory."""
     def absolute(path: str | None) -> str | None:
         if path is None or path in (SYNTHETIC, BYTES_TOKENIZER) or Path(path).is_absolute():
             return path
@@ -67,7 +68,8 @@ def _with_data_relative_to(recipe: Recipe, directory: Path) -> Recipe:
               tuple(dataclasses.replace(part, path=absolute(part.path)) for part in d.source))
     data = dataclasses.replace(d, source=source, tokenizer=absolute(d.tokenizer),
                                cache_dir=absolute(d.cache_dir))
-    return dataclasses.replace(recipe, data=data)
+    model = dataclasses.replace(recipe.model, init_from=absolute(recipe.model.init_from))
+    return dataclasses.replace(recipe, data=data, model=model)
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -99,6 +99,9 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     init_std: float = 0.02
     moe: MoEConfig | None = None
+    # A Hugging Face Llama (dense) or Mixtral (MoE) folder whose weights the model starts from
+    # instead of drawn ones (dsforge/hf/folder.py checks it, rules I1-I5); None = drawn.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         c = Checks()

@@ -54,7 +54,8 @@ def tiny_model(model: ModelConfig, *, tp: int, etp: int, pp: int, vpp: int) -> M
         model, preset=None, num_layers=layers, hidden_size=hidden,
         ffn_hidden_size=_round_up(3 * hidden, tp), num_attention_heads=heads,
         num_kv_heads=tp if gqa else None, kv_channels=None, vocab_size=vocab,
-        max_seq_len=_round_up(TINY_SEQ_LEN, tp), moe=moe)
+        max_seq_len=_round_up(TINY_SEQ_LEN, tp), moe=moe,
+        init_from=None)  # drawn: a model.init_from folder's weights are not the tiny model's
 
 
 def shrink(recipe: Recipe, grad_accum: int) -> Recipe:

@@ -25,6 +25,7 @@ from dsforge.problems import Problem, RecipeError
 from dsforge.recipe.layout import BatchSizes, Topology, batch_sizes, data_parallel_size, derive_batch
 from dsforge.recipe.schema import ParallelConfig, Recipe, TrainConfig, divisors
 from dsforge.recipe.extras import missing_extras
+from dsforge.hf.folder import init_from_problems
 from dsforge.recipe.validate_data import DATA_RULES
 
 
@@ -466,8 +467,13 @@ def optional_packages(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     yield from missing_extras(recipe)
 
 
+def hugging_face_start(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+    """I1-I5: the model.init_from folder holds the recipe's model (dsforge/hf/folder.py)."""
+    yield from init_from_problems(recipe.model)
+
+
 RULES: tuple[Rule, ...] = (
     parallel_arithmetic, tensor_parallel_in_node, batch_arithmetic, pipeline_layers,
     pipeline_microbatches, pipeline_embeddings, tensor_parallel_shapes, sequence_length,
-    expert_parallel, zero_with_pipeline, *DATA_RULES, optional_packages,
+    expert_parallel, zero_with_pipeline, *DATA_RULES, optional_packages, hugging_face_start,
 )

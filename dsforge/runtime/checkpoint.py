@@ -45,9 +45,11 @@ LATEST = "latest"
 
 # Recipe fields a resumed run may change. Everything else must match, train.steps included:
 # it is the horizon of the learning-rate schedule that the checkpoint restores.
-# Evaluation settings and where the data's indices are cached change no training step either.
+# Evaluation settings and where the data's indices are cached change no training step either,
+# nor where the weights came from: the checkpoint's weights replace model.init_from's.
 RESUMABLE_CHANGES = {"train.timing_warmup", "train.checkpoint_every", "train.eval_every",
-                     "train.eval_iters", "data.cache_dir", "train.time_limit", "train.keep_last"}
+                     "train.eval_iters", "data.cache_dir", "train.time_limit", "train.keep_last",
+                     "model.init_from"}
 # How the job is split may change on resume too (with the same global batch): the checkpoint's
 # layout-free state (dsforge/ckpt) is read back onto the new layout.
 LAYOUT_SECTIONS = ("parallel", "zero")

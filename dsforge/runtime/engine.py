@@ -17,7 +17,7 @@ from torch import nn
 
 from dsforge.recipe import Resolved
 from dsforge.runtime.grads import sum_sequence_parallel_grads
-from dsforge.runtime.init import init_layout_invariant
+from dsforge.runtime.init import init_from_hugging_face, init_layout_invariant
 from dsforge.runtime.model import build_model_chunks
 from dsforge.runtime.moe_glue import deepspeed_sees_megatron_moe, register_experts
 from dsforge.translate.deepspeed_config import deepspeed_config
@@ -44,7 +44,8 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
          timing out after `timeout_s`;
       3. Megatron-Core parallel state from the translated kwargs, model-parallel RNG seeded;
       4. model chunks built (one per virtual stage) from the TransformerConfig translated for
-         this device, then initialised layout-invariantly (model.py, init.py);
+         this device, then initialised layout-invariantly (model.py, init.py): drawn, or read
+         from the Hugging Face folder model.init_from names;
       5. gradient hooks: sequence-parallel parameters summed over TP, expert parameters named
          and their groups registered with DeepSpeed (grads.py, moe_glue.py);
       6. deepspeed.initialize on a container of the chunks with the DeepSpeed config translated
@@ -60,9 +61,14 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
     init_parallel_state(parallel_state_kwargs(layout), recipe.train.seed, timeout_s)
     config = build_transformer_config(transformer_config_kwargs(
         model=recipe.model, train=recipe.train, layout=layout, device=device.type))
-    chunks = build_model_chunks(config, gpt_model_kwargs(model=recipe.model, layout=layout), device)
-    init_layout_invariant(chunks, seed=recipe.train.seed, std=recipe.model.init_std,
-                          num_layers=recipe.model.num_layers)
+    gpt_kwargs = gpt_model_kwargs(model=recipe.model, layout=layout)
+    chunks = build_model_chunks(config, gpt_kwargs, device)
+    if recipe.model.init_from:
+        init_from_hugging_face(chunks, folder=recipe.model.init_from, model=recipe.model,
+                               padded_vocab=gpt_kwargs["vocab_size"])
+    else:
+        init_layout_invariant(chunks, seed=recipe.train.seed, std=recipe.model.init_std,
+                              num_layers=recipe.model.num_layers)
     container = ModelChunks(chunks)
     has_experts = attach_gradient_hooks(container)
     engine = initialize_deepspeed(container, deepspeed_config(

@@ -6,6 +6,10 @@ weights whatever the tp/pp/vpp/ep layout, which is what lets the tests compare a
 with a single-process reference step by step (Megatron's own init adds the pipeline rank to
 the seed and draws shards from per-rank RNG streams, so layouts would start differently).
 
+`init_from_hugging_face` takes the same path with the weights of a Hugging Face folder
+(model.init_from) instead of drawn ones: each rank reads the global tensor of each of its
+parameters (dsforge/hf/load.py) and keeps its shard, so every layout starts from the folder.
+
 Global names, full shapes and shards: runtime/names.py.
 """
 
@@ -13,9 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+from pathlib import Path
 
 import torch
 
+from dsforge.hf.load import HFWeights
 from dsforge.runtime.names import param_specs, shard
 
 # Output projections get the depth-scaled std (Megatron's output_layer_init_method).
@@ -28,6 +34,18 @@ def init_layout_invariant(chunks, *, seed: int, std: float, num_layers: int) -> 
                      _std_for(spec.global_name, std, num_layers))
         with torch.no_grad():
             param.copy_(shard(full, spec))
+
+
+def init_from_hugging_face(chunks, *, folder: str | Path, model, padded_vocab: int) -> None:
+    """Every parameter from the Hugging Face folder `folder` (checked by rules I1-I5)."""
+    with HFWeights(Path(folder), model, padded_vocab) as weights:
+        for param, spec in param_specs(chunks):
+            full = weights.full(spec.global_name)
+            if tuple(full.shape) != spec.full_shape:
+                raise ValueError(f"{folder}: {spec.global_name} reads as {tuple(full.shape)}, "
+                                 f"the model's parameter is {spec.full_shape}")
+            with torch.no_grad():
+                param.copy_(shard(full, spec))
 
 
 def _std_for(name: str, std: float, num_layers: int) -> float | None:
