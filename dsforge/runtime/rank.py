@@ -104,7 +104,7 @@ def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> No
         time.sleep(1)
 
 
-def _save_fault(fault, owner: str = ""):
+def _save_fault(fault, owner: str = "", request: StopRequest | None = None):
     if fault is None or fault[0] not in ("save-exit", "stop-save"):
         return None
 
@@ -113,7 +113,7 @@ def _save_fault(fault, owner: str = ""):
             return
         if fault[0] == "save-exit":
             os._exit(9)
-        signal_the_job(owner)
+        signal_the_job(owner, request)
 
     return while_saving
 
@@ -121,9 +121,9 @@ def _save_fault(fault, owner: str = ""):
 class _StopDrill:
     """The stop and stop-eval drills: one signal at the chosen moment."""
 
-    def __init__(self, fault, rank: int, owner: str):
+    def __init__(self, fault, rank: int, owner: str, request: StopRequest):
         self.armed = fault is not None and fault[0] in ("stop", "stop-eval") and fault[1] == rank
-        self.fault, self.owner, self.calls = fault, owner, 0
+        self.fault, self.owner, self.request, self.calls = fault, owner, request, 0
 
     def before(self, step: int) -> None:
         """Called when a step starts and before each of its validation batches."""
@@ -132,17 +132,21 @@ class _StopDrill:
         self.calls += 1
         if self.fault[0] == "stop" and self.calls == 1:
             self.armed = False
-            signal_the_job(self.owner)
+            signal_the_job(self.owner, self.request)
         elif self.fault[0] == "stop-eval" and self.calls == 2:
             self.armed = False
             os.kill(os.getppid(), signal.SIGUSR1)  # the supervisor passes it on to this rank
 
 
-def signal_the_job(owner: str) -> None:
+def signal_the_job(owner: str, request: StopRequest | None = None, wait_s: float = 30.0) -> None:
     """SIGTERM to the `dsforge run` that started this job when it runs on this host (the path
-    a scheduler's signal takes), else to this rank itself."""
+    a scheduler's signal takes), else to this rank itself; then wait up to `wait_s` until the
+    request reaches this rank, so the drill stops the job where it is meant to."""
     pid = int(owner.rsplit(":", 2)[1]) if owner and owner_alive(owner) else os.getpid()
     os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while request is not None and request.signum is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the handler runs in this (the main) thread between sleeps
 
 
 def main(argv=None) -> None:
@@ -221,7 +225,7 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
                       collective_timeout_s=job.step_timeout_s, resume=job.resume,
                       measure=job.measure, console=console)
     fault = parse_fault(os.environ.get(FAULT_ENV))
-    stop_drill = _StopDrill(fault, rank, job.owner)
+    stop_drill = _StopDrill(fault, rank, job.owner, stop_request)
     heartbeat = Heartbeat(run_dir, rank)
     train = resolved.recipe.train
     budget = None if train.time_limit_s is None else TimeBudget(
@@ -235,7 +239,7 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
         stop_drill.before(step)
 
     return train_loop(trainer, before_step=before_step, after_steps=watchdog.disarm,
-                      save_fault=_save_fault(fault, job.owner),
+                      save_fault=_save_fault(fault, job.owner, stop_request),
                       stopper=Stopper(stop_request, budget, device=device))
 
 

@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -103,19 +104,29 @@ def test_sigterm_to_dsforge_during_a_save_exits_resumable(tmp_path):
 
 
 def test_a_second_sigterm_stops_the_job_at_once(tmp_path):
+    """The second SIGTERM comes as soon as dsforge says it passed the first one on, while the
+    ranks finish their step or save."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", str(TINY), "--set",
                              "train.steps=100000", "--set", "train.checkpoint_every=100000",
-                             "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                             "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     try:
         _wait_for_training(run_dir, proc)
+        reader.start()
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while not any("every rank saves a checkpoint" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)[-2000:]
+            time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
     finally:
         proc.kill()
+    stderr = "".join(lines)
     assert proc.returncode == 143, stderr[-2000:]
     assert "every rank saves a checkpoint" in stderr
     assert "SIGTERM received; stopping every rank" in stderr
