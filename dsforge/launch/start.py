@@ -125,6 +125,8 @@ def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joini
         record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),
                                  resolved.layout.world_size)
         say(f"dsforge: resuming {run_dir} after step {record['step']}")
+        for change in record["layout_changes"]:
+            say(f"  new layout: {change}")
     return run_dir, lock
 
 

@@ -61,7 +61,11 @@ class Trainer:
         record = checkpoint.latest_complete(root)
         if record is None:
             raise checkpoint.CheckpointError(f"no complete checkpoint under {root}")
-        return checkpoint.load(self.engine, root, record["tag"], torch.distributed.get_rank())
+        rank = torch.distributed.get_rank()
+        return checkpoint.load(self.engine, root, record["tag"], rank,
+                               recipe=asdict(self.resolved.recipe),
+                               world_size=self.resolved.layout.world_size,
+                               say=self.console.say if rank == 0 else None)
 
     def save_checkpoint(self, steps_done: int, fault=None) -> None:
         root = checkpoint.checkpoint_root(self.run_dir)
