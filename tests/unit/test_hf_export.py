@@ -3,9 +3,10 @@ writer, every refusal, and the real check: dsforge's own model and the exported 
 by transformers give the same logits (fp32, tiny dense Llama and all-MoE top-2 Mixtral).
 
 dsforge's models are built in one child interpreter (`python -m tests.unit.test_hf_export
-FOLDER`: the CPU backend patches the whole process, and Megatron-Core's import is seconds
-pytest's process does not need), which saves each model's global tensors, recipe and logits.
-Until the layout-free checkpoint reader lands, a fake reader serves those tensors to export.
+FOLDER`, with tests/hf_check.py: the CPU backend patches the whole process, and Megatron-Core's
+import is seconds pytest's process does not need), which saves each model's global tensors,
+recipe and logits; a fake reader serves those tensors to export. The same check through real
+checkpoints (train, resume on another layout, export) is tests/distributed/test_checkpoint_path.py.
 """
 
 from __future__ import annotations
@@ -31,10 +32,8 @@ from dsforge.hf.names import from_hf, global_shapes, model_config, pieces, to_hf
 from dsforge.hf.shards import Entry, parse_size, plan_shards, write_shards
 from dsforge.recipe import Topology, resolve
 from tests.conftest import EOD, REPO, make_recipe
+from tests.hf_check import TOLERANCE, transformers_logits
 
-TOKENS = [[3, 17, 250 - 1, 42, 0, 99, 128, 7, 64, 200, 31, 5],
-          [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 249, 100]]
-TOLERANCE = 1e-4  # max |logit difference|, fp32
 # The models the child builds: (name, overrides). Two layers each; vocabulary 250 is padded to
 # 256 by Megatron, so the strip is exercised; the dense model has a head dim (8) other than
 # hidden / heads (16) and GQA (4 heads, 2 groups).
@@ -427,16 +426,12 @@ def test_transformers_loads_every_tensor_and_gives_dsforges_logits(built, name, 
     transformers = pytest.importorskip("transformers")
     folder, saved = _exported(built, name, tmp_path)
     assert set(saved["tensors"]) == set(global_shapes(model_config(saved["recipe"]), saved["padded"]))
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, output_loading_info=True)
-    assert {k: v for k, v in info.items() if v} == {}, info
+    model, logits = transformers_logits(folder)
     expected = transformers.AutoModelForCausalLM.from_config(model.config).state_dict().keys()
     produced = {p.hf_name for p in pieces(model_config(saved["recipe"]), saved["padded"])}
     if name != "moe":  # Mixtral's names are the hub's; transformers 5 fuses the experts on load
         assert produced | ({"lm_head.weight"} if model.config.tie_word_embeddings else set()) \
             == set(expected)
-    with torch.no_grad():
-        logits = model(torch.tensor(TOKENS)).logits
     vocab = model_config(saved["recipe"]).vocab_size
     difference = (logits - saved["logits"][..., :vocab]).abs().max().item()
     print(f"{name}: max |logits difference| {difference:.3g}, max |logit| "
@@ -447,29 +442,14 @@ def test_transformers_loads_every_tensor_and_gives_dsforges_logits(built, name, 
 # ----------------------------------------------------------------------------- the child
 
 def _child(folder: Path) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-    from dsforge.runtime import cpu_backend
     from dsforge.runtime.init import init_layout_invariant
-    from dsforge.runtime.model import build_model_chunks
-    from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
-                                            transformer_config_kwargs)
+    from tests.hf_check import build_chunk, logits, single_process
 
-    cpu_backend.activate()
-    torch.distributed.init_process_group("gloo", init_method=f"file://{folder / 'store'}",
-                                         rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
-    model_parallel_cuda_manual_seed(0)
+    single_process(folder / "store")
     for name, overrides in MODELS.items():
-        get_moe_layer_wise_logging_tracker().clear()
         resolved = _resolved(overrides)
         r = resolved.recipe
-        config = build_transformer_config(transformer_config_kwargs(
-            model=r.model, train=r.train, layout=resolved.layout, device="cpu"))
-        gpt_kwargs = gpt_model_kwargs(model=r.model, layout=resolved.layout)
-        (chunk,) = build_model_chunks(config, gpt_kwargs, torch.device("cpu"))
+        chunk, padded = build_chunk(resolved)
         init_layout_invariant([chunk], seed=r.train.seed, std=r.model.init_std,
                               num_layers=r.model.num_layers)
         g = torch.Generator().manual_seed(1)
@@ -477,14 +457,9 @@ def _child(folder: Path) -> None:
             for param_name, param in chunk.named_parameters():
                 if "norm" in param_name or param_name.endswith(".bias"):
                     param.add_(0.1 * torch.randn(param.shape, generator=g))
-        chunk.eval()
-        tokens = torch.tensor(TOKENS)
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        with torch.no_grad():
-            logits = chunk(tokens, positions, None)
         torch.save({"tensors": {n: p.detach().clone() for n, p in chunk.named_parameters()},
                     "recipe": json.loads(json.dumps(dataclasses.asdict(r))),
-                    "padded": gpt_kwargs["vocab_size"], "logits": logits.float()},
+                    "padded": padded, "logits": logits(chunk)},
                    folder / f"{name}.pt")
 
 
