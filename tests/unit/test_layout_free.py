@@ -130,3 +130,17 @@ def test_a_model_change_is_still_refused_with_the_list(tmp_path):
     (root / "step00000003" / STATE_DIR).mkdir()
     with pytest.raises(CheckpointError, match="model.num_layers: 2 in the checkpoint, 4 now"):
         check_resumable(tmp_path, _other_layout(model__num_layers=4, parallel__tp=2), 2)
+
+
+def test_a_new_vocabulary_padding_keeps_the_rows_and_says_so():
+    from dsforge.runtime.layout_free import _fit
+
+    saved = torch.arange(384 * 2, dtype=torch.float32).view(384, 2)  # padded for tp 1 (V = 300)
+    notes: list[str] = []
+    grown = _fit(saved, ParamSpec("output_layer.weight", (512, 2), 0, 1, 0, 2, False), notes)
+    assert torch.equal(grown[:384], saved) and not grown[384:].any()
+    shrunk = _fit(grown, ParamSpec("embedding.word_embeddings.weight", (384, 2), 0, 1, 0, 1, False), notes)
+    assert torch.equal(shrunk, saved)
+    assert "from 384 to 512 rows" in notes[0]
+    with pytest.raises(StateError, match="decoder.final_layernorm.weight is"):
+        _fit(torch.ones(4), ParamSpec("decoder.final_layernorm.weight", (8,), None, 1, 0, 1, False), [])
