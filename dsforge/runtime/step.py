@@ -8,7 +8,11 @@ Two paths, one per kind of layout:
   every forward and backward; DeepSpeed runs with managed_gradient_accumulation=false, so
   `engine.step()` is the accumulation boundary: it reduces the accumulated gradients over the
   data-parallel group (ZeRO 0/1), clips and steps. The schedule divides each microbatch loss
-  by the number of microbatches, as DeepSpeed's own backward would.
+  by the number of microbatches, as DeepSpeed's own backward would. ZeRO-2 keeps only its
+  partition of the gradients, so it must reduce-scatter after every backward: each chunk's
+  output carries DeepSpeed's backward prologue (`per_backward_reduction`), and DeepSpeed's
+  torch-style-backward hook runs the matching epilogue (the reduce-scatter) when that
+  backward's autograd pass ends.
 Both return the step's mean loss on this rank (None on pipeline ranks without the loss).
 `eval_unpipelined` / `eval_pipelined` run the same forward passes without gradients and
 without an update, for the validation loss.
@@ -16,6 +20,7 @@ without an update, for the validation loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -43,10 +48,52 @@ def step_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
 
 def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
                    micro_batch: int, device) -> torch.Tensor | None:
+    prologue = per_backward_reduction(engine)
     loss = _run_schedule(chunks, batches, seq_len=seq_len, micro_batch=micro_batch,
-                         device=device, forward_only=False)
+                         device=device, forward_only=False, on_backward=prologue)
+    if prologue is not None:
+        _check_every_backward_reduced(engine)
     engine.step()
     return loss
+
+
+def per_backward_reduction(engine) -> Callable[[], None] | None:
+    """What must run when each model chunk's backward starts (one call per microbatch per
+    virtual stage), or None when the ZeRO stage reduces at `engine.step()` (0, 1).
+
+    ZeRO-2 reduce-scatters each backward's gradients into its partition. DeepSpeed does it for
+    a backward it did not start itself ("torch-style backward", `_support_torch_style_backward`)
+    when the backward began with `_backward_prologue` (it enters the optimizer's backward
+    state and queues `_backward_post_hook` on the running autograd pass; the hook runs
+    `_backward_epilogue`: the remaining bucket's reduce-scatter, then the partition's
+    accumulation). `DeepSpeedEngine.forward` registers the prologue on its outputs; dsforge
+    calls the chunks directly, so it registers it the same way, without the engine's
+    per-output division by the accumulation steps (the schedule has divided the loss by the
+    number of microbatches already). The optimizer's per-backward hook state is cleared first,
+    as the engine's forward does: in 1F1B's cool-down several backwards follow each other with
+    no forward between them."""
+    if not engine.zero_optimization_partition_gradients():
+        return None
+    if not engine._support_torch_style_backward:
+        raise RuntimeError("DeepSpeed cannot reduce ZeRO-2 gradients of a backward it did not "
+                           "start (torch-style backward is off); it needs torch's "
+                           "count_used_parameters internals")
+
+    def prologue() -> None:
+        engine.optimizer.clear_backward_seen_flag()
+        engine._backward_prologue()
+
+    return prologue
+
+
+def _check_every_backward_reduced(engine) -> None:
+    """Each prologue entered the optimizer's backward state once; each epilogue left it. A
+    backward whose epilogue did not run would leave its gradients unreduced in the bucket, and
+    the step would silently miss them."""
+    depth = engine.optimizer._backward_active_depth
+    if depth != 0:
+        raise RuntimeError(f"{depth} backward pass(es) of this step ended without DeepSpeed's "
+                           "ZeRO-2 reduction (its epilogue did not run)")
 
 
 def eval_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
@@ -69,9 +116,11 @@ def eval_pipelined(chunks, batches: list[Microbatch], *, seq_len: int, micro_bat
 
 
 def _run_schedule(chunks, batches: list[Microbatch], *, seq_len: int, micro_batch: int, device,
-                  forward_only: bool) -> torch.Tensor | None:
+                  forward_only: bool,
+                  on_backward: Callable[[], None] | None = None) -> torch.Tensor | None:
     """Megatron-Core's schedule (1F1B, or interleaved over the virtual stages) over `batches`;
-    the mean microbatch loss on the last pipeline stage, None elsewhere."""
+    the mean microbatch loss on the last pipeline stage, None elsewhere. `on_backward` runs
+    once at the start of each chunk's backward of each microbatch."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -79,7 +128,7 @@ def _run_schedule(chunks, batches: list[Microbatch], *, seq_len: int, micro_batc
     # (tokens on the first stage, labels on the last).
     iterators = [iter(batches) for _ in chunks]
     results = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, device=device),
+        forward_step_func=partial(_forward_step, device=device, on_backward=on_backward),
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=micro_batch,
@@ -89,10 +138,17 @@ def _run_schedule(chunks, batches: list[Microbatch], *, seq_len: int, micro_batc
     return torch.stack([r["loss"] for r in results]).mean()
 
 
-def _forward_step(data_iterator, model, device):
+def _forward_step(data_iterator, model, device, on_backward=None):
     mb = next(data_iterator)
     output = model(mb.tokens.to(device), mb.position_ids.to(device), None,
                    labels=mb.labels.to(device))
+    if on_backward is not None:
+        from deepspeed.runtime.utils import register_output_backward_hooks
+
+        # Its hook fires when the gradient reaches this output: before any of the chunk's
+        # parameter gradients, whether the backward starts at the loss (last stage) or at the
+        # gradient received from the next stage.
+        register_output_backward_hooks(output, preprocess_once_fn=on_backward)
 
     def loss_func(output_tensor):
         loss = _loss_of(output_tensor)

@@ -90,3 +90,53 @@ def test_megatron_numbers_experts_as_dsforge_names_them():
 
     source = inspect.getsource(SequentialMLP)
     assert "local_expert_indices_offset = self.ep_group.rank() * self.num_local_experts" in source
+
+
+def test_deepspeed_reduces_zero2_gradients_of_a_backward_it_did_not_start():
+    """dsforge/runtime/step.py `per_backward_reduction`: under Megatron-Core's schedule each
+    chunk's backward starts at DeepSpeed's output hook (the engine's backward prologue) and
+    ends in its torch-style post-backward hook (the epilogue: ZeRO-2's reduce-scatter); step()
+    of the unmanaged accumulation then only finalises the partition. Each piece must stay."""
+    import inspect
+
+    from deepspeed.runtime import base_optimizer, engine, utils
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    def _source(function) -> str:
+        """A method's text; DeepSpeed wraps some engine methods for NVTX ranges without
+        functools.wraps: the original is the wrapper's one closed-over function."""
+        inner = [c.cell_contents for c in function.__closure__ or ()
+                 if inspect.isfunction(c.cell_contents)]
+        return inspect.getsource(inner[0] if function.__name__ == "wrapped_fn" else function)
+
+    assert {"outputs", "preprocess_once_fn", "preprocess_per_tensor_fn"} <= set(
+        inspect.signature(utils.register_output_backward_hooks).parameters)
+    engine_cls = engine.DeepSpeedEngine
+    init = _source(engine_cls.__init__)
+    assert "self._support_torch_style_backward = True" in init
+    assert "self.optimizer.register_grad_acc_post_hook(self._backward_post_hook)" in init
+    prologue = _source(engine_cls._backward_prologue)
+    for text in ("self.optimizer.enter_backward()", "self.optimizer.queue_post_backward_callback()"):
+        assert text in prologue, text
+    assert "self._backward_epilogue()" in _source(engine_cls._backward_post_hook)
+    assert "self.allreduce_gradients()" in _source(engine_cls._backward_epilogue)
+    assert "self.optimizer.overlapping_partition_gradients_reduce_epilogue()" in \
+        _source(engine_cls.allreduce_gradients)
+    assert "self.optimizer.clear_backward_seen_flag()" in _source(engine_cls.forward)
+    assert "self.optimizer.finalize_gradient_accumulation_boundary()" in \
+        _source(engine_cls.step)
+    # Why the hook state is cleared before each backward: enter_backward only resets it at
+    # depth 0 before any backward of the "step" (a forward), and a queued callback is not
+    # queued again until then.
+    state = base_optimizer.BackwardHookStateManager
+    assert "if self.backward_active_depth == 0 and not self.backward_seen_this_step:" in \
+        _source(state.enter_backward)
+    assert "self.post_backward_callback_queued = False" in _source(state.reset_for_new_step)
+    assert hasattr(DeepSpeedZeroOptimizer, "_backward_active_depth")
+    assert "self.reduce_ipg_grads()" in \
+        _source(DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue)
+    # The schedule divides each microbatch loss by the number of microbatches itself (dsforge's
+    # loss function returns two values: the legacy averaging branch).
+    assert "output_tensor, loss_reduced = outputs" in _source(schedules.forward_step_calc_loss)
+    assert "output_tensor /= num_microbatches" in _source(schedules.forward_step_calc_loss)
