@@ -450,16 +450,40 @@ def _expert_grid(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
 
 
 def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
-    """Z2: ZeRO 2/3 reduce (and partition) gradients in backward hooks, once per backward."""
+    """Z2: with pp > 1 ZeRO 0, 1 and 2 are accepted; not ZeRO-3, nor ZeRO-2 with optimizer
+    offload under the interleaved schedule, nor fp16 (each: DeepSpeed would be wrong, or
+    raise, under Megatron-Core's schedule; docs/runtime.md)."""
     stage, pp = recipe.zero.stage, recipe.parallel.pp
-    if stage >= 2 and pp > 1:
+    if pp == 1:
+        return
+    if recipe.train.precision == "fp16":
+        yield Problem(rule="Z2", fields={"parallel.pp": pp, "train.precision": "fp16"},
+                      message="fp16's dynamic loss scale is not applied to the losses "
+                              "Megatron-Core's schedule backpropagates, while DeepSpeed's update "
+                              "divides by it (measured with ZeRO-1: gradient norm 65536x too "
+                              "small); ZeRO-2 raises on the unscaled backward",
+                      fix="use train.precision: bf16 (or fp32) with pp > 1")
+    if stage == 3:
         yield Problem(rule="Z2", fields={"zero.stage": stage, "parallel.pp": pp},
-                      message="ZeRO stages 2 and 3 set up their gradient buckets and reduce inside "
-                              "DeepSpeed's own engine.backward(), once per microbatch; with pp > 1 "
-                              "Megatron-Core's schedule runs the per-stage backward passes itself "
-                              "(DeepSpeed's PipelineEngine refuses ZeRO 2/3 too)",
-                      fix="use zero.stage: 1 with pipeline parallelism, or parallel.pp: 1 with "
-                          "stage 2/3")
+                      message="ZeRO-3 with Megatron-Core's pipeline schedules is not correct in "
+                              "DeepSpeed 0.19: its gradient partition copies on the step's first "
+                              "backward and adds afterwards with one counter for all virtual "
+                              "stages, so under the interleaved schedule a chunk whose first "
+                              "backward comes later adds onto the previous step's gradients; and "
+                              "its parameter prefetch never completes a trace when the schedule "
+                              "calls the chunks, so every all-gather is synchronous",
+                      fix="use zero.stage: 2 (gradients and optimizer states partitioned) or 1 "
+                          "with pipeline parallelism, or parallel.pp: 1 with stage 3")
+    elif stage == 2 and recipe.parallel.vpp > 1 and recipe.zero.offload_optimizer == "cpu":
+        yield Problem(rule="Z2", fields={"zero.stage": stage, "parallel.vpp": recipe.parallel.vpp,
+                                         "zero.offload_optimizer": "cpu"},
+                      message="ZeRO-2's CPU gradient accumulator (optimizer offload) copies on the "
+                              "step's first backward and adds otherwise, with one counter for all "
+                              "virtual stages: under the interleaved schedule a chunk's first "
+                              "backward adds onto the previous step's gradients (DeepSpeed 0.19; "
+                              "measured: the second step's gradient norm 58% too large)",
+                      fix="use parallel.vpp: 1 (1F1B) with the offload, zero.offload_optimizer: "
+                          "none, or zero.stage: 1")
 
 
 def optional_packages(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
