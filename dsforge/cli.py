@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -154,7 +155,9 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
 @click.option("--resume", is_flag=True,
               help="Continue the run in --run-dir from its latest complete checkpoint.")
 @click.option("--launcher", type=click.Choice(["pdsh", "openmpi", "mvapich", "slurm"]),
-              default="pdsh", show_default=True, help="DeepSpeed's multi-node runner (--hostfile).")
+              default="pdsh", show_default=True,
+              help="With --hostfile: DeepSpeed's multi-node runner. slurm: start the ranks with "
+                   "srun inside a Slurm allocation (salloc, or a script from `dsforge sbatch`).")
 @click.option("--include", default="", help="DeepSpeed --include: NODE[:SLOT,...][@NODE...].")
 @click.option("--exclude", default="", help="DeepSpeed --exclude, same format.")
 @click.option("--no-ssh", "node_rank", type=int, default=None, metavar="NODE_RANK",
@@ -194,11 +197,19 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
             resolved = start.shrink_to_tiny(recipe, resolved, overrides, _say)
             device, backend = "cpu", "gloo"
         _print_warnings(resolved.warnings)
-        if hostfile is None and not skip_fit_check:
+        if launcher == "slurm":
+            _check_slurm_options(hostfile, include, exclude, node_rank)
+            slurm_plan = start.plan_slurm(recipe, resolved, device=device, master_addr=master_addr,
+                                          master_port=master_port, say=_say)
+        elif hostfile is None and not skip_fit_check:
             command_words = start.command_words(recipe, overrides, world_size)
             _print_warnings(start.check_fit(command_words, resolved, device, tiny))
     except start.Refused as refused:
         _exit_refused(refused)
+    if launcher == "slurm":
+        _run_in_slurm(slurm_plan, recipe, resolved, overrides, run_dir=run_dir, device=device,
+                      backend=backend, step_timeout=step_timeout, resume=resume, dry_run=dry_run,
+                      timeout=timeout, verbose=verbose, stop_grace=stop_grace, tiny=tiny)
     placement = Placement(world_size=resolved.layout.world_size, hostfile=hostfile,
                           launcher=launcher, include=include, exclude=exclude,
                           master_addr=master_addr, master_port=master_port or free_port(),
@@ -229,6 +240,109 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
         code = start.check_tiny_layout(resolved, run_dir, env=_forwarded_env(), timeout=timeout,
                                        verbose=verbose, say=_say)
     sys.exit(code)
+
+
+def _check_slurm_options(hostfile, include, exclude, node_rank) -> None:
+    given = [name for name, value in (("--hostfile", hostfile), ("--include", include),
+                                      ("--exclude", exclude), ("--no-ssh", node_rank))
+             if value not in (None, "")]
+    if given:
+        raise click.UsageError(f"--launcher slurm takes its nodes from the Slurm allocation; "
+                               f"leave out {', '.join(given)}")
+
+
+def _run_in_slurm(plan, recipe, resolved, overrides, *, run_dir, device, backend, step_timeout,
+                  resume, dry_run, timeout, verbose, stop_grace, tiny) -> None:
+    """`dsforge run --launcher slurm`: one srun for every rank of the job (launch/slurm.py)."""
+    from dsforge.launch import start
+    from dsforge.launch.job import JobSpec
+    from dsforge.launch.owner import current_owner
+    from dsforge.recipe.loader import dump_recipe
+
+    run_dir = _own_run_dir_or_exit(run_dir, resolved, resume=resume, joining=False,
+                                   create=not dry_run, peers_may_join=False)
+    job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
+                  device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
+                  env=_forwarded_env(), owner=current_owner(), slurm=True)
+    command = plan.command([sys.executable, "-u", "-m", "dsforge.runtime.rank",
+                            "--job", job.encode()])
+    if dry_run:
+        click.echo(" ".join(f"{k}={v}" for k, v in plan.env().items()) + " " + shlex.join(command))
+        sys.exit(0)
+    code = start.launch_and_watch(command, run_dir, resolved.layout.world_size, timeout=timeout,
+                                  verbose=verbose, say=_say, stop_grace=stop_grace,
+                                  extra_env=plan.env(), srun=True)
+    if code == 0 and tiny:
+        code = start.check_tiny_layout(resolved, run_dir, env=_forwarded_env(), timeout=timeout,
+                                       verbose=verbose, say=_say)
+    sys.exit(code)
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--nodes", type=click.IntRange(min=1), default=None,
+              help="Nodes to ask for [the recipe's cluster.nodes, else 1].")
+@click.option("--gpus-per-node", type=click.IntRange(min=0), default=None,
+              help="GPUs a node, one rank each; 0 for CPU ranks [the recipe's "
+                   "cluster.gpus_per_node, else its world / nodes].")
+@click.option("--time", "time_limit", default=None, metavar="T",
+              help="Slurm's --time (minutes, HH:MM:SS, D-HH:MM:SS); also sets train.time_limit "
+                   "to T less --signal-grace unless the recipe has one.")
+@click.option("--partition", default=None, help="Slurm partition.")
+@click.option("--account", default=None, help="Slurm account.")
+@click.option("--signal-grace", type=click.IntRange(min=1), default=300, show_default=True,
+              help="Seconds before the time limit at which Slurm sends SIGTERM to the script, "
+                   "which has the ranks save and stop.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The job's run directory, the same for every requeue [runs/NAME-TIMESTAMP].")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the script here (it must not exist) instead of printing it.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
+              help="Override a recipe field (passed to dsforge run in the script). Repeatable.")
+def sbatch(recipe, nodes, gpus_per_node, time_limit, partition, account, signal_grace, run_dir,
+           out, overrides):
+    """Write a Slurm batch script for RECIPE: #SBATCH lines, a trap that passes Slurm's
+    warning signal to `dsforge run --launcher slurm`, and a requeue when the ranks stopped
+    with a checkpoint (exit 75); the requeued job resumes. Exit status: 0 written, 2 refused."""
+    from dsforge.launch import slurm
+    from dsforge.launch.run_dir import runs_root
+
+    resolved = resolve_or_exit(recipe, overrides, None, None)
+    cluster = resolved.recipe.cluster
+    nodes = nodes or (cluster.nodes if cluster else 1)
+    if gpus_per_node is None:
+        gpus_per_node = cluster.gpus_per_node if cluster else resolved.layout.world_size // nodes
+    world = nodes * gpus_per_node if gpus_per_node else resolved.layout.world_size
+    run_args = [a for item in overrides for a in ("--set", item)]
+    if world != resolved.layout.world_size:
+        resolved = resolve_or_exit(recipe, overrides, world, None)
+        run_args += ["--world-size", str(world)]
+    _exit_if_problems("dsforge sbatch", slurm.batch_problems(
+        world=world, nodes=nodes, gpus_per_node=gpus_per_node, time=time_limit,
+        signal_grace_s=signal_grace))
+    limit = slurm.derived_time_limit(time_limit, signal_grace, resolved.recipe.train.time_limit)
+    run_args += ["--set", f"train.time_limit={limit}"] if limit else []
+    name = resolved.recipe.name
+    run_dir = (run_dir or runs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    run_dir.parent.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there
+    job = slurm.BatchJob(
+        recipe=str(Path(recipe).absolute()), run_dir=str(run_dir), job_name=f"dsforge-{name}",
+        nodes=nodes, tasks_per_node=world // nodes, gpus_per_node=gpus_per_node,
+        time=time_limit, partition=partition, account=account, signal_grace_s=signal_grace,
+        output=f"{run_dir}.slurm-%j.out", workdir=os.getcwd(), run_args=tuple(run_args),
+        dsforge=slurm.dsforge_words())
+    script = slurm.sbatch_script(job, command_line=shlex.join(["dsforge", "sbatch", *sys.argv[2:]]))
+    if out is None:
+        click.echo(script, nl=False)
+        return
+    try:
+        with open(out, "x") as f:
+            f.write(script)
+    except FileExistsError:
+        raise click.UsageError(f"{out} exists; remove it or give another --out") from None
+    out.chmod(0o755)
+    _say(f"dsforge: wrote {out} ({nodes} node{'s' if nodes > 1 else ''} x {world // nodes} "
+         f"ranks, run directory {run_dir}); submit it with: sbatch {out}")
 
 
 def _say(line: str) -> None:

@@ -50,6 +50,9 @@ class JobSpec:
     # Unix time the job started (made by `dsforge run`; a rank started by a plain `deepspeed`
     # makes its own): train.time_limit counts from it.
     started_at: float = field(default_factory=time.time)
+    # Started by srun (launch/slurm.py): each rank sets RANK, WORLD_SIZE, LOCAL_RANK and
+    # LOCAL_SIZE from its SLURM_* variables.
+    slurm: bool = False
 
     def encode(self) -> str:
         return base64.urlsafe_b64encode(json.dumps(asdict(self)).encode()).decode()

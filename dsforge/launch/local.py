@@ -11,7 +11,8 @@ checkpoint and stop (runtime/preempt.py): dsforge passes the signal to each rank
 by pid (RUN_DIR/ranks/rankNNNNN.pid), never to the launcher, which would SIGKILL its ranks 30 s
 after a SIGTERM, whatever they are writing. The ranks agree among themselves, so ranks on other
 hosts stop too. Only when `stop_grace_s` runs out, or a second signal comes, is the group
-stopped at once.
+stopped at once. Under Slurm the launcher is srun (launch/slurm.py), and the request goes to
+srun as SIGUSR1, which srun passes to every task.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ GRACE_S = 10.0
 # How long ranks get to save a checkpoint and exit after a stop request (`--stop-grace`).
 STOP_GRACE_S = 300.0
 _RANK_PROGRAM = b"dsforge.runtime.rank"
+# How long a stop request waits for srun's tasks to start before it is sent to srun anyway.
+SRUN_START_WAIT_S = 60.0
 # How long the output copier may take to drain what the killed job left in the pipe.
 READER_JOIN_S = 5.0
 
@@ -47,21 +50,27 @@ def free_port() -> int:
 
 def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | None = None,
             log_path: Path | None = None, on_line: Callable[[str], None] | None = None,
-            run_dir: Path | None = None, stop_grace_s: float = STOP_GRACE_S) -> int:
+            run_dir: Path | None = None, stop_grace_s: float = STOP_GRACE_S,
+            srun_ranks: int = 0) -> int:
     """Run the launcher to completion; returns its exit code (124 on timeout, 130 on Ctrl-C,
     128 + N when dsforge receives signal N and stops the job at once: 129 for SIGHUP, 143 for
     a second SIGTERM or when the stop grace runs out).
 
     With `log_path` its output goes there; with `on_line` too, each line is also handed to
     `on_line` as it arrives (the terminal view of `dsforge run`). With `run_dir`, SIGTERM and
-    SIGUSR1 ask the job's ranks to save and stop, and SIGUSR2 makes them print their stacks."""
+    SIGUSR1 ask the job's ranks to save and stop, and SIGUSR2 makes them print their stacks.
+    `srun_ranks` > 0: the command is srun starting that many ranks (launch/slurm.py); those
+    requests go to srun, which passes them to its tasks wherever they run."""
     out = open(log_path, "ab") if log_path else None
     piped = on_line is not None
     proc = subprocess.Popen(command, start_new_session=True, env=env,
                             stdout=subprocess.PIPE if piped else out,
                             stderr=subprocess.STDOUT if piped or out else None)
     reader = _copy_lines(proc.stdout, out, on_line) if piped else None
+    started = time.time()
     stacks = (lambda: signal_ranks(run_dir, proc.pid, signal.SIGUSR2)) if run_dir else None
+    if srun_ranks:
+        stacks = lambda: _signal_pid(proc.pid, signal.SIGUSR2)  # noqa: E731
     try:
         with _stop_on_signals(on_usr2=stacks):
             try:
@@ -69,6 +78,9 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
             except Stopped as stop:
                 if run_dir is None or stop.signum not in STOP_SIGNALS:
                     raise
+                if srun_ranks:
+                    return _save_and_stop_srun(proc, run_dir, stop.signum, stop_grace_s,
+                                               ranks=srun_ranks, since=started)
                 return _save_and_stop(proc, run_dir, stop.signum, stop_grace_s)
     except GraceOver as over:
         print(f"dsforge: the ranks did not stop within the grace of {stop_grace_s:.0f}s; "
@@ -171,6 +183,48 @@ def _save_and_stop(proc: subprocess.Popen, run_dir: Path, signum: int, grace_s: 
         except subprocess.TimeoutExpired:
             if time.monotonic() > deadline:
                 raise GraceOver(signum) from None
+
+
+def _save_and_stop_srun(proc: subprocess.Popen, run_dir: Path, signum: int, grace_s: float, *,
+                        ranks: int, since: float) -> int:
+    """`_save_and_stop` for ranks started by srun: one SIGUSR1 to srun, which passes it to
+    every task (SIGTERM would make srun kill them). It is sent once every rank of this job has
+    written its pid file (a task that has not yet installed its handlers would die of it), or
+    after SRUN_START_WAIT_S when the run directory is not shared and remote files never come."""
+    print(f"dsforge: {signal.Signals(signum).name} received; every rank saves a checkpoint "
+          f"after its current step and stops (grace {grace_s:.0f}s; a second signal stops the "
+          "job at once)", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + grace_s
+    give_up_waiting = time.monotonic() + SRUN_START_WAIT_S
+    sent = False
+    while True:
+        if not sent and (_ranks_started_since(run_dir, since) >= ranks
+                         or time.monotonic() > give_up_waiting):
+            _signal_pid(proc.pid, signal.SIGUSR1)
+            sent = True
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                raise GraceOver(signum) from None
+
+
+def _ranks_started_since(run_dir: Path, since: float) -> int:
+    """Pid files written by this job's ranks (a resumed run's directory holds older ones)."""
+    count = 0
+    for path in (Path(run_dir) / "ranks").glob("rank*.pid"):
+        try:
+            count += path.stat().st_mtime >= since - 1.0  # 1 s: coarse file-system clocks
+        except OSError:
+            continue
+    return count
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def signal_ranks(run_dir: Path, pgid: int, sig: int, skip: set[int] = frozenset()) -> set[int]:

@@ -131,12 +131,15 @@ def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joini
 
 
 def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: float | None,
-                     verbose: bool, say: Say, stop_grace: float = STOP_GRACE_S) -> int:
+                     verbose: bool, say: Say, stop_grace: float = STOP_GRACE_S,
+                     extra_env: dict[str, str] | None = None, srun: bool = False) -> int:
     """Run the job with dsforge's lines on the terminal and everything in RUN_DIR/job.log.
     Success is every one of its `ranks` reporting completion, not only the launcher's exit
     code (a launcher killed by a signal, or a cut remote command, can exit 0). Ranks that
-    all stopped early with a checkpoint (a signal, train.time_limit) give EXIT_RESUMABLE."""
+    all stopped early with a checkpoint (a signal, train.time_limit) give EXIT_RESUMABLE.
+    `srun`: the command is srun (launch/slurm.py), with `extra_env` for its tasks."""
     env, dropped = runner_env(os.environ)
+    env.update(extra_env or {})
     env[JOB_DIR_ENV] = str(run_dir.resolve())  # tags every local process of the job
     for name in dropped:
         say(f"  note: {name} is forwarded inside the job, not exported by DeepSpeed's runner "
@@ -147,7 +150,7 @@ def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: 
     view = JobView(verbose=verbose)
     try:
         code = run_job(command, timeout_s=timeout, env=env, log_path=log, on_line=view.feed,
-                       run_dir=run_dir, stop_grace_s=stop_grace)
+                       run_dir=run_dir, stop_grace_s=stop_grace, srun_ranks=ranks if srun else 0)
     finally:
         view.close()
     if code == 0 and view.stopped_ranks and len(view.done_ranks | set(view.stopped_ranks)) >= ranks:
@@ -164,6 +167,27 @@ def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: 
     elif code != 0:
         say(failure_report(run_dir, code, view.done_ranks))
     return code
+
+
+def plan_slurm(recipe: str, resolved: Resolved, *, device: str, master_addr: str | None,
+               master_port: int | None, say: Say):
+    """The srun plan for this allocation (launch/slurm.py); Refused outside an allocation or
+    when the allocation cannot hold the recipe's world."""
+    from dsforge.launch import slurm
+
+    if not slurm.in_allocation(os.environ):
+        raise Refused(f"dsforge run {recipe} --launcher slurm",
+                      [slurm.outside_allocation_problem(recipe)])
+    plan, problems = slurm.plan_job(resolved.layout.world_size, os.environ,
+                                    cpu_only=device == "cpu", master_addr=master_addr,
+                                    master_port=master_port, free_port=free_port)
+    if plan is None:
+        raise Refused(f"{recipe} in Slurm allocation {os.environ['SLURM_JOB_ID']}", problems)
+    for warning in problems:
+        say(f"  warning: {warning}")
+    say(f"dsforge: Slurm {plan.allocation.describe()}: {plan.nodes} x {plan.per_node} ranks "
+        f"with srun, master {plan.master_addr}:{plan.master_port}")
+    return plan
 
 
 def check_tiny_layout(tiny: Resolved, run_dir: Path, *, env: dict[str, str],

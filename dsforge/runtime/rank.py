@@ -151,8 +151,12 @@ def signal_the_job(owner: str, request: StopRequest | None = None, wait_s: float
 
 def main(argv=None) -> None:
     job = JobSpec.decode(parse_args(argv).job)
+    if job.slurm:
+        from dsforge.launch.slurm import rank_env
+
+        os.environ.update(rank_env(os.environ))
     run_supervised(lambda: run_rank(job), run_dir=Path(job.run_dir),
-                   rank=int(os.environ.get("RANK", 0)))
+                   rank=int(os.environ.get("RANK", 0)), forward=not job.slurm)
 
 
 def run_rank(job: JobSpec) -> None:

@@ -8,8 +8,10 @@ engines), waits for the rank, records how it ended when it ended by a signal wit
 its own failure record (runtime/failure.py, kind "killed"), and ends the same way so the
 launcher sees the same exit status. Signals sent to it (SIGINT, SIGHUP; SIGTERM and SIGUSR1,
 which ask the rank to save a checkpoint and stop, runtime/preempt.py; SIGUSR2 for stacks) are
-passed on, so a scheduler that signals the processes it started (srun) reaches the rank; the
-rank dies with its supervisor (PR_SET_PDEATHSIG).
+passed on, so whoever signals the process it started reaches the rank; the rank dies with its
+supervisor (PR_SET_PDEATHSIG). Under srun they are not passed on: Slurm signals every process
+of a task (srun's forwarding and `scancel --signal` go through its process tracking), so the
+rank has them already, and a second stop request would end it at once.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ FAILURES = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signa
 _PR_SET_PDEATHSIG = 1
 
 
-def run_supervised(run: Callable[[], None], *, run_dir: Path, rank: int) -> None:
-    """Run `run` (which never returns) in a forked child and end as it ends."""
+def run_supervised(run: Callable[[], None], *, run_dir: Path, rank: int,
+                   forward: bool = True) -> None:
+    """Run `run` (which never returns) in a forked child and end as it ends. `forward`:
+    pass FORWARDED signals on to the child; else only survive them (the child gets its own)."""
     supervisor = os.getpid()
     child = os.fork()
     if child == 0:
@@ -42,7 +46,8 @@ def run_supervised(run: Callable[[], None], *, run_dir: Path, rank: int) -> None
         run()
         os._exit(0)
     for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: _forward(child, signum))
+        signal.signal(sig, (lambda signum, _frame: _forward(child, signum)) if forward
+                      else (lambda _signum, _frame: None))
     status = _wait(child)
     if os.WIFSIGNALED(status):
         if os.WTERMSIG(status) in FAILURES:
