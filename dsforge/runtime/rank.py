@@ -78,8 +78,8 @@ def threads_per_rank(environ=os.environ) -> int | None:
 # save-exit kills RANK while it saves the checkpoint of STEP, after writing its files.
 # Preemption drills: stop sends SIGTERM to the `dsforge run` that started the job (to the
 # rank itself without one on this host) when RANK starts STEP, stop-save the same while RANK
-# saves the checkpoint of STEP; stop-eval sends SIGUSR1 to RANK's supervisor only, as srun
-# signals its tasks, before RANK's first validation batch after STEP.
+# saves the checkpoint of STEP; stop-eval sends SIGUSR1 to RANK's supervisor only
+# (a `kill` of the process a launcher started) before RANK's first validation batch after STEP.
 FAULT_ENV = "DSFORGE_INJECT_FAULT"
 FAULT_KINDS = ("raise", "hang", "exit", "save-exit", "stop", "stop-eval", "stop-save")
 
