@@ -157,7 +157,7 @@ def _capacity(allocation: Allocation, *, cpu: bool) -> tuple[int | None, str]:
 def node_hostnames(nodelist: str) -> list[str]:
     """`scontrol show hostnames NODELIST`: the allocation's hosts, first one first."""
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                         text=True, timeout=30, check=True).stdout
+                         text=True, timeout=10, check=True).stdout
     return out.split()
 
 
@@ -339,7 +339,19 @@ def plan_job(world: int, environ: Mapping[str, str], *, cpu_only: bool,
     per_node, problems = ranks_per_node(world, allocation, cpu=cpu)
     if any(p.severity == "error" for p in problems):
         return None, problems
-    first = master_addr or hostnames(allocation.nodelist)[0]
+    if master_addr is None:
+        try:
+            master_addr = hostnames(allocation.nodelist)[0]
+        except (OSError, IndexError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", None) or exc
+            if isinstance(detail, bytes):
+                detail = detail.decode(errors="replace")
+            detail = str(detail).strip().splitlines()[-1]
+            return None, problems + [Problem(
+                rule="SL2", fields={"SLURM_JOB_NODELIST": allocation.nodelist},
+                message=f"`scontrol show hostnames` could not name its first host: {detail}",
+                fix="check that scontrol works here, or give --master-addr")]
+    first = master_addr
     port = master_port or master_port_for(allocation, first, free_port)
     return SlurmPlan(allocation=allocation, per_node=per_node, master_addr=first,
                      master_port=port), problems
