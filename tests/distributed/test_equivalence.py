@@ -85,6 +85,13 @@ WORLD4_DENSE = {
     "tp2_pp2": _case("parallel.dp=1", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"),
     "pp2_vpp2_dp2": _case("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2"),
     "tp2_dp2_zero3": _case("parallel.dp=2", "parallel.tp=2", "zero.stage=3"),
+    # ZeRO-2 under Megatron's schedules: a reduce-scatter after every chunk's backward.
+    "pp2_dp2_zero2": _case("parallel.dp=2", "parallel.pp=2", "zero.stage=2"),
+    "pp2_vpp2_dp2_zero2": _case("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "zero.stage=2"),
+    "pp2_vpp2_dp2_zero2_full_ckpt": _case("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2",
+                                          "zero.stage=2", "train.activation_checkpointing=full"),
+    "pp2_dp2_zero2_offload": _case("parallel.dp=2", "parallel.pp=2", "zero.stage=2",
+                                   "zero.offload_optimizer=cpu"),
 }
 # Not an equivalence (other arithmetic), but the same trajectory within bf16 rounding.
 BF16 = {"dp2_bf16": _case("parallel.dp=2", "train.precision=bf16")}
@@ -92,6 +99,7 @@ WORLD4_MOE = {
     "moe_tp2_sp_ep2": _moe("parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                            "parallel.ep=2"),
     "moe_pp2_ep2": _moe("parallel.dp=2", "parallel.pp=2", "parallel.ep=2"),
+    "moe_pp2_ep2_zero2": _moe("parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "zero.stage=2"),
 }
 
 
