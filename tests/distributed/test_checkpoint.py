@@ -155,9 +155,12 @@ def test_world_writable_checkpoint_is_refused_before_unpickling(resumed_runs, tm
 def test_the_marker_lists_every_file_each_rank_wrote(resumed_runs):
     step = (resumed_runs / "zero1_dp2").run_dir / "checkpoints" / FINAL  # saved over a torn one
     files = json.loads((step / "dsforge_complete.json").read_text())["files"]
-    on_disk = {p.name: p.stat().st_size for p in step.iterdir() if p.name != "dsforge_complete.json"}
+    on_disk = {str(p.relative_to(step)): p.stat().st_size for p in step.rglob("*")
+               if p.is_file() and p.name != "dsforge_complete.json"}
     assert files == on_disk
-    assert {"dsforge_rng_rank00000.pt", "dsforge_rng_rank00001.pt"} <= set(files)
+    assert {"dsforge_rng_rank00000.pt", "dsforge_rng_rank00001.pt",  # and the layout-free state
+            "dsforge_state/rank00000.safetensors", "dsforge_state/rank00001.safetensors",
+            "dsforge_state/state.json"} <= set(files)
     assert len([name for name in files if "optim_states" in name]) == 2  # ZeRO-1, dp 2
 
 
