@@ -45,10 +45,13 @@ def run_supervised(run: Callable[[], None], *, run_dir: Path, rank: int,
         _die_with_parent(supervisor)
         run()
         os._exit(0)
+    state = _Child(child)
     for sig in FORWARDED:
-        signal.signal(sig, (lambda signum, _frame: _forward(child, signum)) if forward
+        signal.signal(sig, (lambda signum, _frame: state.forward(signum)) if forward
                       else (lambda _signum, _frame: None))
-    status = _wait(child)
+    status = state.wait()
+    if state.ended_by is not None:  # stopped from outside, then asked to stop: ended for it
+        _end_like(state.ended_by)
     if os.WIFSIGNALED(status):
         if os.WTERMSIG(status) in FAILURES:
             _record_kill(run_dir, rank, os.WTERMSIG(status))
@@ -65,24 +68,36 @@ def _die_with_parent(supervisor: int) -> None:
         os._exit(1)
 
 
-def _forward(child: int, signum: int) -> None:
-    try:
-        os.kill(child, signum)
-        if signum in STOP_REQUESTS:
-            # A rank stopped from outside (SIGSTOP) keeps the request pending until continued:
-            # without this, DeepSpeed's launcher waits 30 s for it before killing it.
-            os.kill(child, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
+class _Child:
+    """The rank process as its supervisor sees it: running, or stopped from outside (SIGSTOP,
+    SIGTSTP). A stop request to a stopped rank cannot be a request to save (the rank would
+    wake, find its peers gone and report their failure as its own), so the rank is ended at
+    once and its supervisor ends by the requested signal, recording nothing: the job's report
+    then names it as a rank that stopped without reporting an error."""
 
+    def __init__(self, pid: int):
+        self.pid, self.stopped, self.ended_by = pid, False, None
 
-def _wait(child: int) -> int:
-    while True:
+    def forward(self, signum: int) -> None:
         try:
-            _, status = os.waitpid(child, 0)
+            if self.stopped and signum in STOP_REQUESTS:
+                self.ended_by = signum
+                os.kill(self.pid, signal.SIGKILL)
+                return
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> int:
+        while True:
+            try:
+                _, status = os.waitpid(self.pid, os.WUNTRACED | os.WCONTINUED)
+            except InterruptedError:  # a forwarded signal arrived
+                continue
+            if os.WIFSTOPPED(status) or os.WIFCONTINUED(status):
+                self.stopped = os.WIFSTOPPED(status)
+                continue
             return status
-        except InterruptedError:  # a forwarded signal arrived
-            continue
 
 
 def _record_kill(run_dir: Path, rank: int, signum: int) -> None:
