@@ -10,7 +10,11 @@ norms within 2e-7 relative; bf16 below).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+import torch
 
 from tests.conftest import REPO
 from tests.distributed.harness import run_world
@@ -24,6 +28,10 @@ COMMON = [f"data.source={TEXT}", "train.steps=5", "train.checkpoint_every=3",
           "train.timing_warmup=0", "train.lr=1.0e-2", "train.warmup_steps=2",
           "model.vocab_size=512"]  # a multiple of 128 x tp: the same padding on tp 1 and 2
 RESUMED_STEPS = [3, 4]
+
+
+MOE_TP2_PP2 = ("parallel.dp=1", "parallel.ep=1", "parallel.tp=2", "parallel.pp=2",
+               "parallel.sequence_parallel=true")
 
 
 def _layout(*overrides: str) -> list[str]:
@@ -49,6 +57,9 @@ PAIRS = {
 PAIRS4 = {
     "tp2_pp2_to_pp2_vpp2_dp2": ("tp2_pp2", _layout("parallel.dp=1", "parallel.tp=2", "parallel.pp=2"),
                                 _layout("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2"), DENSE),
+    # Its checkpoint is also exported to Mixtral below.
+    "moe_tp2_pp2_to_vpp2": ("moe_tp2_pp2", _layout(*MOE_TP2_PP2), _layout(*MOE_TP2_PP2, "parallel.vpp=2"),
+                            MOE),
 }
 
 
@@ -62,9 +73,14 @@ def _world(size: int, pairs: dict, out):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def worlds(tmp_path_factory):
     out = tmp_path_factory.mktemp("reshard")
-    return {**_world(2, PAIRS, out / "world2"), **_world(4, PAIRS4, out / "world4")}
+    return out, {**_world(2, PAIRS, out / "world2"), **_world(4, PAIRS4, out / "world4")}
+
+
+@pytest.fixture(scope="module")
+def results(worlds):
+    return worlds[1]
 
 
 def _steps(records):
@@ -84,3 +100,30 @@ def test_resume_on_another_layout_continues_the_run(results, resumed):
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=norm_tol), \
             f"grad norm at {step}"
         assert got[step]["lr"] == ref[step]["lr"], f"learning rate at {step}"
+
+
+def test_a_moe_checkpoint_written_by_tp2_x_pp2_exports_to_mixtral(worlds, tmp_path):
+    """dsforge export of the MoE tp2 x pp2 run's checkpoint: transformers' Mixtral gives the
+    logits of dsforge's own model loaded from the same checkpoint (tests/hf_check.py)."""
+    pytest.importorskip("transformers")
+    from dsforge.hf.export import export
+    from tests.hf_check import TOLERANCE, transformers_logits
+
+    run = worlds[0] / "world4" / "moe_tp2_pp2"
+    checkpoint = run / "checkpoints" / "step00000003"
+    own = subprocess.Popen([sys.executable, "-m", "tests.hf_check", str(checkpoint),
+                            str(tmp_path / "own.pt")], cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        exported = export(run, tmp_path / "hf")
+        model, hf_logits = transformers_logits(tmp_path / "hf")
+        _, stderr = own.communicate(timeout=180)
+    finally:
+        if own.poll() is None:
+            own.kill()
+            own.wait()
+    assert own.returncode == 0, stderr[-3000:]
+    assert exported.architecture.lower().startswith("mixtral") and exported.step == 3
+    assert model.config.num_local_experts == 4 and model.config.num_experts_per_tok == 2
+    own_logits = torch.load(tmp_path / "own.pt", weights_only=True)["logits"][..., :512]
+    assert (hf_logits - own_logits).abs().max().item() <= TOLERANCE
