@@ -5,8 +5,10 @@ Layout under RUN_DIR/checkpoints/:
                                optimizer, scheduler), one directory per saved step, plus
                                dsforge_rng_rankNNNNN.pt (each rank's RNG states),
                                dsforge_experts_rankNNNNN.pt (expert weights, with expert
-                               parallelism) and, written last, dsforge_complete.json (step,
-                               resolved recipe, world size)
+                               parallelism), dsforge_state/ (the layout-free state that a
+                               resume on another layout reads: dsforge/ckpt, layout_free.py)
+                               and, written last, dsforge_complete.json (step, resolved
+                               recipe, world size, every file and its size)
   latest                       the tag of the newest complete checkpoint
 `latest` moves (atomic rename) only after every rank has finished writing and rank 0 has
 written the completion marker, so a crash during a save leaves the previous checkpoint as
@@ -37,9 +39,10 @@ import numpy as np
 import torch
 
 from dsforge.ckpt.format import COMPLETE, STATE_DIR
+from dsforge.ckpt.reader import StateError, open_state
 from dsforge.files import write_atomic
 from dsforge.problems import Problem, shorten
-from dsforge.runtime.layout_free import write_state
+from dsforge.runtime.layout_free import load_state, write_state
 
 LATEST = "latest"
 
@@ -358,7 +361,7 @@ def load(engine, root: Path, tag: str, rank: int, *, recipe: dict[str, Any] | No
     changes = [] if recipe is None else layout_changes(record["recipe"], recipe,
                                                        record["world_size"], world_size)
     if changes:
-        return _load_on_new_layout(engine, root, tag, record, rank, changes, say)
+        return _load_on_new_layout(engine, root, tag, record, changes, say)
     _, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                        load_lr_scheduler_states=True)
     if client is None or "dsforge_step" not in client:
@@ -369,11 +372,8 @@ def load(engine, root: Path, tag: str, rank: int, *, recipe: dict[str, Any] | No
     return int(client["dsforge_step"])
 
 
-def _load_on_new_layout(engine, root: Path, tag: str, record: dict[str, Any], rank: int,
+def _load_on_new_layout(engine, root: Path, tag: str, record: dict[str, Any],
                         changes: list[str], say) -> int:
-    from dsforge.ckpt.reader import StateError, open_state
-    from dsforge.runtime.layout_free import load_state
-
     try:
         notes = load_state(engine, engine.module.chunks, open_state(root / tag))
     except StateError as exc:
