@@ -171,7 +171,7 @@ def _render_model(plan: dict[str, Any]) -> str:
 def _render_memory(plan: dict[str, Any]) -> str:
     m = plan["memory_bytes"]
     stage = plan["deepspeed"]["zero_optimization"]["stage"]
-    parts = ", ".join(f"{k} {m[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations", "buffers"))
+    parts = ", ".join(f"{k} {m[k] / GiB:.2f}" for k in ("params", "grads", "bucket", "optimizer", "activations", "buffers"))
     lines = [f"Memory per GPU (estimate, GiB, worst pipeline rank {plan['memory_worst_pipeline_rank']}, ZeRO {stage})",
              f"  {parts}", f"  total {m['total'] / GiB:.2f}"]
     gpu = plan["gpu"]

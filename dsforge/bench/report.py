@@ -152,7 +152,7 @@ def _table(cells: list[dict], peak_tflops: float | None) -> list[str]:
     return lines
 
 
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+MEMORY_PARTS = ("params", "grads", "bucket", "optimizer", "activations", "buffers")
 
 
 def _memory_split(cells: list[dict]) -> list[str]:
@@ -227,7 +227,7 @@ def _plots(study: str, cells: list[dict], out_dir: Path) -> list[Path]:
     memory.bar([i - width / 2 for i in x], [c["peak_memory_bytes"] / GiB for c in ok], width,
                label=f"measured ({ok[0]['memory_source']})", color="#55a868")
     bottom = [0.0] * len(ok)
-    for part, color in zip(MEMORY_PARTS, ("#c44e52", "#dd8452", "#8c613c", "#da8bc3", "#937860")):
+    for part, color in zip(MEMORY_PARTS, ("#c44e52", "#dd8452", "#ccb974", "#8c613c", "#da8bc3", "#937860")):
         heights = [(c["prediction"] or {}).get("memory_bytes", {}).get(part, 0) / GiB for c in ok]
         memory.bar([i + width / 2 for i in x], heights, width, bottom=bottom, color=color,
                    label=f"predicted: {part}")

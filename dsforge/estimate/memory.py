@@ -16,8 +16,14 @@ Buffers (DeepSpeed's implementation):
   (2 Psi + 18 Psi/N); ZeRO-3 exceeds estimate_zero3_model_states_mem_needs by the 2 Psi/N
   partition of 16-bit parameters, which that estimator leaves out (both tested).
   ZeRO-3 working set: the largest layer gathered, 16-bit weights and grads (4 x its params)
-  ZeRO reduce bucket: 2 bytes x min(reduce_bucket_size, Psi) (stages 1, 2); stage 3 allocates
-  the whole bucket: 2 (fp32: 4) bytes x reduce_bucket_size, whatever the model's size
+Reduce bucket (its own component, `bucket`): stages 1-3 allocate the whole reduce_bucket_size
+  in the gradient dtype, whatever the model's size: 2 (fp32: 4) bytes x reduce_bucket_size.
+  Stages 1 and 2 (stage_1_and_2.py `setup_buckets`, contiguous_gradients, which translate
+  sets) allocate it at the first gradient of a backward and free it in the backward's
+  epilogue, so it is live at the backward's peak; stage 3 keeps it (stage3.py).
+  With pp > 1, ZeRO-2 reduce-scatters after every chunk backward (runtime/step.py): its
+  gradients stay partitioned (2 Psi / N) and the bucket is the price: on a small pipeline stage
+  it can exceed the saving 2 Psi (1 - 1/N) over ZeRO-1.
 fp32 training keeps 4-byte params and grads and 8 bytes of Adam state; ZeRO 1 and 2 add their
 own fp32 copy of the partition (12 Psi / N in all), as measured; ZeRO-3 does not.
 Optimizer offload moves optimizer state and the fp32 gradient partition to the CPU.
@@ -57,11 +63,12 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     buffers: float
+    bucket: float = 0.0  # the ZeRO reduce bucket, live during each backward
     pipeline_rank: int = 0  # which pipeline rank this is (the worst one when reported)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.bucket
 
     def to_dict(self) -> dict[str, float]:
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "pipeline_rank"}
@@ -199,16 +206,20 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
     dense = model_states(psi.dense, shards=layout.dp, **kw)
     expert = model_states(psi.expert, shards=layout.edp, **kw)
     buffers = dense.fp32_grads + expert.fp32_grads
-    grad_bytes = 4 if train.precision == "fp32" else 2
-    if zero.stage in (1, 2):
-        buffers += 2 * min(REDUCE_BUCKET_SIZE, psi.dense + psi.expert)
     if zero.stage == 3:
-        # ZeRO-3 allocates its contiguous-gradient bucket at full reduce_bucket_size whatever
-        # the model's size (stage3.py, `bucket.buffer = torch.empty(reduce_bucket_size)`):
-        # 1 GiB in bf16 at the default, measured as 1.9 GiB in fp32 by the census.
-        buffers += grad_bytes * REDUCE_BUCKET_SIZE + 4 * psi.largest_layer
+        buffers += 4 * psi.largest_layer
     return MemoryEstimate(
         params=dense.params + expert.params, grads=dense.grads + expert.grads,
         optimizer=dense.optimizer + expert.optimizer,
         activations=activation_bytes(model, train, layout, rank, fused_attention),
-        buffers=buffers, pipeline_rank=rank)
+        buffers=buffers, bucket=reduce_bucket_bytes(zero.stage, train.precision), pipeline_rank=rank)
+
+
+def reduce_bucket_bytes(stage: int, precision: str) -> float:
+    """The ZeRO reduce bucket: the whole reduce_bucket_size in the gradient dtype, whatever the
+    model's size. Stages 1 and 2: `torch.empty(reduce_bucket_size)` in `setup_buckets` at a
+    backward's first gradient (contiguous_gradients), freed by its epilogue; stage 3: its
+    contiguous-gradient bucket (measured as 1.9 GiB in fp32 by the census)."""
+    if stage == 0:
+        return 0.0
+    return (4 if precision == "fp32" else 2) * REDUCE_BUCKET_SIZE

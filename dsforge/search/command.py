@@ -20,7 +20,7 @@ from dsforge.problems import EXIT_INVALID, Problem, RecipeError, did_you_mean, p
 from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe
 from dsforge.recipe.presets import PRESETS
 from dsforge.recipe.schema import Recipe
-from dsforge.search.explain import format_duration
+from dsforge.search.explain import format_duration, zero2_pipeline_note
 from dsforge.search.explorer import write_explorer
 from dsforge.search.measure import measure_top, render_trials
 from dsforge.search.profile import ClusterProfile, load_profile
@@ -100,7 +100,8 @@ def result_json(result: SearchResult, top: int) -> dict[str, Any]:
         "counts": {"considered": result.considered, "valid": result.valid, "fit": result.fit,
                    "ranked": len(result.ranked), "batch_exact": result.batch_exact},
         "seconds": result.seconds,
-        "candidates": [r.to_dict() for r in result.ranked[:top]],
+        "candidates": [{**r.to_dict(), "zero2_pipeline_note": zero2_pipeline_note(r, result.ranked, result.profile)}
+                       for r in result.ranked[:top]],
         "nearest_memory": result.nearest_memory.to_dict() if result.nearest_memory else None,
     }
 
@@ -135,6 +136,11 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
     for i, r in enumerate(shown):
         if r.reason:
             lines.append(f"  {i + 1} over {i + 2}: {r.reason}")
+    notes = [(i + 1, zero2_pipeline_note(r, result.ranked, profile)) for i, r in enumerate(shown)]
+    notes = [(i, n) for i, n in notes if n]
+    if notes:
+        lines += ["", "ZeRO-2 with pipelines (reduce-scatters every microbatch, docs/search.md):"]
+        lines += [f"  {i}: {n}" for i, n in notes]
     best = shown[0]
     lines += ["", "step time of #1: " + ", ".join(
         f"{k} {format_duration(v)}" for k, v in best.time.to_dict().items() if v > 0 or k == "total")]

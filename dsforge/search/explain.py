@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from dsforge.estimate.bubble import bubble_fraction
+from dsforge.estimate.memory import estimate_memory
+from dsforge.search.cost import step_time
 
 _NAMES = {"compute": "compute", "tp_comm": "tensor-parallel traffic", "ep_comm": "expert all-to-all",
           "bubble": "pipeline bubble", "pp_comm": "pipeline sends", "dp_comm": "data-parallel traffic"}
@@ -77,6 +79,28 @@ def reason(a, b) -> str:
     if saved[loss_term] < -0.01 * tb["total"]:
         text += f", despite more {_NAMES[loss_term]} (+{format_duration(-saved[loss_term])})"
     return text
+
+
+def zero2_pipeline_note(r, ranked: list, profile) -> str | None:
+    """Why a ZeRO-2 layout with pp > 1 and dp > 1 is listed: the same layout at ZeRO-1 either
+    does not fit (ZeRO-2's partitioned gradients are what make it fit) or fits and is faster
+    (then it ranks above). None for any other layout."""
+    recipe, lay = r.resolved.recipe, r.resolved.layout
+    if recipe.zero.stage != 2 or lay.pp == 1 or lay.dp == 1:
+        return None
+    zero1 = dataclasses.replace(recipe, zero=dataclasses.replace(recipe.zero, stage=1))
+    memory1 = estimate_memory(model=recipe.model, train=recipe.train, zero=zero1.zero, layout=lay)
+    time1 = step_time(dataclasses.replace(r.resolved, recipe=zero1), profile).total
+    cost = (f"its reduce-scatter after every microbatch costs {format_duration(r.time.total - time1)} "
+            f"per step over ZeRO-1")
+    grads = (f"gradients {_bytes(r.memory.grads)} vs {_bytes(memory1.grads)} (+ a "
+             f"{_bytes(r.memory.bucket)} bucket in both)")
+    if memory1.total > profile.usable_memory_bytes:
+        return (f"needs ZeRO-2: at ZeRO-1 this layout takes {memory1.total / 2**30:.1f} GiB > "
+                f"{profile.usable_memory_bytes / 2**30:.1f} usable ({grads}); {cost}")
+    rank = next((i + 1 for i, x in enumerate(ranked) if x.resolved.recipe == zero1), None)
+    where = f" (#{rank})" if rank else ""
+    return f"ZeRO-1 of this layout fits and is faster{where}; {cost}"
 
 
 def _bytes(n: float) -> str:

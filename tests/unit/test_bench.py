@@ -140,7 +140,7 @@ def test_report_lists_every_cell_with_predictions_and_plots(tmp_path):
     assert "Peak used: 989 TFLOP/s (NVIDIA H100 SXM)" in report
     assert "| 1 | ok | 1,000 | 500 | 1100.0 [1000.0-1200.0] | n/a | n/a | 3.00 | 2.00 | 30.0% | 20.0% |" in report
     assert "{'zero.stage': 2}: rejected: [Z2] no" in report
-    assert "| 1 | 256.00 | 256.00 | 512.00 | 512.00 | 512.00 | 2,048.00 | 3,072.0 |" in report
+    assert "| 1 | 256.00 | 256.00 | - | 512.00 | 512.00 | 512.00 | 2,048.00 | 3,072.0 |" in report
     assert (tmp_path / "out" / "s.png").stat().st_size > 1000
     overridden = write_report(tmp_path / "r.db", tmp_path / "o2", peak_tflops=100).read_text()
     assert "| 0.5% | 0.6% |" in overridden  # 500 tok/s x 1e9 / 1e14

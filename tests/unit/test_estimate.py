@@ -155,7 +155,7 @@ def test_measured_deepspeed_allocations():
     whole reduce bucket (fp32 here: 4 bytes x 5e8) even for a tiny model, and fp32 ZeRO 1 and 2
     keep an fp32 copy of the partition next to Adam's m and v (ZeRO-3 does not)."""
     zero3 = _memory("zero.stage=3", world=2)
-    assert zero3.buffers >= 4 * REDUCE_BUCKET_SIZE
+    assert zero3.bucket == 4 * REDUCE_BUCKET_SIZE
     zero0, zero1 = _memory("zero.stage=0", world=2), _memory("zero.stage=1", world=2)
     assert zero1.optimizer == pytest.approx(zero0.optimizer * 12 / 8 / 2)  # 12 Psi / 2 vs 8 Psi
     assert zero3.optimizer == pytest.approx(zero0.optimizer / 2)
@@ -177,7 +177,8 @@ def test_70b_pp4_estimate_by_hand():
     assert est.pipeline_rank == 3
     assert est.params == pytest.approx(2 * last_rank)
     assert est.optimizer == pytest.approx(12 * last_rank / 2)
-    assert est.buffers == pytest.approx(4 * last_rank / 2 + 2 * REDUCE_BUCKET_SIZE)
+    assert est.buffers == pytest.approx(4 * last_rank / 2)
+    assert est.bucket == 2 * REDUCE_BUCKET_SIZE
     assert 40 * GiB < est.total < 60 * GiB
 
 
@@ -191,3 +192,27 @@ def test_bubble_definitions():
 def test_vocab_padding():
     assert padded_vocab_size(128256, 4) == 128512
     assert padded_vocab_size(256, 1) == 256 and padded_vocab_size(256, 4) == 512
+
+
+def test_zero2_with_pipelines_keeps_a_gradient_partition_and_the_bucket():
+    """pp 4 x dp 2: ZeRO-2's gradients are 1/dp of ZeRO-1's, both allocate the whole reduce
+    bucket during each backward, and the difference is exactly the gradients saved."""
+    big = ("model.preset=llama2-7b", "train.seq_len=4096", "train.precision=bf16", "parallel.pp=4",
+           "train.global_batch=16", "train.micro_batch=1")
+    zero1, zero2 = (_memory(*big, f"zero.stage={s}") for s in (1, 2))
+    assert zero1.pipeline_rank == zero2.pipeline_rank
+    assert zero2.grads == pytest.approx(zero1.grads / 2)
+    assert zero1.bucket == zero2.bucket == 2 * REDUCE_BUCKET_SIZE
+    assert zero1.params == zero2.params and zero1.optimizer == zero2.optimizer
+    assert zero1.buffers == zero2.buffers and zero1.activations == zero2.activations
+    assert zero1.total - zero2.total == pytest.approx(zero1.grads / 2)
+
+
+def test_the_bucket_can_eat_zero2s_saving_on_a_small_stage():
+    """The tiny model's pipeline stage saves a few KiB of gradients at ZeRO-2; the 5e8-element
+    bucket (fp32: 2 GB) is its own component, far larger than the saving."""
+    small = ("parallel.pp=2", "train.global_batch=8", "train.micro_batch=1")
+    zero1, zero2 = (_memory(*small, f"zero.stage={s}", world=4) for s in (1, 2))
+    saved = zero1.grads - zero2.grads
+    assert 0 < saved < zero2.bucket
+    assert zero2.bucket == 4 * REDUCE_BUCKET_SIZE  # fp32: 4-byte gradients

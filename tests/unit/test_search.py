@@ -261,3 +261,69 @@ def test_published_orderings_hold():
         assert predicted == sorted(predicted, reverse=True), scenario
         pairs += max(0, len(predicted) - 1)
     assert pairs == 3
+
+
+def test_zero2_with_pipelines_traffic():
+    """With pp > 1, ZeRO-2 moves (m+1)/2 times ZeRO-1's bytes, none of it hidden, in m v
+    reduce-scatters whose ring latency is added; interleaving splits the same bytes into v
+    times as many collectives. The per-microbatch part lengthens the bubble too."""
+    from dsforge.search.cost import dp_traffic
+
+    for m in (1, 4, 32):
+        assert sum(dp_traffic(2, m)) / sum(dp_traffic(1, m)) == pytest.approx((m + 1) / 2)
+    base = _base()
+    latency, d = default_profile("h100").p2p_latency_s, 4  # 8 GPUs = pp 2 x dp 4
+    kw = dict(pp=2, micro_batch=1, global_batch=32)
+    m = 32 // d
+    zero1 = _layout(base, 8, zero=1, **kw).time
+    for vpp in (1, 2):
+        zero2 = _layout(base, 8, zero=2, vpp=vpp, **kw).time
+        assert zero2.dp_comm == pytest.approx((m + 1) / 2 * zero1.dp_comm + m * vpp * (d - 1) * latency)
+        in_slots = zero2.dp_comm - zero1.dp_comm / 2  # all but the once-per-step all-gather
+        work = zero2.compute + zero2.tp_comm + zero2.ep_comm
+        assert zero2.bubble == pytest.approx((work + in_slots) / (vpp * m))
+    assert zero1.bubble == pytest.approx((zero1.compute + zero1.tp_comm) / m)
+
+
+def _zero_pair(base, monkeypatch, usable_between: bool):
+    """Search over just ZeRO-1 and ZeRO-2 of one pp 4 x dp 2 layout, with a memory margin that
+    leaves room for both, or only for ZeRO-2."""
+    import dsforge.search.search as search_module
+
+    pair = [_layout(base, 8, zero=z, pp=4, micro_batch=1, global_batch=16) for z in (1, 2)]
+    assert pair[1].memory.total < pair[0].memory.total and pair[0].time.total < pair[1].time.total
+    usable = (pair[0].memory.total + pair[1].memory.total) / 2 if usable_between else pair[0].memory.total * 1.01
+    profile = default_profile("h100")
+    profile = dataclasses.replace(profile, memory_margin=1 - usable / profile.gpu.memory_bytes)
+    candidates = [Candidate(resolved=r.resolved, exact_batch=True) for r in pair]
+    monkeypatch.setattr(search_module, "enumerate_candidates", lambda *_: (candidates, 2))
+    return search(base, Space(gpus=8, gpus_per_node=8, global_batch=16, gpu="h100"), profile)
+
+
+def test_search_picks_zero2_with_pipelines_only_when_zero1_does_not_fit(monkeypatch):
+    from dsforge.search.explain import zero2_pipeline_note
+
+    base = _base()
+    both = _zero_pair(base, monkeypatch, usable_between=False)
+    assert [r.resolved.recipe.zero.stage for r in both.ranked] == [1, 2]
+    assert zero2_pipeline_note(both.ranked[0], both.ranked, both.profile) is None
+    assert zero2_pipeline_note(both.ranked[1], both.ranked, both.profile).startswith(
+        "ZeRO-1 of this layout fits and is faster (#1)")
+    only = _zero_pair(base, monkeypatch, usable_between=True)
+    assert [r.resolved.recipe.zero.stage for r in only.ranked] == [2]
+    note = zero2_pipeline_note(only.ranked[0], only.ranked, only.profile)
+    assert note.startswith("needs ZeRO-2: at ZeRO-1 this layout takes") and "reduce-scatter" in note
+
+
+def test_search_never_proposes_a_combination_rule_z2_rejects():
+    from dsforge.recipe.validate import validate
+    from dsforge.problems import errors
+
+    result = _search()
+    stages_with_pp = {r.resolved.recipe.zero.stage for r in result.ranked if r.resolved.layout.pp > 1}
+    assert 2 in stages_with_pp and 3 not in stages_with_pp
+    fp16 = dataclasses.replace(_base(), train=dataclasses.replace(_base().train, precision="fp16"))
+    result = search(fp16, Space(gpus=8, gpus_per_node=8, global_batch=64, gpu="h100"), default_profile("h100"))
+    assert result.ranked and all(r.resolved.layout.pp == 1 for r in result.ranked)
+    for r in result.ranked:
+        assert not [p for p in errors(validate(r.resolved.recipe, r.resolved.topology)) if p.rule == "Z2"]
