@@ -82,3 +82,17 @@ def test_run_refuses_in_seconds_with_the_ways_forward(tmp_path):
     assert f"dsforge run {REPO / 'recipes' / '70b_pp4.yaml'} --tiny" in out
     assert "--hostfile HOSTFILE" in out and "--skip-fit-check" in out
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
+
+
+def test_the_reduce_bucket_counts_on_cpu_only_as_far_as_gradients_fill_it():
+    """DeepSpeed's 5e8-element bucket is reserved whole on a GPU; on the CPU its pages are
+    committed only as a backward writes them (at most the rank's gradients)."""
+    from dsforge.estimate.memory import estimate_memory
+    from dsforge.launch.fit import rank_memory_bytes
+
+    resolved = resolve_file(REPO / "recipes" / "tiny.yaml", [], world_size=2)
+    r = resolved.recipe
+    memory = estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout)
+    assert memory.bucket > 1 * GiB > memory.params  # fp32: 2 GB against a tiny model
+    assert rank_memory_bytes(resolved, "cuda") == memory.total
+    assert rank_memory_bytes(resolved, "cpu") == memory.total - memory.bucket + memory.params
