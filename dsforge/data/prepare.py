@@ -43,6 +43,7 @@ from dsforge.data.indexed import megatron_indexed_dataset
 from dsforge.data.inputs import (BATCH_BYTES, PIECE_BYTES, Batch, InputFile, batches,
                                  expand_inputs)
 from dsforge.data.tokenizers import TokenizerSpec, load_tokenizer
+from dsforge.files import fsync_directory
 
 # DSFORGE_PREPARE_FAULT=KIND:BATCH rehearses failures (the tests use it): raise | hang in the
 # worker that tokenizes batch BATCH; interrupt: a KeyboardInterrupt here after writing it.
@@ -395,7 +396,7 @@ class _PartialOutput:
         os.replace(self.bin, self.final_bin)
         write_record(self.prefix, identity, dataset)
         os.replace(self.idx, self.final_idx)  # last: from now on the dataset looks complete
-        _fsync_directory(self.prefix.parent)
+        fsync_directory(self.prefix.parent)
         self.committed = True
 
     def __exit__(self, *exc) -> None:
@@ -424,14 +425,6 @@ def _alive(pid: int) -> bool:
 def _fsync(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _dataset_record(result: PrepareResult, files: Sequence[InputFile], text_key: str) -> dict:

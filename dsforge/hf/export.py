@@ -29,6 +29,7 @@ from typing import Any, Callable
 import click
 import torch
 
+from dsforge.files import fsync_directory
 from dsforge.hf.config import TORCH_DTYPES, export_problems, generation_config, hf_config
 from dsforge.hf.names import architecture, global_shapes, model_config, pieces, to_hf
 from dsforge.hf.shards import Entry, parse_size, write_shards
@@ -131,11 +132,7 @@ def _publish(partial: Path, out: Path) -> None:
     if out.is_dir():
         out.rmdir()  # empty (checked first); a directory cannot be renamed over otherwise
     os.rename(partial, out)
-    directory = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_directory(out.parent)
 
 
 def _shard_bytes(text: str) -> int:
