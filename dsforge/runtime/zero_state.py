@@ -50,7 +50,24 @@ def _step_of(state: dict) -> int | None:
     return None if step is None else int(step.item() if torch.is_tensor(step) else step)
 
 
-class Zero12:
+class _View:
+    """What every stage's view shares: the torch optimizer (`base`) keeps Adam's state per
+    fp32 tensor, the `holders` of the stage."""
+
+    base: torch.optim.Optimizer
+
+    def holders(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def adam_step(self) -> int | None:
+        return next((_step_of(s) for s in self.base.state.values()), None)
+
+    def prepare(self, step: int) -> None:
+        for holder in self.holders():
+            self.base.state[holder] = _new_state(holder.detach(), self.base, step)
+
+
+class Zero12(_View):
     def __init__(self, optimizer):
         self.zero = optimizer
         self.base = optimizer.optimizer
@@ -70,12 +87,8 @@ class Zero12:
         out.update({k: state[k].narrow(0, start, numel) for k in MOMENTS if k in state})
         return [(mapping.lp_fragment_address.start, out)]
 
-    def adam_step(self) -> int | None:
-        return next((_step_of(s) for s in self.base.state.values()), None)
-
-    def prepare(self, step: int) -> None:
-        for flat in self.zero.single_partition_of_fp32_groups:
-            self.base.state[flat] = _new_state(flat, self.base, step)
+    def holders(self) -> list[torch.Tensor]:
+        return list(self.zero.single_partition_of_fp32_groups)
 
     def install(self, param, key: str, value: torch.Tensor) -> None:
         mapping = getattr(param, "_hp_mapping", None)
@@ -90,7 +103,7 @@ class Zero12:
         self.zero.update_lp_params()  # every rank: all-gathers the bit16 partitions
 
 
-class Zero3:
+class Zero3(_View):
     def __init__(self, optimizer):
         self.zero = optimizer
         self.base = optimizer.optimizer
@@ -113,14 +126,10 @@ class Zero3:
         return [(start, out)]
 
     def _has_state(self, key: str) -> bool:
-        return all(key in self.base.state.get(flat, {}) for flat in self.zero.fp32_partitioned_groups_flat)
+        return all(key in self.base.state.get(flat, {}) for flat in self.holders())
 
-    def adam_step(self) -> int | None:
-        return next((_step_of(s) for s in self.base.state.values()), None)
-
-    def prepare(self, step: int) -> None:
-        for flat in self.zero.fp32_partitioned_groups_flat:
-            self.base.state[flat] = _new_state(flat, self.base, step)
+    def holders(self) -> list[torch.Tensor]:
+        return list(self.zero.fp32_partitioned_groups_flat)
 
     def install(self, param, key: str, value: torch.Tensor) -> None:
         start, numel, size = self._range(param)
@@ -141,7 +150,7 @@ class Zero3:
                 partitioned.data = view.data
 
 
-class Zero0:
+class Zero0(_View):
     """No ZeRO: the optimizer is torch's AdamW, or DeepSpeed's fp16/bf16 wrapper around it."""
 
     def __init__(self, optimizer):
@@ -183,12 +192,9 @@ class Zero0:
         out.update({k: state[k].reshape(-1).narrow(0, start, numel) for k in MOMENTS if k in state})
         return [(0, out)]
 
-    def adam_step(self) -> int | None:
-        return next((_step_of(s) for s in self.base.state.values()), None)
-
-    def prepare(self, step: int) -> None:
-        for holder in {id(h): h for h, _, _ in self.master.values()}.values():
-            self.base.state[holder] = _new_state(holder.detach(), self.base, step)
+    def holders(self) -> list[torch.Tensor]:
+        """Each fp32 tensor once (FP16_Optimizer's flat group holds many parameters)."""
+        return list({id(h): h for h, _, _ in self.master.values()}.values())
 
     def install(self, param, key: str, value: torch.Tensor) -> None:
         holder, start, numel = self.master[id(param)]
