@@ -178,7 +178,9 @@ _FAKE_RANKS = textwrap.dedent("""
         got = []
         signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
         signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
-        (run_dir / "child").write_text(str(os.getpid()))
+        # written then renamed: a reader never sees the file empty
+        (run_dir / "child.tmp").write_text(str(os.getpid()))
+        os.replace(run_dir / "child.tmp", run_dir / "child")
         while not got:
             time.sleep(0.02)
         (run_dir / "asked").write_text(str(got[0]))
@@ -229,21 +231,26 @@ def test_run_job_passes_a_stop_request_to_the_ranks_and_waits(tmp_path, capsys):
     script.write_text(_FAKE_RANKS)
     (tmp_path / "run").mkdir()
     command = [sys.executable, str(script), str(tmp_path / "run"), "dsforge.runtime.rank"]
-    pid_writer = threading.Thread(target=_write_child_pid, args=(tmp_path / "run",), daemon=True)
-    pid_writer.start()
-    _send_later(signal.SIGTERM, after=1.0)
+    helper = threading.Thread(target=_register_rank_then_stop, args=(tmp_path / "run",), daemon=True)
+    helper.start()
     code = local.run_job(command, timeout_s=60, run_dir=tmp_path / "run", stop_grace_s=30)
     assert code == 0
     assert (tmp_path / "run" / "asked").read_text() == str(int(signal.SIGTERM))
     assert "every rank saves a checkpoint" in capsys.readouterr().err
 
 
-def _write_child_pid(run_dir):
+def _register_rank_then_stop(run_dir):
+    """Write the rank's pid file as a real rank would, then SIGTERM this process (dsforge):
+    the signal is sent only once the rank can be found, however slow the machine."""
     import socket
-    deadline = time.monotonic() + 20
-    while not (run_dir / "child").exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    while not (run_dir / "child").exists():
+        if time.monotonic() > deadline:
+            return  # run_job's own timeout then fails the test
         time.sleep(0.02)
     write_pid(run_dir, 0, socket.gethostname(), int((run_dir / "child").read_text()))
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 @pytest.mark.parametrize("second", [True, False])
