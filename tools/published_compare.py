@@ -1,0 +1,158 @@
+"""Score dsforge's step-time model against published training measurements
+(dsforge/search/published.py) and write benchmarks/search/published.md.
+
+    python tools/published_compare.py --out benchmarks/search/published.md              # "after"
+    python tools/published_compare.py --label before --stats-only --out benchmarks/search/published.md
+
+Each run writes one labelled section of the file and keeps the others, so the "before"
+figures (computed in a worktree of an older commit, see benchmarks/search/published.md) and
+the current ones live side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from dsforge.search.published import ROWS, Scored, Stats, fit_rejections, score_all, statistics_table
+
+HEADER = """# dsforge's predicted MFU against published measurements
+
+Written by `tools/published_compare.py` (data and scoring: dsforge/search/published.py):
+
+```bash
+python tools/published_compare.py --out benchmarks/search/published.md            # section "after"
+# "before": the same two files in a worktree of the baseline commit
+git worktree add /tmp/dsforge-before 5b31f63e76a8e04a20ac8bfc955a64aaa49b3298
+cp dsforge/search/published.py /tmp/dsforge-before/dsforge/search/
+cp tools/published_compare.py /tmp/dsforge-before/tools/
+(cd /tmp/dsforge-before && PYTHONPATH=/tmp/dsforge-before python tools/published_compare.py \\
+    --label before --stats-only --out /work/main/benchmarks/search/published.md)
+git worktree remove --force /tmp/dsforge-before
+```
+
+Each row is a published run with its full layout (source file and commit in
+dsforge/search/published.py). dsforge builds the recipe of exactly that layout, validates it
+as `dsforge run` would, and predicts its MFU (`search.evaluate`, the GPU's default profile).
+"Measured" is the published tokens/s turned into MFU with dsforge's own FLOPs formula
+(docs/flops.md: 6N + 12 L s h, causal mask not halved) and BF16 peak (A100 312, H100/H200 989
+TFLOP/s), so both columns share a numerator; the source's own figure is in "published".
+Error = predicted - measured, in MFU points. Spearman = rank correlation of predicted and
+measured within the group. "fits" is dsforge's memory model on the scored layout (usable =
+GPU memory minus the 10% margin): every row trained, so a "no" is an error of the fit.
+
+Caveats: the sources run other software (PyTorch FSDP with torch.compile, Transformer Engine,
+communication overlap, async TP, Composer) and MPT/GPT models are GPT-style (GELU MLP of 4h,
+written as a SwiGLU of equal weight). The comparison calibrates orders and magnitudes, not
+identity. Rows dsforge cannot score (FP8, context parallelism) stay in the table, marked.
+"""
+
+
+def _pct(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{100 * value:.{digits}f}"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def stats_lines(stats: list[Stats]) -> list[str]:
+    lines = ["| source | rows | scored | median abs error | worst abs error | mean error | Spearman | fit rejects |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in stats:
+        lines.append(f"| {s.group} | {s.rows} | {s.scored} | {_num(s.median_abs_error)} | "
+                     f"{_num(s.worst_abs_error)} | {_num(s.mean_error, 1)} | {_num(s.spearman, 2)} | "
+                     f"{s.rejected_by_fit} |")
+    return lines
+
+
+def _fits(s: Scored) -> str:
+    if s.fits is None:
+        return "-"
+    return f"{'yes' if s.fits else 'NO'} ({s.memory_gib:.0f}/{s.usable_gib:.0f} GiB)"
+
+
+def _published_note(s: Scored) -> str:
+    p = s.row.published_mfu
+    if p is None:
+        return "-"
+    flag = " (differs)" if abs(p - s.measured) > 0.005 else ""
+    return f"{_pct(p)}{flag}"
+
+
+def row_lines(scored: list[Scored]) -> list[str]:
+    lines = ["| source | run | model | GPUs | layout | published MFU | measured MFU | predicted MFU | "
+             "error | fits? | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in scored:
+        r = s.row
+        error = "-" if s.error is None else f"{100 * s.error:+.1f}"
+        notes = "; ".join(filter(None, [f"scored as {s.scored_as}" if s.scored_as else "",
+                                        f"NOT SCORED: {s.reason}" if s.reason else "", r.note]))
+        lines.append(f"| {r.source} | {r.label} | {r.model.describe()} s{r.seq_len} | {r.gpus} {r.gpu.upper()} | "
+                     f"{r.layout()} | {_published_note(s)} | {_pct(s.measured)} | {_pct(s.predicted)} | "
+                     f"{error} | {_fits(s)} | {notes} |")
+    return lines
+
+
+def rejection_lines(scored: list[Scored]) -> list[str]:
+    rejected = fit_rejections(scored)
+    if not rejected:
+        return ["None."]
+    return [f"- {s.row.source}: {s.row.label} ({s.row.model.describe()}, seq {s.row.seq_len}, {s.row.gpus} {s.row.gpu.upper()}, "
+            f"{s.row.layout()}): {s.memory_gib:.0f} GiB > {s.usable_gib:.0f} usable" for s in rejected]
+
+
+def _code_version() -> str:
+    """The commit the scoring ran on, and whether the tree had local changes."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                                  cwd=Path(__file__).resolve().parent).stdout.rstrip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    return head + (f" with local changes to {', '.join(changed)}" if changed else "")
+
+
+def section(label: str, stats_only: bool) -> str:
+    scored = score_all(ROWS)
+    stats = statistics_table(scored)
+    parts = [f"## {label}", "", f"dsforge at {_code_version()}.", "", *stats_lines(stats), "",
+             "Error in MFU points (predicted - measured); mean error > 0: dsforge over-predicts.", ""]
+    parts += [f"Published layouts the memory fit rejects ({len(fit_rejections(scored))}):", "",
+              *rejection_lines(scored), ""]
+    if not stats_only:
+        parts += ["### Every row", "", *row_lines(scored), ""]
+    return "\n".join(parts)
+
+
+def merge(existing: str, label: str, body: str) -> str:
+    """The file with this label's section replaced (or added); other sections kept, in label order."""
+    pattern = re.compile(r"<!-- section:(\S+) -->\n(.*?)<!-- /section:\1 -->\n", re.S)
+    sections = {m.group(1): m.group(2) for m in pattern.finditer(existing)}
+    sections[label] = body + "\n"
+    order = sorted(sections, key=lambda name: (name != "before", name != "after", name))
+    blocks = [f"<!-- section:{name} -->\n{sections[name]}<!-- /section:{name} -->\n" for name in order]
+    return HEADER + "\n" + "\n".join(blocks)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="markdown file to write this section into")
+    parser.add_argument("--label", default="after", help="section name (default: after)")
+    parser.add_argument("--stats-only", action="store_true", help="statistics and fit rejections, no row table")
+    args = parser.parse_args(argv)
+    body = section(args.label, args.stats_only)
+    sys.stdout.write(body + "\n")
+    if args.out:
+        existing = args.out.read_text() if args.out.exists() else ""
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(merge(existing, args.label, body))
+
+
+if __name__ == "__main__":
+    main()
