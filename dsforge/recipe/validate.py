@@ -450,9 +450,9 @@ def _expert_grid(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
 
 
 def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
-    """Z2: with pp > 1 ZeRO 0, 1 and 2 are accepted; not ZeRO-3, nor ZeRO-2 with optimizer
-    offload under the interleaved schedule, nor fp16 (each: DeepSpeed would be wrong, or
-    raise, under Megatron-Core's schedule; docs/runtime.md)."""
+    """Z2: with pp > 1 every ZeRO stage is accepted, but not ZeRO-2 with optimizer offload
+    under the interleaved schedule, nor fp16 (each: DeepSpeed would be wrong, or raise, under
+    Megatron-Core's schedule; docs/runtime.md)."""
     stage, pp = recipe.zero.stage, recipe.parallel.pp
     if pp == 1:
         return
@@ -463,18 +463,7 @@ def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                               "divides by it (measured with ZeRO-1: gradient norm 65536x too "
                               "small); ZeRO-2 raises on the unscaled backward",
                       fix="use train.precision: bf16 (or fp32) with pp > 1")
-    if stage == 3:
-        yield Problem(rule="Z2", fields={"zero.stage": stage, "parallel.pp": pp},
-                      message="ZeRO-3 with Megatron-Core's pipeline schedules is not correct in "
-                              "DeepSpeed 0.19: its gradient partition copies on the step's first "
-                              "backward and adds afterwards with one counter for all virtual "
-                              "stages, so under the interleaved schedule a chunk whose first "
-                              "backward comes later adds onto the previous step's gradients; and "
-                              "its parameter prefetch never completes a trace when the schedule "
-                              "calls the chunks, so every all-gather is synchronous",
-                      fix="use zero.stage: 2 (gradients and optimizer states partitioned) or 1 "
-                          "with pipeline parallelism, or parallel.pp: 1 with stage 3")
-    elif stage == 2 and recipe.parallel.vpp > 1 and recipe.zero.offload_optimizer == "cpu":
+    if stage == 2 and recipe.parallel.vpp > 1 and recipe.zero.offload_optimizer == "cpu":
         yield Problem(rule="Z2", fields={"zero.stage": stage, "parallel.vpp": recipe.parallel.vpp,
                                          "zero.offload_optimizer": "cpu"},
                       message="ZeRO-2's CPU gradient accumulator (optimizer offload) copies on the "

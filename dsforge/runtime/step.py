@@ -49,6 +49,7 @@ def step_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
 def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
                    micro_batch: int, device) -> torch.Tensor | None:
     prologue = per_backward_reduction(engine)
+    _accumulate_from_zero(engine)
     loss = _run_schedule(chunks, batches, seq_len=seq_len, micro_batch=micro_batch,
                          device=device, forward_only=False, on_backward=prologue)
     if prologue is not None:
@@ -84,6 +85,19 @@ def per_backward_reduction(engine) -> Callable[[], None] | None:
         engine._backward_prologue()
 
     return prologue
+
+
+def _accumulate_from_zero(engine) -> None:
+    """ZeRO-3: every backward of the step adds its gradient partition onto a buffer zeroed
+    here, instead of DeepSpeed's own rule (copy on the step's first backward, add afterwards,
+    one `micro_step_id` for all the rank's chunks). Under the interleaved schedule a chunk's
+    first backward is not the step's first, so it added onto the previous step's gradients
+    (measured: the second step's gradient norm 57% too large)."""
+    if engine.zero_optimization_stage() != 3:
+        return
+    optimizer = engine.optimizer
+    optimizer.grad_partitions_flat_buffer.zero_()
+    optimizer.micro_step_id = 1  # never 0 during the schedule: partition_grads adds
 
 
 def _check_every_backward_reduced(engine) -> None:

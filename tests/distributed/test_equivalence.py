@@ -92,6 +92,13 @@ WORLD4_DENSE = {
                                           "zero.stage=2", "train.activation_checkpointing=full"),
     "pp2_dp2_zero2_offload": _case("parallel.dp=2", "parallel.pp=2", "zero.stage=2",
                                    "zero.offload_optimizer=cpu"),
+    # ZeRO-3 under Megatron's schedules: the same per-backward reduction, every backward adding
+    # onto a partition zeroed at the step's start, replicated norms counted on every stage.
+    "pp2_dp2_zero3": _case("parallel.dp=2", "parallel.pp=2", "zero.stage=3"),
+    "pp2_vpp2_dp2_zero3": _case("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "zero.stage=3"),
+    "pp2_vpp2_dp2_zero3_full_ckpt_offload": _case(
+        "parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "zero.stage=3",
+        "train.activation_checkpointing=full", "zero.offload_optimizer=cpu"),
 }
 # Not an equivalence (other arithmetic), but the same trajectory within bf16 rounding.
 BF16 = {"dp2_bf16": _case("parallel.dp=2", "train.precision=bf16")}
@@ -100,6 +107,8 @@ WORLD4_MOE = {
                            "parallel.ep=2"),
     "moe_pp2_ep2": _moe("parallel.dp=2", "parallel.pp=2", "parallel.ep=2"),
     "moe_pp2_ep2_zero2": _moe("parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "zero.stage=2"),
+    "moe_pp2_vpp2_dp2_zero3": _moe("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.ep=1",
+                                   "zero.stage=3"),
 }
 
 

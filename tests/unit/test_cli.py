@@ -27,7 +27,7 @@ def test_validate_exits_0_for_a_valid_recipe():
 
 def test_validate_exits_2_with_every_problem():
     result = run("validate", EXAMPLE, "--set", "parallel.vpp=6", "--set", "parallel.tp=3",
-                 "--set", "zero.stage=3")
+                 "--set", "train.precision=fp16")
     assert result.exit_code == 2
     out = result.output
     assert "errors" in out
@@ -71,8 +71,8 @@ def test_plan_json_has_the_documented_keys():
     assert plan["deepspeed"]["gradient_accumulation_steps"] == 128
     assert plan["bubble_fraction"] == pytest.approx(3 / (5 * 128))
     assert plan["nodes"]["tp_within_node"] is True
-    assert plan["memory_by_zero_stage"]["3"] == {"total": None, "rejected_by": ["Z2"]}
-    assert plan["memory_by_zero_stage"]["2"]["total"] < plan["memory_by_zero_stage"]["1"]["total"]
+    by_stage = [plan["memory_by_zero_stage"][str(s)]["total"] for s in range(4)]
+    assert by_stage == sorted(by_stage, reverse=True) and by_stage[3] < by_stage[2]
     assert plan["memory_by_zero_stage"]["1"]["total"] == plan["memory_bytes"]["total"]
 
 
@@ -91,7 +91,7 @@ def test_plan_text_shows_layout_groups_memory_and_bubble():
     out = result.output
     assert "world 32 = dp 2 x tp 4 x pp 4" in out
     assert "tp: [0,1,2,3] [4,5,6,7]" in out and "TP groups stay inside a node" in out
-    assert "by stage: ZeRO 0:" in out and "ZeRO 3: rejected (Z2)" in out
+    assert "by stage: ZeRO 0:" in out and "ZeRO 3: rejected" not in out
     assert "bubble (p-1)/(v*m)" in out and "70.554 B total" in out
     assert '"stage": 1' in out
 

@@ -92,6 +92,16 @@ def test_megatron_numbers_experts_as_dsforge_names_them():
     assert "local_expert_indices_offset = self.ep_group.rank() * self.num_local_experts" in source
 
 
+def _source(function) -> str:
+    """A method's text; DeepSpeed wraps some methods for NVTX ranges without functools.wraps:
+    the original is the wrapper's one closed-over function."""
+    import inspect
+
+    inner = [c.cell_contents for c in function.__closure__ or ()
+             if inspect.isfunction(c.cell_contents)]
+    return inspect.getsource(inner[0] if function.__name__ == "wrapped_fn" else function)
+
+
 def test_deepspeed_reduces_zero2_gradients_of_a_backward_it_did_not_start():
     """dsforge/runtime/step.py `per_backward_reduction`: under Megatron-Core's schedule each
     chunk's backward starts at DeepSpeed's output hook (the engine's backward prologue) and
@@ -102,13 +112,6 @@ def test_deepspeed_reduces_zero2_gradients_of_a_backward_it_did_not_start():
     from deepspeed.runtime import base_optimizer, engine, utils
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from megatron.core.pipeline_parallel import schedules
-
-    def _source(function) -> str:
-        """A method's text; DeepSpeed wraps some engine methods for NVTX ranges without
-        functools.wraps: the original is the wrapper's one closed-over function."""
-        inner = [c.cell_contents for c in function.__closure__ or ()
-                 if inspect.isfunction(c.cell_contents)]
-        return inspect.getsource(inner[0] if function.__name__ == "wrapped_fn" else function)
 
     assert {"outputs", "preprocess_once_fn", "preprocess_per_tensor_fn"} <= set(
         inspect.signature(utils.register_output_backward_hooks).parameters)
@@ -140,3 +143,24 @@ def test_deepspeed_reduces_zero2_gradients_of_a_backward_it_did_not_start():
     # loss function returns two values: the legacy averaging branch).
     assert "output_tensor, loss_reduced = outputs" in _source(schedules.forward_step_calc_loss)
     assert "output_tensor /= num_microbatches" in _source(schedules.forward_step_calc_loss)
+
+
+def test_zero3_under_a_pipeline_schedule_relies_on_these_internals():
+    """dsforge/runtime/step.py `_accumulate_from_zero` and engine.py
+    `_count_replicated_grads_once_per_stage`: ZeRO-3 copies a backward's gradient partition
+    only while `micro_step_id` is 0 and adds into `grad_partitions_flat_buffer` otherwise;
+    it counts a replicated parameter's norm where `model_parallel_rank` is 0 and takes that rank
+    from the mpu's tp x pp group (stages 1 and 2 take the tensor-parallel rank)."""
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    stage3_cls = stage3.DeepSpeedZeroOptimizer_Stage3
+    partition = _source(stage3_cls.partition_grads)
+    assert "if self.micro_step_id == 0:  # don't accumulate" in partition
+    assert "grad_buffer.add_(" in partition
+    init = _source(stage3_cls.__init__) + _source(stage3_cls._setup_for_real_optimizer)
+    assert "self.model_parallel_rank = mpu.get_model_parallel_rank()" in init
+    assert "self.grad_partitions_flat_buffer.narrow(" in init
+    assert "(self.model_parallel_rank == 0)" in _source(stage3_cls.get_grad_norm_direct)
+    assert "self.micro_step_id += 1" in _source(stage3_cls.clear_backward_seen_flag)
+    assert "self.model_parallel_rank = bwc_tensor_model_parallel_rank(mpu)" in \
+        _source(stage_1_and_2.DeepSpeedZeroOptimizer.__init__)
