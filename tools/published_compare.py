@@ -17,7 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dsforge.search.published import ROWS, Scored, Stats, fit_rejections, score_all, statistics_table
+from dsforge.search.published import (
+    ROWS,
+    Scored,
+    Stats,
+    fit_rejections,
+    score_all,
+    statistics_table,
+)
 
 HEADER = """# dsforge's predicted MFU against published measurements
 
@@ -84,8 +91,9 @@ def _published_note(s: Scored) -> str:
 
 
 def row_lines(scored: list[Scored]) -> list[str]:
-    lines = ["| source | run | model | GPUs | layout | published MFU | measured MFU | predicted MFU | "
-             "error | fits? | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ("| source | run | model | GPUs | layout | published MFU | measured MFU | predicted MFU | "
+              "error | fits? | notes |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in scored:
         r = s.row
         error = "-" if s.error is None else f"{100 * s.error:+.1f}"
@@ -132,7 +140,7 @@ def section(label: str, stats_only: bool) -> str:
 
 def merge(existing: str, label: str, body: str) -> str:
     """The file with this label's section replaced (or added); other sections kept, in label order."""
-    pattern = re.compile(r"<!-- section:(\S+) -->\n(.*?)<!-- /section:\1 -->\n", re.S)
+    pattern = re.compile(r"<!-- section:(\S+) -->\n(.*?)<!-- /section:\1 -->\n", re.DOTALL)
     sections = {m.group(1): m.group(2) for m in pattern.finditer(existing)}
     sections[label] = body + "\n"
     order = sorted(sections, key=lambda name: (name != "before", name != "after", name))

@@ -22,11 +22,10 @@ nearest layout it accepts and the row says which (`scored_as`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.hardware import gpu_by_key
@@ -628,7 +627,7 @@ def _rules(error: RecipeError) -> str:
     return ", ".join(sorted({p.rule for p in error.problems if p.severity == "error"}))
 
 
-@lru_cache(maxsize=None)
+@cache
 def score(row: Row) -> Scored:
     measured = row.measured_mfu
     if row.unscorable:
@@ -721,5 +720,17 @@ def with_source(rows: tuple[Row, ...], source: str) -> tuple[Row, ...]:
     return tuple(r for r in rows if r.source == source)
 
 
-__all__ = ["ROWS", "Row", "Model", "Scored", "Stats", "score", "score_all", "predict", "spearman",
-           "statistics_table", "fit_rejections", "megatron_gpt_flops_per_token"] 
+__all__ = [
+    "ROWS",
+    "Model",
+    "Row",
+    "Scored",
+    "Stats",
+    "fit_rejections",
+    "megatron_gpt_flops_per_token",
+    "predict",
+    "score",
+    "score_all",
+    "spearman",
+    "statistics_table",
+] 
