@@ -11,7 +11,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from dsforge.bench.run import largest_census
+from dsforge.bench.run import CENSUS_POINTS, largest_census
 from dsforge.bench.store import BenchError, Row, Store
 from dsforge.estimate.hardware import gpu_for_device_name
 
@@ -58,6 +58,8 @@ def _cell_summary(repeats: list[Row]) -> dict:
                        peak_memory_bytes=max(r.figures["peak_memory_bytes"] for r in ok),
                        memory_source=ok[0].figures["memory_source"],
                        tensor_bytes=largest_census(r.figures.get("tensor_bytes") for r in ok),
+                       **{f"tensor_bytes_{point}": largest_census(r.figures.get(f"tensor_bytes_{point}") for r in ok)
+                          for point in CENSUS_POINTS},
                        bubble=_max_bubble(ok))
     return summary
 
@@ -158,28 +160,39 @@ MEMORY_PARTS = ("params", "grads", "bucket", "optimizer", "activations", "buffer
 def _memory_split(cells: list[dict]) -> list[str]:
     """The planner's estimate per component next to what was measured: the peak as a total only
     (the CUDA allocator's on GPU, the process's RSS on CPU, which also holds the Python and
-    torch runtime), and the live-tensor census after training (params, optimizer, other)."""
+    torch runtime), and live-tensor censuses (runtime/tensor_census.py): inside a step, when
+    its last backward starts and before the optimizer step (the gradients ZeRO holds and its
+    reduce bucket), and after training (params, optimizer, other)."""
     predicted = [c for c in cells if c["prediction"]]
     if not predicted:
         return []
     axes = list(cells[0]["axes"])
     header = axes + [f"{p} (pred.)" for p in MEMORY_PARTS] + [
-        "total (pred.)", "peak (meas.)", "measured as", "params (live)", "optimizer (live)", "other (live)"]
+        "total (pred.)", "peak (meas.)", "measured as", "grads (in backward)", "bucket (in backward)",
+        "grads (before step)", "params (live)", "optimizer (live)", "other (live)"]
     lines = ["", "Memory per GPU, MiB: the planner's split (worst pipeline rank), the measured peak, and "
-             "the live tensors after training (runtime/tensor_census.py: parameters, optimizer master "
-             "copies and state, and everything else still allocated; gradients are freed by then). "
-             "The peak is measured as a total only.", "",
+             "live tensors (runtime/tensor_census.py, the rank holding the most): the gradients ZeRO "
+             "holds and its reduce bucket when the step's last backward starts and before the "
+             "optimizer step, then parameters, optimizer master copies and state, and everything else "
+             "still allocated after training (gradients are freed by then). The peak is measured as a "
+             "total only.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in predicted:
         memory = c["prediction"]["memory_bytes"]
         measured = f"{c['peak_memory_bytes'] / MiB:,.1f}" if "peak_memory_bytes" in c else "-"
-        census = c.get("tensor_bytes") or {}
-        live = [f"{census[k] / MiB:,.2f}" if k in census else "-" for k in ("params", "optimizer", "other")]
+        live = [_census_cell(c, "tensor_bytes_backward", "grads"), _census_cell(c, "tensor_bytes_backward", "bucket"),
+                _census_cell(c, "tensor_bytes_step", "grads"),
+                *(_census_cell(c, "tensor_bytes", k) for k in ("params", "optimizer", "other"))]
         lines.append("| " + " | ".join([str(c["axes"][a]) for a in axes]
                                        + [f"{memory[p] / MiB:,.2f}" if p in memory else "-" for p in MEMORY_PARTS]
                                        + [f"{memory['total'] / MiB:,.2f}", measured,
                                           c.get("memory_source") or "-", *live]) + " |")
     return lines
+
+
+def _census_cell(cell: dict, census: str, part: str) -> str:
+    counted = cell.get(census) or {}
+    return f"{counted[part] / MiB:,.2f}" if part in counted else "-"
 
 
 def _cells_figures(c: dict, peak_tflops: float | None) -> list[str]:

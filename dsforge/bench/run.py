@@ -279,7 +279,14 @@ def figures(run_dir: Path) -> dict:
         "memory_source": ranks[0]["memory_source"],
         "bubble_share_by_stage": {str(k): statistics.median(v) for k, v in sorted(bubbles.items())},
         "tensor_bytes": largest_census(r.get("tensor_bytes") for r in ranks),
+        **{f"tensor_bytes_{point}": largest_census(r.get(f"tensor_bytes_{point}") for r in ranks)
+           for point in CENSUS_POINTS},
     }
+
+
+# Where a measured run also takes the census inside a step (runtime/step.py): when the step's
+# last backward starts, and before the optimizer step.
+CENSUS_POINTS = ("backward", "step")
 
 
 def largest_census(censuses) -> dict | None:

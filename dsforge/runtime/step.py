@@ -33,29 +33,63 @@ def _loss_of(chunk_output: torch.Tensor) -> torch.Tensor:
     return chunk_output.float().mean()
 
 
-def step_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
+# A census (runtime/tensor_census.py) asked for at two points of a step: "backward", when the
+# step's last backward starts (the gradients of all the other microbatches are held, as ZeRO
+# keeps them), and "step", after the last backward, before the optimizer step.
+Census = Callable[[str], None]
+
+
+def step_unpipelined(engine, batches: list[Microbatch], device,
+                     census: Census | None = None) -> torch.Tensor:
     _scale_moe_aux_loss(1.0 / len(batches), device)
     losses = []
-    for mb in batches:
+    for i, mb in enumerate(batches):
+        last = i == len(batches) - 1
         out = engine(mb.tokens.to(device), mb.position_ids.to(device), None,
                      labels=mb.labels.to(device))
         loss = _loss_of(out)
+        if census and last:
+            census("backward")
         engine.backward(loss)
+        if census and last:
+            census("step")
         engine.step()
         losses.append(loss.detach())
     return torch.stack(losses).mean()
 
 
 def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
-                   micro_batch: int, device) -> torch.Tensor | None:
+                   micro_batch: int, device, census: Census | None = None) -> torch.Tensor | None:
     prologue = per_backward_reduction(engine)
     _accumulate_from_zero(engine)
+    on_backward = prologue
+    if census:
+        on_backward = _census_at_last_backward(census, prologue, len(batches) * len(chunks))
     loss = _run_schedule(chunks, batches, seq_len=seq_len, micro_batch=micro_batch,
-                         device=device, forward_only=False, on_backward=prologue)
+                         device=device, forward_only=False, on_backward=on_backward)
     if prologue is not None:
         _check_every_backward_reduced(engine)
+    if census:
+        census("step")
     engine.step()
     return loss
+
+
+def _census_at_last_backward(census: Census, prologue: Callable[[], None] | None,
+                             backwards: int) -> Callable[[], None]:
+    """The per-backward hook, counting: the census runs when the rank's last backward of the
+    step (microbatches x virtual stages of them) starts."""
+    started = 0
+
+    def on_backward() -> None:
+        nonlocal started
+        started += 1
+        if started == backwards:
+            census("backward")
+        if prologue is not None:
+            prologue()
+
+    return on_backward
 
 
 def per_backward_reduction(engine) -> Callable[[], None] | None:

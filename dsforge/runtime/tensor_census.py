@@ -6,11 +6,14 @@ the model states and DeepSpeed's buffers, so a census of live tensors (deduplica
 storage: views and flat buffers count once) measures them on any device:
 
   params     the model's parameters (their ZeRO-3 partitions, `ds_tensor`, included)
-  grads      the model parameters' .grad
+  grads      the model parameters' .grad, and the gradient partitions ZeRO 2/3 keep between
+             backward passes (stage 2's `grads_in_partition` / `averaged_gradients`, stage
+             3's `grad_partitions_flat_buffer`)
+  bucket     ZeRO's reduce bucket (`ipg_buckets`: the gradients of one backward gathered for
+             a reduce-scatter, `reduce_bucket_size` elements)
   optimizer  the optimizer's own parameters (ZeRO's fp32 master partitions) and its state
              (Adam's m and v), through DeepSpeed's wrapper to the torch optimizer
-  other      everything else still alive: ZeRO's flat gradient partitions and buckets,
-             communication buffers, RNG states, ...
+  other      everything else still alive: communication buffers, RNG states, ...
 A storage that backs both a parameter and the optimizer (fp32 ZeRO-0: the optimizer steps
 the model's own tensors) counts as params.
 """
@@ -47,12 +50,36 @@ def _add(owner: dict, tensors, kind: str) -> None:
                 owner.setdefault(key, kind)
 
 
+def _tensors(held) -> Iterator:
+    """The tensors in an attribute that holds a tensor, a list or a dict of them (or None)."""
+    if isinstance(held, dict):
+        held = list(held.values())
+    if isinstance(held, (list, tuple)):
+        for item in held:
+            yield from _tensors(item)
+    elif torch.is_tensor(held):
+        yield held
+
+
+def _zero_gradients(zero) -> Iterator:
+    for name in ("grads_in_partition", "grad_partitions_flat_buffer", "averaged_gradients"):
+        yield from _tensors(getattr(zero, name, None))
+
+
+def _zero_buckets(zero) -> Iterator:
+    for bucket in (getattr(zero, "ipg_buckets", None) or {}).values():
+        yield from _tensors(getattr(bucket, "buffer", None))
+
+
 def _owners(engine) -> dict:
     owner: dict = {}
     params = list(engine.module.parameters())
     _add(owner, params, "params")
     _add(owner, [getattr(p, "ds_tensor", None) for p in params], "params")
     _add(owner, [p.grad for p in params], "grads")
+    zero = getattr(engine, "optimizer", None)
+    _add(owner, _zero_gradients(zero), "grads")
+    _add(owner, _zero_buckets(zero), "bucket")
     for optimizer in _optimizers(getattr(engine, "optimizer", None)):
         for group in optimizer.param_groups:
             _add(owner, group["params"], "optimizer")
@@ -62,7 +89,7 @@ def _owners(engine) -> dict:
 
 
 def live_tensor_bytes(engine, device: torch.device) -> dict[str, int]:
-    """Bytes of live tensor storage on `device`, by params / grads / optimizer / other."""
+    """Bytes of live tensor storage on `device`, by params / grads / bucket / optimizer / other."""
     owner = _owners(engine)
     sizes: dict = {}
     with warnings.catch_warnings():  # touching every object wakes deprecated module attributes
@@ -76,7 +103,7 @@ def live_tensor_bytes(engine, device: torch.device) -> dict[str, int]:
                 continue
             if key is not None:
                 sizes[key] = obj.untyped_storage().nbytes()
-    totals = {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
+    totals = {"params": 0, "grads": 0, "bucket": 0, "optimizer": 0, "other": 0}
     for key, nbytes in sizes.items():
         totals[owner.get(key, "other")] += nbytes
     totals["total"] = sum(totals.values())

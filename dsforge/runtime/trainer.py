@@ -31,6 +31,7 @@ class Trainer:
                  console: RankConsole | None = None):
         self.resolved, self.device, self.run_dir = resolved, device, run_dir
         self.measure = measure
+        self.censuses: dict[str, dict[str, int]] = {}  # point of the step -> live tensor bytes
         self.console = console or RankConsole(marked=False)
         recipe, layout = resolved.recipe, resolved.layout
         # Before the process group exists: dataset indices are built once per node under a
@@ -116,11 +117,13 @@ class Trainer:
         batches = self._batches(self.sources.train, step)
         data_time = time.perf_counter() - start
         lr = self.engine.get_lr()[0]  # the rate this step's update uses
+        census = self._census_inside_step if self._takes_census(step) else None
         if layout.pp == 1:
-            loss = step_mod.step_unpipelined(self.engine, batches, self.device)
+            loss = step_mod.step_unpipelined(self.engine, batches, self.device, census=census)
         else:
             loss = step_mod.step_pipelined(self.engine, self.chunks, batches, seq_len=train.seq_len,
-                                           micro_batch=layout.micro_batch, device=self.device)
+                                           micro_batch=layout.micro_batch, device=self.device,
+                                           census=census)
         if loss is not None:
             loss = self._mean_over_replicas(loss)
         elapsed = time.perf_counter() - start
@@ -217,10 +220,21 @@ class Trainer:
                    "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": ps.get_data_parallel_rank(),
                    "peak_memory_bytes": memory, "memory_source": source,
                    "bubble_share": self.timers.median_bubble(skip) if self.timers else None,
-                   "tensor_bytes": self._tensor_census()}
+                   "tensor_bytes": self._tensor_census(),
+                   **{f"tensor_bytes_{point}": census for point, census in self.censuses.items()}}
         directory = self.run_dir / "ranks"
         directory.mkdir(exist_ok=True)
         (directory / f"rank{summary['rank']:05d}.json").write_text(json.dumps(summary) + "\n")
+
+    def _takes_census(self, step: int) -> bool:
+        """With `measure`, the census inside a step runs on the last step left out of the
+        timings (walking every live object takes longer than a tiny step), else the first."""
+        return self.measure and step == max(self.start_step, self.resolved.recipe.train.timing_warmup - 1)
+
+    def _census_inside_step(self, point: str) -> None:
+        from dsforge.runtime.tensor_census import live_tensor_bytes
+
+        self.censuses[point] = live_tensor_bytes(self.engine, self.device)
 
     def _tensor_census(self) -> dict[str, int] | None:
         """Live model-state tensors after training, for `dsforge bench` (tensor_census.py)."""

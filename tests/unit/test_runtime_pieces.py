@@ -196,7 +196,37 @@ def test_tensor_census_sorts_live_storage_by_owner():
     assert census["params"] == 8192 and census["grads"] == 8192
     assert census["optimizer"] >= 16384  # + Adam's step counters
     assert census["other"] >= 4000
-    assert census["total"] == sum(census[k] for k in ("params", "grads", "optimizer", "other"))
+    assert census["bucket"] == 0
+    assert census["total"] == sum(census[k] for k in ("params", "grads", "bucket", "optimizer", "other"))
+
+
+def test_the_census_inside_a_pipelined_step_runs_when_its_last_backward_starts():
+    from dsforge.runtime.step import _census_at_last_backward
+
+    calls = []
+    hook = _census_at_last_backward(calls.append, lambda: calls.append("prologue"), backwards=3)
+    for _ in range(3):
+        hook()
+    assert calls == ["prologue", "prologue", "backward", "prologue"]
+
+
+def test_tensor_census_counts_zero_gradient_partitions_and_the_reduce_bucket():
+    """ZeRO 2/3 keep gradients outside .grad (a flat partition, views of it per group) and
+    gather each backward's gradients in a reduce bucket (stage 1/2: a list of buffers)."""
+    from types import SimpleNamespace
+
+    from dsforge.runtime.tensor_census import live_tensor_bytes
+
+    model = torch.nn.Linear(64, 32, bias=False)
+    flat = torch.zeros(1024)  # this rank's gradient partition: 4 KiB
+    zero = SimpleNamespace(grads_in_partition=flat, averaged_gradients={0: [flat[:512], flat[512:]]},
+                           ipg_buckets={torch.float32: SimpleNamespace(buffer=[torch.empty(3000)])})
+    census = live_tensor_bytes(SimpleNamespace(module=model, optimizer=zero), torch.device("cpu"))
+    assert census["grads"] == 4096 and census["bucket"] == 12000
+    zero3 = SimpleNamespace(grad_partitions_flat_buffer=flat,
+                            ipg_buckets={torch.float32: SimpleNamespace(buffer=torch.empty(500))})
+    census = live_tensor_bytes(SimpleNamespace(module=model, optimizer=zero3), torch.device("cpu"))
+    assert census["grads"] == 4096 and census["bucket"] == 2000
 
 
 class _RecordingTrainer:
