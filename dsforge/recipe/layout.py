@@ -25,6 +25,22 @@ class Topology:
         """For each node, the first rank of the next one (a plain dict write: frozen allows it)."""
         return list(itertools.accumulate(self.node_slots))
 
+    @functools.cached_property
+    def _spanning(self) -> dict[int, int]:
+        """groups_spanning_nodes' answers by group size (a plain dict write: frozen allows it)."""
+        return {}
+
+    def groups_spanning_nodes(self, size: int) -> int | None:
+        """How many groups of `size` consecutive ranks (ranks g*size .. g*size+size-1, as
+        Megatron's tensor-parallel groups) have a node boundary inside them; None when the
+        nodes are unknown. Computed once per size: a search asks it for every candidate."""
+        if self.node_slots is None:
+            return None
+        if size not in self._spanning:
+            boundaries = itertools.accumulate(self.node_slots[:-1])
+            self._spanning[size] = len({boundary // size for boundary in boundaries if boundary % size})
+        return self._spanning[size]
+
     def node_of(self, rank: int) -> int | None:
         if self.node_slots is None:
             return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -197,13 +197,12 @@ def tensor_parallel_in_node(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     if top is None or top.node_slots is None or tp == 1 or ctx.dp is None:
         return
     # A TP group (ranks g*tp .. g*tp+tp-1) spans nodes when a node boundary falls inside it.
-    boundaries = itertools.accumulate(top.node_slots[:-1])
-    spanning = {boundary // tp for boundary in boundaries if boundary % tp}
+    spanning = top.groups_spanning_nodes(tp)
     if spanning:
         tps = _working(recipe, ctx, "P4", "parallel.tp", divisors(tp))
         yield Problem(rule="P4", severity="warning",
                       fields={"parallel.tp": tp, "GPUs per node": min(top.node_slots)},
-                      message=f"{len(spanning)} tensor-parallel group(s) span nodes; every layer "
+                      message=f"{spanning} tensor-parallel group(s) span nodes; every layer "
                               "then all-reduces over the inter-node network",
                       fix=_use({"parallel.tp": _choices(tps)}, "keep tp <= GPUs per node")
                           + " (pp or dp can span nodes)")
@@ -220,42 +219,53 @@ def _batch_fields(train: TrainConfig) -> dict[str, int]:
 
 def _microbatch_rule(parallel: ParallelConfig, microbatches: int) -> str | None:
     """L6/L4, or None when a pipeline can run this many microbatches per step."""
-    if parallel.pp == 1:
+    return _pipeline_microbatch_rule(parallel.pp, parallel.vpp, microbatches)
+
+
+def _pipeline_microbatch_rule(pp: int, vpp: int, microbatches: int) -> str | None:
+    if pp == 1:
         return None
-    if microbatches < parallel.pp:
+    if microbatches < pp:
         return "L6"
     # Megatron-Core groups microbatches per virtual stage in groups of pp; a remainder group
     # smaller than pp raises at the first step.
-    return "L4" if parallel.vpp > 1 and microbatches % parallel.pp else None
+    return "L4" if vpp > 1 and microbatches % pp else None
 
 
 def _batch_fix(recipe: Recipe, ctx: _Context) -> str:
     """Values of the batch fields the recipe sets (global_batch when it sets none), one changed
     at a time, with which the batch and pipeline-microbatch rules hold (the only rules that
     depend on them)."""
-    t, p, dp = recipe.train, recipe.parallel, ctx.dp
+    t, p = recipe.train, recipe.parallel
+    return _batch_fix_for(t.global_batch, t.micro_batch, t.grad_accum, ctx.dp, p.pp, p.vpp)
+
+
+# Depends on these six numbers only: a search rejects many recipes that differ in nothing else.
+@functools.lru_cache(maxsize=4096)
+def _batch_fix_for(global_batch: int | None, micro_batch: int | None, grad_accum: int | None,
+                   dp: int, pp: int, vpp: int) -> str:
+    given = {"global_batch": global_batch, "micro_batch": micro_batch, "grad_accum": grad_accum}
     options = {}
-    for name in [n for n in _BATCH_FIELDS if getattr(t, n) is not None] or ["global_batch"]:
-        given = {n: getattr(t, n) for n in _BATCH_FIELDS}
+    for name in [n for n in _BATCH_FIELDS if given[n] is not None] or ["global_batch"]:
         fits = []
-        for value in _batch_candidates(name, t, dp, p.pp):
+        for value in _batch_candidates(name, given, dp, pp):
             sizes = derive_batch(**{**given, name: value}, dp=dp)
-            if sizes is not None and _microbatch_rule(p, sizes.grad_accum) is None:
+            if sizes is not None and _pipeline_microbatch_rule(pp, vpp, sizes.grad_accum) is None:
                 fits.append(value)
-        options[f"train.{name}"] = _around(fits, getattr(t, name) or 1)
+        options[f"train.{name}"] = _around(fits, given[name] or 1)
     return _use(options, "change train.global_batch, micro_batch or grad_accum")
 
 
-def _batch_candidates(name: str, train: TrainConfig, dp: int, pp: int) -> list[int]:
+def _batch_candidates(name: str, given: dict[str, int | None], dp: int, pp: int) -> list[int]:
     """Values of train.`name` to try, near its current value and near the smallest batch a
     pipeline of pp stages runs (pp microbatches)."""
-    current = getattr(train, name) or 1
+    current = given[name] or 1
     if name == "global_batch":  # a multiple of dp, up to well past the current sizes
-        pipeline = pp * (train.micro_batch or 1) * (train.grad_accum or 1)
-        most = 4 * max((train.global_batch or 1) // dp, pipeline) + 4
+        pipeline = pp * (given["micro_batch"] or 1) * (given["grad_accum"] or 1)
+        most = 4 * max((given["global_batch"] or 1) // dp, pipeline) + 4
         return _near(range(dp, dp * most + 1, dp), (current, pipeline * dp))
-    if train.global_batch is not None:
-        return _near(range(1, train.global_batch // dp + 1), (current, pp))
+    if given["global_batch"] is not None:
+        return _near(range(1, given["global_batch"] // dp + 1), (current, pp))
     return _near(range(1, 4 * max(current, pp) + 1), (current, pp))
 
 
