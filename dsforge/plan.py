@@ -54,7 +54,7 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
         "groups": rank_groups(layout),
         "nodes": _node_summary(resolved),
         "device": device,
-        "deepspeed": deepspeed_config(train=train, zero=zero, layout=layout, device=device),
+        "deepspeed": deepspeed_config(model=model, train=train, zero=zero, layout=layout, device=device),
         "megatron": {
             "parallel_state": parallel_state_kwargs(layout),
             "transformer_config": transformer_config_kwargs(model=model, train=train, layout=layout,

@@ -46,14 +46,19 @@ The last rank adds the logits: 2-byte logits and 4-byte fp32 loss inputs over th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from dsforge.estimate.params import attention_params, mlp_params, padded_vocab_size, router_params
 from dsforge.recipe.resolve import Layout
 from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig
 
-# DeepSpeed's default zero_optimization.reduce_bucket_size (elements); translate sets it.
+# DeepSpeed's default zero_optimization.reduce_bucket_size (elements): the most dsforge asks for.
 REDUCE_BUCKET_SIZE = 500_000_000
+# Megatron-Core DDP's default bucket, max(4e7, 1e6 x dp) parameters (distributed_data_parallel.py),
+# for ZeRO 2/3 under a pipeline (`reduce_bucket_elements`).
+PIPELINE_BUCKET = 40_000_000
+PIPELINE_BUCKET_PER_DP_RANK = 1_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,14 +217,33 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
         params=dense.params + expert.params, grads=dense.grads + expert.grads,
         optimizer=dense.optimizer + expert.optimizer,
         activations=activation_bytes(model, train, layout, rank, fused_attention),
-        buffers=buffers, bucket=reduce_bucket_bytes(zero.stage, train.precision), pipeline_rank=rank)
+        buffers=buffers, bucket=reduce_bucket_bytes(model, layout, zero.stage, train.precision),
+        pipeline_rank=rank)
 
 
-def reduce_bucket_bytes(stage: int, precision: str) -> float:
-    """The ZeRO reduce bucket: the whole reduce_bucket_size in the gradient dtype, whatever the
-    model's size. Stages 1 and 2: `torch.empty(reduce_bucket_size)` in `setup_buckets` at a
-    backward's first gradient (contiguous_gradients), freed by its epilogue; stage 3: its
-    contiguous-gradient bucket (measured as 1.9 GiB in fp32 by the census)."""
+def reduce_bucket_elements(model: ModelConfig, layout: Layout, stage: int) -> int:
+    """The reduce_bucket_size dsforge gives DeepSpeed (translate/deepspeed_config.py).
+
+    DeepSpeed allocates the whole bucket whatever it will hold, and a bucket never holds more
+    than one backward's gradients of the rank, so it is capped at the largest pipeline rank's
+    parameters: the same reductions, less memory (a tiny model's ZeRO-3 bucket was 1.9 GiB).
+    Under a pipeline ZeRO 2/3 keep the bucket through every microbatch's backward, and it is
+    the price of their partitioned gradients (docs/runtime.md): there it is Megatron-Core
+    DDP's bucket, max(4e7, 1e6 x dp) elements (80 MB in bf16), enough that a reduce-scatter's
+    latency stays small next to its bytes. Elsewhere DeepSpeed's default 5e8, which pp = 1
+    overlaps with backward and which no measurement here has contradicted."""
+    largest = max(p.dense + p.expert for p in (stage_params(model, layout, r) for r in range(layout.pp)))
+    size = min(REDUCE_BUCKET_SIZE, math.ceil(largest))
+    if layout.pp > 1 and stage >= 2:
+        size = min(size, max(PIPELINE_BUCKET, PIPELINE_BUCKET_PER_DP_RANK * layout.dp))
+    return int(size)
+
+
+def reduce_bucket_bytes(model: ModelConfig, layout: Layout, stage: int, precision: str) -> float:
+    """The ZeRO reduce bucket: all of reduce_bucket_size in the gradient dtype. Stages 1 and 2:
+    `torch.empty(reduce_bucket_size)` in `setup_buckets` at a backward's first gradient
+    (contiguous_gradients), freed by its epilogue; stage 3: its contiguous-gradient bucket,
+    kept (measured by the census: 1.9 GiB in fp32 when the bucket was DeepSpeed's 5e8)."""
     if stage == 0:
         return 0.0
-    return (4 if precision == "fp32" else 2) * REDUCE_BUCKET_SIZE
+    return (4 if precision == "fp32" else 2) * reduce_bucket_elements(model, layout, stage)

@@ -63,16 +63,12 @@ def device_for(choice: str, machine: Machine) -> str:
     return choice
 
 
-def rank_memory_bytes(resolved: Resolved, device: str = "cuda") -> float:
-    """A rank's predicted peak. On the CPU the ZeRO reduce bucket counts only as far as a
-    backward fills it (at most the rank's gradients, which are as large as its parameters):
-    DeepSpeed allocates it with torch.empty, and a large CPU allocation is committed page by
-    page as it is written, while a GPU's caching allocator reserves all of it."""
+def rank_memory_bytes(resolved: Resolved) -> float:
+    """A rank's predicted peak (estimate/memory.py). The ZeRO reduce bucket in it is no larger
+    than the rank's gradients (translate sizes it so), which a backward fills on the CPU too,
+    where a large allocation is committed page by page as it is written."""
     r = resolved.recipe
-    memory = estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout)
-    if device == "cpu":
-        return memory.total - memory.bucket + min(memory.bucket, memory.params)
-    return memory.total
+    return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout).total
 
 
 def fit_problems(resolved: Resolved, machine: Machine, *, device: str,
@@ -80,7 +76,7 @@ def fit_problems(resolved: Resolved, machine: Machine, *, device: str,
     """Every reason the job's `ranks` local ranks (default: the whole world) cannot run on
     `machine` with `device` ("cpu" or "cuda")."""
     ranks = resolved.layout.world_size if ranks is None else ranks
-    per_rank = rank_memory_bytes(resolved, device)
+    per_rank = rank_memory_bytes(resolved)
     if device == "cuda":
         return _gpu_problems(machine, ranks, per_rank)
     return _cpu_problems(machine, ranks, per_rank)

@@ -71,8 +71,9 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
                               num_layers=recipe.model.num_layers)
     container = ModelChunks(chunks)
     has_experts = attach_gradient_hooks(container)
-    engine = initialize_deepspeed(container, deepspeed_config(
-        train=recipe.train, zero=recipe.zero, layout=layout, device=device.type), has_experts)
+    ds_config = deepspeed_config(model=recipe.model, train=recipe.train, zero=recipe.zero,
+                                 layout=layout, device=device.type)
+    engine = initialize_deepspeed(container, ds_config, has_experts)
     return RankParts(chunks=chunks, engine=engine)
 
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsforge.estimate.memory import REDUCE_BUCKET_SIZE
+from dsforge.estimate.memory import reduce_bucket_elements
 from dsforge.recipe.resolve import Layout
-from dsforge.recipe.schema import TrainConfig, ZeroConfig
+from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig
 from dsforge.translate.device import check_device
 
 # dsforge prints its own progress; keep DeepSpeed's per-step log out of the way.
 _STEPS_PER_PRINT = 1_000_000
 
 
-def deepspeed_config(*, train: TrainConfig, zero: ZeroConfig, layout: Layout,
+def deepspeed_config(*, model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layout: Layout,
                      device: str) -> dict[str, Any]:
     """DeepSpeed's config for ranks on `device` ("cpu" | "cuda")."""
     check_device(device)
@@ -30,7 +30,7 @@ def deepspeed_config(*, train: TrainConfig, zero: ZeroConfig, layout: Layout,
         "gradient_clipping": train.grad_clip,
         "steps_per_print": _STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
-        "zero_optimization": zero_section(zero),
+        "zero_optimization": zero_section(zero, reduce_bucket_elements(model, layout, zero.stage)),
         "optimizer": {"type": "AdamW", "params": {
             "lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2],
             "eps": train.adam_eps, "weight_decay": train.weight_decay}},
@@ -60,10 +60,10 @@ def precision_section(precision: str) -> dict[str, Any]:
     return {}
 
 
-def zero_section(zero: ZeroConfig) -> dict[str, Any]:
+def zero_section(zero: ZeroConfig, bucket_elements: int) -> dict[str, Any]:
     section: dict[str, Any] = {"stage": zero.stage}
     if zero.stage >= 1:
-        section["reduce_bucket_size"] = REDUCE_BUCKET_SIZE
+        section["reduce_bucket_size"] = bucket_elements  # estimate/memory.py says why
         section["contiguous_gradients"] = True
     if zero.offload_optimizer == "cpu":
         # DeepSpeed then uses its own CPU Adam for the config's AdamW (rule Z5 holds by

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
 from dsforge.estimate.flops import flops_per_token, mfu
 from dsforge.estimate.hardware import gpu_by_key, gpu_for_device_name
 from dsforge.estimate.memory import (REDUCE_BUCKET_SIZE, estimate_memory, model_states,
-                                     stage_layers)
+                                     reduce_bucket_elements, stage_layers, stage_params)
 from dsforge.estimate.params import count_params, padded_vocab_size
 from dsforge.recipe import Topology, resolve
 from tests.conftest import make_recipe
@@ -152,10 +154,13 @@ def test_higher_zero_stages_use_less_memory():
 
 def test_measured_deepspeed_allocations():
     """What the live-tensor census of benchmarks/zero_study_cpu measured: ZeRO-3 allocates its
-    whole reduce bucket (fp32 here: 4 bytes x 5e8) even for a tiny model, and fp32 ZeRO 1 and 2
-    keep an fp32 copy of the partition next to Adam's m and v (ZeRO-3 does not)."""
+    whole reduce bucket (fp32 here: 4 bytes x reduce_bucket_size, which dsforge now caps at the
+    rank's parameters), and fp32 ZeRO 1 and 2 keep an fp32 copy of the partition next to
+    Adam's m and v (ZeRO-3 does not)."""
     zero3 = _memory("zero.stage=3", world=2)
-    assert zero3.bucket == 4 * REDUCE_BUCKET_SIZE
+    resolved = resolve(make_recipe("zero.stage=3"), Topology(world_size=2))
+    params = stage_params(resolved.recipe.model, resolved.layout, 0)
+    assert zero3.bucket == 4 * math.ceil(params.dense) < 4 * REDUCE_BUCKET_SIZE
     zero0, zero1 = _memory("zero.stage=0", world=2), _memory("zero.stage=1", world=2)
     assert zero1.optimizer == pytest.approx(zero0.optimizer * 12 / 8 / 2)  # 12 Psi / 2 vs 8 Psi
     assert zero3.optimizer == pytest.approx(zero0.optimizer / 2)
@@ -178,7 +183,7 @@ def test_70b_pp4_estimate_by_hand():
     assert est.params == pytest.approx(2 * last_rank)
     assert est.optimizer == pytest.approx(12 * last_rank / 2)
     assert est.buffers == pytest.approx(4 * last_rank / 2)
-    assert est.bucket == 2 * REDUCE_BUCKET_SIZE
+    assert est.bucket == 2 * REDUCE_BUCKET_SIZE  # ZeRO-1: DeepSpeed's default (rank > 5e8 params)
     assert 40 * GiB < est.total < 60 * GiB
 
 
@@ -195,24 +200,36 @@ def test_vocab_padding():
 
 
 def test_zero2_with_pipelines_keeps_a_gradient_partition_and_the_bucket():
-    """pp 4 x dp 2: ZeRO-2's gradients are 1/dp of ZeRO-1's, both allocate the whole reduce
-    bucket during each backward, and the difference is exactly the gradients saved."""
+    """pp 4 x dp 2: ZeRO-2's gradients are 1/dp of ZeRO-1's, both allocate their whole reduce
+    bucket during each backward (ZeRO-2's the pipeline-sized one), and the difference is
+    exactly the gradients and the bucket saved."""
     big = ("model.preset=llama2-7b", "train.seq_len=4096", "train.precision=bf16", "parallel.pp=4",
            "train.global_batch=16", "train.micro_batch=1")
     zero1, zero2 = (_memory(*big, f"zero.stage={s}") for s in (1, 2))
     assert zero1.pipeline_rank == zero2.pipeline_rank
     assert zero2.grads == pytest.approx(zero1.grads / 2)
-    assert zero1.bucket == zero2.bucket == 2 * REDUCE_BUCKET_SIZE
+    assert zero1.bucket == 2 * REDUCE_BUCKET_SIZE and zero2.bucket == 2 * 40_000_000
     assert zero1.params == zero2.params and zero1.optimizer == zero2.optimizer
     assert zero1.buffers == zero2.buffers and zero1.activations == zero2.activations
-    assert zero1.total - zero2.total == pytest.approx(zero1.grads / 2)
+    assert zero1.total - zero2.total == pytest.approx(zero1.grads / 2 + zero1.bucket - zero2.bucket)
 
 
-def test_the_bucket_can_eat_zero2s_saving_on_a_small_stage():
-    """The tiny model's pipeline stage saves a few KiB of gradients at ZeRO-2; the 5e8-element
-    bucket (fp32: 2 GB) is its own component, far larger than the saving."""
-    small = ("parallel.pp=2", "train.global_batch=8", "train.micro_batch=1")
-    zero1, zero2 = (_memory(*small, f"zero.stage={s}", world=4) for s in (1, 2))
-    saved = zero1.grads - zero2.grads
-    assert 0 < saved < zero2.bucket
-    assert zero2.bucket == 4 * REDUCE_BUCKET_SIZE  # fp32: 4-byte gradients
+def test_the_bucket_is_sized_by_the_rank_and_the_pipeline():
+    """Never more than the largest pipeline rank's parameters (a backward cannot fill more);
+    ZeRO 2/3 under a pipeline get Megatron-Core DDP's max(4e7, 1e6 x dp); the rest keep
+    DeepSpeed's 5e8."""
+    def bucket(*overrides, world=8):
+        resolved = resolve(make_recipe(*overrides), Topology(world_size=world))
+        return reduce_bucket_elements(resolved.recipe.model, resolved.layout, resolved.recipe.zero.stage)
+
+    tiny = ("parallel.pp=2", "train.global_batch=8", "train.micro_batch=1")
+    resolved = resolve(make_recipe(*tiny, "zero.stage=2"), Topology(world_size=4))
+    largest = max(stage_params(resolved.recipe.model, resolved.layout, r).dense for r in range(2))
+    assert bucket(*tiny, "zero.stage=2", world=4) == math.ceil(largest)
+    big = ("model.preset=llama3-70b", "train.seq_len=4096", "train.precision=bf16", "parallel.tp=8",
+           "train.global_batch=64", "train.micro_batch=1")
+    assert bucket(*big, "parallel.pp=4", "zero.stage=1", world=64) == REDUCE_BUCKET_SIZE
+    assert bucket(*big, "parallel.pp=4", "zero.stage=2", world=64) == 40_000_000
+    assert bucket(*big, "parallel.pp=2", "zero.stage=3", "train.global_batch=256",
+                  world=1024) == 64_000_000  # dp 64
+    assert bucket(*big, "zero.stage=2", world=64) == REDUCE_BUCKET_SIZE  # pp 1: DeepSpeed's

@@ -56,7 +56,7 @@ def _check_with_deepspeed(resolved, device="cuda"):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     r, lay = resolved.recipe, resolved.layout
-    config = deepspeed_config(train=r.train, zero=r.zero, layout=lay, device=device)
+    config = deepspeed_config(model=r.model, train=r.train, zero=r.zero, layout=lay, device=device)
     ds = DeepSpeedConfig(config, mpu=_DataParallel(lay.dp))
     assert ds.train_batch_size == lay.global_batch
     assert ds.gradient_accumulation_steps == lay.grad_accum
@@ -109,7 +109,7 @@ def test_deepspeed_rejects_a_misspelled_zero_key(deepspeed_comm):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     resolved = resolve(make_recipe(), Topology(world_size=8))
-    config = deepspeed_config(train=resolved.recipe.train, zero=resolved.recipe.zero,
+    config = deepspeed_config(model=resolved.recipe.model, train=resolved.recipe.train, zero=resolved.recipe.zero,
                               layout=resolved.layout, device="cuda")
     config["zero_optimization"]["stgae"] = 1
     with pytest.raises(Exception, match="stgae"):
@@ -119,8 +119,8 @@ def test_deepspeed_rejects_a_misspelled_zero_key(deepspeed_comm):
 def test_scheduler_without_warmup_starts_at_the_peak():
     train = make_recipe("train.warmup_steps=0").train
     resolved = resolve(make_recipe("train.warmup_steps=0"), Topology(world_size=8))
-    section = deepspeed_config(train=train, zero=resolved.recipe.zero, layout=resolved.layout,
-                               device="cuda")["scheduler"]
+    section = deepspeed_config(model=resolved.recipe.model, train=train, zero=resolved.recipe.zero,
+                               layout=resolved.layout, device="cuda")["scheduler"]
     assert section["type"] == "WarmupCosineLR" and section["params"]["warmup_min_ratio"] == 1.0
 
 
@@ -169,7 +169,8 @@ def test_translation_refuses_an_unknown_device():
     resolved = resolve(make_recipe(), Topology(world_size=8))
     r = resolved.recipe
     with pytest.raises(ValueError, match="'gpu'"):
-        deepspeed_config(train=r.train, zero=r.zero, layout=resolved.layout, device="gpu")
+        deepspeed_config(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
+                         device="gpu")
     with pytest.raises(ValueError, match="'gpu'"):
         transformer_config_kwargs(model=r.model, train=r.train, layout=resolved.layout, device="gpu")
 
@@ -184,8 +185,8 @@ def test_plan_shows_the_configs_a_run_on_the_device_uses(device):
     r = resolved.recipe
     plan = build_plan(resolved, device=device)
     assert plan["device"] == device
-    assert plan["deepspeed"] == deepspeed_config(train=r.train, zero=r.zero, layout=resolved.layout,
-                                                 device=device)
+    assert plan["deepspeed"] == deepspeed_config(model=r.model, train=r.train, zero=r.zero,
+                                                 layout=resolved.layout, device=device)
     assert plan["megatron"]["transformer_config"] == transformer_config_kwargs(
         model=r.model, train=r.train, layout=resolved.layout, device=device)
     assert f"DeepSpeed config (for {device} ranks)" in render_plan(plan)
