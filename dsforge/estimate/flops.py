@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsforge.estimate.params import count_params
+from dsforge.estimate.params import count_params, layer_matmul_params
 from dsforge.recipe.schema import ModelConfig
 
 
@@ -42,6 +42,26 @@ def flops_per_token(m: ModelConfig, seq_len: int, checkpointing: str = "none") -
     recompute = {"none": 0.0, "selective": attention_forward,
                  "full": matmul_forward + attention_forward}[checkpointing]
     return FlopsPerToken(model=model, hardware=model + recompute)
+
+
+def pipeline_rank_flops(m: ModelConfig, seq_len: int, checkpointing: str, *, pp: int, vpp: int,
+                        rank: int) -> float:
+    """Hardware FLOPs per token on pipeline rank `rank` (all its model chunks, before tensor
+    parallelism): its layers (model chunk c holds virtual stage c*pp + rank) and, on the last
+    rank, the output layer. The same terms as flops_per_token, so the ranks sum to its
+    `hardware` figure. The embedding (a gather) is free, so the last rank is the busiest: it
+    runs the h x V projection on top of its share of the layers (Megatron-Core can move
+    layers off it, account_for_loss_in_pipeline_split; dsforge splits layers evenly)."""
+    per_chunk = m.num_layers // (pp * vpp)
+    layers = [layer for chunk in range(vpp)
+              for layer in range((chunk * pp + rank) * per_chunk, (chunk * pp + rank + 1) * per_chunk)]
+    attention = attention_flops_forward(m, seq_len) / m.num_layers  # per layer, forward
+    matmul = 2.0 * sum(layer_matmul_params(m, layer) for layer in layers)
+    if rank == pp - 1:
+        matmul += 2.0 * m.vocab_size * m.hidden_size
+    forward = matmul + attention * len(layers)
+    recompute = {"none": 0.0, "selective": attention * len(layers), "full": forward}[checkpointing]
+    return 3.0 * forward + recompute
 
 
 def mfu(tokens_per_second_per_gpu: float, flops_per_token_: float, peak_flops: float | None) -> float | None:

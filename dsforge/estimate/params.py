@@ -49,23 +49,30 @@ class ParamCounts:
     matmul_active: int  # active parameters that take part in matmuls (the 6N of FLOPs)
 
 
+def layer_matmul_params(m: ModelConfig, layer: int) -> int:
+    """Parameters of one layer that take part in a matmul for each token (its share of the
+    6N of FLOPs): attention, and the MLP or the router and the top_k routed experts."""
+    attention = attention_params(m, with_bias=False)
+    if m.is_moe_layer(layer):
+        return attention + router_params(m) + m.moe.top_k * mlp_params(m, m.moe.ffn_hidden_size, with_bias=False)
+    return attention + mlp_params(m, m.ffn_hidden_size, with_bias=False)
+
+
 def count_params(m: ModelConfig, vocab_size: int | None = None) -> ParamCounts:
     """Counts for the whole model; `vocab_size` overrides the model's (e.g. the padded one)."""
     vocab = vocab_size or m.vocab_size
     h, norms = m.hidden_size, 2 * m.hidden_size
-    attention, attention_matmul = attention_params(m), attention_params(m, with_bias=False)
+    attention = attention_params(m)
     total = active = matmul = 0
     for layer in range(m.num_layers):
+        matmul += layer_matmul_params(m, layer)
         if m.is_moe_layer(layer):
             expert = mlp_params(m, m.moe.ffn_hidden_size)
-            expert_matmul = mlp_params(m, m.moe.ffn_hidden_size, with_bias=False)
             total += attention + router_params(m) + m.moe.num_experts * expert + norms
             active += attention + router_params(m) + m.moe.top_k * expert + norms
-            matmul += attention_matmul + router_params(m) + m.moe.top_k * expert_matmul
         else:
             dense = attention + mlp_params(m, m.ffn_hidden_size) + norms
             total, active = total + dense, active + dense
-            matmul += attention_matmul + mlp_params(m, m.ffn_hidden_size, with_bias=False)
     embedding = vocab * h
     output = 0 if m.tie_embeddings else vocab * h
     final_norm = h

@@ -1,53 +1,31 @@
-"""Predicted step time of a layout: compute, communication and the pipeline bubble.
+"""Predicted step time of a layout: compute, communication, the pipeline bubble and the
+optimizer step, per optimizer step on one GPU, in seconds.
 
-Every term is per optimizer step on one GPU, in seconds (docs/search.md has the derivation):
-
-  compute   = tokens per GPU x hardware FLOPs per token / (peak x efficiency)
-              tokens per GPU = grad_accum x micro_batch x seq_len / (tp x pp); hardware FLOPs
-              include recomputation (activation checkpointing). efficiency = the profile's
-              compute_efficiency x g(h/tp) x g(micro_batch x seq_len), g(x) = x / (x + 256):
-              thin GEMMs (large tp, short microbatches) run further from the peak.
-  tp_comm   = per layer and microbatch 4 all-reduces of the activations (2 forward, 2
-              backward; 6 with full recomputation), 2 (t-1)/t x b s h x 2 bytes / bandwidth.
-              Sequence parallelism swaps each all-reduce for an all-gather + reduce-scatter of
-              the same volume. Not overlapped with compute (Megatron-Core without TE).
-  ep_comm   = per MoE layer and microbatch 4 all-to-alls (dispatch and combine, forward and
-              backward) of top_k x b s h x 2 bytes x (ep-1)/ep.
-  bubble    = (p-1)/(v m) x (compute + tp_comm + ep_comm [+ ZeRO-2's per-microbatch
-              reduce-scatters with pp > 1])                      (Narayanan et al. 2021)
-  pp_comm   = 2 x m x v sends of b s h x 2 bytes (/tp with sequence parallelism) + latency.
-  dp_comm   = gradient/parameter traffic of the ZeRO stage over the data-parallel group,
-              ring volume per GPU with Psi this GPU's parameters and d = dp (`dp_traffic`):
-                stage 0, 1: one all-reduce per step          2 (d-1)/d x 2 Psi bytes
-                stage 2:    reduce-scatter every microbatch   m (d-1)/d x 2 Psi
-                            + all-gather of the updated parameters (d-1)/d x 2 Psi
-                stage 3:    per microbatch: all-gather params for forward and backward,
-                            reduce-scatter grads                 3 m (d-1)/d x 2 Psi
-              so ZeRO-2 moves (m+1)/2 times ZeRO-1's bytes. pp = 1: the profile's dp_overlap
-              share is hidden behind backward. pp > 1: nothing is hidden. ZeRO 0/1 reduce at
-              engine.step() after the schedule; ZeRO-2 reduce-scatters in each chunk backward's
-              epilogue (runtime/step.py) with no other stream (overlap_comm is off at stage 2),
-              so the rank's next send waits: v chunks x m microbatches = m v collectives of
-              Psi/v each (the same m Psi in all, whatever v), each with (d-1) ring steps of
-              p2p_latency_s; this per-microbatch part also lengthens every slot of the
-              pipeline, so it enters the bubble like compute does.
-Bandwidth: intra-node when the group's ranks share a node, else inter-node (rank order
-tp-cp-ep-dp-pp: a group spans the product of the sizes before it and itself).
-Not modelled: the optimizer step's memory traffic, kernel launch gaps, stragglers.
+docs/search.md ("The step-time model") has the table of terms and the derivation of each
+from the schedules and engines dsforge runs (Megatron-Core's 1F1B / interleaved 1F1B with
+blocking batched p2p, DeepSpeed's ZeRO stages with dsforge's config); this module follows it
+term by term and each function says which rule it implements.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 from dsforge.estimate.bubble import bubble_fraction
-from dsforge.estimate.flops import flops_per_token
+from dsforge.estimate.flops import pipeline_rank_flops
 from dsforge.estimate.memory import stage_params
-from dsforge.recipe.resolve import Resolved
+from dsforge.recipe.resolve import Layout, Resolved
+from dsforge.recipe.schema import ModelConfig
 from dsforge.search.profile import ClusterProfile
 
 GB = 1e9
 _GEMM_KNEE = 256.0
+# Adam's update streams fp32 master weights, momentum and variance (read and write: 24 bytes)
+# and the fp32 gradient (read: 4); mixed precision also writes the 16-bit weights (2).
+_ADAM_BYTES = {"fp32": 28, "bf16": 30, "fp16": 30}
+# A fused multi-tensor Adam reaches about this share of the memory bandwidth.
+_STREAM_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,10 +36,12 @@ class StepTime:
     bubble: float
     pp_comm: float
     dp_comm: float
+    optimizer: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.ep_comm + self.bubble + self.pp_comm + self.dp_comm
+        return (self.compute + self.tp_comm + self.ep_comm + self.bubble + self.pp_comm
+                + self.dp_comm + self.optimizer)
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}
@@ -86,17 +66,16 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
     m, t = recipe.model, recipe.train
     half = 2 if t.precision != "fp32" else 4
     microbatch_tokens = lay.micro_batch * t.seq_len
-    tokens_per_gpu = lay.grad_accum * microbatch_tokens / (lay.tp * lay.pp)
-    flops = flops_per_token(m, t.seq_len, t.activation_checkpointing).hardware
     efficiency = (profile.compute_efficiency * _saturation(m.hidden_size / lay.tp)
                   * _saturation(microbatch_tokens))
-    compute = tokens_per_gpu * flops / (profile.gpu.peak_bf16_flops * efficiency)
+    flop_rate = profile.gpu.peak_bf16_flops * efficiency
+    # The pipeline runs at the pace of its busiest rank (the last: it adds the output layer).
+    busiest = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)
+    compute = lay.grad_accum * microbatch_tokens * busiest / lay.tp / flop_rate
 
-    layers = m.num_layers / lay.pp
     activation = microbatch_tokens * m.hidden_size * half
-    collectives = 6 if t.activation_checkpointing == "full" else 4
-    tp_bw = _bandwidth(lay.tp, profile)
-    tp_comm = layers * lay.grad_accum * collectives * 2 * _ring(lay.tp) * activation / tp_bw
+    tp_comm = lay.grad_accum * m.num_layers / lay.pp * _tp_layer_seconds(
+        m, lay, t.activation_checkpointing, activation, microbatch_tokens / flop_rate, profile)
 
     ep_comm = 0.0
     if m.moe and lay.ep > 1:
@@ -104,17 +83,116 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
         ep_bw = _bandwidth(lay.tp * lay.ep, profile)
         ep_comm = moe_layers * lay.grad_accum * 4 * m.moe.top_k * activation * _ring(lay.ep) / ep_bw
 
-    dp_comm, dp_in_slots = _dp_comm(resolved, profile, half)
-    bubble = (bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
-              * (compute + tp_comm + ep_comm + dp_in_slots))
+    worst = _worst_stage(resolved)  # the pipeline rank with the most parameters
+    dp_comm, dp_in_slots = _dp_comm(resolved, worst, profile, half, compute)
     pp_comm = 0.0
     if lay.pp > 1:
-        pp_bw = _bandwidth(lay.tp * lay.dp * 2, profile)  # neighbours are tp x dp ranks apart
         message = activation / (lay.tp if lay.sequence_parallel else 1)
-        pp_comm = 2 * lay.grad_accum * lay.vpp * (message / pp_bw + profile.p2p_latency_s)
-
+        pp_comm = lay.grad_accum * pipeline_send_seconds(lay, profile, message)
+    # Every slot of the pipeline carries its sends too (blocking p2p), so they fill and drain
+    # with the compute.
+    bubble = (bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
+              * (compute + tp_comm + ep_comm + dp_in_slots + pp_comm))
     return StepTime(compute=compute, tp_comm=tp_comm, ep_comm=ep_comm, bubble=bubble,
-                    pp_comm=pp_comm, dp_comm=dp_comm)
+                    pp_comm=pp_comm, dp_comm=dp_comm,
+                    optimizer=_optimizer_seconds(resolved, worst, profile))
+
+
+@functools.lru_cache(maxsize=1024)
+def _busiest_rank_flops(m: ModelConfig, seq_len: int, checkpointing: str, pp: int, vpp: int) -> float:
+    """Hardware FLOPs per token of the busiest pipeline rank (candidates share them)."""
+    return max(pipeline_rank_flops(m, seq_len, checkpointing, pp=pp, vpp=vpp, rank=r) for r in range(pp))
+
+
+def _tp_layer_seconds(m: ModelConfig, lay: Layout, checkpointing: str, activation: float,
+                      seconds_per_flop_token: float, profile: ClusterProfile) -> float:
+    """Exposed tensor-parallel traffic of one layer and microbatch (docs/search.md).
+
+    One unit u = an all-reduce of the b s h activation, 2 (t-1)/t x its bytes. Megatron-Core's
+    linear layers (tensor_parallel/layers.py): forward 2 u on the critical path (row-parallel
+    all-reduces; with sequence parallelism all-gathers and reduce-scatters of the same volume),
+    2 u more when full recomputation re-runs the forward. Backward: the column-parallel layers
+    (QKV, fc1) all-reduce their input gradient asynchronously beside the weight-gradient GEMM
+    (with sequence parallelism: reduce-scatter beside it, after re-gathering the input beside
+    the data-gradient GEMM), so each is hidden up to that GEMM's length; with sequence
+    parallelism the row-parallel layers' output-gradient all-gathers (u in all) come first."""
+    if lay.tp == 1:
+        return 0.0
+    unit = 2 * _ring(lay.tp) * activation / _bandwidth(lay.tp, profile)
+    exposed = (4 if checkpointing == "full" else 2) * unit + (unit if lay.sequence_parallel else 0.0)
+    q_width, kv_width = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
+    ffn = m.ffn_hidden_size if m.moe is None else m.moe.top_k * m.moe.ffn_hidden_size
+    for out_features in (q_width + 2 * kv_width, 2 * ffn):  # QKV, fc1 (gate and up)
+        gemm = 2 * m.hidden_size * out_features / lay.tp * seconds_per_flop_token
+        if lay.sequence_parallel:  # half a unit beside dgrad, half beside wgrad
+            exposed += 2 * max(0.0, unit / 2 - gemm)
+        else:
+            exposed += max(0.0, unit - gemm)
+    return exposed
+
+
+@functools.lru_cache(maxsize=4096)
+def _boundary_counts(stride: int, pp: int, vpp: int, gpus_per_node: int) -> frozenset[tuple[int, int]]:
+    """For each pipeline rank of each pipeline group: (intra-node, inter-node) stage
+    boundaries it sends across per microbatch, summed over its v model chunks.
+
+    Rank order tp-cp-ep-dp-pp puts pipeline stage k of a group at global rank r0 + k x stride
+    (stride = tp x cp x dp, r0 < stride); a node holds gpus_per_node consecutive ranks, so only
+    r0 modulo the node size matters. Model chunk c of rank k is virtual stage c pp + k: its
+    previous stage is rank k-1 (rank pp-1's chunk c-1 for k = 0, none for the first virtual
+    stage) and its next is rank k+1 (rank 0's chunk c+1 for k = pp-1: the wrap-around)."""
+    def same_node(a: int, b: int) -> bool:
+        return a // gpus_per_node == b // gpus_per_node
+
+    counts = set()
+    for r0 in range(min(stride, gpus_per_node)):
+        rank_of = [r0 + k * stride for k in range(pp)]
+        for k in range(pp):
+            intra = inter = 0
+            for chunk in range(vpp):
+                stage = chunk * pp + k
+                for neighbour_stage in (stage - 1, stage + 1):
+                    if not 0 <= neighbour_stage < pp * vpp:
+                        continue
+                    if same_node(rank_of[k], rank_of[neighbour_stage % pp]):
+                        intra += 1
+                    else:
+                        inter += 1
+            counts.add((intra, inter))
+    return frozenset(counts)
+
+
+def pipeline_send_seconds(lay: Layout, profile: ClusterProfile, message: float) -> float:
+    """Seconds per microbatch the busiest pipeline rank spends in p2p (docs/search.md).
+
+    Per microbatch and model chunk a rank exchanges one message with each neighbouring stage
+    in each direction (activation forward, its gradient back). The two directions of one link
+    run at once (full duplex), the two links one after the other: Megatron-Core's 1F1B calls
+    send_forward_recv_backward and send_backward_recv_forward separately, and dsforge's batched
+    p2p ends each call with torch.cuda.synchronize(), so nothing overlaps compute. The step
+    waits for the slowest rank."""
+    intra_s = message / (profile.intra_node_gbps * GB) + profile.p2p_latency_s
+    inter_s = message / (profile.inter_node_gbps * GB) + profile.p2p_latency_s
+    stride = lay.world_size // lay.pp
+    counts = _boundary_counts(stride, lay.pp, lay.vpp, profile.gpus_per_node)
+    return max(intra * intra_s + inter * inter_s for intra, inter in counts)
+
+
+def _optimizer_seconds(resolved: Resolved, worst, profile: ClusterProfile) -> float:
+    """Adam over this GPU's optimizer partition (the worst pipeline rank's), memory-bound:
+    _ADAM_BYTES per parameter over the GPU's memory bandwidth. ZeRO 1-3 partition it over the
+    data-parallel group, ZeRO-0 updates every parameter the GPU holds."""
+    lay, recipe = resolved.layout, resolved.recipe
+    sharded = recipe.zero.stage >= 1
+    params = worst.dense / (lay.dp if sharded else 1) + worst.expert / (lay.edp if sharded else 1)
+    bandwidth = profile.gpu.memory_bandwidth * _STREAM_EFFICIENCY
+    return params * _ADAM_BYTES[recipe.train.precision] / bandwidth
+
+
+def _worst_stage(resolved: Resolved):
+    lay = resolved.layout
+    return max((stage_params(resolved.recipe.model, lay, r) for r in range(lay.pp)),
+               key=lambda p: p.dense + p.expert)
 
 
 def dp_traffic(stage: int, microbatches: int) -> tuple[float, float]:
@@ -128,24 +206,27 @@ def dp_traffic(stage: int, microbatches: int) -> tuple[float, float]:
     return 3.0 * microbatches, 0.0  # gather for forward and backward, reduce-scatter
 
 
-def _dp_comm(resolved: Resolved, profile: ClusterProfile, grad_bytes: int) -> tuple[float, float]:
-    """(seconds per step, of which inside the pipeline's microbatch slots)."""
+def _dp_comm(resolved: Resolved, worst, profile: ClusterProfile, grad_bytes: int,
+             compute: float) -> tuple[float, float]:
+    """(seconds per step, of which inside the pipeline's microbatch slots).
+
+    Only ZeRO-3 overlaps (DeepSpeed turns overlap_comm on at stage 3 only, and dsforge's
+    config leaves it; stages 0-2 reduce on the compute stream): the profile's dp_overlap share
+    of its per-microbatch gathers and reduce-scatters is hidden, no more than the compute they
+    run beside. With pp > 1 the per-microbatch part runs inside the pipeline's slots, one
+    collective per model chunk and microbatch, each with (d-1) ring latencies."""
     lay, stage = resolved.layout, resolved.recipe.zero.stage
-    worst = max((stage_params(resolved.recipe.model, lay, r) for r in range(lay.pp)),
-                key=lambda p: p.dense + p.expert)
     per_microbatch, per_step = dp_traffic(stage, lay.grad_accum)
-    total = in_slots = 0.0
+    slots = once = 0.0
     for psi, size, span in ((worst.dense, lay.dp, lay.tp * lay.dp),
                             (worst.expert, lay.edp, lay.world_size // lay.pp)):
         if psi == 0 or size == 1:
             continue
         unit = grad_bytes * psi * _ring(size) / _bandwidth(span, profile)
-        if lay.pp == 1:
-            total += (per_microbatch + per_step) * unit * (1.0 - profile.dp_overlap)
-            continue
-        slots = per_microbatch * unit
-        if per_microbatch:
+        slots += per_microbatch * unit
+        once += per_step * unit
+        if lay.pp > 1 and per_microbatch:
             slots += lay.grad_accum * lay.vpp * (size - 1) * profile.p2p_latency_s
-        in_slots += slots
-        total += slots + per_step * unit
-    return total, in_slots
+    if stage == 3:
+        slots -= min(slots * profile.dp_overlap, compute)
+    return slots + once, (slots if lay.pp > 1 else 0.0)

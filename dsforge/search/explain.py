@@ -13,7 +13,8 @@ from dsforge.estimate.memory import estimate_memory
 from dsforge.search.cost import step_time
 
 _NAMES = {"compute": "compute", "tp_comm": "tensor-parallel traffic", "ep_comm": "expert all-to-all",
-          "bubble": "pipeline bubble", "pp_comm": "pipeline sends", "dp_comm": "data-parallel traffic"}
+          "bubble": "pipeline bubble", "pp_comm": "pipeline sends", "dp_comm": "data-parallel traffic",
+          "optimizer": "optimizer step"}
 _ZERO_TRAFFIC = {0: "all-reduces gradients once per step", 1: "all-reduces gradients once per step",
                  2: "reduce-scatters gradients every microbatch",
                  3: "gathers parameters for every microbatch's forward and backward"}
@@ -57,7 +58,9 @@ def _why(term: str, a, b) -> str:
     if term == "pp_comm":
         if "sequence_parallel" in differs and la["sequence_parallel"]:
             return f"sequence parallelism splits each pipeline message over tp {la['tp']}"
-        return f"fewer pipeline sends ({2 * la['grad_accum'] * la['vpp']} vs {2 * lb['grad_accum'] * lb['vpp']})"
+        return f"fewer pipeline sends (m x v = {la['grad_accum'] * la['vpp']} vs {lb['grad_accum'] * lb['vpp']} per neighbour)"
+    if term == "optimizer" and "zero" in differs:
+        return f"a smaller optimizer partition to update (ZeRO-{la['zero']} vs ZeRO-{lb['zero']})"
     if term == "ep_comm" and "ep" in differs:
         return f"less expert all-to-all traffic (ep {la['ep']} vs {lb['ep']})"
     changed = ", ".join(f"{k} {la[k]} vs {lb[k]}" for k in sorted(differs)) or "same layout"

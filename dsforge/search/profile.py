@@ -38,7 +38,9 @@ class ClusterProfile:
     inter_node_gbps: float = 40.0  # GB/s per GPU across nodes
     compute_efficiency: float = 0.6  # achievable share of peak for the model's GEMMs
     memory_margin: float = 0.10  # share of GPU memory kept free for fragmentation/workspace
-    dp_overlap: float = 0.5  # share of data-parallel gradient traffic hidden behind backward
+    # Share of ZeRO-3's parameter gathers and gradient reduce-scatters hidden behind compute
+    # (pp = 1; the only stage DeepSpeed overlaps with dsforge's config, docs/search.md).
+    dp_overlap: float = 0.5
     p2p_latency_s: float = 20e-6  # per pipeline send/recv
 
     @property
