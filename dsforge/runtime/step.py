@@ -34,9 +34,17 @@ def _loss_of(chunk_output: torch.Tensor) -> torch.Tensor:
 
 
 # A census (runtime/tensor_census.py) asked for at two points of a step: "backward", when the
-# step's last backward starts (the gradients of all the other microbatches are held, as ZeRO
-# keeps them), and "step", after the last backward, before the optimizer step.
+# autograd pass of the step's last backward ends, before DeepSpeed's epilogue reduces it (this
+# microbatch's gradients in .grad or ZeRO's bucket, the others' as the ZeRO stage keeps them),
+# and "step", after the last backward, before the optimizer step.
 Census = Callable[[str], None]
+
+
+def _census_at_end_of_backward(census: Census) -> None:
+    """Queue the census on the running autograd pass: final callbacks run in the order queued,
+    after every gradient of the pass, so this one runs before the callback DeepSpeed's
+    prologue queues next (ZeRO-2/3's epilogue, which empties the bucket)."""
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: census("backward"))
 
 
 def step_unpipelined(engine, batches: list[Microbatch], device,
@@ -49,7 +57,8 @@ def step_unpipelined(engine, batches: list[Microbatch], device,
                      labels=mb.labels.to(device))
         loss = _loss_of(out)
         if census and last:
-            census("backward")
+            # a hook on the loss runs inside the pass engine.backward starts
+            loss.register_hook(lambda grad: _census_at_end_of_backward(census))
         engine.backward(loss)
         if census and last:
             census("step")
@@ -77,15 +86,15 @@ def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
 
 def _census_at_last_backward(census: Census, prologue: Callable[[], None] | None,
                              backwards: int) -> Callable[[], None]:
-    """The per-backward hook, counting: the census runs when the rank's last backward of the
-    step (microbatches x virtual stages of them) starts."""
+    """The per-backward hook, counting: the census runs at the end of the rank's last backward
+    of the step (microbatches x virtual stages of them)."""
     started = 0
 
     def on_backward() -> None:
         nonlocal started
         started += 1
         if started == backwards:
-            census("backward")
+            _census_at_end_of_backward(census)
         if prologue is not None:
             prologue()
 

@@ -6,9 +6,10 @@ the model states and DeepSpeed's buffers, so a census of live tensors (deduplica
 storage: views and flat buffers count once) measures them on any device:
 
   params     the model's parameters (their ZeRO-3 partitions, `ds_tensor`, included)
-  grads      the model parameters' .grad, and the gradient partitions ZeRO 2/3 keep between
-             backward passes (stage 2's `grads_in_partition` / `averaged_gradients`, stage
-             3's `grad_partitions_flat_buffer`)
+  grads      the model parameters' .grad, and the gradients ZeRO 2/3 keep between backward
+             passes: stage 2 accumulates the reduced gradients of the parameters in its
+             partition (`all_grad_tensors`; in bf16 a compact fp32 partition inside
+             `averaged_gradients`), stage 3 its flat `grad_partitions_flat_buffer`
   bucket     ZeRO's reduce bucket (`ipg_buckets`: the gradients of one backward gathered for
              a reduce-scatter, `reduce_bucket_size` elements)
   optimizer  the optimizer's own parameters (ZeRO's fp32 master partitions) and its state
@@ -51,7 +52,8 @@ def _add(owner: dict, tensors, kind: str) -> None:
 
 
 def _tensors(held) -> Iterator:
-    """The tensors in an attribute that holds a tensor, a list or a dict of them (or None)."""
+    """The tensors in an attribute that holds a tensor, a list or a dict of them (or None), or
+    DeepSpeed's GradPartitionBufferGroup (its `flat_partition`)."""
     if isinstance(held, dict):
         held = list(held.values())
     if isinstance(held, (list, tuple)):
@@ -59,10 +61,16 @@ def _tensors(held) -> Iterator:
             yield from _tensors(item)
     elif torch.is_tensor(held):
         yield held
+    elif getattr(held, "flat_partition", None) is not None:
+        yield held.flat_partition
+
+
+_ZERO_GRADIENTS = ("grads_in_partition", "all_grad_tensors", "averaged_gradients",
+                   "grad_partitions_flat_buffer")
 
 
 def _zero_gradients(zero) -> Iterator:
-    for name in ("grads_in_partition", "grad_partitions_flat_buffer", "averaged_gradients"):
+    for name in _ZERO_GRADIENTS:
         yield from _tensors(getattr(zero, name, None))
 
 
@@ -76,10 +84,11 @@ def _owners(engine) -> dict:
     params = list(engine.module.parameters())
     _add(owner, params, "params")
     _add(owner, [getattr(p, "ds_tensor", None) for p in params], "params")
-    _add(owner, [p.grad for p in params], "grads")
     zero = getattr(engine, "optimizer", None)
-    _add(owner, _zero_gradients(zero), "grads")
+    # The bucket first: during a backward ZeRO points .grad into it (contiguous_gradients).
     _add(owner, _zero_buckets(zero), "bucket")
+    _add(owner, [p.grad for p in params], "grads")
+    _add(owner, _zero_gradients(zero), "grads")
     for optimizer in _optimizers(getattr(engine, "optimizer", None)):
         for group in optimizer.param_groups:
             _add(owner, group["params"], "optimizer")

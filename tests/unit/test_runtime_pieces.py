@@ -200,14 +200,24 @@ def test_tensor_census_sorts_live_storage_by_owner():
     assert census["total"] == sum(census[k] for k in ("params", "grads", "bucket", "optimizer", "other"))
 
 
-def test_the_census_inside_a_pipelined_step_runs_when_its_last_backward_starts():
+def test_the_census_inside_a_pipelined_step_runs_when_its_last_backward_ends():
+    """The hook counts backward passes; on the last one the census runs after every gradient
+    of that pass and before what the prologue queued (DeepSpeed's epilogue)."""
     from dsforge.runtime.step import _census_at_last_backward
 
     calls = []
-    hook = _census_at_last_backward(calls.append, lambda: calls.append("prologue"), backwards=3)
-    for _ in range(3):
-        hook()
-    assert calls == ["prologue", "prologue", "backward", "prologue"]
+    weight = torch.ones(3, requires_grad=True)
+
+    def prologue():
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: calls.append("epilogue"))
+
+    hook = _census_at_last_backward(lambda point: calls.append((point, weight.grad.sum().item())),
+                                    prologue, backwards=2)
+    for _ in range(2):
+        out = weight * 2
+        out.register_hook(lambda grad: hook())  # where DeepSpeed's output hook would run
+        out.sum().backward()
+    assert calls == ["epilogue", ("backward", 12.0), "epilogue"]
 
 
 def test_tensor_census_counts_zero_gradient_partitions_and_the_reduce_bucket():
