@@ -105,8 +105,8 @@ def per_backward_reduction(engine) -> Callable[[], None] | None:
     """What must run when each model chunk's backward starts (one call per microbatch per
     virtual stage), or None when the ZeRO stage reduces at `engine.step()` (0, 1).
 
-    ZeRO-2 reduce-scatters each backward's gradients into its partition. DeepSpeed does it for
-    a backward it did not start itself ("torch-style backward", `_support_torch_style_backward`)
+    ZeRO-2 and ZeRO-3 reduce-scatter each backward's gradients into their partition. DeepSpeed
+    does it for a backward it did not start ("torch-style backward", `_support_torch_style_backward`)
     when the backward began with `_backward_prologue` (it enters the optimizer's backward
     state and queues `_backward_post_hook` on the running autograd pass; the hook runs
     `_backward_epilogue`: the remaining bucket's reduce-scatter, then the partition's
@@ -119,7 +119,7 @@ def per_backward_reduction(engine) -> Callable[[], None] | None:
     if not engine.zero_optimization_partition_gradients():
         return None
     if not engine._support_torch_style_backward:
-        raise RuntimeError("DeepSpeed cannot reduce ZeRO-2 gradients of a backward it did not "
+        raise RuntimeError("DeepSpeed cannot reduce ZeRO-2/3 gradients of a backward it did not "
                            "start (torch-style backward is off); it needs torch's "
                            "count_used_parameters internals")
 
@@ -150,7 +150,7 @@ def _check_every_backward_reduced(engine) -> None:
     depth = engine.optimizer._backward_active_depth
     if depth != 0:
         raise RuntimeError(f"{depth} backward pass(es) of this step ended without DeepSpeed's "
-                           "ZeRO-2 reduction (its epilogue did not run)")
+                           "ZeRO-2/3 reduction (its epilogue did not run)")
 
 
 def eval_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
