@@ -80,7 +80,7 @@ def validate(recipe, world_size, hostfile, overrides):
 
 
 _SEARCH_ONLY = ("gpus", "gpus_per_node", "gpu", "global_batch_tokens", "seq_len", "write", "html",
-                "profile", "measure", "measure_out")
+                "profile", "measure", "measure_out", "memory_headroom")
 
 
 @main.command()
@@ -102,6 +102,9 @@ _SEARCH_ONLY = ("gpus", "gpus_per_node", "gpu", "global_batch_tokens", "seq_len"
               help="--search: write the explorer page (one self-contained file) here.")
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
               help="--search: cluster profile YAML (bandwidths, efficiency, memory margin).")
+@click.option("--memory-headroom", type=float,
+              help="--search: share of GPU memory kept free for allocator fragmentation and what the "
+                   "memory model does not count, a fraction in [0, 1) [0.1; the profile's memory_margin].")
 @click.option("--measure", is_flag=True,
               help="--search: run short trials of the top layouts here and re-rank by measurement.")
 @click.option("--measure-out", type=click.Path(file_okay=False, path_type=Path),

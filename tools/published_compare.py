@@ -67,12 +67,13 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 def stats_lines(stats: list[Stats]) -> list[str]:
-    lines = ["| source | rows | scored | median abs error | worst abs error | mean error | Spearman | fit rejects |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| source | rows | scored | median abs error | worst abs error | mean error | Spearman | "
+             "fit rejects | median rel error |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in stats:
         lines.append(f"| {s.group} | {s.rows} | {s.scored} | {_num(s.median_abs_error)} | "
                      f"{_num(s.worst_abs_error)} | {_num(s.mean_error, 1)} | {_num(s.spearman, 2)} | "
-                     f"{s.rejected_by_fit} |")
+                     f"{s.rejected_by_fit} | {_pct(s.median_relative_error)}% |")
     return lines
 
 
@@ -130,7 +131,9 @@ def section(label: str, stats_only: bool) -> str:
     scored = score_all(ROWS)
     stats = statistics_table(scored)
     parts = [f"## {label}", "", f"dsforge at {_code_version()}.", "", *stats_lines(stats), "",
-             "Error in MFU points (predicted - measured); mean error > 0: dsforge over-predicts.", ""]
+             "Error in MFU points (predicted - measured); mean error > 0: dsforge over-predicts. "
+             "Rel error = median |predicted / measured - 1| of the throughput; the one of \"all\" is the "
+             "band `dsforge plan --search` puts on each predicted step time (docs/search.md).", ""]
     parts += [f"Published layouts the memory fit rejects ({len(fit_rejections(scored))}):", "",
               *rejection_lines(scored), ""]
     if not stats_only:

@@ -20,9 +20,9 @@ from dsforge.problems import EXIT_INVALID, Problem, RecipeError, did_you_mean, p
 from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe
 from dsforge.recipe.presets import PRESETS
 from dsforge.recipe.schema import Recipe
-from dsforge.search.explain import format_duration, zero2_pipeline_note
+from dsforge.search.explain import format_duration, zero_pipeline_note
 from dsforge.search.explorer import write_explorer
-from dsforge.search.measure import measure_top, render_trials
+from dsforge.search.measure import measure_top, render_trials, verdict
 from dsforge.search.profile import ClusterProfile, load_profile
 from dsforge.search.search import Ranked, SearchResult, search
 from dsforge.search.space import Space
@@ -100,14 +100,39 @@ def result_json(result: SearchResult, top: int) -> dict[str, Any]:
         "counts": {"considered": result.considered, "valid": result.valid, "fit": result.fit,
                    "ranked": len(result.ranked), "batch_exact": result.batch_exact},
         "seconds": result.seconds,
-        "candidates": [{**r.to_dict(), "zero2_pipeline_note": zero2_pipeline_note(r, result.ranked, result.profile)}
+        "prediction_error": result.profile.prediction_error,
+        "tied_layouts": tied_layouts(result),
+        "tie_note": tie_note(result),
+        "candidates": [{**r.to_dict(), "zero_pipeline_note": zero_pipeline_note(r, result.ranked, result.profile)}
                        for r in result.ranked[:top]],
         "nearest_memory": result.nearest_memory.to_dict() if result.nearest_memory else None,
     }
 
 
 _COLUMNS = ("#", "tp", "pp", "vpp", "ep", "dp", "zero", "mb", "accum", "ckpt", "sp",
-            "mem GiB", "step s", "tok/s/GPU", "MFU")
+            "mem GiB", "step s", "band s", "tie", "tok/s/GPU", "MFU")
+
+
+def tied_layouts(result: SearchResult) -> int:
+    """How many layouts tie with the fastest (listed first; search.rank)."""
+    return sum(1 for r in result.ranked if r.tied)
+
+
+def tie_note(result: SearchResult) -> str | None:
+    """What the tie means for the answer, and how to settle it on this hardware: measuring the
+    tied layouts (`--measure --top K`, K = the number tied) would change the answer whenever a
+    tied layout other than #1 measures faster. None when nothing ties."""
+    k = tied_layouts(result)
+    if k < 2:
+        return None
+    fastest = min(result.ranked[:k], key=lambda r: r.time.total)
+    first = result.ranked[0]
+    pick = ("#1 is also the fastest predicted" if fastest is first else
+            f"#1 is predicted {first.time.total / fastest.time.total - 1:.1%} slower than "
+            f"#{result.ranked.index(fastest) + 1} and ranks first as the simpler layout")
+    return (f"{k} layouts tie within the model's +-{result.profile.prediction_error:.1%} error "
+            f"(#1-#{k}, bands overlapping the fastest one's); {pick}. The model cannot settle "
+            f"this: --measure --top {k} would, on this hardware")
 
 
 def render(result: SearchResult, top: int, model_name: str) -> str:
@@ -116,8 +141,9 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
         f"search: {model_name} on {space.gpus} x {profile.gpu.name} ({profile.gpus_per_node} per node), "
         f"global batch {space.global_batch} sequences",
         f"profile: intra-node {profile.intra_node_gbps:g} GB/s, inter-node {profile.inter_node_gbps:g} GB/s "
-        f"per GPU, compute efficiency {profile.compute_efficiency:.0%}, memory margin "
-        f"{profile.memory_margin:.0%} (usable {profile.usable_memory_bytes / GiB:.1f} GiB)",
+        f"per GPU, compute efficiency {profile.compute_efficiency:.0%}, memory headroom "
+        f"{profile.memory_margin:.0%} (usable {profile.usable_memory_bytes / GiB:.1f} GiB), step-time "
+        f"band +-{profile.prediction_error:.1%} (the model's median error on published runs)",
         f"1. valid:  {result.valid} of {result.considered} layouts pass the recipe validator",
         f"2. fit:    {result.fit} fit in memory",
         f"3. batch:  {len(result.ranked)} reach the global batch "
@@ -136,11 +162,13 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
     for i, r in enumerate(shown):
         if r.reason:
             lines.append(f"  {i + 1} over {i + 2}: {r.reason}")
-    notes = [(i + 1, zero2_pipeline_note(r, result.ranked, profile)) for i, r in enumerate(shown)]
+    notes = [(i + 1, zero_pipeline_note(r, result.ranked, profile)) for i, r in enumerate(shown)]
     notes = [(i, n) for i, n in notes if n]
     if notes:
-        lines += ["", "ZeRO-2 with pipelines (reduce-scatters every microbatch, docs/search.md):"]
+        lines += ["", "ZeRO-2/3 with pipelines (collectives every microbatch, docs/search.md):"]
         lines += [f"  {i}: {n}" for i, n in notes]
+    note = tie_note(result)
+    lines += ["", note if note else "no tie: only #1's band overlaps the fastest one's"]
     best = shown[0]
     lines += ["", "step time of #1: " + ", ".join(
         f"{k} {format_duration(v)}" for k, v in best.time.to_dict().items() if v > 0 or k == "total")]
@@ -151,8 +179,14 @@ def _row(rank: int, r: Ranked) -> tuple:
     x = r.layout_row()
     return (rank, x["tp"], x["pp"], x["vpp"], x["ep"], x["dp"], x["zero"], x["micro_batch"],
             x["grad_accum"], x["checkpointing"], "y" if x["sequence_parallel"] else "n",
-            f"{r.memory.total / GiB:.1f}", f"{r.time.total:.2f}",
+            f"{r.memory.total / GiB:.1f}", f"{r.time.total:.2f}", _band(r), "tie" if r.tied else "",
             f"{r.tokens_per_s / r.resolved.layout.world_size:,.0f}", f"{r.mfu:.1%}")
+
+
+def _band(r: Ranked) -> str:
+    low, high = r.band
+    digits = 2 if high >= 0.1 else 4
+    return f"{low:.{digits}f}-{high:.{digits}f}"
 
 
 def _nearest_memory_text(result: SearchResult) -> str:
@@ -168,7 +202,7 @@ def _nearest_memory_text(result: SearchResult) -> str:
 
 def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus, gpus_per_node,
                        gpu, global_batch_tokens, seq_len, write, html, profile, measure=False,
-                       measure_out=None) -> None:
+                       measure_out=None, memory_headroom=None) -> None:
     """The whole `dsforge plan --search`: problems are printed together, exit 2."""
     request = SearchRequest(target=target, gpus=gpus, gpu=gpu, global_batch_tokens=global_batch_tokens,
                             seq_len=seq_len, overrides=tuple(overrides))
@@ -176,7 +210,8 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
         base = base_recipe(request)
         cluster = base.cluster
         cluster_profile = load_profile(profile, gpu or (cluster.gpu if cluster else None),
-                                       gpus_per_node or (cluster.gpus_per_node if cluster else None))
+                                       gpus_per_node or (cluster.gpus_per_node if cluster else None),
+                                       memory_headroom)
         space = search_space(base, request, cluster_profile)
     except RecipeError as exc:
         print_problems(target, exc.problems)
@@ -195,6 +230,7 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
                                  "predicted_step_s": t.candidate.time.total,
                                  "measured_step_s": t.measured_step_s, "status": t.status,
                                  "reason": t.reason} for t in trials]
+            data["measured_verdict"] = verdict(trials)
         click.echo(json.dumps(data, indent=2))
     else:
         click.echo(render(result, top, base.model.preset or base.name))

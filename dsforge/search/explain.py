@@ -1,7 +1,9 @@
 """Why one candidate beat the next: the step-time term that separates them most, in words.
 
 The reason names the term where the winner saves the most time, says which layout choice
-causes it, and mentions the term where it loses the most, if any ("despite ...").
+causes it, and mentions the term where it loses the most, if any ("despite ..."). A layout
+that is predicted slower but ranks above because it won a tie (search.rank) says so, and on
+what: fewer model-parallel dimensions, a shallower pipeline, or more memory headroom.
 """
 
 from __future__ import annotations
@@ -68,7 +70,40 @@ def _why(term: str, a, b) -> str:
 
 
 def reason(a, b) -> str:
-    """Why `a` ranks above `b` (a.time.total <= b.time.total)."""
+    """Why `a` ranks above `b`: faster predicted, or a won tie (search.rank)."""
+    if a.tied and a.time.total > b.time.total:
+        return tie_reason(a, b) if b.tied else (
+            f"ties with the fastest within the model's +-{a.error:.1%}; the next is a slower variant "
+            f"of a tied layout, whose fastest variant is listed above")
+    return time_reason(a, b)
+
+
+def _dimensions(r) -> str:
+    used = r.parallel_dimensions()
+    return f"{len(used)}: {', '.join(used)}" if used else "0"
+
+
+def tie_reason(a, b) -> str:
+    """Why tied `a` ranks above tied `b` although b is predicted faster: the first tie_key
+    criterion that separates them."""
+    la, lb = a.resolved.layout, b.resolved.layout
+    if len(a.parallel_dimensions()) != len(b.parallel_dimensions()):
+        won = f"fewer model-parallel dimensions ({_dimensions(a)} vs {_dimensions(b)})"
+    elif la.pp != lb.pp:
+        won = f"a shallower pipeline (pp {la.pp} vs {lb.pp})"
+    elif la.vpp != lb.vpp:
+        won = f"fewer virtual stages (vpp {la.vpp} vs {lb.vpp})"
+    elif a.memory.total != b.memory.total:
+        won = f"more memory headroom ({_bytes(a.memory.total)} vs {_bytes(b.memory.total)} per GPU)"
+    else:
+        won = "the same layout complexity and memory"
+    slower = a.time.total / b.time.total - 1
+    return (f"won a tie on {won}: predicted {slower:.1%} slower, inside the model's +-{a.error:.1%} "
+            f"error (bands overlap)")
+
+
+def time_reason(a, b) -> str:
+    """Why `a` is predicted faster than `b` (a.time.total <= b.time.total)."""
     ta, tb = a.time.to_dict(), b.time.to_dict()
     saved = {k: tb[k] - ta[k] for k in _NAMES}
     gain_term = max(saved, key=saved.get)
@@ -84,26 +119,42 @@ def reason(a, b) -> str:
     return text
 
 
-def zero2_pipeline_note(r, ranked: list, profile) -> str | None:
-    """Why a ZeRO-2 layout with pp > 1 and dp > 1 is listed: the same layout at ZeRO-1 either
-    does not fit (ZeRO-2's partitioned gradients are what make it fit) or fits and is faster
-    (then it ranks above). None for any other layout."""
-    recipe, lay = r.resolved.recipe, r.resolved.layout
-    if recipe.zero.stage != 2 or lay.pp == 1 or lay.dp == 1:
+_PIPELINE_TRAFFIC = {2: "reduce-scatter after every microbatch",
+                     3: "parameter gathers and reduce-scatters every microbatch"}
+
+
+def _at_stage(r, stage: int, profile) -> tuple:
+    """(recipe, memory, step seconds) of r's layout at another ZeRO stage."""
+    recipe = r.resolved.recipe
+    other = dataclasses.replace(recipe, zero=dataclasses.replace(recipe.zero, stage=stage))
+    memory = estimate_memory(model=recipe.model, train=recipe.train, zero=other.zero, layout=r.resolved.layout)
+    return other, memory, step_time(dataclasses.replace(r.resolved, recipe=other), profile).total
+
+
+def zero_pipeline_note(r, ranked: list, profile) -> str | None:
+    """Why a ZeRO-2 or ZeRO-3 layout with pp > 1 and dp > 1 is listed: at a lower stage the same
+    layout either does not fit (the partitioning is what makes it fit) or fits and is faster
+    (then it ranks above). Lower stages are ZeRO-1 for ZeRO-2, ZeRO-1 and ZeRO-2 for ZeRO-3;
+    the note names the fastest that fits, else the largest that does not. None for any other
+    layout."""
+    stage, lay = r.resolved.recipe.zero.stage, r.resolved.layout
+    if stage not in _PIPELINE_TRAFFIC or lay.pp == 1 or lay.dp == 1:
         return None
-    zero1 = dataclasses.replace(recipe, zero=dataclasses.replace(recipe.zero, stage=1))
-    memory1 = estimate_memory(model=recipe.model, train=recipe.train, zero=zero1.zero, layout=lay)
-    time1 = step_time(dataclasses.replace(r.resolved, recipe=zero1), profile).total
-    cost = (f"its reduce-scatter after every microbatch costs {format_duration(r.time.total - time1)} "
-            f"per step over ZeRO-1")
-    grads = (f"gradients {_bytes(r.memory.grads)} vs {_bytes(memory1.grads)} (+ a "
-             f"{_bytes(r.memory.bucket)} bucket in both)")
-    if memory1.total > profile.usable_memory_bytes:
-        return (f"needs ZeRO-2: at ZeRO-1 this layout takes {memory1.total / 2**30:.1f} GiB > "
-                f"{profile.usable_memory_bytes / 2**30:.1f} usable ({grads}); {cost}")
-    rank = next((i + 1 for i, x in enumerate(ranked) if x.resolved.recipe == zero1), None)
+    lower = {s: _at_stage(r, s, profile) for s in range(1, stage)}
+    fitting = [s for s, (_, memory, _) in lower.items() if memory.total <= profile.usable_memory_bytes]
+    other = min(fitting, key=lambda s: lower[s][2]) if fitting else stage - 1
+    recipe, memory, seconds = lower[other]
+    cost = (f"its {_PIPELINE_TRAFFIC[stage]} costs {format_duration(r.time.total - seconds)} per step "
+            f"over ZeRO-{other}")
+    if not fitting:
+        split = (f"parameters {_bytes(r.memory.params)} vs {_bytes(memory.params)}, " if stage == 3 else "")
+        return (f"needs ZeRO-{stage}: at ZeRO-{other} this layout takes {memory.total / 2**30:.1f} GiB > "
+                f"{profile.usable_memory_bytes / 2**30:.1f} usable ({split}gradients {_bytes(r.memory.grads)} "
+                f"vs {_bytes(memory.grads)}, + a {_bytes(r.memory.bucket)} bucket in both); {cost}")
+    rank = next((i + 1 for i, x in enumerate(ranked) if x.resolved.recipe == recipe), None)
     where = f" (#{rank})" if rank else ""
-    return f"ZeRO-1 of this layout fits and is faster{where}; {cost}"
+    faster = "is faster" if seconds < r.time.total else "is predicted no faster"
+    return f"ZeRO-{other} of this layout fits and {faster}{where}; {cost}"
 
 
 def _bytes(n: float) -> str:

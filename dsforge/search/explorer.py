@@ -51,7 +51,8 @@ def _shown(result: SearchResult) -> list[Ranked]:
     for stage in range(4):
         keep += [r for r in result.ranked if r.resolved.recipe.zero.stage == stage][:PER_STAGE]
     unique, seen = [], set()
-    for r in sorted(keep, key=lambda r: (r.time.total, r.memory.total)):
+    position = {id(r): i for i, r in enumerate(result.ranked)}  # the command line's order (ties first)
+    for r in sorted(keep, key=lambda r: position[id(r)]):
         if id(r) not in seen:
             seen.add(id(r))
             unique.append(r)

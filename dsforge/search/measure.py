@@ -98,4 +98,19 @@ def render_trials(trials: list[Trial]) -> str:
         measured = f"{t.measured_step_s * 1e3:,.1f}" if t.measured_step_s is not None else "-"
         lines.append(f"  {position:>8}  {t.predicted_rank:>9}  {shape:<46}  {t.candidate.time.total * 1e3:>12,.3f}"
                      f"  {measured:>11}  {t.status}" + (f": {t.reason}" if t.reason else ""))
-    return "\n".join(lines)
+    return "\n".join(lines + [verdict(trials)])
+
+
+def verdict(trials: list[Trial]) -> str:
+    """Whether the measurement changes the search's answer (its #1)."""
+    ok = [t for t in trials if t.measured_step_s is not None]
+    if not ok:
+        return "no trial finished: the predicted order stands"
+    best = ok[0]  # trials are sorted by measured step time
+    if best.predicted_rank == 1:
+        return "the measurement keeps the search's answer: #1 measured fastest"
+    first = next((t for t in ok if t.predicted_rank == 1), None)
+    by = (f", {first.measured_step_s / best.measured_step_s - 1:.1%} faster than #1" if first else
+          " (#1 did not finish)")
+    return (f"the measurement changes the answer: #{best.predicted_rank} ({best.candidate.shape()}) "
+            f"measured fastest{by}: prefer it on this hardware")

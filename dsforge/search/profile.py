@@ -30,6 +30,10 @@ from dsforge.problems import Checks, Problem, RecipeError, did_you_mean
 from dsforge.recipe.loader import build_dataclass, read_yaml
 
 
+DEFAULT_MEMORY_HEADROOM = 0.10
+PREDICTION_ERROR = 0.128
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterProfile:
     gpu: GPU
@@ -37,7 +41,17 @@ class ClusterProfile:
     intra_node_gbps: float = 360.0  # GB/s per GPU, collective bus bandwidth inside a node
     inter_node_gbps: float = 40.0  # GB/s per GPU across nodes
     compute_efficiency: float = 0.6  # achievable share of peak for the model's GEMMs
-    memory_margin: float = 0.10  # share of GPU memory kept free for fragmentation/workspace
+    # Headroom: the share of GPU memory the fit keeps free for what the memory model does not
+    # count (allocator fragmentation, which the Ultra-Scale Playbook puts at 5-20%, the CUDA
+    # context, NCCL and p2p buffers). 10%: the published comparison has 31 runs that trained
+    # with dsforge's estimate inside the top 10% of the GPU, so a larger default would refuse
+    # layouts known to train (docs/search.md "Fit"); `--memory-headroom` changes it.
+    memory_margin: float = DEFAULT_MEMORY_HEADROOM
+    # Relative error band of a predicted step time: the median of |predicted / measured - 1|
+    # throughput over the published comparison's scored runs (dsforge/search/published.py,
+    # `Stats.median_relative_error` of "all"; tests/unit/test_published.py holds this copy to
+    # it). Candidates whose bands overlap the fastest one's tie (search.py).
+    prediction_error: float = PREDICTION_ERROR
     # Share of ZeRO-3's parameter gathers and gradient reduce-scatters hidden behind compute
     # (pp = 1; the only stage DeepSpeed overlaps with dsforge's config, docs/search.md).
     dp_overlap: float = 0.5
@@ -87,6 +101,7 @@ class ProfileFile:
     inter_node_gbps: float | None = None
     compute_efficiency: float | None = None
     memory_margin: float | None = None
+    prediction_error: float | None = None
     dp_overlap: float | None = None
     p2p_latency_s: float | None = None
 
@@ -108,18 +123,35 @@ _RANGES = {
     "inter_node_gbps": (lambda v: v > 0, "> 0"),
     "compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),  # a share of the peak
     "memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),  # 1 would leave no memory
+    "prediction_error": (lambda v: 0 <= v < 1, "in [0, 1)"),  # a band reaching 0 s means nothing
     "dp_overlap": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "p2p_latency_s": (lambda v: v >= 0, ">= 0"),
 }
 
 
-def load_profile(path: Path | None, gpu_key: str | None, gpus_per_node: int | None) -> ClusterProfile:
+def load_profile(path: Path | None, gpu_key: str | None, gpus_per_node: int | None,
+                 memory_headroom: float | None = None) -> ClusterProfile:
     """The default profile of the GPU, overridden by the YAML file, then by the command line."""
+    check_memory_headroom(memory_headroom)
     written = read_profile(path) if path else ProfileFile()
     per_node = gpus_per_node or written.gpus_per_node or 8
     profile = default_profile(gpu_key or written.gpu or "h100", per_node)
     overrides = {k: v for k, v in dataclasses.asdict(written).items() if v is not None and k != "gpu"}
+    if memory_headroom is not None:
+        overrides["memory_margin"] = memory_headroom
     return dataclasses.replace(profile, **{**overrides, "gpus_per_node": per_node})
+
+
+def check_memory_headroom(value: float | None) -> None:
+    """`--memory-headroom` is a fraction of the GPU's memory: 0 keeps nothing free, 1 would
+    leave nothing to use. A value from 2 to 100 is most likely a percentage."""
+    if value is None or 0 <= value < 1:
+        return
+    fix = (f"write it as a fraction: --memory-headroom {value / 100:g}" if 2 <= value < 100
+           else f"use a fraction in [0, 1), e.g. --memory-headroom {DEFAULT_MEMORY_HEADROOM:g} (the "
+                "default) or 0.2 (the top of the Playbook's 5-20% allocator fragmentation)")
+    raise RecipeError([Problem(rule="S1", fields={"--memory-headroom": value},
+                               message="the share of GPU memory kept free must be in [0, 1)", fix=fix)])
 
 
 def read_profile(path: Path) -> ProfileFile:

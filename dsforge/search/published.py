@@ -692,6 +692,10 @@ class Stats:
     mean_error: float | None  # signed: > 0 = dsforge over-predicts
     spearman: float | None
     rejected_by_fit: int
+    # Median of |predicted / measured - 1|: the relative error of the predicted throughput,
+    # i.e. how far the measured step time lies from the predicted one, as a share of it. The
+    # search's band (profile.PREDICTION_ERROR) is this figure for "all".
+    median_relative_error: float | None = None
 
 
 def stats_for(group: str, scored: list[Scored]) -> Stats:
@@ -702,7 +706,9 @@ def stats_for(group: str, scored: list[Scored]) -> Stats:
                  worst_abs_error=max(errors) if errors else None,
                  mean_error=statistics.fmean(100 * s.error for s in ok) if ok else None,
                  spearman=spearman([s.measured for s in ok], [s.predicted for s in ok]),
-                 rejected_by_fit=sum(1 for s in ok if s.fits is False))
+                 rejected_by_fit=sum(1 for s in ok if s.fits is False),
+                 median_relative_error=(statistics.median(abs(s.predicted / s.measured - 1) for s in ok)
+                                        if ok else None))
 
 
 def statistics_table(scored: list[Scored]) -> list[Stats]:

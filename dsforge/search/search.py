@@ -2,14 +2,17 @@
 
   1. fit:        estimated peak memory per GPU <= GPU memory x (1 - profile.memory_margin)
   2. batch:      the global batch equals the target (else the nearest achievable, said so)
-  3. throughput: ranked by the predicted step time (cost.py), fastest first
+  3. throughput: ranked by the predicted step time (cost.py), fastest first, except that
+                 layouts within the model's error of the fastest tie, and ties go to the
+                 simpler layout (`rank`, docs/search.md "Ties")
 
-Each ranked candidate carries its memory estimate, step-time breakdown, tokens/s and MFU,
-and the reason it beat the next one (explain.py).
+Each ranked candidate carries its memory estimate, step-time breakdown and band, tokens/s and
+MFU, and the reason it beat the next one (explain.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +34,28 @@ class Ranked:
     tokens_per_s: float
     mfu: float
     exact_batch: bool
+    error: float = 0.0  # relative band of the predicted step time (profile.prediction_error)
+    tied: bool = False  # its layout's fastest variant, with a band overlapping the fastest one's
     reason: str = ""  # why it beat the next candidate
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """Where the measured step time lies for the median published run: t (1 -+ error)."""
+        return self.time.total * (1 - self.error), self.time.total * (1 + self.error)
+
+    def parallel_layout(self) -> tuple[int, int, int, int, int]:
+        """(tp, pp, vpp, ep, dp): what a tie is decided on; the ZeRO stage, micro-batch,
+        checkpointing and sequence parallelism are variants of one layout."""
+        lay = self.resolved.layout
+        return lay.tp, lay.pp, lay.vpp, lay.ep, lay.dp
+
+    def parallel_dimensions(self) -> tuple[str, ...]:
+        """The model-parallel dimensions in use: tp, pp, interleaving (vpp), ep. Data
+        parallelism is not counted: every layout replicates over what is left, and it adds
+        no collective to the critical path of a layer or a schedule to the step."""
+        lay = self.resolved.layout
+        used = (("tp", lay.tp), ("pp", lay.pp), ("vpp", lay.vpp), ("ep", lay.ep))
+        return tuple(name for name, size in used if size > 1)
 
     def layout_row(self) -> dict:
         """The layout choices that tell candidates apart (JSON output, tables, reasons)."""
@@ -55,6 +79,7 @@ class Ranked:
                 "memory_worst_pipeline_rank": self.memory.pipeline_rank,
                 "step_time_s": self.time.to_dict(), "tokens_per_s": self.tokens_per_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s / self.resolved.layout.world_size,
+                "step_time_band_s": list(self.band), "tied_with_fastest": self.tied,
                 "mfu": self.mfu, "exact_batch": self.exact_batch, "why_above_next": self.reason}
 
 
@@ -80,7 +105,7 @@ def evaluate(candidate: Candidate, profile: ClusterProfile) -> Ranked:
     model_flops = flops_per_token(recipe.model, recipe.train.seq_len).model
     mfu = tokens_per_s * model_flops / (layout.world_size * profile.gpu.peak_bf16_flops)
     return Ranked(resolved=resolved, memory=memory, time=predicted, tokens_per_s=tokens_per_s,
-                  mfu=mfu, exact_batch=candidate.exact_batch)
+                  mfu=mfu, exact_batch=candidate.exact_batch, error=profile.prediction_error)
 
 
 def search(base: Recipe, space: Space, profile: ClusterProfile) -> SearchResult:
@@ -90,13 +115,48 @@ def search(base: Recipe, space: Space, profile: ClusterProfile) -> SearchResult:
     fitting = [r for r in evaluated if r.memory.total <= profile.usable_memory_bytes]
     exact = [r for r in fitting if r.exact_batch]
     chosen = exact or _nearest_batch(fitting, space.global_batch)
-    chosen.sort(key=lambda r: (r.time.total, r.memory.total))
     result = SearchResult(space=space, profile=profile, considered=considered, valid=len(candidates),
-                          fit=len(fitting), batch_exact=bool(exact), ranked=with_reasons(chosen))
+                          fit=len(fitting), batch_exact=bool(exact), ranked=with_reasons(rank(chosen)))
     if not fitting and evaluated:
         result.nearest_memory = min(evaluated, key=lambda r: r.memory.total)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _predicted_order(r: Ranked) -> tuple:
+    # Faster first, then less memory; the layout's text settles exact equality, so the order
+    # never depends on the order the space enumerates in.
+    return r.time.total, r.memory.total, r.shape(), r.resolved.layout.sequence_parallel
+
+
+def tie_key(r: Ranked) -> tuple:
+    """How tied layouts are ordered: fewer model-parallel dimensions, then a shallower
+    pipeline (pp, then vpp), then more memory headroom (less memory on the same GPU), then
+    the prediction."""
+    return (len(r.parallel_dimensions()), r.resolved.layout.pp, r.resolved.layout.vpp,
+            r.memory.total, _predicted_order(r))
+
+
+def rank(rows: list[Ranked]) -> list[Ranked]:
+    """The candidates in the order shown: first the tied layouts, then the rest, fastest first.
+
+    A layout (tp, pp, vpp, ep, dp) ties when the band of its fastest variant overlaps the band
+    of the fastest candidate: the published comparison cannot tell them apart. Each tied layout
+    is listed once, by its fastest variant, in `tie_key` order; its other variants (ZeRO stage,
+    micro-batch, checkpointing, sequence parallelism) follow with everything else by predicted
+    time, since ordering those by headroom would trade up to the band's width in step time for
+    memory the layout does not need."""
+    by_time = sorted(rows, key=_predicted_order)
+    if not by_time:
+        return []
+    fastest_high = by_time[0].band[1]
+    fastest_variant: dict[tuple, Ranked] = {}
+    for r in by_time:
+        fastest_variant.setdefault(r.parallel_layout(), r)
+    tied = sorted((r for r in fastest_variant.values() if r.band[0] <= fastest_high), key=tie_key)
+    tied_ids = {id(r) for r in tied}
+    rest = [r for r in by_time if id(r) not in tied_ids]
+    return [dataclasses.replace(r, tied=True) for r in tied] + rest
 
 
 def _nearest_batch(rows: list[Ranked], target: int) -> list[Ranked]:

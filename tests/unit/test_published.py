@@ -13,17 +13,25 @@ from dsforge.search import published as P
 from tests.conftest import REPO
 
 # Per source, the figures when this test was written (benchmarks/search/published.md,
-# "after"): median absolute error in MFU points and Spearman rank correlation. A change to
-# the step-time model may improve them; it may not make them worse than this plus the slack.
+# "after", at 82638d8's step-time model): median absolute error in MFU points and Spearman
+# rank correlation. A change to the step-time model may improve them; it may not make them
+# worse than this plus the slack. The cost audit (82638d8) charges what dsforge's own stack does:
+# DeepSpeed ZeRO 0-2 reduce gradients on the compute stream (overlap_comm is on at stage 3
+# only) and Megatron-Core's TP backward collectives hide only behind their GEMMs. That brought
+# KempnerForge, LLM-Foundry, the Playbook and "all" closer, and moved Megatron-LM further away
+# (median 8.24 -> 10.57, Spearman 0.13 -> 0.03): Megatron-LM's runs overlap the data-parallel
+# reduction and the TP traffic (distributed optimizer, tp-comm-overlap with Transformer
+# Engine), so they are faster than a model of dsforge's stack says. That is a real difference
+# between the implementations, not an error to tune the model towards.
 MEDIAN_SLACK_POINTS = 0.5
 SPEARMAN_SLACK = 0.05
 RECORDED = {  # source: (median absolute error, Spearman)
-    "kempnerforge": (3.52, 0.979),
-    "llm-foundry": (6.13, 0.318),
-    "megatron-lm": (8.24, 0.133),
-    "torchtitan": (3.11, 0.732),
-    "playbook": (9.27, None),  # one row: no rank correlation
-    "all": (5.95, 0.432),
+    "kempnerforge": (3.37, 0.976),
+    "llm-foundry": (5.94, 0.353),
+    "megatron-lm": (10.57, 0.033),
+    "torchtitan": (3.26, 0.732),
+    "playbook": (1.68, None),  # one row: no rank correlation
+    "all": (5.93, 0.462),
 }
 
 
@@ -46,6 +54,27 @@ def test_error_and_rank_correlation_no_worse_than_recorded(stats, source):
         f"{source}: median |error| {s.median_abs_error:.2f} points > recorded {median} + {MEDIAN_SLACK_POINTS}")
     if rho is not None:
         assert s.spearman >= rho - SPEARMAN_SLACK, f"{source}: Spearman {s.spearman:.3f} < recorded {rho} - slack"
+
+
+def test_search_band_is_the_comparisons_median_relative_error(stats):
+    """`dsforge plan --search` puts a band of +-PREDICTION_ERROR on every predicted step time
+    (profile.py keeps a copy so a search need not score 279 runs). It must be the comparison's
+    median |predicted / measured - 1| over all scored runs, to the rounding it is written with;
+    a change to the step-time model that moves the error must move the band with it."""
+    from dsforge.search.profile import PREDICTION_ERROR, ClusterProfile
+
+    computed = stats["all"].median_relative_error
+    assert PREDICTION_ERROR == pytest.approx(computed, abs=0.0005), (
+        f"the comparison's median relative error is now {computed:.4f}: set profile.PREDICTION_ERROR "
+        f"to {computed:.3f} and say so in docs/search.md ('Ties')")
+    assert ClusterProfile.__dataclass_fields__["prediction_error"].default == PREDICTION_ERROR
+
+
+def test_median_relative_error_by_hand():
+    rows = [P.Scored(P.ROWS[0], measured=m, predicted=p, fits=True, memory_gib=1, usable_gib=2)
+            for m, p in ((0.50, 0.55), (0.40, 0.30), (0.20, 0.21))]
+    # |0.55/0.50 - 1| = 0.10, |0.30/0.40 - 1| = 0.25, |0.21/0.20 - 1| = 0.05: median 0.10
+    assert P.stats_for("x", rows).median_relative_error == pytest.approx(0.10)
 
 
 def test_every_source_is_present_and_rows_are_not_dropped(scored):

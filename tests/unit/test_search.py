@@ -44,8 +44,10 @@ def test_every_ranked_layout_is_valid_fits_and_is_sorted():
     result = _search()
     assert result.considered > result.valid > result.fit >= len(result.ranked) > 0
     usable = result.profile.usable_memory_bytes
-    times = [r.time.total for r in result.ranked]
-    assert times == sorted(times)
+    tied = [r for r in result.ranked if r.tied]
+    rest = result.ranked[len(tied):]
+    assert all(r.tied for r in result.ranked[:len(tied)])  # the tied layouts come first
+    assert [r.time.total for r in rest] == sorted(r.time.total for r in rest)
     for r in result.ranked:
         assert r.memory.total <= usable and r.exact_batch
         assert r.resolved.layout.global_batch == 64
@@ -327,7 +329,7 @@ def _zero_pair(base, monkeypatch, usable_between: bool):
 
 
 def test_search_picks_zero2_with_pipelines_only_when_zero1_does_not_fit(monkeypatch):
-    from dsforge.search.explain import zero2_pipeline_note
+    from dsforge.search.explain import zero_pipeline_note as zero2_pipeline_note
 
     base = _base()
     both = _zero_pair(base, monkeypatch, usable_between=False)
@@ -346,10 +348,173 @@ def test_search_never_proposes_a_combination_rule_z2_rejects():
     from dsforge.problems import errors
 
     result = _search()
+    # Z2 accepts ZeRO-2 and ZeRO-3 with pipelines (27ab157): both are proposed, at their cost.
     stages_with_pp = {r.resolved.recipe.zero.stage for r in result.ranked if r.resolved.layout.pp > 1}
-    assert 2 in stages_with_pp and 3 not in stages_with_pp
+    assert {2, 3} <= stages_with_pp
     fp16 = dataclasses.replace(_base(), train=dataclasses.replace(_base().train, precision="fp16"))
     result = search(fp16, Space(gpus=8, gpus_per_node=8, global_batch=64, gpu="h100"), default_profile("h100"))
     assert result.ranked and all(r.resolved.layout.pp == 1 for r in result.ranked)
     for r in result.ranked:
         assert not [p for p in errors(validate(r.resolved.recipe, r.resolved.topology)) if p.rule == "Z2"]
+    # What Z2 still rejects: ZeRO-2 with CPU optimizer offload and interleaving. The search does
+    # not enumerate offload, and a recipe asking for it keeps no offload in any candidate.
+    offload = dataclasses.replace(_base(), zero=dataclasses.replace(_base().zero, stage=2, offload_optimizer="cpu"))
+    with pytest.raises(RecipeError, match="Z2"):
+        resolve(dataclasses.replace(offload, parallel=dataclasses.replace(offload.parallel, pp=2, vpp=2),
+                                    train=dataclasses.replace(offload.train, global_batch=64)),
+                Space(gpus=8, gpus_per_node=8, global_batch=64).topology())
+    result = search(offload, Space(gpus=8, gpus_per_node=8, global_batch=64, gpu="h100"), default_profile("h100"))
+    assert result.ranked and all(r.resolved.recipe.zero.offload_optimizer == "none" for r in result.ranked)
+
+
+# --- uncertainty: the band, ties and the headroom ------------------------------------------
+
+def test_band_is_the_prediction_error_around_the_step_time():
+    profile = dataclasses.replace(default_profile("h100"), prediction_error=0.2)
+    r = _ranked(_base(), 8, profile)
+    low, high = r.band
+    assert (low, high) == pytest.approx((0.8 * r.time.total, 1.2 * r.time.total))
+    assert r.to_dict()["step_time_band_s"] == pytest.approx([low, high])
+    assert default_profile("h100").prediction_error > 0  # the default band is not empty
+
+
+# A slow link inside the node (30 GB/s) makes data parallelism's all-reduce dear, so the
+# pipelines are predicted faster than pure data parallelism: a tie has something to decide.
+SLOW_LINK = dict(intra_node_gbps=30.0)
+
+
+def _tie_candidates(base):
+    """Four layouts of llama2-7b on 8 GPUs, in the model's order under SLOW_LINK: an
+    interleaved pipeline, a plain one, pure data parallelism, tensor parallelism (asserted, so
+    the test notices if the model changes the premise)."""
+    shapes = {"pp2 vpp2": dict(pp=2, vpp=2), "pp2": dict(pp=2), "dp8": {}, "tp2": dict(tp=2)}
+    profile = dataclasses.replace(default_profile("h100"), **SLOW_LINK)
+    rows = {k: _ranked(_layout(base, 8, micro_batch=1, global_batch=64, **v).resolved.recipe, 8, profile)
+            for k, v in shapes.items()}
+    times = [r.time.total for r in rows.values()]
+    assert times == sorted(times), times
+    return rows
+
+
+def _search_over(base, rows, monkeypatch, error, **profile_fields):
+    import dsforge.search.search as search_module
+
+    candidates = [Candidate(resolved=r.resolved, exact_batch=True) for r in rows]
+    monkeypatch.setattr(search_module, "enumerate_candidates", lambda *_: (candidates, len(candidates)))
+    profile = dataclasses.replace(default_profile("h100"), prediction_error=error, **profile_fields)
+    return search(base, Space(gpus=8, gpus_per_node=8, global_batch=64, gpu="h100"), profile)
+
+
+def _names(result, rows):
+    by_layout = {r.parallel_layout(): name for name, r in rows.items()}
+    return [by_layout[r.parallel_layout()] for r in result.ranked]
+
+
+def test_ties_go_to_fewer_dimensions_then_shallower_pipelines(monkeypatch):
+    base = _base()
+    rows = _tie_candidates(base)
+    # The dimensions these layouts have: (pp, vpp) 2, pp 1, none, tp 1.
+    assert [len(r.parallel_dimensions()) for r in rows.values()] == [2, 1, 0, 1]
+    # No band: the predicted order, nothing tied but the fastest itself.
+    exact = _search_over(base, list(rows.values()), monkeypatch, error=0.0, **SLOW_LINK)
+    assert _names(exact, rows) == list(rows) and [r.tied for r in exact.ranked] == [True, False, False, False]
+    # A band wide enough for all four: dp8 (no model-parallel dimension) first; of tp2 and pp2
+    # (one each) the shallower pipeline (tp2: pp 1); the interleaved pipeline last.
+    wide = _search_over(base, list(rows.values())[::-1], monkeypatch, error=0.5, **SLOW_LINK)
+    assert _names(wide, rows) == ["dp8", "tp2", "pp2", "pp2 vpp2"]
+    assert all(r.tied for r in wide.ranked)
+    for above, below in zip(wide.ranked, wide.ranked[1:]):
+        if above.time.total > below.time.total:
+            assert above.reason.startswith("won a tie on"), above.reason
+    assert wide.ranked[0].reason.startswith("ZeRO") or "dimensions" not in wide.ranked[0].reason  # dp8 is faster than tp2
+    assert "fewer model-parallel dimensions (1: pp vs 2: pp, vpp)" in wide.ranked[2].reason
+    # The same input in another order gives the same ranking (deterministic).
+    again = _search_over(base, list(rows.values()), monkeypatch, error=0.5, **SLOW_LINK)
+    assert _names(again, rows) == _names(wide, rows)
+
+
+def test_a_band_just_too_narrow_breaks_the_tie(monkeypatch):
+    """Bands overlap when t (1 - e) <= t_fastest (1 + e): the layout just outside is not tied."""
+    base = _base()
+    rows = _tie_candidates(base)
+    fastest, dp8 = rows["pp2 vpp2"].time.total, rows["dp8"].time.total
+    e = (dp8 - fastest) / (dp8 + fastest)  # bands exactly touching
+    inside = _search_over(base, list(rows.values()), monkeypatch, error=e * 1.01, **SLOW_LINK)
+    outside = _search_over(base, list(rows.values()), monkeypatch, error=e * 0.99, **SLOW_LINK)
+    assert inside.ranked[0].resolved.layout.dp == 8
+    assert outside.ranked[0].resolved.layout.dp != 8 and not any(
+        r.tied and r.resolved.layout.dp == 8 for r in outside.ranked)
+
+
+def test_ties_between_equally_simple_layouts_go_to_more_headroom(monkeypatch):
+    base = _base()
+    tp2 = _layout(base, 8, tp=2, micro_batch=1, global_batch=64)
+    tp4 = _layout(base, 8, tp=4, micro_batch=1, global_batch=64)
+    assert tp4.memory.total < tp2.memory.total and tp2.time.total < tp4.time.total
+    wide = _search_over(base, [tp2, tp4], monkeypatch, error=0.5)
+    assert [r.resolved.layout.tp for r in wide.ranked] == [4, 2]
+    assert wide.ranked[0].reason.startswith("won a tie on more memory headroom")
+    narrow = _search_over(base, [tp2, tp4], monkeypatch, error=0.0)
+    assert [r.resolved.layout.tp for r in narrow.ranked] == [2, 4]
+
+
+def test_a_layouts_other_variants_do_not_enter_the_tie(monkeypatch):
+    """ZeRO-3 and full recomputation of one layout need less memory but are variants: the tie
+    is between layouts, each by its fastest variant."""
+    base = _base()
+    fast = _layout(base, 8, zero=1, global_batch=64)
+    lean = _layout(base, 8, zero=3, global_batch=64, activation_checkpointing="full")
+    assert lean.memory.total < fast.memory.total and fast.time.total < lean.time.total
+    result = _search_over(base, [lean, fast], monkeypatch, error=0.5)
+    assert [r.resolved.recipe.zero.stage for r in result.ranked] == [1, 3]
+    assert [r.tied for r in result.ranked] == [True, False]
+
+
+def test_tie_note_says_how_to_settle_it(monkeypatch):
+    from dsforge.search.command import tie_note, tied_layouts
+
+    base = _base()
+    rows = _tie_candidates(base)
+    wide = _search_over(base, list(rows.values()), monkeypatch, error=0.5, **SLOW_LINK)
+    assert tied_layouts(wide) == 4
+    note = tie_note(wide)
+    assert "4 layouts tie within the model's +-50.0% error" in note and "--measure --top 4" in note
+    assert "ranks first as the simpler layout" in note
+    assert tie_note(_search_over(base, list(rows.values()), monkeypatch, error=0.0)) is None
+
+
+def test_measure_verdict_says_whether_the_answer_changes():
+    from dsforge.search.measure import Trial, verdict
+
+    a, b = _layout(_base(), 8, global_batch=64), _layout(_base(), 8, tp=2, global_batch=64)
+    kept = [Trial(1, a, "ok", None, 1.0), Trial(2, b, "ok", None, 1.2)]
+    assert verdict(kept).startswith("the measurement keeps the search's answer")
+    changed = [Trial(2, b, "ok", None, 1.0), Trial(1, a, "ok", None, 1.25)]
+    text = verdict(changed)
+    assert text.startswith("the measurement changes the answer: #2") and "25.0% faster than #1" in text
+    assert verdict([Trial(1, a, "oom", "out of memory", None)]).startswith("no trial finished")
+
+
+def test_memory_headroom_flag_sets_the_usable_memory():
+    runner = CliRunner()
+    args = ["plan", "--search", "llama2-7b", "--gpus", "8", "--gpu", "h100", "--json"]
+    done = runner.invoke(main, args + ["--memory-headroom", "0.3"])
+    assert done.exit_code == 0, done.output
+    data = json.loads(done.stdout)
+    gpu_bytes = default_profile("h100").gpu.memory_bytes
+    assert data["profile"]["memory_margin"] == 0.3
+    assert all(c["memory_bytes"]["total"] <= 0.7 * gpu_bytes for c in data["candidates"])
+    default = json.loads(runner.invoke(main, args).stdout)
+    assert default["counts"]["fit"] > data["counts"]["fit"]  # less usable memory, fewer fit
+    assert max(c["memory_bytes"]["total"] for c in default["candidates"]) > 0.7 * gpu_bytes
+
+
+@pytest.mark.parametrize("value, fix", [("1.5", "use a fraction in [0, 1)"), ("-0.1", "use a fraction"),
+                                        ("15", "write it as a fraction: --memory-headroom 0.15")])
+def test_memory_headroom_flag_is_validated(value, fix):
+    done = CliRunner().invoke(main, ["plan", "--search", "llama2-7b", "--gpus", "8", "--memory-headroom", value])
+    assert done.exit_code == 2, done.output
+    assert f"--memory-headroom={float(value)!r}" in done.output or f"--memory-headroom={value}" in done.output
+    assert "must be in [0, 1)" in done.output and fix in done.output and "Traceback" not in done.output
+    plain = CliRunner().invoke(main, ["plan", str(REPO / "recipes" / "tiny.yaml"), "--memory-headroom", "0.2"])
+    assert plain.exit_code == 2 and "--memory-headroom only apply with --search" in plain.output
