@@ -4,9 +4,9 @@ Axes: tp (powers of two up to the node size and the head count), pp (divisors of
 count), vpp (divisors of the layers per pipeline rank, up to MAX_VPP), ep (MoE: divisors of
 the expert count), dp (the rest), ZeRO stage 0-3, micro-batch (powers of two), activation
 checkpointing none/selective/full, and sequence parallelism with tp >= 2. Which ZeRO stage may
-go with a pipeline (rule Z2: ZeRO-2 yes, ZeRO-3 and fp16 no) is the validator's call, not
-repeated here: ZeRO-2 with pp > 1 is enumerated and pays its per-microbatch reduce-scatters in
-the step-time model (cost.py), so it ranks first only where ZeRO-1 does not fit. Optimizer and
+go with a pipeline (rule Z2: ZeRO-2 and ZeRO-3 yes, fp16 no) is the validator's call, not
+repeated here: ZeRO-2 and ZeRO-3 with pp > 1 are enumerated and pay their per-microbatch
+collectives in the step-time model (cost.py), so they rank first only where nothing cheaper fits. Optimizer and
 parameter offload are left out: they trade step time for memory in ways the step-time model
 does not cover.
 
