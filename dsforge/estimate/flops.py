@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsforge.estimate.params import count_params, layer_matmul_params
+from dsforge.estimate.params import count_params, layer_matmul_params, stage_layers
 from dsforge.recipe.schema import ModelConfig
 
 
@@ -52,9 +52,7 @@ def pipeline_rank_flops(m: ModelConfig, seq_len: int, checkpointing: str, *, pp:
     `hardware` figure. The embedding (a gather) is free, so the last rank is the busiest: it
     runs the h x V projection on top of its share of the layers (Megatron-Core can move
     layers off it, account_for_loss_in_pipeline_split; dsforge splits layers evenly)."""
-    per_chunk = m.num_layers // (pp * vpp)
-    layers = [layer for chunk in range(vpp)
-              for layer in range((chunk * pp + rank) * per_chunk, (chunk * pp + rank + 1) * per_chunk)]
+    layers = stage_layers(m.num_layers, pp, vpp, rank)
     attention = attention_flops_forward(m, seq_len) / m.num_layers  # per layer, forward
     matmul = 2.0 * sum(layer_matmul_params(m, layer) for layer in layers)
     if rank == pp - 1:

@@ -49,7 +49,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from dsforge.estimate.params import attention_params, mlp_params, padded_vocab_size, router_params
+from dsforge.estimate.params import (attention_params, mlp_params, padded_vocab_size, router_params,
+                                     stage_layers)
 from dsforge.recipe.resolve import Layout
 from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig
 
@@ -104,13 +105,6 @@ def model_states(psi: float, *, stage: int, shards: int, precision: str = "bf16"
         optimizer=on_gpu * optim_bytes * psi / (shards if stage >= 1 else 1),
         fp32_grads=on_gpu * (4 * psi / (shards if stage >= 1 else 1) if half else 0.0),
     )
-
-
-def stage_layers(num_layers: int, pp: int, vpp: int, rank: int) -> list[int]:
-    """Layer indices on pipeline rank `rank`: model chunk c holds global chunk c*pp + rank."""
-    per_chunk = num_layers // (pp * vpp)
-    return [layer for chunk in range(vpp)
-            for layer in range((chunk * pp + rank) * per_chunk, (chunk * pp + rank + 1) * per_chunk)]
 
 
 @dataclass(frozen=True)

@@ -80,3 +80,10 @@ def count_params(m: ModelConfig, vocab_size: int | None = None) -> ParamCounts:
     return ParamCounts(total=total + embedding + output + final_norm,
                        active=active + embedding + output + final_norm,
                        embedding=embedding, output=output, matmul_active=matmul + vocab * h)
+
+
+def stage_layers(num_layers: int, pp: int, vpp: int, rank: int) -> list[int]:
+    """Layer indices on pipeline rank `rank`: model chunk c holds global chunk c*pp + rank."""
+    per_chunk = num_layers // (pp * vpp)
+    return [layer for chunk in range(vpp)
+            for layer in range((chunk * pp + rank) * per_chunk, (chunk * pp + rank + 1) * per_chunk)]

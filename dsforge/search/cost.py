@@ -210,10 +210,10 @@ def _dp_comm(resolved: Resolved, worst, profile: ClusterProfile, grad_bytes: int
              compute: float) -> tuple[float, float]:
     """(seconds per step, of which inside the pipeline's microbatch slots).
 
-    Only ZeRO-3 overlaps (DeepSpeed turns overlap_comm on at stage 3 only, and dsforge's
-    config leaves it; stages 0-2 reduce on the compute stream): the profile's dp_overlap share
-    of its per-microbatch gathers and reduce-scatters is hidden, no more than the compute they
-    run beside. With pp > 1 the per-microbatch part runs inside the pipeline's slots, one
+    Only ZeRO-3 without a pipeline overlaps (DeepSpeed turns overlap_comm on at stage 3 only,
+    and dsforge's config leaves it; stages 0-2 reduce on the compute stream): the profile's
+    dp_overlap share of its per-microbatch gathers and reduce-scatters is hidden, no more than
+    the compute they run beside. With pp > 1 the per-microbatch part runs inside the pipeline's slots, one
     collective per model chunk and microbatch, each with (d-1) ring latencies."""
     lay, stage = resolved.layout, resolved.recipe.zero.stage
     per_microbatch, per_step = dp_traffic(stage, lay.grad_accum)
@@ -226,7 +226,11 @@ def _dp_comm(resolved: Resolved, worst, profile: ClusterProfile, grad_bytes: int
         slots += per_microbatch * unit
         once += per_step * unit
         if lay.pp > 1 and per_microbatch:
-            slots += lay.grad_accum * lay.vpp * (size - 1) * profile.p2p_latency_s
-    if stage == 3:
+            # per_microbatch collectives (ZeRO-2: m, ZeRO-3: 3m) for each of the v chunks, each a
+            # ring of (d-1) steps
+            slots += per_microbatch * lay.vpp * (size - 1) * profile.p2p_latency_s
+    if stage == 3 and lay.pp == 1:
+        # Under a pipeline the schedule calls the chunks directly and ZeRO-3's prefetch never
+        # completes its trace (docs/runtime.md): every gather waits, nothing is hidden.
         slots -= min(slots * profile.dp_overlap, compute)
     return slots + once, (slots if lay.pp > 1 else 0.0)

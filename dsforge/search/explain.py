@@ -70,11 +70,13 @@ def _why(term: str, a, b) -> str:
 
 
 def reason(a, b) -> str:
-    """Why `a` ranks above `b`: faster predicted, or a won tie (search.rank)."""
+    """Why `a` ranks above `b`: a won tie (both tied: search.tie_key orders them, whichever is
+    predicted faster), or faster predicted."""
+    if a.tied and b.tied:
+        return tie_reason(a, b)
     if a.tied and a.time.total > b.time.total:
-        return tie_reason(a, b) if b.tied else (
-            f"ties with the fastest within the model's +-{a.error:.1%}; the next is a slower variant "
-            f"of a tied layout, whose fastest variant is listed above")
+        return (f"ties with the fastest within the model's +-{a.error:.1%}; the next is a slower variant "
+                f"of a tied layout, whose fastest variant is listed above")
     return time_reason(a, b)
 
 
@@ -84,8 +86,8 @@ def _dimensions(r) -> str:
 
 
 def tie_reason(a, b) -> str:
-    """Why tied `a` ranks above tied `b` although b is predicted faster: the first tie_key
-    criterion that separates them."""
+    """Why tied `a` ranks above tied `b`: the first tie_key criterion that separates them, and
+    what it costs or gains in predicted time."""
     la, lb = a.resolved.layout, b.resolved.layout
     if len(a.parallel_dimensions()) != len(b.parallel_dimensions()):
         won = f"fewer model-parallel dimensions ({_dimensions(a)} vs {_dimensions(b)})"
@@ -93,13 +95,17 @@ def tie_reason(a, b) -> str:
         won = f"a shallower pipeline (pp {la.pp} vs {lb.pp})"
     elif la.vpp != lb.vpp:
         won = f"fewer virtual stages (vpp {la.vpp} vs {lb.vpp})"
+    elif la.tp * la.ep != lb.tp * lb.ep:
+        won = f"a smaller tensor x expert degree ({la.tp * la.ep} vs {lb.tp * lb.ep})"
     elif a.memory.total != b.memory.total:
         won = f"more memory headroom ({_bytes(a.memory.total)} vs {_bytes(b.memory.total)} per GPU)"
     else:
         won = "the same layout complexity and memory"
-    slower = a.time.total / b.time.total - 1
-    return (f"won a tie on {won}: predicted {slower:.1%} slower, inside the model's +-{a.error:.1%} "
-            f"error (bands overlap)")
+    change = a.time.total / b.time.total - 1
+    if change > 0:
+        return (f"won a tie on {won}: predicted {change:.1%} slower, inside the model's "
+                f"+-{a.error:.1%} error (bands overlap)")
+    return f"won a tie on {won}, and predicted {-change:.1%} faster"
 
 
 def time_reason(a, b) -> str:
@@ -150,7 +156,7 @@ def zero_pipeline_note(r, ranked: list, profile) -> str | None:
         split = (f"parameters {_bytes(r.memory.params)} vs {_bytes(memory.params)}, " if stage == 3 else "")
         return (f"needs ZeRO-{stage}: at ZeRO-{other} this layout takes {memory.total / 2**30:.1f} GiB > "
                 f"{profile.usable_memory_bytes / 2**30:.1f} usable ({split}gradients {_bytes(r.memory.grads)} "
-                f"vs {_bytes(memory.grads)}, + a {_bytes(r.memory.bucket)} bucket in both); {cost}")
+                f"vs {_bytes(memory.grads)}, bucket {_bytes(r.memory.bucket)} vs {_bytes(memory.bucket)}); {cost}")
     rank = next((i + 1 for i, x in enumerate(ranked) if x.resolved.recipe == recipe), None)
     where = f" (#{rank})" if rank else ""
     faster = "is faster" if seconds < r.time.total else "is predicted no faster"

@@ -110,7 +110,7 @@ def verdict(trials: list[Trial]) -> str:
     if best.predicted_rank == 1:
         return "the measurement keeps the search's answer: #1 measured fastest"
     first = next((t for t in ok if t.predicted_rank == 1), None)
-    by = (f", {first.measured_step_s / best.measured_step_s - 1:.1%} faster than #1" if first else
+    by = (f"; #1 took {first.measured_step_s / best.measured_step_s - 1:.1%} longer" if first else
           " (#1 did not finish)")
     return (f"the measurement changes the answer: #{best.predicted_rank} ({best.candidate.shape()}) "
             f"measured fastest{by}: prefer it on this hardware")

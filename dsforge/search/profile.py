@@ -31,7 +31,7 @@ from dsforge.recipe.loader import build_dataclass, read_yaml
 
 
 DEFAULT_MEMORY_HEADROOM = 0.10
-PREDICTION_ERROR = 0.128
+PREDICTION_ERROR = 0.127
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +145,8 @@ def load_profile(path: Path | None, gpu_key: str | None, gpus_per_node: int | No
 def check_memory_headroom(value: float | None) -> None:
     """`--memory-headroom` is a fraction of the GPU's memory: 0 keeps nothing free, 1 would
     leave nothing to use. A value from 2 to 100 is most likely a percentage."""
-    if value is None or 0 <= value < 1:
+    in_range, _ = _RANGES["memory_margin"]  # the flag sets the profile's memory_margin
+    if value is None or in_range(value):
         return
     fix = (f"write it as a fraction: --memory-headroom {value / 100:g}" if 2 <= value < 100
            else f"use a fraction in [0, 1), e.g. --memory-headroom {DEFAULT_MEMORY_HEADROOM:g} (the "

@@ -14,8 +14,9 @@ and other model shapes (MPT is GPT-style with a GELU MLP, not Llama). It calibra
 and magnitudes of the prediction, not identity with any one engine.
 
 Rows are never dropped: a row dsforge cannot score (FP8, context parallelism) carries the
-reason in `unscorable`; a layout the validator refuses (ZeRO-3 with pp > 1) is scored at the
-nearest layout it accepts and the row says which (`scored_as`).
+reason in `unscorable`; a layout the validator refuses is scored at the nearest layout it
+accepts where there is one and the row says which (`scored_as`): ZeRO-3 with pp > 1 at ZeRO-2,
+which only happens in the "before" run (commit 5b31f63, before rule Z2 accepted it).
 
     python tools/published_compare.py --out benchmarks/search/published.md
 """
@@ -639,8 +640,9 @@ def score(row: Row) -> Scored:
         if not (row.zero == 3 and row.pp > 1):
             return Scored(row, measured, None, None, None, None,
                           reason=f"refused by dsforge's validator ({_rules(refused)}): {refused.problems[0].message}")
-        # Z2: ZeRO-3 with pipelines is refused. FSDP under a pipeline (torchtitan, KempnerForge)
-        # keeps parameters gathered across microbatches and shards gradients: ZeRO-2.
+        # Only in the "before" run (5b31f63), where Z2 refused ZeRO-3 with pipelines: FSDP under a
+        # pipeline (torchtitan, KempnerForge) keeps parameters gathered across microbatches and
+        # shards gradients, so ZeRO-2 is the nearest accepted layout.
         ranked, vpp = _best_over_vpp(row, 2)
         scored_as = "ZeRO-2 (ZeRO-3 with pp > 1 refused, rule Z2)"
     if row.vpp is None:

@@ -131,10 +131,11 @@ def _predicted_order(r: Ranked) -> tuple:
 
 def tie_key(r: Ranked) -> tuple:
     """How tied layouts are ordered: fewer model-parallel dimensions, then a shallower
-    pipeline (pp, then vpp), then more memory headroom (less memory on the same GPU), then
-    the prediction."""
-    return (len(r.parallel_dimensions()), r.resolved.layout.pp, r.resolved.layout.vpp,
-            r.memory.total, _predicted_order(r))
+    pipeline (pp, then vpp), then a smaller tensor x expert degree (its per-layer collectives),
+    then more memory headroom (less memory on the same GPU), then the prediction."""
+    lay = r.resolved.layout
+    return (len(r.parallel_dimensions()), lay.pp, lay.vpp, lay.tp * lay.ep, r.memory.total,
+            _predicted_order(r))
 
 
 def rank(rows: list[Ranked]) -> list[Ranked]:

@@ -13,7 +13,8 @@ from dsforge.search import published as P
 from tests.conftest import REPO
 
 # Per source, the figures when this test was written (benchmarks/search/published.md,
-# "after", at 82638d8's step-time model): median absolute error in MFU points and Spearman
+# "after", at 82638d8's step-time model; KempnerForge and "all" since ZeRO-3 under a pipeline
+# is charged without overlap, as its prefetch cannot work there: 3.37 -> 3.08, 5.93 -> 5.92): median absolute error in MFU points and Spearman
 # rank correlation. A change to the step-time model may improve them; it may not make them
 # worse than this plus the slack. The cost audit (82638d8) charges what dsforge's own stack does:
 # DeepSpeed ZeRO 0-2 reduce gradients on the compute stream (overlap_comm is on at stage 3
@@ -26,12 +27,12 @@ from tests.conftest import REPO
 MEDIAN_SLACK_POINTS = 0.5
 SPEARMAN_SLACK = 0.05
 RECORDED = {  # source: (median absolute error, Spearman)
-    "kempnerforge": (3.37, 0.976),
+    "kempnerforge": (3.08, 0.976),
     "llm-foundry": (5.94, 0.353),
     "megatron-lm": (10.57, 0.033),
     "torchtitan": (3.26, 0.732),
     "playbook": (1.68, None),  # one row: no rank correlation
-    "all": (5.93, 0.462),
+    "all": (5.92, 0.462),
 }
 
 
