@@ -14,7 +14,7 @@ from typing import Any
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.hardware import gpu_by_key
-from dsforge.estimate.memory import estimate_memory
+from dsforge.estimate.memory import estimate_memory, stage_params
 from dsforge.estimate.params import count_params, padded_vocab_size
 from dsforge.recipe.resolve import Resolved
 from dsforge.recipe.schema import ZeroConfig
@@ -71,9 +71,29 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
         "gpu": _gpu_fit(resolved, memory.total, warnings),
         "bubble_fraction": bubble_fraction(layout.pp, layout.vpp, layout.num_microbatches),
         "bubble_share_of_step": bubble_share_of_step(layout.pp, layout.vpp, layout.num_microbatches),
+        "data_parallel_traffic": _data_parallel_traffic(resolved),
         "warnings": warnings,
     }
     return plan
+
+
+def _data_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
+    """Gradient and parameter bytes one GPU of the worst pipeline rank sends over its
+    data-parallel group per step (ring volume, search/cost.py `dp_traffic`), against ZeRO-1's
+    for the same layout; whether it happens after every microbatch's backward."""
+    from dsforge.search.cost import dp_traffic
+
+    recipe, lay = resolved.recipe, resolved.layout
+    grad_bytes = 4 if recipe.train.precision == "fp32" else 2
+    worst = max((stage_params(recipe.model, lay, r) for r in range(lay.pp)),
+                key=lambda p: p.dense + p.expert)
+    ring = lambda d: (d - 1) / d  # noqa: E731
+    unit = grad_bytes * (worst.dense * ring(lay.dp) + worst.expert * ring(lay.edp))
+    per_microbatch, per_step = dp_traffic(recipe.zero.stage, lay.grad_accum)
+    zero1 = sum(dp_traffic(1, lay.grad_accum))
+    return {"bytes_per_step": (per_microbatch + per_step) * unit,
+            "vs_zero1": (per_microbatch + per_step) / zero1,
+            "every_microbatch": per_microbatch > 0}
 
 
 def _node_summary(resolved: Resolved) -> dict[str, Any]:
@@ -123,7 +143,8 @@ def _gpu_fit(resolved: Resolved, total: float, warnings: list[str]) -> dict[str,
 
 def render_plan(plan: dict[str, Any]) -> str:
     sections = [_render_layout(plan), _render_groups(plan), _render_model(plan),
-                _render_memory(plan), _render_pipeline(plan), _render_deepspeed(plan)]
+                _render_memory(plan), _render_pipeline(plan), _render_data_parallel(plan),
+                _render_deepspeed(plan)]
     if plan["warnings"]:
         sections.append("Warnings\n" + "\n".join(f"  {w}" for w in plan["warnings"]))
     return "\n\n".join(sections) + "\n"
@@ -193,6 +214,25 @@ def _render_pipeline(plan: dict[str, Any]) -> str:
     formula = "(p-1)/(v*m)" if lay["vpp"] > 1 else "(p-1)/m"
     return (f"Pipeline ({lay['schedule']})\n  bubble {formula} = {plan['bubble_fraction']:.2%} of ideal "
             f"compute time; {plan['bubble_share_of_step']:.2%} of the step")
+
+
+def _render_data_parallel(plan: dict[str, Any]) -> str:
+    traffic, lay = plan["data_parallel_traffic"], plan["layout"]
+    if not traffic["bytes_per_step"]:
+        return "Data-parallel traffic\n  none (nothing is replicated over data-parallel ranks)"
+    stage = plan["deepspeed"]["zero_optimization"]["stage"]
+    when = {2: "a reduce-scatter after every microbatch's backward",
+            3: "the parameters gathered for every microbatch's forward and backward, and a "
+               "reduce-scatter after every backward"}.get(stage, "one reduction per step")
+    overlap = (", not overlapped (the schedule calls the chunks)" if traffic["every_microbatch"] and lay["pp"] > 1
+               else "")
+    return (f"Data-parallel traffic (ZeRO {stage})\n"
+            f"  {_size(traffic['bytes_per_step'])} per GPU per step, {traffic['vs_zero1']:.1f}x "
+            f"ZeRO-1's: {when}{overlap} (docs/runtime.md)")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.2f} MiB"
 
 
 def _render_deepspeed(plan: dict[str, Any]) -> str:

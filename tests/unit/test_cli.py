@@ -71,6 +71,7 @@ def test_plan_json_has_the_documented_keys():
     assert plan["deepspeed"]["gradient_accumulation_steps"] == 128
     assert plan["bubble_fraction"] == pytest.approx(3 / (5 * 128))
     assert plan["nodes"]["tp_within_node"] is True
+    assert plan["data_parallel_traffic"]["vs_zero1"] == 1.0  # ZeRO-1: one reduction per step
     by_stage = [plan["memory_by_zero_stage"][str(s)]["total"] for s in range(4)]
     assert by_stage == sorted(by_stage, reverse=True) and by_stage[3] < by_stage[2]
     assert plan["memory_by_zero_stage"]["1"]["total"] == plan["memory_bytes"]["total"]
@@ -92,8 +93,19 @@ def test_plan_text_shows_layout_groups_memory_and_bubble():
     assert "world 32 = dp 2 x tp 4 x pp 4" in out
     assert "tp: [0,1,2,3] [4,5,6,7]" in out and "TP groups stay inside a node" in out
     assert "by stage: ZeRO 0:" in out and "ZeRO 3: rejected" not in out
+    assert "Data-parallel traffic (ZeRO 1)\n  8.46 GiB per GPU per step, 1.0x ZeRO-1's" in out
     assert "bubble (p-1)/(v*m)" in out and "70.554 B total" in out
     assert '"stage": 1' in out
+
+
+def test_plan_shows_the_data_parallel_traffic_of_zero_under_a_pipeline():
+    """128 microbatches: ZeRO-2 moves (m+1)/2 = 64.5x ZeRO-1's bytes, ZeRO-3 3m/2 = 192x."""
+    for stage, ratio in ((2, 64.5), (3, 192.0)):
+        out = run("plan", EXAMPLE, "--set", f"zero.stage={stage}").output
+        assert f"{ratio:.1f}x ZeRO-1's" in out and "not overlapped" in out
+        plan = json.loads(run("plan", EXAMPLE, "--set", f"zero.stage={stage}", "--json").output)
+        assert plan["data_parallel_traffic"]["vs_zero1"] == ratio
+        assert plan["data_parallel_traffic"]["every_microbatch"] is True
 
 
 def test_plan_with_overrides_and_world_size():
