@@ -161,8 +161,8 @@ def _memory_split(cells: list[dict]) -> list[str]:
     """The planner's estimate per component next to what was measured: the peak as a total only
     (the CUDA allocator's on GPU, the process's RSS on CPU, which also holds the Python and
     torch runtime), and live-tensor censuses (runtime/tensor_census.py): inside a step, when
-    its last backward starts and before the optimizer step (the gradients ZeRO holds and its
-    reduce bucket), and after training (params, optimizer, other)."""
+    its last backward ends (before ZeRO reduces it) and before the optimizer step (the
+    gradients ZeRO holds and its reduce bucket), and after training (params, optimizer, other)."""
     predicted = [c for c in cells if c["prediction"]]
     if not predicted:
         return []
@@ -172,8 +172,8 @@ def _memory_split(cells: list[dict]) -> list[str]:
         "grads (before step)", "params (live)", "optimizer (live)", "other (live)"]
     lines = ["", "Memory per GPU, MiB: the planner's split (worst pipeline rank), the measured peak, and "
              "live tensors (runtime/tensor_census.py, the rank holding the most): the gradients ZeRO "
-             "holds and its reduce bucket when the step's last backward starts and before the "
-             "optimizer step, then parameters, optimizer master copies and state, and everything else "
+             "holds and its reduce bucket when the step's last backward ends (before ZeRO reduces it) "
+             "and before the optimizer step, then parameters, optimizer master copies and state, and everything else "
              "still allocated after training (gradients are freed by then). The peak is measured as a "
              "total only.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -285,7 +285,7 @@ def figures(run_dir: Path) -> dict:
 
 
 # Where a measured run also takes the census inside a step (runtime/step.py): when the step's
-# last backward starts, and before the optimizer step.
+# last backward ends (before ZeRO reduces it), and before the optimizer step.
 CENSUS_POINTS = ("backward", "step")
 
 
