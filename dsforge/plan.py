@@ -14,7 +14,7 @@ from typing import Any
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.hardware import gpu_by_key
-from dsforge.estimate.memory import estimate_memory, stage_params
+from dsforge.estimate.memory import estimate_memory, largest_stage_params
 from dsforge.estimate.params import count_params, padded_vocab_size
 from dsforge.recipe.resolve import Resolved
 from dsforge.recipe.schema import ZeroConfig
@@ -85,8 +85,7 @@ def _data_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
 
     recipe, lay = resolved.recipe, resolved.layout
     grad_bytes = 4 if recipe.train.precision == "fp32" else 2
-    worst = max((stage_params(recipe.model, lay, r) for r in range(lay.pp)),
-                key=lambda p: p.dense + p.expert)
+    worst = largest_stage_params(recipe.model, lay)
     ring = lambda d: (d - 1) / d  # noqa: E731
     unit = grad_bytes * (worst.dense * ring(lay.dp) + worst.expert * ring(lay.edp))
     per_microbatch, per_step = dp_traffic(recipe.zero.stage, lay.grad_accum)

@@ -139,6 +139,12 @@ def stage_params(m: ModelConfig, layout: Layout, rank: int) -> _StageParams:
     return _StageParams(dense=dense, expert=expert, largest_layer=largest)
 
 
+def largest_stage_params(m: ModelConfig, layout: Layout) -> _StageParams:
+    """The parameters of the pipeline rank holding the most (dense + expert, one GPU)."""
+    return max((stage_params(m, layout, r) for r in range(layout.pp)),
+               key=lambda p: p.dense + p.expert)
+
+
 def layer_activation_bytes(m: ModelConfig, layer: int, *, seq_len: int, micro_batch: int,
                            layout: Layout, checkpointing: str, fused_attention: bool = True) -> float:
     """Activation bytes one layer keeps for one microbatch until its backward pass."""
@@ -226,8 +232,8 @@ def reduce_bucket_elements(model: ModelConfig, layout: Layout, stage: int) -> in
     DDP's bucket, max(4e7, 1e6 x dp) elements (80 MB in bf16), enough that a reduce-scatter's
     latency stays small next to its bytes. Elsewhere DeepSpeed's default 5e8, which pp = 1
     overlaps with backward and which no measurement here has contradicted."""
-    largest = max(p.dense + p.expert for p in (stage_params(model, layout, r) for r in range(layout.pp)))
-    size = min(REDUCE_BUCKET_SIZE, math.ceil(largest))
+    largest = largest_stage_params(model, layout)
+    size = min(REDUCE_BUCKET_SIZE, math.ceil(largest.dense + largest.expert))
     if layout.pp > 1 and stage >= 2:
         size = min(size, max(PIPELINE_BUCKET, PIPELINE_BUCKET_PER_DP_RANK * layout.dp))
     return int(size)

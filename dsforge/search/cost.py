@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.estimate.flops import pipeline_rank_flops
-from dsforge.estimate.memory import stage_params
+from dsforge.estimate.memory import largest_stage_params
 from dsforge.recipe.resolve import Layout, Resolved
 from dsforge.recipe.schema import ModelConfig
 from dsforge.search.profile import ClusterProfile
@@ -83,7 +83,7 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
         ep_bw = _bandwidth(lay.tp * lay.ep, profile)
         ep_comm = moe_layers * lay.grad_accum * 4 * m.moe.top_k * activation * _ring(lay.ep) / ep_bw
 
-    worst = _worst_stage(resolved)  # the pipeline rank with the most parameters
+    worst = largest_stage_params(resolved.recipe.model, resolved.layout)
     dp_comm, dp_in_slots = _dp_comm(resolved, worst, profile, half, compute)
     pp_comm = 0.0
     if lay.pp > 1:
@@ -187,12 +187,6 @@ def _optimizer_seconds(resolved: Resolved, worst, profile: ClusterProfile) -> fl
     params = worst.dense / (lay.dp if sharded else 1) + worst.expert / (lay.edp if sharded else 1)
     bandwidth = profile.gpu.memory_bandwidth * _STREAM_EFFICIENCY
     return params * _ADAM_BYTES[recipe.train.precision] / bandwidth
-
-
-def _worst_stage(resolved: Resolved):
-    lay = resolved.layout
-    return max((stage_params(resolved.recipe.model, lay, r) for r in range(lay.pp)),
-               key=lambda p: p.dense + p.expert)
 
 
 def dp_traffic(stage: int, microbatches: int) -> tuple[float, float]:
