@@ -191,9 +191,14 @@ def _render_model(plan: dict[str, Any]) -> str:
 def _render_memory(plan: dict[str, Any]) -> str:
     m = plan["memory_bytes"]
     stage = plan["deepspeed"]["zero_optimization"]["stage"]
-    parts = ", ".join(f"{k} {m[k] / GiB:.2f}" for k in ("params", "grads", "bucket", "optimizer", "activations", "buffers"))
+    backward = ", ".join(f"{k} {m[k] / GiB:.2f}"
+                         for k in ("params", "grads", "bucket", "optimizer", "activations", "buffers"))
+    step = (f"params {m['params'] / GiB:.2f}, grads {m['step_grads'] / GiB:.2f}, optimizer "
+            f"{m['optimizer'] / GiB:.2f}, fp32 gradient and its 16-bit source {m['step_buffers'] / GiB:.2f}")
     lines = [f"Memory per GPU (estimate, GiB, worst pipeline rank {plan['memory_worst_pipeline_rank']}, ZeRO {stage})",
-             f"  {parts}", f"  total {m['total'] / GiB:.2f}"]
+             f"  last backward: {backward} = {m['backward_total'] / GiB:.2f}",
+             f"  optimizer step: {step} = {m['step_total'] / GiB:.2f}",
+             f"  peak (the {m['peak']}) {m['total'] / GiB:.2f}"]
     gpu = plan["gpu"]
     if gpu:
         verdict = "fits" if gpu["fits"] else "DOES NOT FIT"

@@ -17,7 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dsforge.estimate.hardware import gpu_by_key
 from dsforge.search.published import (
+    GiB,
     ROWS,
     Scored,
     Stats,
@@ -48,8 +50,12 @@ as `dsforge run` would, and predicts its MFU (`search.evaluate`, the GPU's defau
 (docs/flops.md: 6N + 12 L s h, causal mask not halved) and BF16 peak (A100 312, H100/H200 989
 TFLOP/s), so both columns share a numerator; the source's own figure is in "published".
 Error = predicted - measured, in MFU points. Spearman = rank correlation of predicted and
-measured within the group. "fits" is dsforge's memory model on the scored layout (usable =
-GPU memory minus the 10% margin): every row trained, so a "no" is an error of the fit.
+measured within the group. "fits" is dsforge's memory model on the scored layout against the
+GPU's memory less the search's default headroom (10%). Every row trained, so a "no" is either
+the headroom at work (the estimate fits the GPU: the run used more of it than the search
+leaves itself) or an estimate above the whole GPU: an error of the memory model unless the
+row names why the source's engine needs less than dsforge's ("over GPU": such rows, and in
+brackets the ones nothing explains).
 
 Caveats: the sources run other software (PyTorch FSDP with torch.compile, Transformer Engine,
 communication overlap, async TP, Composer) and MPT/GPT models are GPT-style (GELU MLP of 4h,
@@ -68,12 +74,13 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 def stats_lines(stats: list[Stats]) -> list[str]:
     lines = ["| source | rows | scored | median abs error | worst abs error | mean error | Spearman | "
-             "fit rejects | median rel error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "fit rejects | over GPU (unexplained) | median rel error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in stats:
         lines.append(f"| {s.group} | {s.rows} | {s.scored} | {_num(s.median_abs_error)} | "
                      f"{_num(s.worst_abs_error)} | {_num(s.mean_error, 1)} | {_num(s.spearman, 2)} | "
-                     f"{s.rejected_by_fit} | {_pct(s.median_relative_error)}% |")
+                     f"{s.rejected_by_fit} | {s.over_gpu} ({s.over_gpu_unexplained}) | "
+                     f"{_pct(s.median_relative_error)}% |")
     return lines
 
 
@@ -106,12 +113,21 @@ def row_lines(scored: list[Scored]) -> list[str]:
     return lines
 
 
+def _rejection(s: Scored) -> str:
+    r = s.row
+    gpu = gpu_by_key(r.gpu).memory_bytes / GiB
+    why = f": {r.memory_note}" if s.over_gpu and r.memory_note else ""
+    return (f"- {r.source}: {r.label} ({r.model.describe()}, seq {r.seq_len}, {r.gpus} {r.gpu.upper()}, "
+            f"{r.layout()}): {s.memory_gib:.1f} GiB of {gpu:.1f} ({s.usable_gib:.1f} usable){why}")
+
+
 def rejection_lines(scored: list[Scored]) -> list[str]:
     rejected = fit_rejections(scored)
-    if not rejected:
-        return ["None."]
-    return [f"- {s.row.source}: {s.row.label} ({s.row.model.describe()}, seq {s.row.seq_len}, {s.row.gpus} {s.row.gpu.upper()}, "
-            f"{s.row.layout()}): {s.memory_gib:.0f} GiB > {s.usable_gib:.0f} usable" for s in rejected]
+    over = [s for s in rejected if s.over_gpu]
+    inside = [s for s in rejected if not s.over_gpu]
+    return [f"Estimated above the GPU's memory ({len(over)}):", "", *(map(_rejection, over) if over else ["None."]),
+            "", f"Inside the GPU's memory, over the headroom ({len(inside)}):", "",
+            *(map(_rejection, inside) if inside else ["None."])]
 
 
 def _code_version() -> str:

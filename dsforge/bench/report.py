@@ -154,7 +154,7 @@ def _table(cells: list[dict], peak_tflops: float | None) -> list[str]:
     return lines
 
 
-MEMORY_PARTS = ("params", "grads", "bucket", "optimizer", "activations", "buffers")
+MEMORY_PARTS = ("params", "grads", "bucket", "optimizer", "activations", "buffers", "step_grads", "step_buffers")
 
 
 def _memory_split(cells: list[dict]) -> list[str]:
@@ -162,26 +162,32 @@ def _memory_split(cells: list[dict]) -> list[str]:
     (the CUDA allocator's on GPU, the process's RSS on CPU, which also holds the Python and
     torch runtime), and live-tensor censuses (runtime/tensor_census.py): inside a step, when
     its last backward ends (before ZeRO reduces it) and before the optimizer step (the
-    gradients ZeRO holds and its reduce bucket), and after training (params, optimizer, other)."""
+    gradients ZeRO holds and its reduce bucket), and when the torch optimizer steps (the fp32
+    gradient DeepSpeed made for it), and after training (params, optimizer, other)."""
     predicted = [c for c in cells if c["prediction"]]
     if not predicted:
         return []
     axes = list(cells[0]["axes"])
     header = axes + [f"{p} (pred.)" for p in MEMORY_PARTS] + [
         "total (pred.)", "peak (meas.)", "measured as", "grads (in backward)", "bucket (in backward)",
-        "grads (before step)", "params (live)", "optimizer (live)", "other (live)"]
+        "grads (before step)", "grads (optimizer step)", "step grads (optimizer step)",
+        "params (live)", "optimizer (live)", "other (live)"]
     lines = ["", "Memory per GPU, MiB: the planner's split (worst pipeline rank), the measured peak, and "
              "live tensors (runtime/tensor_census.py, the rank holding the most): the gradients ZeRO "
              "holds and its reduce bucket when the step's last backward ends (before ZeRO reduces it) "
-             "and before the optimizer step, then parameters, optimizer master copies and state, and everything else "
-             "still allocated after training (gradients are freed by then). The peak is measured as a "
-             "total only.", "",
+             "and before the optimizer step; the gradients left and the fp32 gradient DeepSpeed made "
+             "(step grads) when the torch optimizer steps; then parameters, optimizer master copies and "
+             "state, and everything else still allocated after training (gradients are freed by then). "
+             "The planner's step_grads and step_buffers are what it expects in the optimizer step, after "
+             "the activations are freed; the peak is measured as a total only.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in predicted:
         memory = c["prediction"]["memory_bytes"]
         measured = f"{c['peak_memory_bytes'] / MiB:,.1f}" if "peak_memory_bytes" in c else "-"
         live = [_census_cell(c, "tensor_bytes_backward", "grads"), _census_cell(c, "tensor_bytes_backward", "bucket"),
                 _census_cell(c, "tensor_bytes_step", "grads"),
+                _census_cell(c, "tensor_bytes_optimizer", "grads"),
+                _census_cell(c, "tensor_bytes_optimizer", "step_grads"),
                 *(_census_cell(c, "tensor_bytes", k) for k in ("params", "optimizer", "other"))]
         lines.append("| " + " | ".join([str(c["axes"][a]) for a in axes]
                                        + [f"{memory[p] / MiB:,.2f}" if p in memory else "-" for p in MEMORY_PARTS]

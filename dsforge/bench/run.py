@@ -285,8 +285,9 @@ def figures(run_dir: Path) -> dict:
 
 
 # Where a measured run also takes the census inside a step (runtime/step.py): when the step's
-# last backward ends (before ZeRO reduces it), and before the optimizer step.
-CENSUS_POINTS = ("backward", "step")
+# last backward ends (before ZeRO reduces it), before `engine.step()`, and when the torch
+# optimizer steps inside it (DeepSpeed's fp32 gradient made).
+CENSUS_POINTS = ("backward", "step", "optimizer")
 
 
 def largest_census(censuses) -> dict | None:

@@ -10,12 +10,22 @@ mixed precision with Adam:
   grads      2 Psi            (stages 2, 3: 2 Psi / N)
   optimizer  12 Psi           (stages 1-3: 12 Psi / N): fp32 master weights + Adam m and v
   -> 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N: the published ZeRO formulas.
-Buffers (DeepSpeed's implementation):
-  fp32 gradient partition used by the optimizer step: 4 Psi / N (stage 0: 4 Psi).
-  With it, ZeRO-2 equals DeepSpeed's estimate_zero2_model_states_mem_needs exactly
-  (2 Psi + 18 Psi/N); ZeRO-3 exceeds estimate_zero3_model_states_mem_needs by the 2 Psi/N
-  partition of 16-bit parameters, which that estimator leaves out (both tested).
-  ZeRO-3 working set: the largest layer gathered, 16-bit weights and grads (4 x its params)
+Two moments compete for the peak (DeepSpeed 0.19.8's code, measured by the census of
+`dsforge bench` at "backward" and "optimizer"):
+  the last backward: the states above, activations, the reduce bucket, and the buffers:
+    ZeRO-3 working set: the largest layer gathered, 16-bit weights and grads (4 x its params);
+    bf16 ZeRO-0 (BF16_Optimizer) accumulates into persistent fp32 gradients, 4 Psi.
+  the optimizer step, after the activations and the bucket are freed: DeepSpeed makes the
+    fp32 gradient it steps with from a flattened 16-bit copy of the gradient partition
+    (stage_1_and_2.py `step`, stage3.py `_prepare_fp32_grad_for_sub_group`): 4 + 2 bytes per
+    element, one parameter group at a time; ZeRO-3 one sub-group (`sub_group_size`, 1e9) at a
+    time. ZeRO-1 first frees the 16-bit gradients outside its partition, so every stage holds
+    2 Psi / N of them then (stage 0: 2 Psi). fp32 training: the flattened copy is the gradient.
+  Counted at the backward (as before) the fp32 partition made 30B ZeRO-3 on 8 x 80 GB (which
+  LLM-Foundry trained) look 10 GiB too large. The states plus 4 Psi / N equal DeepSpeed's
+  estimate_zero2_model_states_mem_needs (2 Psi + 18 Psi/N); ZeRO-3's plus the working set
+  exceed estimate_zero3_model_states_mem_needs by the 2 Psi/N partition of 16-bit parameters,
+  which that estimator leaves out (both tested).
 Reduce bucket (its own component, `bucket`): stages 1-3 allocate the whole reduce_bucket_size
   in the gradient dtype, whatever the model's size: 2 (fp32: 4) bytes x reduce_bucket_size.
   Stages 1 and 2 (stage_1_and_2.py `setup_buckets`, contiguous_gradients, which translate
@@ -56,6 +66,9 @@ from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig
 
 # DeepSpeed's default zero_optimization.reduce_bucket_size (elements): the most dsforge asks for.
 REDUCE_BUCKET_SIZE = 500_000_000
+# DeepSpeed's default zero_optimization.sub_group_size (elements, left as is by translation):
+# ZeRO-3 makes the fp32 gradient of one sub-group at a time in the optimizer step.
+SUB_GROUP_SIZE = 1_000_000_000
 # Megatron-Core DDP's default bucket, max(4e7, 1e6 x dp) parameters (distributed_data_parallel.py),
 # for ZeRO 2/3 under a pipeline (`reduce_bucket_elements`).
 PIPELINE_BUCKET = 40_000_000
@@ -64,21 +77,39 @@ PIPELINE_BUCKET_PER_DP_RANK = 1_000_000
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
+    """Bytes on one GPU at the two moments that compete for the peak (module docstring):
+    the last backward (params + grads + optimizer + activations + buffers + bucket) and the
+    optimizer step (params + optimizer + step_grads + step_buffers)."""
     params: float
     grads: float
     optimizer: float
     activations: float
     buffers: float
     bucket: float = 0.0  # the ZeRO reduce bucket, live during each backward
+    step_grads: float = 0.0  # the 16-bit gradients still held when the fp32 gradient is made
+    step_buffers: float = 0.0  # the fp32 gradient of the optimizer step and its 16-bit source
     pipeline_rank: int = 0  # which pipeline rank this is (the worst one when reported)
 
     @property
-    def total(self) -> float:
+    def backward_total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.bucket
 
-    def to_dict(self) -> dict[str, float]:
+    @property
+    def step_total(self) -> float:
+        return self.params + self.optimizer + self.step_grads + self.step_buffers
+
+    @property
+    def total(self) -> float:
+        return max(self.backward_total, self.step_total)
+
+    @property
+    def peak_moment(self) -> str:
+        return "optimizer step" if self.step_total > self.backward_total else "backward"
+
+    def to_dict(self) -> dict[str, float | str]:
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "pipeline_rank"}
-        return {**{k: int(v) for k, v in values.items()}, "total": int(self.total)}
+        return {**{k: int(v) for k, v in values.items()}, "backward_total": int(self.backward_total),
+                "step_total": int(self.step_total), "total": int(self.total), "peak": self.peak_moment}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +118,9 @@ class ModelStates:
     grads: float
     optimizer: float
     fp32_grads: float  # DeepSpeed's fp32 gradient partition for the optimizer step
+    fp32_grads_kept: bool  # kept through the backward (bf16 ZeRO-0), else made in the step
+    step_grads: float  # the 16-bit gradients still held in the step (ZeRO-1 frees the rest)
+    step_buffers: float  # the largest fp32 gradient made at once in the step + its 16-bit source
 
 
 def model_states(psi: float, *, stage: int, shards: int, precision: str = "bf16",
@@ -98,12 +132,20 @@ def model_states(psi: float, *, stage: int, shards: int, precision: str = "bf16"
     # Measured by the live-tensor census of `dsforge bench` (benchmarks/zero_study_cpu).
     param_bytes, grad_bytes, optim_bytes = (2, 2, 12) if half else (4, 4, 12 if stage in (1, 2) else 8)
     on_gpu = 1.0 - offload_optimizer_ratio
+    partition = psi / (shards if stage >= 1 else 1)
     params = 0.0 if offload_params else param_bytes * psi / (shards if stage == 3 else 1)
+    grads = grad_bytes * psi / (shards if stage >= 2 else 1)
+    # Made at once in the step: the whole partition, or one ZeRO-3 sub-group of it.
+    made_at_once = min(partition, SUB_GROUP_SIZE) if stage == 3 else partition
+    kept = half and stage == 0 and precision == "bf16"
     return ModelStates(
-        params=params,
-        grads=grad_bytes * psi / (shards if stage >= 2 else 1),
+        params=params, grads=grads,
         optimizer=on_gpu * optim_bytes * psi / (shards if stage >= 1 else 1),
-        fp32_grads=on_gpu * (4 * psi / (shards if stage >= 1 else 1) if half else 0.0),
+        fp32_grads=on_gpu * 4 * partition if half else 0.0,
+        fp32_grads_kept=kept,
+        step_grads=grads if stage == 0 else grad_bytes * partition,
+        step_buffers=on_gpu * 4 * partition if kept else
+        on_gpu * (4 + grad_bytes if half else grad_bytes) * made_at_once,
     )
 
 
@@ -210,7 +252,7 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
               offload_params=zero.offload_params == "cpu")
     dense = model_states(psi.dense, shards=layout.dp, **kw)
     expert = model_states(psi.expert, shards=layout.edp, **kw)
-    buffers = dense.fp32_grads + expert.fp32_grads
+    buffers = (dense.fp32_grads + expert.fp32_grads) if dense.fp32_grads_kept else 0.0
     if zero.stage == 3:
         buffers += 4 * psi.largest_layer
     return MemoryEstimate(
@@ -218,7 +260,17 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
         optimizer=dense.optimizer + expert.optimizer,
         activations=activation_bytes(model, train, layout, rank, fused_attention),
         buffers=buffers, bucket=reduce_bucket_bytes(model, layout, zero.stage, train.precision),
+        step_grads=dense.step_grads + expert.step_grads,
+        step_buffers=_step_buffers(dense, expert),
         pipeline_rank=rank)
+
+
+def _step_buffers(dense: ModelStates, expert: ModelStates) -> float:
+    """Kept fp32 gradients add up; those made in the step are made one parameter group at a
+    time (dense and expert weights are separate groups), so the larger counts."""
+    if dense.fp32_grads_kept:
+        return dense.step_buffers + expert.step_buffers
+    return max(dense.step_buffers, expert.step_buffers)
 
 
 def reduce_bucket_elements(model: ModelConfig, layout: Layout, stage: int) -> int:

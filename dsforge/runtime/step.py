@@ -33,11 +33,29 @@ def _loss_of(chunk_output: torch.Tensor) -> torch.Tensor:
     return chunk_output.float().mean()
 
 
-# A census (runtime/tensor_census.py) asked for at two points of a step: "backward", when the
+# A census (runtime/tensor_census.py) asked for at three points of a step: "backward", when the
 # autograd pass of the step's last backward ends, before DeepSpeed's epilogue reduces it (this
-# microbatch's gradients in .grad or ZeRO's bucket, the others' as the ZeRO stage keeps them),
-# and "step", after the last backward, before the optimizer step.
+# microbatch's gradients in .grad or ZeRO's bucket, the others' as the ZeRO stage keeps them);
+# "step", after the last backward, before `engine.step()`; and "optimizer", inside it, when
+# the torch optimizer is about to step (DeepSpeed has made its fp32 gradient by then, and
+# freed what it frees first; ZeRO-3 steps once per sub-group, so the point repeats).
 Census = Callable[[str], None]
+
+
+def _stepping(engine, census: Census | None) -> None:
+    """`engine.step()`, with the "optimizer" census taken each time the innermost torch
+    optimizer steps (DeepSpeed wraps it, sometimes twice)."""
+    if census is None:
+        engine.step()
+        return
+    from dsforge.runtime.tensor_census import innermost_optimizer
+
+    optimizer = innermost_optimizer(engine.optimizer)
+    hook = optimizer.register_step_pre_hook(lambda *_: census("optimizer"))
+    try:
+        engine.step()
+    finally:
+        hook.remove()
 
 
 def _census_at_end_of_backward(census: Census) -> None:
@@ -62,7 +80,7 @@ def step_unpipelined(engine, batches: list[Microbatch], device,
         engine.backward(loss)
         if census and last:
             census("step")
-        engine.step()
+        _stepping(engine, census if last else None)
         losses.append(loss.detach())
     return torch.stack(losses).mean()
 
@@ -80,7 +98,7 @@ def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
         _check_every_backward_reduced(engine)
     if census:
         census("step")
-    engine.step()
+    _stepping(engine, census)
     return loss
 
 

@@ -14,6 +14,8 @@ storage: views and flat buffers count once) measures them on any device:
              a reduce-scatter, `reduce_bucket_size` elements)
   optimizer  the optimizer's own parameters (ZeRO's fp32 master partitions) and its state
              (Adam's m and v), through DeepSpeed's wrapper to the torch optimizer
+  step_grads the gradients of the optimizer's own parameters: the fp32 gradient DeepSpeed
+             makes for the optimizer step (its partition, or one ZeRO-3 sub-group of it)
   other      everything else still alive: communication buffers, RNG states, ...
 A storage that backs both a parameter and the optimizer (fp32 ZeRO-0: the optimizer steps
 the model's own tensors) counts as params.
@@ -36,6 +38,11 @@ def _optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
         if isinstance(optimizer, torch.optim.Optimizer):
             yield optimizer
         optimizer = getattr(optimizer, "optimizer", None)
+
+
+def innermost_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer that DeepSpeed's wrappers step."""
+    return list(_optimizers(optimizer))[-1]
 
 
 def _key(t: torch.Tensor):
@@ -92,13 +99,15 @@ def _owners(engine) -> dict:
     for optimizer in _optimizers(getattr(engine, "optimizer", None)):
         for group in optimizer.param_groups:
             _add(owner, group["params"], "optimizer")
+            _add(owner, [p.grad for p in group["params"]], "step_grads")
         for state in optimizer.state.values():
             _add(owner, state.values(), "optimizer")
     return owner
 
 
 def live_tensor_bytes(engine, device: torch.device) -> dict[str, int]:
-    """Bytes of live tensor storage on `device`, by params / grads / bucket / optimizer / other."""
+    """Bytes of live tensor storage on `device`, by params / grads / bucket / optimizer /
+    step_grads / other."""
     owner = _owners(engine)
     sizes: dict = {}
     with warnings.catch_warnings():  # touching every object wakes deprecated module attributes
@@ -112,7 +121,7 @@ def live_tensor_bytes(engine, device: torch.device) -> dict[str, int]:
                 continue
             if key is not None:
                 sizes[key] = obj.untyped_storage().nbytes()
-    totals = {"params": 0, "grads": 0, "bucket": 0, "optimizer": 0, "other": 0}
+    totals = {"params": 0, "grads": 0, "bucket": 0, "optimizer": 0, "step_grads": 0, "other": 0}
     for key, nbytes in sizes.items():
         totals[owner.get(key, "other")] += nbytes
     totals["total"] = sum(totals.values())

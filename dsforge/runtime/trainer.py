@@ -234,7 +234,10 @@ class Trainer:
     def _census_inside_step(self, point: str) -> None:
         from dsforge.runtime.tensor_census import live_tensor_bytes
 
-        self.censuses[point] = live_tensor_bytes(self.engine, self.device)
+        census = live_tensor_bytes(self.engine, self.device)
+        # A point may repeat (ZeRO-3 steps the optimizer once per sub-group): keep its largest.
+        if census["total"] >= self.censuses.get(point, {}).get("total", -1):
+            self.censuses[point] = census
 
     def _tensor_census(self) -> dict[str, int] | None:
         """Live model-state tensors after training, for `dsforge bench` (tensor_census.py)."""

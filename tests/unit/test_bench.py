@@ -131,7 +131,8 @@ def test_report_lists_every_cell_with_predictions_and_plots(tmp_path):
                "mfu": None, "hfu": None, "final_loss": 2.0, "peak_memory_bytes": 3 * 1024**3,
                "memory_source": "cuda max_memory_allocated", "bubble_share_by_stage": {"0": 0.25, "1": 0.3},
                "tensor_bytes_backward": {"grads": 2**20, "bucket": 2**21, "total": 2**22},
-               "tensor_bytes_step": {"grads": 2**22, "bucket": 2**21, "total": 2**23}}
+               "tensor_bytes_step": {"grads": 2**22, "bucket": 2**21, "total": 2**23},
+               "tensor_bytes_optimizer": {"grads": 0, "step_grads": 2**23, "total": 2**24}}
     manifest = {"device": {"name": "NVIDIA H100 80GB HBM3"}}
     store.write(Row(study="s", cell="a", repeat=0, axes={"zero.stage": 1}, status="ok",
                     figures=figures, prediction=prediction, manifest=manifest))
@@ -142,10 +143,11 @@ def test_report_lists_every_cell_with_predictions_and_plots(tmp_path):
     assert "Peak used: 989 TFLOP/s (NVIDIA H100 SXM)" in report
     assert "| 1 | ok | 1,000 | 500 | 1100.0 [1000.0-1200.0] | n/a | n/a | 3.00 | 2.00 | 30.0% | 20.0% |" in report
     assert "{'zero.stage': 2}: rejected: [Z2] no" in report
-    assert "| 1 | 256.00 | 256.00 | - | 512.00 | 512.00 | 512.00 | 2,048.00 | 3,072.0 |" in report
-    # the census inside the step (grads and bucket as the last backward starts, grads before
-    # the optimizer step); none after training in this row
-    assert "| cuda max_memory_allocated | 1.00 | 2.00 | 4.00 | - | - | - |" in report
+    assert "| 1 | 256.00 | 256.00 | - | 512.00 | 512.00 | 512.00 | - | - | 2,048.00 | 3,072.0 |" in report
+    # the census inside the step (grads and bucket as the last backward ends, grads before
+    # the optimizer step, grads and the fp32 step gradient when the torch optimizer steps);
+    # none after training in this row
+    assert "| cuda max_memory_allocated | 1.00 | 2.00 | 4.00 | 0.00 | 8.00 | - | - | - |" in report
     assert (tmp_path / "out" / "s.png").stat().st_size > 1000
     overridden = write_report(tmp_path / "r.db", tmp_path / "o2", peak_tflops=100).read_text()
     assert "| 0.5% | 0.6% |" in overridden  # 500 tok/s x 1e9 / 1e14

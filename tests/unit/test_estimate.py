@@ -9,8 +9,9 @@ import pytest
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
 from dsforge.estimate.flops import flops_per_token, mfu
 from dsforge.estimate.hardware import gpu_by_key, gpu_for_device_name
-from dsforge.estimate.memory import (REDUCE_BUCKET_SIZE, estimate_memory, model_states,
-                                     reduce_bucket_elements, stage_layers, stage_params)
+from dsforge.estimate.memory import (REDUCE_BUCKET_SIZE, SUB_GROUP_SIZE, estimate_memory,
+                                     model_states, reduce_bucket_elements, stage_layers,
+                                     stage_params)
 from dsforge.estimate.params import count_params, padded_vocab_size
 from dsforge.recipe import Topology, resolve
 from tests.conftest import make_recipe
@@ -182,9 +183,49 @@ def test_70b_pp4_estimate_by_hand():
     assert est.pipeline_rank == 3
     assert est.params == pytest.approx(2 * last_rank)
     assert est.optimizer == pytest.approx(12 * last_rank / 2)
-    assert est.buffers == pytest.approx(4 * last_rank / 2)
+    assert est.buffers == 0  # ZeRO-1 makes its fp32 gradient in the step
     assert est.bucket == 2 * REDUCE_BUCKET_SIZE  # ZeRO-1: DeepSpeed's default (rank > 5e8 params)
+    # In the step: the 16-bit gradients of the partition, and the fp32 gradient made from a
+    # flattened 16-bit copy of them; with full checkpointing this is the peak.
+    assert est.step_grads == pytest.approx(2 * last_rank / 2)
+    assert est.step_buffers == pytest.approx((4 + 2) * last_rank / 2)
+    assert est.peak_moment == "optimizer step" and est.total == est.step_total
     assert 40 * GiB < est.total < 60 * GiB
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_fp32_gradient_is_made_in_the_step_not_held_through_the_backward(stage):
+    """DeepSpeed's ZeRO 1-3 make the fp32 gradient in `step()`, after the backward's
+    activations are freed (stage_1_and_2.py `step`, stage3.py `_prepare_fp32_grad_for_sub_group`),
+    so it competes with the activations for the peak instead of adding to them."""
+    psi, n = 1e9, 8
+    s = model_states(psi, stage=stage, shards=n)
+    assert not s.fp32_grads_kept
+    assert s.step_grads == pytest.approx(2 * psi / n)
+    assert s.step_buffers == pytest.approx(6 * psi / n)
+    bf16_zero0 = model_states(psi, stage=0, shards=n)  # BF16_Optimizer: accumulates in fp32
+    assert bf16_zero0.fp32_grads_kept and bf16_zero0.step_buffers == 4 * psi
+    assert not model_states(psi, stage=0, shards=n, precision="fp16").fp32_grads_kept
+    assert model_states(psi, stage=1, shards=n, precision="fp32").step_buffers == 4 * psi / n
+
+
+def test_zero3_makes_the_fp32_gradient_one_sub_group_at_a_time():
+    """30B on 8 GPUs: a 3.75e9-parameter partition, stepped in sub-groups of 1e9."""
+    s = model_states(30e9, stage=3, shards=8)
+    assert s.step_buffers == 6 * SUB_GROUP_SIZE
+    big = ("model.preset=llama2-7b", "train.seq_len=4096", "train.precision=bf16")
+    zero3 = _memory(*big, "zero.stage=3", "train.activation_checkpointing=full", world=8)
+    assert zero3.step_buffers == pytest.approx(6 * min(SUB_GROUP_SIZE, zero3.grads / 2))
+
+
+def test_the_peak_is_the_larger_moment():
+    """Activations win without checkpointing; with full checkpointing and ZeRO-1 on 2 ranks
+    the fp32 gradient of the step does."""
+    big = ("model.preset=llama2-7b", "train.seq_len=4096", "train.precision=bf16", "zero.stage=1")
+    plain = _memory(*big, world=2)
+    assert plain.peak_moment == "backward" and plain.total == plain.backward_total > plain.step_total
+    full = _memory(*big, "train.activation_checkpointing=full", world=2)
+    assert full.peak_moment == "optimizer step" and full.total == full.step_total
 
 
 def test_bubble_definitions():

@@ -57,6 +57,24 @@ def test_error_and_rank_correlation_no_worse_than_recorded(stats, source):
         assert s.spearman >= rho - SPEARMAN_SLACK, f"{source}: Spearman {s.spearman:.3f} < recorded {rho} - slack"
 
 
+# Published runs the fit refuses (each trained): 23 of 248 scored, all with the estimate inside
+# the GPU's memory but over the search's 10% headroom (LLM-Foundry runs at 91-97% of it), or
+# above the GPU with the source's smaller memory named in the row. Was 40 before the fp32
+# gradient of the optimizer step stopped being counted at the backward's peak.
+RECORDED_FIT_REJECTS = 23
+
+
+def test_the_memory_fit_refuses_no_more_published_runs_than_recorded(stats):
+    assert stats["all"].rejected_by_fit <= RECORDED_FIT_REJECTS
+
+
+def test_every_published_run_estimated_over_its_gpu_has_a_named_reason(scored, stats):
+    """Every row trained, so an estimate above the GPU's whole memory is an error of the memory
+    model unless the source's engine is known to need less (the row's memory_note)."""
+    unexplained = [s.row.label for s in scored if s.over_gpu and not s.row.memory_note]
+    assert not unexplained and stats["all"].over_gpu_unexplained == 0, unexplained
+
+
 def test_search_band_is_the_comparisons_median_relative_error(stats):
     """`dsforge plan --search` puts a band of +-PREDICTION_ERROR on every predicted step time
     (profile.py keeps a copy so a search need not score 279 runs). It must be the comparison's
