@@ -13,14 +13,17 @@ mixed precision with Adam:
 Two moments compete for the peak (DeepSpeed 0.19.8's code, measured by the census of
 `dsforge bench` at "backward" and "optimizer"):
   the last backward: the states above, activations, the reduce bucket, and the buffers:
-    ZeRO-3 working set: the largest layer gathered, 16-bit weights and grads (4 x its params);
-    bf16 ZeRO-0 (BF16_Optimizer) accumulates into persistent fp32 gradients, 4 Psi.
+    ZeRO-3 working set: the largest layer gathered, 16-bit weights and grads (4 x its params).
   the optimizer step, after the activations and the bucket are freed: DeepSpeed makes the
     fp32 gradient it steps with from a flattened 16-bit copy of the gradient partition
     (stage_1_and_2.py `step`, stage3.py `_prepare_fp32_grad_for_sub_group`): 4 + 2 bytes per
     element, one parameter group at a time; ZeRO-3 one sub-group (`sub_group_size`, 1e9) at a
     time. ZeRO-1 first frees the 16-bit gradients outside its partition, so every stage holds
-    2 Psi / N of them then (stage 0: 2 Psi). fp32 training: the flattened copy is the gradient.
+    2 Psi / N of them then. ZeRO-0 in 16 bits is FP16_Optimizer (also for bf16: DeepSpeed's
+    BF16_Optimizer is only for ZeRO-1 with fp32 accumulation or its own pipeline engine): it
+    converts every gradient to fp32, then flattens them, 4 + 4 bytes, next to the 2 Psi of
+    16-bit gradients. fp32 training: the flattened copy is the gradient (4 bytes), and
+    ZeRO-0 makes none (torch's AdamW steps the weights and their .grad).
   Counted at the backward (as before) the fp32 partition made 30B ZeRO-3 on 8 x 80 GB (which
   LLM-Foundry trained) look 10 GiB too large. The states plus 4 Psi / N equal DeepSpeed's
   estimate_zero2_model_states_mem_needs (2 Psi + 18 Psi/N); ZeRO-3's plus the working set
@@ -118,9 +121,8 @@ class ModelStates:
     grads: float
     optimizer: float
     fp32_grads: float  # DeepSpeed's fp32 gradient partition for the optimizer step
-    fp32_grads_kept: bool  # kept through the backward (bf16 ZeRO-0), else made in the step
     step_grads: float  # the 16-bit gradients still held in the step (ZeRO-1 frees the rest)
-    step_buffers: float  # the largest fp32 gradient made at once in the step + its 16-bit source
+    step_buffers: float  # the fp32 gradient made in the step and what it is made from, at most
 
 
 def model_states(psi: float, *, stage: int, shards: int, precision: str = "bf16",
@@ -135,17 +137,17 @@ def model_states(psi: float, *, stage: int, shards: int, precision: str = "bf16"
     partition = psi / (shards if stage >= 1 else 1)
     params = 0.0 if offload_params else param_bytes * psi / (shards if stage == 3 else 1)
     grads = grad_bytes * psi / (shards if stage >= 2 else 1)
-    # Made at once in the step: the whole partition, or one ZeRO-3 sub-group of it.
-    made_at_once = min(partition, SUB_GROUP_SIZE) if stage == 3 else partition
-    kept = half and stage == 0 and precision == "bf16"
+    if stage == 0:  # FP16_Optimizer: fp32 copies, then their flat; fp32: nothing made
+        step_buffers = (4 + 4) * psi if half else 0.0
+    else:  # the partition, or one ZeRO-3 sub-group of it, and its flattened 16-bit source
+        made_at_once = min(partition, SUB_GROUP_SIZE) if stage == 3 else partition
+        step_buffers = on_gpu * (4 + grad_bytes if half else grad_bytes) * made_at_once
     return ModelStates(
         params=params, grads=grads,
         optimizer=on_gpu * optim_bytes * psi / (shards if stage >= 1 else 1),
         fp32_grads=on_gpu * 4 * partition if half else 0.0,
-        fp32_grads_kept=kept,
         step_grads=grads if stage == 0 else grad_bytes * partition,
-        step_buffers=on_gpu * 4 * partition if kept else
-        on_gpu * (4 + grad_bytes if half else grad_bytes) * made_at_once,
+        step_buffers=step_buffers,
     )
 
 
@@ -252,23 +254,22 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
               offload_params=zero.offload_params == "cpu")
     dense = model_states(psi.dense, shards=layout.dp, **kw)
     expert = model_states(psi.expert, shards=layout.edp, **kw)
-    buffers = (dense.fp32_grads + expert.fp32_grads) if dense.fp32_grads_kept else 0.0
-    if zero.stage == 3:
-        buffers += 4 * psi.largest_layer
+    buffers = 4 * psi.largest_layer if zero.stage == 3 else 0.0
     return MemoryEstimate(
         params=dense.params + expert.params, grads=dense.grads + expert.grads,
         optimizer=dense.optimizer + expert.optimizer,
         activations=activation_bytes(model, train, layout, rank, fused_attention),
         buffers=buffers, bucket=reduce_bucket_bytes(model, layout, zero.stage, train.precision),
         step_grads=dense.step_grads + expert.step_grads,
-        step_buffers=_step_buffers(dense, expert),
+        step_buffers=_step_buffers(dense, expert, zero.stage),
         pipeline_rank=rank)
 
 
-def _step_buffers(dense: ModelStates, expert: ModelStates) -> float:
-    """Kept fp32 gradients add up; those made in the step are made one parameter group at a
-    time (dense and expert weights are separate groups), so the larger counts."""
-    if dense.fp32_grads_kept:
+def _step_buffers(dense: ModelStates, expert: ModelStates, stage: int) -> float:
+    """ZeRO 1-3 make the fp32 gradient one parameter group at a time and free it (dense and
+    expert weights are separate groups), so the larger counts; FP16_Optimizer (ZeRO-0) keeps
+    every group's flat fp32 gradient until the step ends, so they add up."""
+    if stage == 0:
         return dense.step_buffers + expert.step_buffers
     return max(dense.step_buffers, expert.step_buffers)
 

@@ -177,8 +177,10 @@ def _kf(ref: str, label: str, model: Model, gpus: int, tp: int, micro: int, accu
 
 
 _FSDP_ONE_GPU = ("FSDP2 keeps fp32 weights, fp32 gradients and AdamW's state: 16 bytes a parameter; "
-                 "DeepSpeed's bf16 ZeRO-0, which dsforge runs, keeps 20 (16-bit weights and gradients, "
-                 "fp32 master weights, the fp32 gradients it accumulates into, Adam's m and v)")
+                 "DeepSpeed's ZeRO-0, the layout scored, keeps 16 through the backward, then in the "
+                 "optimizer step converts every 16-bit gradient to fp32 and flattens them (8 more); "
+                 "ZeRO-3 on the one GPU would add only one 1e9 sub-group's (docs/search.md, "
+                 "\"First choices\")")
 
 
 _PP_NOTE = ("no torch.compile; FSDP2 with pp keeps parameters unsharded (reshard_after_forward="

@@ -200,13 +200,13 @@ def test_the_fp32_gradient_is_made_in_the_step_not_held_through_the_backward(sta
     so it competes with the activations for the peak instead of adding to them."""
     psi, n = 1e9, 8
     s = model_states(psi, stage=stage, shards=n)
-    assert not s.fp32_grads_kept
     assert s.step_grads == pytest.approx(2 * psi / n)
     assert s.step_buffers == pytest.approx(6 * psi / n)
-    bf16_zero0 = model_states(psi, stage=0, shards=n)  # BF16_Optimizer: accumulates in fp32
-    assert bf16_zero0.fp32_grads_kept and bf16_zero0.step_buffers == 4 * psi
-    assert not model_states(psi, stage=0, shards=n, precision="fp16").fp32_grads_kept
-    assert model_states(psi, stage=1, shards=n, precision="fp32").step_buffers == 4 * psi / n
+    assert model_states(psi, stage=stage, shards=n, precision="fp32").step_buffers == 4 * psi / n
+    # ZeRO-0 in bf16 or fp16 is FP16_Optimizer: fp32 copies of every gradient, then their flat
+    zero0 = model_states(psi, stage=0, shards=n)
+    assert zero0.step_grads == 2 * psi and zero0.step_buffers == 8 * psi
+    assert model_states(psi, stage=0, shards=n, precision="fp32").step_buffers == 0
 
 
 def test_zero3_makes_the_fp32_gradient_one_sub_group_at_a_time():

@@ -28,7 +28,7 @@ def test_70b_on_a_cpu_machine_is_refused_for_memory_and_warned_for_cores():
     problems = fit_problems(resolved, LAPTOP, device="cpu")
     assert _rules(problems) == [("FIT2", "error"), ("FIT3", "warning")]
     memory = problems[0]
-    assert memory.fields["ranks"] == 32 and memory.fields["memory per rank (estimated)"] == "53.7 GiB"
+    assert memory.fields["ranks"] == 32 and memory.fields["memory per rank (estimated)"] == "50.8 GiB"
 
 
 def test_70b_fits_eight_nodes_of_four_h200s_but_not_one():

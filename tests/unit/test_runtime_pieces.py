@@ -239,6 +239,48 @@ def test_tensor_census_counts_zero_gradient_partitions_and_the_reduce_bucket():
     assert census["grads"] == 4096 and census["bucket"] == 2000
 
 
+def test_the_census_counts_the_optimizers_own_gradient_as_step_grads():
+    """DeepSpeed steps an fp32 copy whose .grad it makes in the step: that is step_grads; a
+    model parameter the optimizer steps directly keeps its gradient under grads."""
+    from types import SimpleNamespace
+
+    from dsforge.runtime.tensor_census import live_tensor_bytes
+
+    model = torch.nn.Linear(64, 32, bias=False)
+    model.weight.grad = torch.zeros(32, 64)  # 8 KiB
+    master = torch.zeros(2048, requires_grad=True)
+    master.grad = torch.zeros(2048)  # the fp32 gradient of the step: 8 KiB
+    adam = torch.optim.AdamW([master])
+    census = live_tensor_bytes(SimpleNamespace(module=model, optimizer=SimpleNamespace(optimizer=adam)),
+                               torch.device("cpu"))
+    assert census["grads"] == 8192 and census["step_grads"] == 8192 and census["optimizer"] >= 8192
+    plain = torch.optim.AdamW(model.parameters())  # fp32 ZeRO-0: steps the weights themselves
+    census = live_tensor_bytes(SimpleNamespace(module=model, optimizer=plain), torch.device("cpu"))
+    assert census["grads"] == 8192 and census["step_grads"] == 0
+
+
+def test_the_optimizer_census_runs_inside_each_torch_step_and_is_removed_after():
+    """ZeRO-3 steps the torch optimizer once per sub-group: the census runs each time."""
+    from types import SimpleNamespace
+
+    from dsforge.runtime.step import _stepping
+
+    weight = torch.nn.Parameter(torch.ones(4))
+    adam = torch.optim.AdamW([weight])
+
+    def step():
+        for _ in range(2):
+            weight.grad = torch.ones(4)
+            adam.step()
+
+    calls = []
+    engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=adam), step=step)
+    _stepping(engine, calls.append)
+    assert calls == ["optimizer", "optimizer"]
+    _stepping(engine, None)
+    assert calls == ["optimizer", "optimizer"]  # the hook is gone
+
+
 class _RecordingTrainer:
     """What train_loop uses of a Trainer, recording the calls."""
 
