@@ -164,3 +164,33 @@ def test_zero3_under_a_pipeline_schedule_relies_on_these_internals():
     assert "self.micro_step_id += 1" in _source(stage3_cls.clear_backward_seen_flag)
     assert "self.model_parallel_rank = bwc_tensor_model_parallel_rank(mpu)" in \
         _source(stage_1_and_2.DeepSpeedZeroOptimizer.__init__)
+
+
+def test_the_optimizer_step_allocates_what_the_memory_model_says():
+    """estimate/memory.py counts DeepSpeed's fp32 gradient at the optimizer step, not at the
+    backward: stages 1/2 make it per parameter group in `step()` (after freeing the gradients
+    outside the partition) and free it after; stage 3 makes and frees it per sub-group of
+    `sub_group_size` (1e9 by default, which translation leaves); bf16 without ZeRO runs
+    FP16_Optimizer, which makes fp32 copies of the gradients and their flat in `step()`."""
+    from deepspeed.runtime import engine
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from dsforge.estimate.memory import SUB_GROUP_SIZE
+
+    step12 = _source(stage_1_and_2.DeepSpeedZeroOptimizer.step)
+    order = ["self.free_grad_in_param_list(self.params_not_in_partition[i])",
+             "single_grad_partition = flat_grad_partition.to(", "self._optimizer_step(i)",
+             "self.single_partition_of_fp32_groups[i].grad = None"]
+    at = 0
+    for text in order:  # in this order in the branch without offload
+        at = step12.index(text, at) + len(text)
+    zero3 = stage3.DeepSpeedZeroOptimizer_Stage3
+    assert "self.fp32_partitioned_groups_flat[sub_group_id].grad = single_grad_partition" in \
+        _source(zero3._prepare_fp32_grad_for_sub_group)
+    assert "self.fp32_partitioned_groups_flat[sub_group_id].grad = None" in _source(zero3._release_sub_group)
+    assert DeepSpeedZeroConfig().sub_group_size == SUB_GROUP_SIZE
+    assert "return FP16 if model_dtype == torch.float16 else DDP_BFLOAT16" in \
+        _source(engine.DeepSpeedEngine._do_optimizer_sanity_check)
+    assert "p.grad.to(data_type)" in _source(FP16_Optimizer.step)
