@@ -69,8 +69,8 @@ from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig
 
 # DeepSpeed's default zero_optimization.reduce_bucket_size (elements): the most dsforge asks for.
 REDUCE_BUCKET_SIZE = 500_000_000
-# DeepSpeed's default zero_optimization.sub_group_size (elements, left as is by translation):
-# ZeRO-3 makes the fp32 gradient of one sub-group at a time in the optimizer step.
+# zero_optimization.sub_group_size (elements; DeepSpeed's default, which translation sets for
+# stage 3): ZeRO-3 makes the fp32 gradient of one sub-group at a time in the optimizer step.
 SUB_GROUP_SIZE = 1_000_000_000
 # Megatron-Core DDP's default bucket, max(4e7, 1e6 x dp) parameters (distributed_data_parallel.py),
 # for ZeRO 2/3 under a pipeline (`reduce_bucket_elements`).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsforge.estimate.memory import reduce_bucket_elements
+from dsforge.estimate.memory import SUB_GROUP_SIZE, reduce_bucket_elements
 from dsforge.recipe.resolve import Layout
 from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig
 from dsforge.translate.device import check_device
@@ -65,6 +65,8 @@ def zero_section(zero: ZeroConfig, bucket_elements: int) -> dict[str, Any]:
     if zero.stage >= 1:
         section["reduce_bucket_size"] = bucket_elements  # estimate/memory.py says why
         section["contiguous_gradients"] = True
+    if zero.stage == 3:  # the fp32 gradient of the step is made one sub-group at a time: the
+        section["sub_group_size"] = SUB_GROUP_SIZE  # memory model counts one (DeepSpeed's default)
     if zero.offload_optimizer == "cpu":
         # DeepSpeed then uses its own CPU Adam for the config's AdamW (rule Z5 holds by
         # construction: dsforge never passes a client optimizer).

@@ -170,7 +170,7 @@ def test_the_optimizer_step_allocates_what_the_memory_model_says():
     """estimate/memory.py counts DeepSpeed's fp32 gradient at the optimizer step, not at the
     backward: stages 1/2 make it per parameter group in `step()` (after freeing the gradients
     outside the partition) and free it after; stage 3 makes and frees it per sub-group of
-    `sub_group_size` (1e9 by default, which translation leaves); bf16 without ZeRO runs
+    `sub_group_size` (translation sets DeepSpeed's default, 1e9); bf16 without ZeRO runs
     FP16_Optimizer, which makes fp32 copies of the gradients and their flat in `step()`."""
     from deepspeed.runtime import engine
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
@@ -190,7 +190,7 @@ def test_the_optimizer_step_allocates_what_the_memory_model_says():
     assert "self.fp32_partitioned_groups_flat[sub_group_id].grad = single_grad_partition" in \
         _source(zero3._prepare_fp32_grad_for_sub_group)
     assert "self.fp32_partitioned_groups_flat[sub_group_id].grad = None" in _source(zero3._release_sub_group)
-    assert DeepSpeedZeroConfig().sub_group_size == SUB_GROUP_SIZE
+    assert DeepSpeedZeroConfig().sub_group_size == SUB_GROUP_SIZE  # translation restates it
     assert "return FP16 if model_dtype == torch.float16 else DDP_BFLOAT16" in \
         _source(engine.DeepSpeedEngine._do_optimizer_sanity_check)
     assert "p.grad.to(data_type)" in _source(FP16_Optimizer.step)

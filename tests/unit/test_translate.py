@@ -64,6 +64,9 @@ def _check_with_deepspeed(resolved, device="cuda"):
     assert ds.bfloat16_config.enabled == (r.train.precision == "bf16")
     assert ds.float16_config.enabled == (r.train.precision == "fp16")
     assert ds.gradient_clipping == r.train.grad_clip
+    if r.zero.stage == 3:  # the memory model's step-time fp32 gradient is one sub-group
+        from dsforge.estimate.memory import SUB_GROUP_SIZE
+        assert ds.zero_config.sub_group_size == SUB_GROUP_SIZE
     return ds
 
 
