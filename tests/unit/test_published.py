@@ -58,7 +58,7 @@ def test_error_and_rank_correlation_no_worse_than_recorded(stats, source):
 
 
 # Published runs the fit refuses (each trained): 23 of 248 scored, all with the estimate inside
-# the GPU's memory but over the search's 10% headroom (LLM-Foundry runs at 91-97% of it), or
+# the GPU's memory but over the search's 10% headroom (LLM-Foundry runs at 90-97% of it), or
 # above the GPU with the source's smaller memory named in the row. Was 40 before the fp32
 # gradient of the optimizer step stopped being counted at the backward's peak.
 RECORDED_FIT_REJECTS = 23
