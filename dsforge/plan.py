@@ -194,7 +194,7 @@ def _render_memory(plan: dict[str, Any]) -> str:
     backward = ", ".join(f"{k} {m[k] / GiB:.2f}"
                          for k in ("params", "grads", "bucket", "optimizer", "activations", "buffers"))
     step = (f"params {m['params'] / GiB:.2f}, grads {m['step_grads'] / GiB:.2f}, optimizer "
-            f"{m['optimizer'] / GiB:.2f}, fp32 gradient and its 16-bit source {m['step_buffers'] / GiB:.2f}")
+            f"{m['optimizer'] / GiB:.2f}, fp32 gradient and its sources {m['step_buffers'] / GiB:.2f}")
     lines = [f"Memory per GPU (estimate, GiB, worst pipeline rank {plan['memory_worst_pipeline_rank']}, ZeRO {stage})",
              f"  last backward: {backward} = {m['backward_total'] / GiB:.2f}",
              f"  optimizer step: {step} = {m['step_total'] / GiB:.2f}",

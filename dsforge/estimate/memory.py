@@ -90,7 +90,7 @@ class MemoryEstimate:
     buffers: float
     bucket: float = 0.0  # the ZeRO reduce bucket, live during each backward
     step_grads: float = 0.0  # the 16-bit gradients still held when the fp32 gradient is made
-    step_buffers: float = 0.0  # the fp32 gradient of the optimizer step and its 16-bit source
+    step_buffers: float = 0.0  # the fp32 gradient of the optimizer step and what it is made from
     pipeline_rank: int = 0  # which pipeline rank this is (the worst one when reported)
 
     @property
