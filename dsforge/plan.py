@@ -193,8 +193,9 @@ def _render_memory(plan: dict[str, Any]) -> str:
     stage = plan["deepspeed"]["zero_optimization"]["stage"]
     backward = ", ".join(f"{k} {m[k] / GiB:.2f}"
                          for k in ("params", "grads", "bucket", "optimizer", "activations", "buffers"))
-    step = (f"params {m['params'] / GiB:.2f}, grads {m['step_grads'] / GiB:.2f}, optimizer "
-            f"{m['optimizer'] / GiB:.2f}, fp32 gradient and its sources {m['step_buffers'] / GiB:.2f}")
+    step = (f"params {m['params'] / GiB:.2f}, grads {m['step_grads'] / GiB:.2f}, "
+            + (f"bucket {m['step_bucket'] / GiB:.2f}, " if m["step_bucket"] else "")
+            + f"optimizer {m['optimizer'] / GiB:.2f}, fp32 gradient and its sources {m['step_buffers'] / GiB:.2f}")
     lines = [f"Memory per GPU (estimate, GiB, worst pipeline rank {plan['memory_worst_pipeline_rank']}, ZeRO {stage})",
              f"  last backward: {backward} = {m['backward_total'] / GiB:.2f}",
              f"  optimizer step: {step} = {m['step_total'] / GiB:.2f}",

@@ -154,7 +154,8 @@ def _table(cells: list[dict], peak_tflops: float | None) -> list[str]:
     return lines
 
 
-MEMORY_PARTS = ("params", "grads", "bucket", "optimizer", "activations", "buffers", "step_grads", "step_buffers")
+MEMORY_PARTS = ("params", "grads", "bucket", "optimizer", "activations", "buffers", "step_grads",
+                "step_buffers", "step_bucket")
 
 
 def _memory_split(cells: list[dict]) -> list[str]:

@@ -14,7 +14,7 @@ Two moments compete for the peak (DeepSpeed 0.19.8's code, measured by the censu
 `dsforge bench` at "backward" and "optimizer"):
   the last backward: the states above, activations, the reduce bucket, and the buffers:
     ZeRO-3 working set: the largest layer gathered, 16-bit weights and grads (4 x its params).
-  the optimizer step, after the activations and the bucket are freed: DeepSpeed makes the
+  the optimizer step, after the activations (and at stages 1-2 the bucket) are freed: DeepSpeed makes the
     fp32 gradient it steps with from a flattened 16-bit copy of the gradient partition
     (stage_1_and_2.py `step`, stage3.py `_prepare_fp32_grad_for_sub_group`): 4 + 2 bytes per
     element, one parameter group at a time; ZeRO-3 one sub-group (`sub_group_size`, 1e9) at a
@@ -82,7 +82,7 @@ PIPELINE_BUCKET_PER_DP_RANK = 1_000_000
 class MemoryEstimate:
     """Bytes on one GPU at the two moments that compete for the peak (module docstring):
     the last backward (params + grads + optimizer + activations + buffers + bucket) and the
-    optimizer step (params + optimizer + step_grads + step_buffers)."""
+    optimizer step (params + optimizer + step_grads + step_buffers + step_bucket)."""
     params: float
     grads: float
     optimizer: float
@@ -91,6 +91,7 @@ class MemoryEstimate:
     bucket: float = 0.0  # the ZeRO reduce bucket, live during each backward
     step_grads: float = 0.0  # the 16-bit gradients still held when the fp32 gradient is made
     step_buffers: float = 0.0  # the fp32 gradient of the optimizer step and what it is made from
+    step_bucket: float = 0.0  # the reduce bucket, still allocated in the step (ZeRO-3 keeps it)
     pipeline_rank: int = 0  # which pipeline rank this is (the worst one when reported)
 
     @property
@@ -99,7 +100,7 @@ class MemoryEstimate:
 
     @property
     def step_total(self) -> float:
-        return self.params + self.optimizer + self.step_grads + self.step_buffers
+        return self.params + self.optimizer + self.step_grads + self.step_buffers + self.step_bucket
 
     @property
     def total(self) -> float:
@@ -255,13 +256,16 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
     dense = model_states(psi.dense, shards=layout.dp, **kw)
     expert = model_states(psi.expert, shards=layout.edp, **kw)
     buffers = 4 * psi.largest_layer if zero.stage == 3 else 0.0
+    bucket = reduce_bucket_bytes(model, layout, zero.stage, train.precision)
     return MemoryEstimate(
         params=dense.params + expert.params, grads=dense.grads + expert.grads,
         optimizer=dense.optimizer + expert.optimizer,
         activations=activation_bytes(model, train, layout, rank, fused_attention),
-        buffers=buffers, bucket=reduce_bucket_bytes(model, layout, zero.stage, train.precision),
+        buffers=buffers, bucket=bucket,
         step_grads=dense.step_grads + expert.step_grads,
         step_buffers=_step_buffers(dense, expert, zero.stage),
+        # stages 1 and 2 free their bucket in each backward's epilogue; stage 3 keeps it
+        step_bucket=bucket if zero.stage == 3 else 0.0,
         pipeline_rank=rank)
 
 

@@ -143,7 +143,7 @@ def test_report_lists_every_cell_with_predictions_and_plots(tmp_path):
     assert "Peak used: 989 TFLOP/s (NVIDIA H100 SXM)" in report
     assert "| 1 | ok | 1,000 | 500 | 1100.0 [1000.0-1200.0] | n/a | n/a | 3.00 | 2.00 | 30.0% | 20.0% |" in report
     assert "{'zero.stage': 2}: rejected: [Z2] no" in report
-    assert "| 1 | 256.00 | 256.00 | - | 512.00 | 512.00 | 512.00 | - | - | 2,048.00 | 3,072.0 |" in report
+    assert "| 1 | 256.00 | 256.00 | - | 512.00 | 512.00 | 512.00 | - | - | - | 2,048.00 | 3,072.0 |" in report
     # the census inside the step (grads and bucket as the last backward ends, grads before
     # the optimizer step, grads and the fp32 step gradient when the torch optimizer steps);
     # none after training in this row

@@ -274,3 +274,14 @@ def test_the_bucket_is_sized_by_the_rank_and_the_pipeline():
     assert bucket(*big, "parallel.pp=2", "zero.stage=3", "train.global_batch=256",
                   world=1024) == 64_000_000  # dp 64
     assert bucket(*big, "zero.stage=2", world=64) == REDUCE_BUCKET_SIZE  # pp 1: DeepSpeed's
+
+
+def test_zero3_keeps_its_bucket_through_the_optimizer_step():
+    """Measured by the census inside the optimizer step (benchmarks/zero_study_cpu): ZeRO-3's
+    reduce bucket is still allocated there, ZeRO 1 and 2 freed theirs in the backward."""
+    big = ("model.preset=llama2-7b", "train.seq_len=4096", "train.precision=bf16")
+    zero3, zero2 = (_memory(*big, f"zero.stage={s}", world=8) for s in (3, 2))
+    assert zero3.step_bucket == zero3.bucket > 0
+    assert zero2.step_bucket == 0 < zero2.bucket
+    assert zero3.step_total == pytest.approx(zero3.params + zero3.optimizer + zero3.step_grads
+                                             + zero3.step_buffers + zero3.bucket)
