@@ -87,15 +87,27 @@ def _steps(records):
     return {r["step"]: r for r in records if "val_loss" not in r}
 
 
+def _tolerances(resumed: str, step: int) -> tuple[float, float]:
+    """(absolute loss, relative grad norm) tolerance. fp32 layouts differ by ~1e-7. In bf16
+    the first resumed step runs the restored weights (measured: loss 1e-5, grad norm 4e-5
+    relative). The second follows one optimizer step, taken by the source's ZeRO-0 wrapper
+    (gradients accumulated in bf16 .grad) and by the twin's ZeRO-2, whose bf16 roundings
+    differ by machine: grad norm 1.7e-3 on one CPU, 1.7e-2 on another with avx512_bf16, where
+    the source's own dp1 and dp2 runs differ by 3.4% at that step. A restore that is wrong
+    still fails by far: Adam's step count off by one gives loss 3e-2 and grad norm 14% off,
+    a zeroed second moment a loss of 684."""
+    if "bf16" not in resumed:
+        return 1e-5, 1e-4
+    return (1e-4, 1e-3) if step == RESUMED_STEPS[0] else (1e-3, 5e-2)
+
+
 @pytest.mark.parametrize("resumed", [*PAIRS, *PAIRS4])
 def test_resume_on_another_layout_continues_the_run(results, resumed):
     source = {**PAIRS, **PAIRS4}[resumed][0]
     got, ref = _steps(results[resumed]), _steps(results[source])
     assert sorted(got) == RESUMED_STEPS, f"{resumed} trained steps {sorted(got)}"
-    # bf16 matmuls over tensor-parallel shards round differently (measured: loss 3e-5, grad
-    # norm 2e-3 relative); fp32 layouts differ by ~1e-7.
-    loss_tol, norm_tol = (1e-3, 1e-2) if "bf16" in resumed else (1e-5, 1e-4)
     for step in RESUMED_STEPS:
+        loss_tol, norm_tol = _tolerances(resumed, step)
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], abs=loss_tol), f"loss at {step}"
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=norm_tol), \
             f"grad norm at {step}"
