@@ -116,7 +116,7 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
                 runs=_sweep("3b", f"{KIT_DIR}/recipes/3b_1gpu.yaml",
                             (("none", 1), ("selective", 1), ("full", 1), ("full", 2)), 45, 300)),
     Measurement(name="mfu-7b", call=2,
-                about="Llama-2 7B: on an H200 recipes/7b_1gpu.yaml (ZeRO 0, full checkpointing) "
+                about="Llama-2 7B: on an H200 recipes/7b_1gpu.yaml (ZeRO 3 on one GPU, full checkpointing) "
                       "at micro-batch 1 and 2; on an H100 with the optimizer offloaded to the CPU",
                 runs=(RunSpec(label="7b-full-mb1", recipe=_SEVEN_B, overrides=_SHORT, gpus=("h200",),
                               expected_s=100, timeout_s=300),

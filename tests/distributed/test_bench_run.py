@@ -66,8 +66,7 @@ def test_bench_tiny_runs_a_gpu_study_layout_on_cpu(tmp_path):
     """`dsforge bench --tiny`: a GPU-scale study's cells at tiny size, stored as NAME-tiny.
 
     The cell is ZeRO-0 in bf16 over 2 data-parallel ranks, DeepSpeed's FP16_Optimizer in bf16
-    mode rather than a ZeRO optimizer: the suite's run of that path (7b_1gpu --tiny, the same
-    on one rank, runs with DSFORGE_TINY_ALL=1)."""
+    mode rather than a ZeRO optimizer (test_reshard's bf16 pair resumes from that path)."""
     study, out = tmp_path / "big.yaml", tmp_path / "out"
     study.write_text(f"name: big\nrecipe: {REPO / 'recipes' / '13b_8gpu_zero3.yaml'}\n"
                      "world_size: 2\nset: {cluster: null, train.global_batch: 64}\n"
