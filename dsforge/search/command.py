@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -195,9 +196,21 @@ def _nearest_memory_text(result: SearchResult) -> str:
         return "no valid layout for this model and GPU count."
     x = r.layout_row()
     return (f"the smallest needs {r.memory.total / GiB:.1f} GiB per GPU (tp {x['tp']}, pp {x['pp']}, "
-            f"ZeRO-{x['zero']}, checkpointing {x['checkpointing']}); use more GPUs, GPUs with more "
-            f"memory, or a shorter --seq-len (CPU offload is not searched: try zero.offload_optimizer "
-            f"in a recipe and `dsforge plan` it)")
+            f"ZeRO-{x['zero']}, checkpointing {x['checkpointing']}); {_inside_the_headroom(r, result.profile)}"
+            f"use more GPUs, GPUs with more memory, or a shorter --seq-len (CPU offload is not searched: "
+            f"try zero.offload_optimizer in a recipe and `dsforge plan` it)")
+
+
+def _inside_the_headroom(nearest: Ranked, profile) -> str:
+    """When the smallest layout fits the GPU and only the headroom refuses it, the headroom
+    that would admit it (rounded up to whole percent), and what that gives up."""
+    needed, gpu_bytes = nearest.memory.total, profile.gpu.memory_bytes
+    if needed > gpu_bytes:
+        return ""
+    headroom = math.floor(100 * (1 - needed / gpu_bytes)) / 100
+    return (f"it fits the GPU's {gpu_bytes / GiB:.1f} GiB inside the {profile.memory_margin:.0%} "
+            f"headroom kept for the allocator: --memory-headroom {headroom:g} admits it, leaving "
+            f"{(gpu_bytes - needed) / GiB:.1f} GiB for fragmentation; or ")
 
 
 def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus, gpus_per_node,

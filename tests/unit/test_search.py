@@ -71,6 +71,21 @@ def test_nothing_fits_names_the_smallest():
     assert result.nearest_memory.memory.total > result.profile.usable_memory_bytes
 
 
+def test_nothing_fits_says_which_headroom_admits_the_smallest_when_the_gpu_holds_it():
+    """8B on one H200: ZeRO-3 with full recomputation needs 127.0 GiB, inside the GPU's 140.4
+    but over the 10% headroom; the text names the flag value that admits it, and it does."""
+    runner = CliRunner()
+    args = ["plan", "--search", "llama3-8b", "--gpus", "1", "--gpu", "h200"]
+    refused = runner.invoke(main, args)
+    assert "no layout fits" in refused.output
+    assert "--memory-headroom 0.09 admits it" in refused.output, refused.output
+    admitted = runner.invoke(main, [*args, "--memory-headroom", "0.09", "--json"])
+    assert admitted.exit_code == 0 and json.loads(admitted.output)["candidates"]
+    # 70B on two 40 GB GPUs does not fit even without headroom: no such hint
+    too_big = runner.invoke(main, ["plan", "--search", "llama3-70b", "--gpus", "2", "--gpu", "a100-40gb"])
+    assert "no layout fits" in too_big.output and "--memory-headroom" not in too_big.output
+
+
 def test_unreachable_batch_keeps_the_nearest():
     # tiny: at most tp 4 x pp 4, so 32 GPUs always have dp >= 2 and 13 sequences never divide
     result = search(_base("tiny", seq_len=128), Space(gpus=32, gpus_per_node=8, global_batch=13),
