@@ -201,9 +201,9 @@ def _nearest_memory_text(result: SearchResult) -> str:
             f"try zero.offload_optimizer in a recipe and `dsforge plan` it)")
 
 
-def _inside_the_headroom(nearest: Ranked, profile) -> str:
-    """When the smallest layout fits the GPU and only the headroom refuses it, the headroom
-    that would admit it (rounded up to whole percent), and what that gives up."""
+def _inside_the_headroom(nearest: Ranked, profile: ClusterProfile) -> str:
+    """When the smallest layout fits the GPU and only the headroom refuses it, the largest
+    whole-percent headroom that admits it, and what that leaves for the allocator."""
     needed, gpu_bytes = nearest.memory.total, profile.gpu.memory_bytes
     if needed > gpu_bytes:
         return ""
