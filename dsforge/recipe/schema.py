@@ -21,6 +21,12 @@ Checkpointing = Literal["none", "selective", "full"]
 Offload = Literal["none", "cpu"]
 LrDecay = Literal["cosine", "linear", "constant"]
 TokenDtype = Literal["uint16", "uint32"]
+# Which AdamW implementation steps the optimizer (translate/optimizer.py says what each means).
+AdamImpl = Literal["auto", "fused", "foreach", "for-loop", "deepspeed"]
+# Kernels for the work outside the matrix products (translate/kernels.py).
+Kernels = Literal["auto", "torch", "liger"]
+# torch.nn.attention.SDPBackend to use; auto = torch's own choice.
+SdpaBackend = Literal["auto", "flash", "cudnn", "efficient", "math"]
 
 
 # Largest values dsforge accepts. Far beyond any real model or cluster, they keep every loop
@@ -102,6 +108,10 @@ class ModelConfig:
     # A Hugging Face Llama (dense) or Mixtral (MoE) folder whose weights the model starts from
     # instead of drawn ones (dsforge/hf/folder.py checks it, rules I1-I5); None = drawn.
     init_from: str | None = None
+    # RMSNorm, SwiGLU, rotary embedding and the output layer's cross-entropy: torch's plain
+    # operations, or Liger Kernel's fused Triton kernels (GPU only); auto picks per device.
+    kernels: Kernels = "auto"
+    sdpa_backend: SdpaBackend = "auto"  # the attention kernel torch's SDPA may use
 
     def __post_init__(self) -> None:
         c = Checks()
@@ -248,6 +258,7 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    adam_impl: AdamImpl = "auto"  # auto: torch's fused AdamW on GPUs (nothing to build)
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     precision: Precision = "bf16"
     activation_checkpointing: Checkpointing = "none"
@@ -497,6 +508,34 @@ class TrackingConfig:
     wandb_project: str = "dsforge"
     wandb_entity: str | None = None
     wandb_mode: Literal["online", "offline"] = "online"  # offline: no network call at all
+    # "A:B": a torch profiler trace of training steps A to B (0-based, as metrics.jsonl counts
+    # them) of rank 0, under RUN_DIR/profile. None = no trace.
+    profile: str | None = None
+
+    def __post_init__(self) -> None:
+        c = Checks()
+        c.require(self.profile is None or profile_steps(self.profile) is not None, "R4",
+                  {"tracking.profile": self.profile},
+                  "not a step range: give the first and last step to trace as A:B with "
+                  "0 <= A <= B (0-based, as metrics.jsonl counts steps)",
+                  'e.g. tracking.profile: "3:5"; null for no trace')
+        c.raise_if_any()
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        return None if self.profile is None else profile_steps(self.profile)
+
+
+_PROFILE = re.compile(r"([0-9]{1,9}):([0-9]{1,9})")
+
+
+def profile_steps(text: str) -> tuple[int, int] | None:
+    """"A:B" -> (A, B) with 0 <= A <= B; None when `text` is not such a range."""
+    match = _PROFILE.fullmatch(text.strip())
+    if match is None:
+        return None
+    first, last = int(match.group(1)), int(match.group(2))
+    return (first, last) if first <= last else None
 
 
 @dataclass(frozen=True, kw_only=True)

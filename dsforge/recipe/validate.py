@@ -26,6 +26,7 @@ from dsforge.recipe.layout import BatchSizes, Topology, batch_sizes, data_parall
 from dsforge.recipe.schema import ParallelConfig, Recipe, TrainConfig, divisors
 from dsforge.recipe.extras import missing_extras
 from dsforge.hf.folder import init_from_problems
+from dsforge.translate.optimizer import offload_needs_deepspeed_adam
 from dsforge.recipe.validate_data import DATA_RULES
 
 
@@ -485,6 +486,30 @@ def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                           "none, or zero.stage: 1")
 
 
+def optimizer_offload(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+    """O1: optimizer offload steps with DeepSpeed's CPU Adam, not a torch AdamW
+    (translate/optimizer.py says why)."""
+    if offload_needs_deepspeed_adam(train=recipe.train, zero=recipe.zero):
+        yield Problem(rule="O1", fields={"train.adam_impl": recipe.train.adam_impl,
+                                         "zero.offload_optimizer": "cpu"},
+                      message="optimizer offload steps with DeepSpeed's CPU Adam (DeepSpeed "
+                              "refuses a torch optimizer there; it would step on the host "
+                              "one parameter tensor at a time)",
+                      fix="use train.adam_impl: auto (or deepspeed) with the offload, or "
+                          "zero.offload_optimizer: none")
+
+
+def profile_within_run(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+    """R4: the steps tracking.profile traces are steps of the run."""
+    steps, traced = recipe.train.steps, recipe.tracking.profile_range
+    if traced is not None and traced[1] >= steps:
+        first = min(traced[0], max(steps - 2, 0))
+        yield Problem(rule="R4", fields={"tracking.profile": recipe.tracking.profile,
+                                         "train.steps": steps},
+                      message=f"the run has steps 0 to {steps - 1}; step {traced[1]} never runs",
+                      fix=f'use tracking.profile: "{first}:{steps - 1}" or fewer steps')
+
+
 def optional_packages(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     """X1 (recipe/extras.py): TensorBoard and W&B tracking need their packages."""
     yield from missing_extras(recipe)
@@ -498,5 +523,7 @@ def hugging_face_start(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
 RULES: tuple[Rule, ...] = (
     parallel_arithmetic, tensor_parallel_in_node, batch_arithmetic, pipeline_layers,
     pipeline_microbatches, pipeline_embeddings, tensor_parallel_shapes, sequence_length,
-    expert_parallel, zero_with_pipeline, *DATA_RULES, optional_packages, hugging_face_start,
+    expert_parallel, zero_with_pipeline, optimizer_offload, *DATA_RULES, profile_within_run,
+    optional_packages,
+    hugging_face_start,
 )

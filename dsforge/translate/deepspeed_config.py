@@ -13,6 +13,7 @@ from dsforge.estimate.memory import SUB_GROUP_SIZE, reduce_bucket_elements
 from dsforge.recipe.resolve import Layout
 from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig
 from dsforge.translate.device import check_device
+from dsforge.translate.optimizer import optimizer_section
 
 # dsforge prints its own progress; keep DeepSpeed's per-step log out of the way.
 _STEPS_PER_PRINT = 1_000_000
@@ -31,20 +32,13 @@ def deepspeed_config(*, model: ModelConfig, train: TrainConfig, zero: ZeroConfig
         "steps_per_print": _STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
         "zero_optimization": zero_section(zero, reduce_bucket_elements(model, layout, zero.stage)),
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2],
-            "eps": train.adam_eps, "weight_decay": train.weight_decay}},
+        "optimizer": optimizer_section(train=train, zero=zero, device=device),
         "scheduler": scheduler_section(train),
     }
     if layout.pp > 1:
         # Megatron-Core's schedule runs the backward passes, not engine.backward(); step() is
         # then the accumulation boundary that reduces, clips and updates.
         config["managed_gradient_accumulation"] = False
-    if device == "cpu" and zero.offload_optimizer == "none":
-        # torch's AdamW: DeepSpeed would otherwise compile its fused CPU Adam op on first use
-        # (minutes on a small machine) to compute the same update. Optimizer offload keeps
-        # DeepSpeed's CPU Adam op, which offload is built around, on every device.
-        config["optimizer"]["params"]["torch_adam"] = True
     config.update(precision_section(train.precision))
     return config
 
@@ -68,8 +62,8 @@ def zero_section(zero: ZeroConfig, bucket_elements: int) -> dict[str, Any]:
     if zero.stage == 3:  # the fp32 gradient of the step is made one sub-group at a time: the
         section["sub_group_size"] = SUB_GROUP_SIZE  # memory model counts one (DeepSpeed's default)
     if zero.offload_optimizer == "cpu":
-        # DeepSpeed then uses its own CPU Adam for the config's AdamW (rule Z5 holds by
-        # construction: dsforge never passes a client optimizer).
+        # DeepSpeed then uses its own CPU Adam for the config's AdamW (translate/optimizer.py;
+        # rule Z5 holds by construction: dsforge never passes a client optimizer).
         offload: dict[str, Any] = {"device": "cpu", "pin_memory": True}
         if zero.offload_ratio < 1:
             offload["ratio"] = zero.offload_ratio

@@ -13,6 +13,7 @@ from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.groups import rank_groups
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         parallel_state_kwargs, transformer_config_kwargs)
+from dsforge.translate.optimizer import ops_built_at_run_time
 from dsforge.recipe import Topology
 from tests.conftest import RECIPES, make_recipe
 
@@ -147,14 +148,38 @@ def test_megatron_accepts_every_recipe(path):
 
 @pytest.mark.parametrize("offload", ["none", "cpu"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_deepspeed_cpu_settings_are_decided_in_translation(deepspeed_comm, device, offload):
-    """CPU ranks without optimizer offload get torch's AdamW (no fused-Adam op build)."""
+def test_adamw_implementation_is_decided_in_translation(deepspeed_comm, device, offload):
+    """adam_impl auto: torch's fused AdamW on GPUs and its for-loop AdamW on CPUs (no DeepSpeed
+    op to build); DeepSpeed's CPU Adam with optimizer offload."""
     stage = "zero.stage=2" if offload == "cpu" else "zero.stage=1"
     resolved = resolve(make_recipe(stage, f"zero.offload_optimizer={offload}"),
                        Topology(world_size=8))
     ds = _check_with_deepspeed(resolved, device=device)
     assert ds.optimizer_name == "adamw"
-    assert ds.optimizer_params.get("torch_adam", False) == (device == "cpu" and offload == "none")
+    params = ds.optimizer_params
+    assert params.get("torch_adam", False) == (offload == "none")
+    assert params.get("fused", False) == (device == "cuda" and offload == "none")
+    r = resolved.recipe
+    built = ops_built_at_run_time(train=r.train, zero=r.zero, device=device)
+    assert built == (("cpu_adam",) if offload == "cpu" else ())
+
+
+@pytest.mark.parametrize("impl, params, built", [
+    ("fused", {"torch_adam": True, "foreach": False, "fused": True}, ()),
+    ("foreach", {"torch_adam": True, "foreach": True}, ()),
+    ("for-loop", {"torch_adam": True, "foreach": False}, ()),
+    ("deepspeed", {}, ("fused_adam",)),
+])
+def test_adam_impl_named_in_the_recipe(deepspeed_comm, impl, params, built):
+    """Each train.adam_impl reaches DeepSpeed's config as the keys DeepSpeed's
+    _configure_basic_optimizer reads (torch_adam, foreach; the rest go to torch.optim.AdamW)."""
+    resolved = resolve(make_recipe(f"train.adam_impl={impl}"), Topology(world_size=8))
+    ds = _check_with_deepspeed(resolved, device="cuda")
+    got = {key: ds.optimizer_params[key] for key in ("torch_adam", "foreach", "fused")
+           if key in ds.optimizer_params}
+    assert got == params
+    r = resolved.recipe
+    assert ops_built_at_run_time(train=r.train, zero=r.zero, device="cuda") == built
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
