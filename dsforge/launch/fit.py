@@ -6,15 +6,18 @@ activations and buffers) and a probe of the machine (launch/probe.py):
   FIT1 (error)   ranks on a GPU machine > its GPUs (one rank per GPU);
   FIT2 (error)   a rank's predicted memory > free memory per GPU; on CPU, all of this
                  machine's ranks together > the host memory available (they share it);
-  FIT3 (warning) more CPU ranks than cores: it runs, each rank on one thread, slowly.
+  FIT3 (warning) more CPU ranks than cores: it runs, each rank on one thread, slowly;
+  BLD1-BLD6      what DeepSpeed needs to build the ops the ranks build at run time, when the
+                 machine's build facts were probed (launch/build_env.py).
 The user can override the errors (--skip-fit-check); warnings never block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dsforge.estimate.memory import estimate_memory
+from dsforge.launch.build_env import BuildFacts, build_problems, job_ops
 from dsforge.problems import Problem
 from dsforge.recipe import Resolved
 
@@ -39,13 +42,19 @@ class Machine:
     cpus: int
     memory_available: int | None  # bytes; None = unknown
     gpus: tuple[Gpu, ...] = ()
+    build: BuildFacts | None = None  # None: not probed (nothing to build here)
 
     @classmethod
     def from_probe(cls, name: str, probed: dict) -> "Machine":
         gpus = tuple(Gpu(name=g["name"], memory_total=g["memory_total"], memory_free=g["memory_free"])
                      for g in probed.get("gpus", []))
+        build = BuildFacts.from_probe(probed["build"]) if probed.get("build") else None
         return cls(name=name, cpus=probed["cpus"], memory_available=probed.get("memory_available"),
-                   gpus=gpus)
+                   gpus=gpus, build=build)
+
+    def with_build(self, facts: dict) -> "Machine":
+        """This machine with its build facts (launch/probe.py `build_facts`)."""
+        return replace(self, build=BuildFacts.from_probe(facts))
 
     def describe(self) -> str:
         ram = f"{_gib(self.memory_available)} of available RAM" if self.memory_available else "unknown RAM"
@@ -78,8 +87,13 @@ def fit_problems(resolved: Resolved, machine: Machine, *, device: str,
     ranks = resolved.layout.world_size if ranks is None else ranks
     per_rank = rank_memory_bytes(resolved)
     if device == "cuda":
-        return _gpu_problems(machine, ranks, per_rank)
-    return _cpu_problems(machine, ranks, per_rank)
+        problems = _gpu_problems(machine, ranks, per_rank)
+    else:
+        problems = _cpu_problems(machine, ranks, per_rank)
+    if machine.build is not None:
+        problems += build_problems(job_ops(resolved, device), machine.build, device=device,
+                                   host=machine.name)
+    return problems
 
 
 def _gpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem]:

@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from dsforge.launch import probe as probe_module
@@ -22,8 +23,8 @@ from dsforge.launch.hostfile import Hostfile
 from dsforge.problems import Problem, errors
 from dsforge.versions import PACKAGES, package_versions
 
-# One ssh round trip per host: its package versions and what it has for the job (probe.py's
-# own text, so the remote side needs nothing but Python).
+# One ssh round trip per host: its package versions and what it has for the job, builds
+# included (probe.py's own text, so the remote side needs nothing but Python).
 _HOST_SCRIPT = (
     Path(probe_module.__file__).read_text().replace('if __name__ == "__main__":', "if False:")
     + "\nfrom importlib.metadata import version, PackageNotFoundError\n"
@@ -33,7 +34,7 @@ _HOST_SCRIPT = (
     "    except PackageNotFoundError:\n"
     "        return None\n"
     f"print(json.dumps({{'versions': {{name: _version(name) for name in {PACKAGES!r}}}, "
-    "'machine': probe()}))\n")
+    "'machine': dict(probe(), build=build_facts())}))\n")
 
 
 def ssh_command(host: str, remote: list[str], timeout_s: float) -> list[str]:
@@ -95,7 +96,8 @@ def version_problems(host: str, remote: dict, local: dict) -> list[Problem]:
 def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
               python: str = sys.executable, fit=None) -> list[Problem]:
     """Every problem with the hosts of `hostfile` (no errors: ready to launch). With `fit`
-    = (resolved recipe, --device), each host's slots must also fit its GPUs or memory."""
+    = (resolved recipe, --device), each host's slots must also fit its GPUs or memory, and the
+    host must be able to build the DeepSpeed ops its ranks build (launch/build_env.py)."""
     hosts = list(hostfile.hostnames)
     local = package_versions()
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
@@ -116,4 +118,6 @@ def _fit(host: str, slots: int, probed: dict, fit) -> list[Problem]:
 
     resolved, device = fit
     machine = Machine.from_probe(host, probed)
+    if machine.build is not None:
+        machine = replace(machine, build=machine.build.forwarded(os.environ))
     return fit_problems(resolved, machine, device=device_for(device, machine), ranks=slots)

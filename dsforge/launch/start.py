@@ -15,13 +15,14 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
+from dsforge.launch.build_env import BUILD_RULES, job_ops, rank_env
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.fit import GiB, Machine, device_for, fit_problems, rank_memory_bytes
-from dsforge.launch.job import JobSpec, Placement, launch_command, runner_env
+from dsforge.launch.job import JobSpec, Placement, forwarded_env, launch_command, runner_env
 from dsforge.launch.local import STOP_GRACE_S, free_port, run_job
 from dsforge.launch.output import JobView
 from dsforge.launch.owner import current_owner
-from dsforge.launch.probe import probe
+from dsforge.launch.probe import build_facts, probe
 from dsforge.launch.run_dir import JOB_LOG, claim, existing_run_dir, new_run_dir
 from dsforge.launch.smoke import compare_losses
 from dsforge.lock import JOB_DIR_ENV, Lock
@@ -81,13 +82,34 @@ def layout_text(lay) -> str:
 
 def check_fit(command: list[str], resolved: Resolved, device: str, tiny: bool) -> list[Problem]:
     """This machine's warnings for the job; Refused, in a second and before any rank starts,
-    when it cannot hold the job (launch/fit.py)."""
+    when it cannot hold the job or cannot build what its ranks build (launch/fit.py)."""
     machine = Machine.from_probe("this machine", probe())
-    problems = fit_problems(resolved, machine, device=device_for(device, machine))
-    if errors(problems):
+    device = device_for(device, machine)
+    if job_ops(resolved, device):
+        machine = machine.with_build(build_facts())
+    problems = fit_problems(resolved, machine, device=device)
+    refusals = errors(problems)
+    if refusals and all(p.rule in BUILD_RULES for p in refusals):  # it fits; only builds fail
+        raise Refused(f"{command[2]} cannot build its DeepSpeed ops on {machine.name}", problems,
+                      "ways forward: set up the build as each fix says, or start anyway: add "
+                      "--skip-fit-check")
+    if refusals:
         raise Refused(f"{command[2]} does not fit {machine.describe()}", problems,
                       ways_forward(command, resolved, tiny))
     return problems
+
+
+def job_env(resolved: Resolved, device: str, say: Say) -> dict[str, str]:
+    """The environment every rank gets (forwarded from here, launch/job.py), with a
+    TORCH_CUDA_ARCH_LIST DeepSpeed can read when GPU ranks build an op (launch/build_env.py),
+    said in one line. `device` as given to `dsforge run` ("auto" may mean GPUs). Raises
+    RecipeError (H4) for a variable name a shell would misread."""
+    env = forwarded_env(os.environ)
+    gpu_ops = () if device == "cpu" else job_ops(resolved, "cuda")
+    mapped, line = rank_env(gpu_ops, os.environ)
+    if line:
+        say(line)
+    return env | mapped
 
 
 def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
