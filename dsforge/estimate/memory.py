@@ -19,11 +19,13 @@ Two moments compete for the peak (DeepSpeed 0.19.8's code, measured by the censu
     (stage_1_and_2.py `step`, stage3.py `_prepare_fp32_grad_for_sub_group`): 4 + 2 bytes per
     element, one parameter group at a time; ZeRO-3 one sub-group (`sub_group_size`, 1e9) at a
     time. ZeRO-1 first frees the 16-bit gradients outside its partition, so every stage holds
-    2 Psi / N of them then. ZeRO-0 in 16 bits is FP16_Optimizer (also for bf16: DeepSpeed's
-    BF16_Optimizer is only for ZeRO-1 with fp32 accumulation or its own pipeline engine): it
-    converts every gradient to fp32, then flattens them, 4 + 4 bytes, next to the 2 Psi of
-    16-bit gradients. fp32 training: the flattened copy is the gradient (4 bytes), and
-    ZeRO-0 makes none (torch's AdamW steps the weights and their .grad).
+    2 Psi / N of them then. ZeRO-0 in 16 bits is DeepSpeed's 16-bit wrapper (also for bf16:
+    its BF16_Optimizer is only for ZeRO-1 with fp32 accumulation or its own pipeline engine):
+    around a torch AdamW (every train.adam_impl but `deepspeed`) FP16_UnfusedOptimizer, which
+    gives each fp32 master an fp32 copy of its gradient, 4 bytes; around DeepSpeed's FusedAdam
+    FP16_Optimizer, which converts every gradient to fp32, then flattens them, 4 + 4 bytes;
+    either next to the 2 Psi of 16-bit gradients. fp32 training: the flattened copy is the
+    gradient (4 bytes), and ZeRO-0 makes none (torch's AdamW steps the weights and their .grad).
   Counted at the backward (as before) the fp32 partition made 30B ZeRO-3 on 8 x 80 GB (which
   LLM-Foundry trained) look 10 GiB too large. The states plus 4 Psi / N equal DeepSpeed's
   estimate_zero2_model_states_mem_needs (2 Psi + 18 Psi/N); ZeRO-3's plus the working set
@@ -127,8 +129,10 @@ class ModelStates:
 
 
 def model_states(psi: float, *, stage: int, shards: int, precision: str = "bf16",
-                 offload_optimizer_ratio: float = 0.0, offload_params: bool = False) -> ModelStates:
-    """Bytes of model states for `psi` parameters shared by `shards` data-parallel ranks."""
+                 offload_optimizer_ratio: float = 0.0, offload_params: bool = False,
+                 flat_fp32_grads: bool = False) -> ModelStates:
+    """Bytes of model states for `psi` parameters shared by `shards` data-parallel ranks.
+    `flat_fp32_grads`: ZeRO-0's 16-bit wrapper is FP16_Optimizer (`zero0_flattens`)."""
     half = precision != "fp32"
     # fp32: Adam's m and v (8 bytes); ZeRO 1 and 2 also keep their own fp32 copy of the
     # partition (single_partition_of_fp32_groups), while ZeRO-3 steps the fp32 partition itself.
@@ -138,8 +142,8 @@ def model_states(psi: float, *, stage: int, shards: int, precision: str = "bf16"
     partition = psi / (shards if stage >= 1 else 1)
     params = 0.0 if offload_params else param_bytes * psi / (shards if stage == 3 else 1)
     grads = grad_bytes * psi / (shards if stage >= 2 else 1)
-    if stage == 0:  # FP16_Optimizer: fp32 copies, then their flat; fp32: nothing made
-        step_buffers = (4 + 4) * psi if half else 0.0
+    if stage == 0:  # fp32 copies (FP16_Optimizer: then their flat); fp32: nothing made
+        step_buffers = (4 + 4 if flat_fp32_grads else 4) * psi if half else 0.0
     else:  # the partition, or one ZeRO-3 sub-group of it, and its flattened 16-bit source
         made_at_once = min(partition, SUB_GROUP_SIZE) if stage == 3 else partition
         step_buffers = on_gpu * (4 + grad_bytes if half else grad_bytes) * made_at_once
@@ -252,7 +256,7 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
     psi = stage_params(model, layout, rank)
     ratio = zero.offload_ratio if zero.offload_optimizer == "cpu" else 0.0
     kw = dict(stage=zero.stage, precision=train.precision, offload_optimizer_ratio=ratio,
-              offload_params=zero.offload_params == "cpu")
+              offload_params=zero.offload_params == "cpu", flat_fp32_grads=zero0_flattens(train))
     dense = model_states(psi.dense, shards=layout.dp, **kw)
     expert = model_states(psi.expert, shards=layout.edp, **kw)
     buffers = 4 * psi.largest_layer if zero.stage == 3 else 0.0
@@ -269,10 +273,17 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
         pipeline_rank=rank)
 
 
+def zero0_flattens(train: TrainConfig) -> bool:
+    """DeepSpeed wraps a 16-bit ZeRO-0 optimizer in FP16_Optimizer only when it is DeepSpeed's
+    own FusedAdam (engine._configure_fp16_optimizer), which train.adam_impl `deepspeed` asks
+    for (translate/optimizer.py); torch's AdamW gets FP16_UnfusedOptimizer."""
+    return train.adam_impl == "deepspeed"
+
+
 def _step_buffers(dense: ModelStates, expert: ModelStates, stage: int) -> float:
     """ZeRO 1-3 make the fp32 gradient one parameter group at a time and free it (dense and
-    expert weights are separate groups), so the larger counts; FP16_Optimizer (ZeRO-0) keeps
-    every group's flat fp32 gradient until the step ends, so they add up."""
+    expert weights are separate groups), so the larger counts; ZeRO-0's 16-bit wrapper keeps
+    every group's fp32 gradients until the step ends, so they add up."""
     if stage == 0:
         return dense.step_buffers + expert.step_buffers
     return max(dense.step_buffers, expert.step_buffers)

@@ -21,6 +21,7 @@ from dsforge.runtime.init import init_from_hugging_face, init_layout_invariant
 from dsforge.runtime.model import build_model_chunks
 from dsforge.runtime.moe_glue import deepspeed_sees_megatron_moe, register_experts
 from dsforge.translate.deepspeed_config import deepspeed_config
+from dsforge.translate.kernels import choose_kernels, liger_installed
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         parallel_state_kwargs, transformer_config_kwargs)
 
@@ -44,8 +45,9 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
          timing out after `timeout_s`;
       3. Megatron-Core parallel state from the translated kwargs, model-parallel RNG seeded;
       4. model chunks built (one per virtual stage) from the TransformerConfig translated for
-         this device, then initialised layout-invariantly (model.py, init.py): drawn, or read
-         from the Hugging Face folder model.init_from names;
+         this device and its kernels (translate/kernels.py), then initialised
+         layout-invariantly (model.py, init.py): drawn, or read from the Hugging Face folder
+         model.init_from names;
       5. gradient hooks: sequence-parallel parameters summed over TP, expert parameters named
          and their groups registered with DeepSpeed (grads.py, moe_glue.py);
       6. deepspeed.initialize on a container of the chunks with the DeepSpeed config translated
@@ -59,10 +61,13 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
         cpu_backend.activate()
     init_distributed(backend, timeout_s)
     init_parallel_state(parallel_state_kwargs(layout), recipe.train.seed, timeout_s)
+    kernels = choose_kernels(recipe.model, device=device.type, liger_available=liger_installed())
     config = build_transformer_config(transformer_config_kwargs(
-        model=recipe.model, train=recipe.train, layout=layout, device=device.type))
+        model=recipe.model, train=recipe.train, layout=layout, device=device.type,
+        kernels=kernels.impl))
     gpt_kwargs = gpt_model_kwargs(model=recipe.model, layout=layout)
-    chunks = build_model_chunks(config, gpt_kwargs, device)
+    chunks = build_model_chunks(config, gpt_kwargs, device, kernels=kernels.impl,
+                                sdpa_backend=recipe.model.sdpa_backend)
     if recipe.model.init_from:
         init_from_hugging_face(chunks, folder=recipe.model.init_from, model=recipe.model,
                                padded_vocab=gpt_kwargs["vocab_size"])

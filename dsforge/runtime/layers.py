@@ -9,9 +9,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class RMSNorm(nn.Module):
@@ -27,22 +30,46 @@ class RMSNorm(nn.Module):
 
 
 class SDPAttention(nn.Module):
-    """Megatron DotProductAttention's interface on F.scaled_dot_product_attention."""
+    """Megatron DotProductAttention's interface on F.scaled_dot_product_attention.
+
+    `sdpa_backend` (model.sdpa_backend) restricts torch to one kernel; "auto" leaves the
+    choice to torch. Grouped KV heads go to SDPA as they are (`enable_gqa`), not repeated
+    into copies of every query head's size, except for the memory-efficient kernel, which
+    has no grouped path."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
+                 sdpa_backend: str = "auto"):
         super().__init__()
         self.softmax_scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.backends = sdpa_backends(sdpa_backend)
+        self.native_gqa = sdpa_backend != "efficient"
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         # Megatron passes [seq, batch, heads, head_dim]; SDPA wants [batch, heads, seq, head_dim].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each KV head
+        grouped = k.shape[1] != q.shape[1]
+        if grouped and not self.native_gqa:  # share each KV head by repeating it
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        with self._kernel():
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=grouped and self.native_gqa)
         seq, batch = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _kernel(self):
+        return contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends)
+
+
+def sdpa_backends(name: str) -> list[SDPBackend] | None:
+    """model.sdpa_backend -> the backends torch may use (None: torch's own choice)."""
+    return None if name == "auto" else [_SDPA_BACKENDS[name]]
+
+
+_SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}

@@ -36,8 +36,9 @@ def parallel_state_kwargs(layout: Layout) -> dict[str, Any]:
 
 
 def transformer_config_kwargs(*, model: ModelConfig, train: TrainConfig, layout: Layout,
-                              device: str) -> dict[str, Any]:
-    """TransformerConfig's keyword arguments for ranks on `device` ("cpu" | "cuda")."""
+                              device: str, kernels: str = "torch") -> dict[str, Any]:
+    """TransformerConfig's keyword arguments for ranks on `device` ("cpu" | "cuda") running
+    `kernels` ("torch" | "liger", translate/kernels.py)."""
     check_device(device)
     dtype = _DTYPES[train.precision]
     kwargs: dict[str, Any] = {
@@ -79,6 +80,10 @@ def transformer_config_kwargs(*, model: ModelConfig, train: TrainConfig, layout:
         # swaps tensors of equal shape silently. The unbatched path orders sends and receives
         # by rank parity.
         "batch_p2p_comm": device != "cpu",
+        # The MLP hands its activation module the whole fc1 output (gate and up): the slot
+        # runtime/kernels.py's LigerSwiGLU fills. Megatron names it for Transformer Engine,
+        # but any module taking the config fits it.
+        "use_te_activation_func": kernels == "liger",
     }
     kwargs.update(_recompute_kwargs(train.activation_checkpointing))
     if model.moe is not None:

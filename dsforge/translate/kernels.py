@@ -1,0 +1,70 @@
+"""model.kernels and model.sdpa_backend: which kernels do the work outside the matrix products.
+
+`torch` is the plain path: torch's RMSNorm, Megatron-Core's unfused SwiGLU (silu, multiply)
+and its vocab-parallel cross-entropy, which upcasts the whole [tokens, vocab] logits to fp32.
+`liger` runs three of them as Liger Kernel's Triton kernels through its Megatron-Core adapter
+(liger_kernel.megatron, runtime/kernels.py): RMSNorm, the gate-and-up SwiGLU read straight
+from fc1's output, and the vocab-parallel cross-entropy computed in one pass over bf16 logits
+(its gradient written in place, no fp32 copy), at any tp. Rotary embeddings stay Megatron's.
+Triton compiles each kernel on its first call (seconds, cached under ~/.triton), so nothing
+is built at install time; Triton needs a GPU. `auto` picks liger on GPU ranks when
+liger-kernel is installed (`pip install 'dsforge[gpu]'`), else torch.
+
+A recipe that asks for what its ranks cannot run is refused before any rank starts:
+liger without the package (X1, recipe/extras.py), liger or a GPU-only attention backend on
+CPU ranks (K1, `device_problems`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from dsforge.problems import Problem
+from dsforge.recipe.schema import ModelConfig
+
+LIGER_PACKAGE = "liger_kernel"
+# Attention backends torch's CPU SDPA has (flash: its own CPU flash kernel).
+CPU_SDPA_BACKENDS = ("auto", "flash", "math")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    impl: str  # "torch" | "liger"
+    why: str  # what decided it, for `dsforge plan`
+
+
+def liger_installed() -> bool:
+    """Looked up, not imported: importing liger_kernel imports Triton."""
+    return importlib.util.find_spec(LIGER_PACKAGE) is not None
+
+
+def choose_kernels(model: ModelConfig, *, device: str, liger_available: bool) -> KernelChoice:
+    """The kernels ranks on `device` ("cpu" | "cuda") run for `model.kernels`."""
+    if model.kernels != "auto":
+        return KernelChoice(model.kernels, "model.kernels")
+    if device != "cuda":
+        return KernelChoice("torch", "auto: Liger's Triton kernels need a GPU")
+    if not liger_available:
+        return KernelChoice("torch", "auto: liger-kernel is not installed "
+                                     "(pip install 'dsforge[gpu]' for its fused kernels)")
+    return KernelChoice("liger", "auto: GPU ranks and liger-kernel installed")
+
+
+def device_problems(model: ModelConfig, *, device: str) -> list[Problem]:
+    """K1: what CPU ranks cannot run."""
+    if device == "cuda":
+        return []
+    problems = []
+    if model.kernels == "liger":
+        problems.append(Problem(
+            rule="K1", fields={"model.kernels": "liger"},
+            message="Liger Kernel's Triton kernels need GPU ranks; these ranks run on the CPU",
+            fix="use model.kernels: auto (torch's kernels on CPU, Liger's on GPUs)"))
+    if model.sdpa_backend not in CPU_SDPA_BACKENDS:
+        problems.append(Problem(
+            rule="K1", fields={"model.sdpa_backend": model.sdpa_backend},
+            message="torch's scaled_dot_product_attention has no "
+                    f"{model.sdpa_backend} kernel on the CPU",
+            fix="use model.sdpa_backend: auto (or one of " + ", ".join(CPU_SDPA_BACKENDS) + ")"))
+    return problems

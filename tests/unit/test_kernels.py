@@ -1,0 +1,181 @@
+"""model.kernels and model.sdpa_backend: the choice, its checks, and the liger path's wiring.
+
+Liger Kernel's Triton kernels run only on a GPU (tests/gpu/test_gpu_kernels.py holds their
+losses to the plain path's over 30 steps). Here, on the CPU: which kernels each device and
+installation gets, the refusals (K1, X1), and that the liger path puts its three pieces where
+they belong: every norm, every MLP's activation (dense and each expert's) and the loss. For
+that, Liger's functions are replaced by torch references that count their calls (the one
+seam, runtime/kernels.liger_ops): a model built with kernels "liger" must then compute the
+plain model's loss and gradients exactly, and every stand-in must have been called. Built in
+a child interpreter, as tests/unit/test_accepted_builds.py does (the CPU backend patches the
+process).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsforge.problems import errors
+from dsforge.recipe import Topology, resolve, validate
+from dsforge.recipe.schema import ModelConfig
+from dsforge.translate.kernels import choose_kernels, device_problems
+from tests.conftest import REPO, make_recipe
+
+SEQ_LEN = 16
+
+
+def _model(**fields) -> ModelConfig:
+    return make_recipe(*(f"model.{k}={v}" for k, v in fields.items())).model
+
+
+@pytest.mark.parametrize("device, installed, expected", [
+    ("cpu", True, "torch"), ("cpu", False, "torch"), ("cuda", True, "liger"), ("cuda", False, "torch")])
+def test_auto_uses_liger_only_on_gpus_where_installed(device, installed, expected):
+    choice = choose_kernels(_model(), device=device, liger_available=installed)
+    assert choice.impl == expected
+    assert choice.why.startswith("auto")
+
+
+def test_kernels_named_in_the_recipe_are_kept():
+    assert choose_kernels(_model(kernels="torch"), device="cuda", liger_available=True).impl == "torch"
+    assert choose_kernels(_model(kernels="liger"), device="cuda", liger_available=True).impl == "liger"
+
+
+def test_cpu_ranks_refuse_what_only_a_gpu_runs():
+    problems = device_problems(_model(kernels="liger", sdpa_backend="cudnn"), device="cpu")
+    assert [(p.rule, list(p.fields)) for p in problems] == [
+        ("K1", ["model.kernels"]), ("K1", ["model.sdpa_backend"])]
+    assert "model.kernels: auto" in problems[0].fix
+    assert device_problems(_model(kernels="liger", sdpa_backend="cudnn"), device="cuda") == []
+    assert device_problems(_model(sdpa_backend="flash"), device="cpu") == []
+
+
+def test_liger_without_the_package_is_refused_at_validation(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "liger_kernel" else real(name, *a))
+    problems = errors(validate(make_recipe("model.kernels=liger"), Topology(world_size=1)))
+    assert [(p.rule, p.fields) for p in problems] == [("X1", {"model.kernels": "liger"})]
+    assert "pip install 'dsforge[gpu]'" in problems[0].fix
+    assert not errors(validate(make_recipe("model.kernels=auto"), Topology(world_size=1)))
+
+
+@pytest.fixture(scope="module")
+def wiring(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("kernels")
+    child = subprocess.run([sys.executable, "-m", "tests.unit.test_kernels", str(folder)],
+                           cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads((folder / "results.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["dense", "moe", "dense_gqa_math"])
+def test_liger_path_computes_the_plain_model(wiring, case):
+    result = wiring[case]
+    assert result["loss_difference"] < 1e-6
+    assert result["largest_grad_difference"] < 1e-5
+    # Every norm (2 per layer + the final one), every activation, the loss: once per call.
+    assert result["calls"] == result["expected_calls"]
+
+
+# --- the child: one-rank gloo world, models built with and without the liger path ---
+
+class _StandIns:
+    """torch references with Liger's call signatures, counting their calls."""
+
+    def __init__(self):
+        self.calls = {"rms_norm": 0, "swiglu": 0, "cross_entropy": 0}
+
+    def ops(self):
+        from dsforge.runtime.kernels import LigerOps
+
+        def rms_norm(x, weight, eps):
+            self.calls["rms_norm"] += 1
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+        def swiglu(x):
+            self.calls["swiglu"] += 1
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        def cross_entropy(logits, labels, tp_group):
+            self.calls["cross_entropy"] += 1
+            flat = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+            return flat.view(labels.shape)
+
+        return LigerOps(rms_norm=rms_norm, swiglu=swiglu, cross_entropy=cross_entropy)
+
+
+def _build(resolved, kernels: str, sdpa_backend: str):
+    from dsforge.runtime.model import build_model_chunks
+    from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
+                                            transformer_config_kwargs)
+
+    r = resolved.recipe
+    config = build_transformer_config(transformer_config_kwargs(
+        model=r.model, train=r.train, layout=resolved.layout, device="cpu", kernels=kernels))
+    (chunk,) = build_model_chunks(config, gpt_model_kwargs(model=r.model, layout=resolved.layout),
+                                  torch.device("cpu"), kernels=kernels, sdpa_backend=sdpa_backend)
+    return chunk
+
+
+def _loss_and_grads(chunk, tokens):
+    positions = torch.arange(SEQ_LEN).unsqueeze(0).expand(tokens.shape[0], -1)
+    loss = chunk(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in chunk.named_parameters() if p.grad is not None}
+
+
+def _compare(overrides: tuple[str, ...], sdpa_backend: str) -> dict:
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    from dsforge.runtime import kernels as kernels_mod
+
+    resolved = resolve(make_recipe("parallel.dp=1", "train.precision=fp32", *overrides),
+                       Topology(world_size=1))
+    stand_ins = _StandIns()
+    kernels_mod.liger_ops = stand_ins.ops
+    get_moe_layer_wise_logging_tracker().clear()
+    plain = _build(resolved, "torch", sdpa_backend)
+    liger = _build(resolved, "liger", sdpa_backend)
+    liger.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, resolved.recipe.model.vocab_size, (2, SEQ_LEN + 1))
+    plain_loss, plain_grads = _loss_and_grads(plain, tokens)
+    liger_loss, liger_grads = _loss_and_grads(liger, tokens)
+    assert plain_grads.keys() == liger_grads.keys()
+    m = resolved.recipe.model
+    experts_per_layer = m.moe.num_experts if m.moe else 1
+    return {"loss_difference": abs(plain_loss - liger_loss),
+            "largest_grad_difference": max((plain_grads[n] - liger_grads[n]).abs().max().item()
+                                           for n in plain_grads),
+            "calls": stand_ins.calls,
+            # forward only: the stand-ins are plain torch, autograd runs their backward
+            "expected_calls": {"rms_norm": 2 * m.num_layers + 1,
+                               "swiglu": m.num_layers * experts_per_layer,
+                               "cross_entropy": 1}}
+
+
+def _child(folder: Path) -> None:
+    from tests.unit.test_accepted_builds import _init_one_rank_world
+
+    _init_one_rank_world(folder)
+    torch.manual_seed(0)
+    # top-1 of 1 expert would drop tokens into no expert: route each token to every expert, so
+    # each expert's activation runs once per forward
+    moe = ("model.preset=tiny-moe", "model.moe.top_k=4", "model.moe.num_experts=4")
+    results = {"dense": _compare((), "auto"), "moe": _compare(moe, "auto"),
+               "dense_gqa_math": _compare(("model.num_kv_heads=2",), "math")}
+    (folder / "results.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _child(Path(sys.argv[1]))
