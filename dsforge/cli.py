@@ -175,13 +175,19 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
               help="Start even if the job's ranks or memory do not fit this machine.")
 @click.option("--verbose", is_flag=True,
               help="Also show the engines' and the launcher's output (always in RUN_DIR/job.log).")
+@click.option("--profile", "profile_steps", metavar="A:B", default=None,
+              help="Write a torch profiler trace of steps A to B (0-based) of rank 0 to "
+                   "RUN_DIR/profile; the same as --set tracking.profile=\"A:B\".")
 @click.option("--local_rank", type=int, default=None, hidden=True)
 def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_timeout, timeout,
         resume, launcher, include, exclude, node_rank, master_addr, master_port, dry_run, tiny,
-        skip_fit_check, verbose, local_rank, stop_grace):
+        skip_fit_check, verbose, profile_steps, local_rank, stop_grace):
     """Train RECIPE: validate, check that it fits this machine, then start the ranks with
     DeepSpeed's launcher, here or on the hosts of --hostfile. Also runs as the script
     `deepspeed ... -m dsforge run` starts."""
+    if profile_steps is not None:
+        # Quoted: YAML would read an unquoted 3:5 as the base-60 integer 185.
+        overrides = (*overrides, f"tracking.profile={json.dumps(profile_steps)}")
     from dsforge.launch import start
     from dsforge.launch.job import (JobSpec, Placement, launch_command, plain_deepspeed_command,
                                     remote_shell_problems)

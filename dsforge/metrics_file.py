@@ -7,9 +7,17 @@ validation record {"step": s, "val_loss": x}, written after the record of step s
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 VALIDATION_KEY = "val_loss"
+
+# The phases of a step record's `breakdown_s` (docs/breakdown.md), in the order reports show
+# them. Exclusive: a phase nested in another (a ZeRO gather inside a forward, a recompute
+# inside a backward) counts only in the inner one, and "other" is the step's time outside
+# every named phase, so the phases sum to the record's step_time_s.
+PHASES = ("data", "forward", "backward", "recompute", "optimizer", "dp_comm", "pipeline_wait",
+          "other")
 
 
 def is_validation(record: dict) -> bool:
@@ -20,3 +28,13 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
     """(step records, validation records) of a metrics.jsonl, each in file order."""
     lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return ([r for r in lines if not is_validation(r)], [r for r in lines if is_validation(r)])
+
+
+def median_breakdown(breakdowns) -> dict[str, float] | None:
+    """Each phase's median over the steps' breakdowns (dicts phase -> seconds; None for a step
+    measured without one); None when no step has one. The medians need not add up to the
+    median step."""
+    present = [b for b in breakdowns if b]
+    if not present:
+        return None
+    return {phase: statistics.median(b.get(phase, 0.0) for b in present) for phase in PHASES}

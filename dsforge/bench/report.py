@@ -2,6 +2,8 @@
 
 The report states the FLOPs formula and the peak used, lists every cell with its status, and
 puts measured figures next to the planner's predictions (memory per GPU, pipeline bubble).
+Where the cells' runs measured a step breakdown (docs/breakdown.md), a table and a stacked
+bar per cell show where the step goes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from dsforge.bench.run import CENSUS_POINTS, largest_census
 from dsforge.bench.store import BenchError, Row, Store
 from dsforge.estimate.hardware import gpu_for_device_name
+from dsforge.metrics_file import PHASES, median_breakdown
 
 GiB = 1024**3
 MiB = 1024**2
@@ -60,7 +63,8 @@ def _cell_summary(repeats: list[Row]) -> dict:
                        tensor_bytes=largest_census(r.figures.get("tensor_bytes") for r in ok),
                        **{f"tensor_bytes_{point}": largest_census(r.figures.get(f"tensor_bytes_{point}") for r in ok)
                           for point in CENSUS_POINTS},
-                       bubble=_max_bubble(ok))
+                       bubble=_max_bubble(ok),
+                       breakdown_s=median_breakdown(r.figures.get("breakdown_s") for r in ok))
     return summary
 
 
@@ -129,6 +133,7 @@ def _study_section(study: str, cells: list[dict], out_dir: Path, peak_tflops: fl
     lines = [f"## {study}", "", f"Device: {device}. {_peak_text(device, peak_tflops)}", ""]
     lines += _table(cells, peak_tflops)
     lines += _memory_split(cells)
+    lines += _breakdown_table(cells)
     for plot in _plots(study, cells, out_dir):
         lines += ["", f"![{plot.stem}]({plot.name})"]
     return lines + [""]
@@ -194,6 +199,30 @@ def _memory_split(cells: list[dict]) -> list[str]:
                                        + [f"{memory[p] / MiB:,.2f}" if p in memory else "-" for p in MEMORY_PARTS]
                                        + [f"{memory['total'] / MiB:,.2f}", measured,
                                           c.get("memory_source") or "-", *live]) + " |")
+    return lines
+
+
+def _broken_down(cells: list[dict]) -> list[dict]:
+    return [c for c in cells if c.get("breakdown_s")]
+
+
+def _breakdown_table(cells: list[dict]) -> list[str]:
+    """Median ms per phase of the reporting rank's steps (repeats: the median of their
+    medians), next to the median step."""
+    shown = _broken_down(cells)
+    if not shown:
+        return []
+    axes = list(cells[0]["axes"])
+    header = axes + ["step ms"] + [f"{phase} ms" for phase in PHASES]
+    lines = ["", "Where the step goes (docs/breakdown.md): the median of each phase over the "
+             "measured steps of the reporting rank, ms; phases are exclusive (a ZeRO gather "
+             "inside a forward counts as dp_comm) and sum to each step's time, their medians "
+             "only roughly to the median step.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in shown:
+        phases = [f"{c['breakdown_s'][p] * 1e3:,.1f}" for p in PHASES]
+        lines.append("| " + " | ".join([str(c["axes"][a]) for a in axes]
+                                       + [f"{c['step_time_median'] * 1e3:,.1f}", *phases]) + " |")
     return lines
 
 
@@ -268,6 +297,35 @@ def _plots(study: str, cells: list[dict], out_dir: Path) -> list[Path]:
         axis.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
     fig.tight_layout()
     path = out_dir / f"{study}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path] + _breakdown_plot(study, ok, labels, out_dir, plt)
+
+
+# One colour per phase, the same in every report.
+PHASE_COLORS = dict(zip(PHASES, ("#8c8c8c", "#4c72b0", "#dd8452", "#da8bc3", "#55a868",
+                                 "#c44e52", "#8172b2", "#ccb974")))
+
+
+def _breakdown_plot(study: str, ok: list[dict], labels: list[str], out_dir: Path, plt) -> list[Path]:
+    """A stacked bar per cell: its median ms per phase."""
+    cells = [(c, label) for c, label in zip(ok, labels) if c.get("breakdown_s")]
+    if not cells:
+        return []
+    fig, axis = plt.subplots(figsize=(max(6, 1.2 * len(cells)), 5))
+    x = list(range(len(cells)))
+    bottom = [0.0] * len(cells)
+    for phase in PHASES:
+        heights = [c["breakdown_s"][phase] * 1e3 for c, _ in cells]
+        axis.bar(x, heights, bottom=bottom, color=PHASE_COLORS[phase], label=phase)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    axis.set_ylabel("ms per step (median of each phase)")
+    axis.set_title(f"{study}: where the step goes")
+    axis.set_xticks(x)
+    axis.set_xticklabels([label for _, label in cells], rotation=20, ha="right", fontsize=8)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    path = out_dir / f"{study}-breakdown.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]

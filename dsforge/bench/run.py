@@ -35,7 +35,7 @@ from dsforge.bench.study import Cell, Study, expand, study_identity
 from dsforge.files import write_atomic
 from dsforge.launch.job import JobSpec, Placement, launch_command
 from dsforge.launch.local import free_port, run_job
-from dsforge.metrics_file import read_metrics
+from dsforge.metrics_file import median_breakdown, read_metrics
 from dsforge.launch.owner import current_owner
 from dsforge.launch.run_dir import JOB_LOG
 from dsforge.problems import RecipeError, errors
@@ -262,7 +262,8 @@ def one_line(text: str) -> str:
 
 def figures(run_dir: Path) -> dict:
     """Measured figures of one repeat: per-step times of the measured steps, throughput,
-    MFU/HFU medians, peak memory max over ranks, measured bubble per pipeline stage."""
+    MFU/HFU medians, peak memory max over ranks, measured bubble per pipeline stage, the
+    reporting rank's step breakdown (median seconds per phase; None without one)."""
     records, _ = read_metrics(run_dir / "metrics.jsonl")
     measured = [r for r in records if not r["warmup"]]
     ranks = [_read_json(p) for p in sorted((run_dir / "ranks").glob("rank*.json"))]
@@ -278,6 +279,7 @@ def figures(run_dir: Path) -> dict:
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
         "memory_source": ranks[0]["memory_source"],
         "bubble_share_by_stage": {str(k): statistics.median(v) for k, v in sorted(bubbles.items())},
+        "breakdown_s": median_breakdown(r.get("breakdown_s") for r in measured),
         "tensor_bytes": largest_census(r.get("tensor_bytes") for r in ranks),
         **{f"tensor_bytes_{point}": largest_census(r.get(f"tensor_bytes_{point}") for r in ranks)
            for point in CENSUS_POINTS},

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dsforge.estimate.flops import mfu
-from dsforge.metrics_file import is_validation
+from dsforge.metrics_file import PHASES, is_validation, median_breakdown
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +42,9 @@ class StepRecord:
     ended_at: float | None = None
     loss_scale: float | None = None  # fp16's dynamic loss scale after the step; None otherwise
     data_time_s: float | None = None  # building this rank's microbatches (inside step_time_s)
+    # Seconds per phase of the step (metrics_file.PHASES, docs/breakdown.md), summing to
+    # step_time_s; None when the run measures no breakdown (DSFORGE_BREAKDOWN=off).
+    breakdown_s: dict[str, float] | None = None
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
@@ -56,7 +59,8 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                 tokens_per_step: int, world_size: int, flops_per_token: float,
                 hardware_flops_per_token: float, peak_flops: float | None,
                 device: torch.device, ended_at: float | None = None,
-                loss_scale: float | None = None, data_time_s: float | None = None) -> StepRecord:
+                loss_scale: float | None = None, data_time_s: float | None = None,
+                breakdown_s: dict[str, float] | None = None) -> StepRecord:
     tokens_per_s = tokens_per_step / step_time_s
     per_gpu = tokens_per_s / world_size
     memory, source = peak_memory(device)
@@ -67,7 +71,7 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                       tflops_per_gpu=per_gpu * flops_per_token / 1e12, mfu=mfu(per_gpu, flops_per_token, peak_flops),
                       hfu=mfu(per_gpu, hardware_flops_per_token, peak_flops),
                       peak_memory_bytes=memory, memory_source=source, ended_at=ended_at,
-                      loss_scale=loss_scale, data_time_s=data_time_s)
+                      loss_scale=loss_scale, data_time_s=data_time_s, breakdown_s=breakdown_s)
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ class MetricsWriter:
             "peak_memory_bytes": max(r.peak_memory_bytes for r in self.records),
             "final_val_loss": self.evals[-1].val_loss if self.evals else None,
             "val_losses": [[r.step, r.val_loss] for r in self.evals],
+            "median_breakdown_s": median_breakdown(r.breakdown_s for r in measured),
         }
 
 
@@ -138,3 +143,12 @@ def format_summary(summary: dict) -> str:
             f"{summary['measured_steps']} measured steps: {summary['median_step_time_s'] * 1e3:.1f} ms/step, "
             f"{summary['median_tokens_per_s']:,.0f} tok/s ({summary['median_tokens_per_s_per_gpu']:,.0f} per rank), "
             f"MFU {mfu_text}")
+
+
+def format_breakdown(summary: dict) -> str:
+    """Where the median step goes: each phase's median in ms and its share of the median step;
+    phases that took no time (no pipeline, no recompute) are left out."""
+    step = summary["median_step_time_s"]
+    parts = [f"{phase} {seconds * 1e3:.1f} ({seconds / step:.0%})"
+             for phase in PHASES if (seconds := summary["median_breakdown_s"][phase]) != 0]
+    return f"step breakdown, median ms (share of the {step * 1e3:.1f} ms step): " + ", ".join(parts)

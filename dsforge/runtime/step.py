@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 
+from dsforge.runtime.breakdown import OFF
 from dsforge.runtime.data import Microbatch
 
 
@@ -65,28 +66,36 @@ def _census_at_end_of_backward(census: Census) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(lambda: census("backward"))
 
 
-def step_unpipelined(engine, batches: list[Microbatch], device,
-                     census: Census | None = None) -> torch.Tensor:
+def step_unpipelined(engine, batches: list[Microbatch], device, census: Census | None = None,
+                     clock=OFF) -> torch.Tensor:
+    """`clock` (runtime/breakdown.py) marks each microbatch's forward, backward and
+    `engine.step()` (the optimizer phase: an update only after the last microbatch)."""
     _scale_moe_aux_loss(1.0 / len(batches), device)
     losses = []
     for i, mb in enumerate(batches):
         last = i == len(batches) - 1
-        out = engine(mb.tokens.to(device), mb.position_ids.to(device), None,
-                     labels=mb.labels.to(device))
-        loss = _loss_of(out)
+        with clock.phase("forward"):
+            out = engine(mb.tokens.to(device), mb.position_ids.to(device), None,
+                         labels=mb.labels.to(device))
+            loss = _loss_of(out)
         if census and last:
             # a hook on the loss runs inside the pass engine.backward starts
             loss.register_hook(lambda grad: _census_at_end_of_backward(census))
-        engine.backward(loss)
+        with clock.phase("backward"):
+            engine.backward(loss)
         if census and last:
             census("step")
-        _stepping(engine, census if last else None)
+        with clock.phase("optimizer"):
+            _stepping(engine, census if last else None)
         losses.append(loss.detach())
     return torch.stack(losses).mean()
 
 
 def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
-                   micro_batch: int, device, census: Census | None = None) -> torch.Tensor | None:
+                   micro_batch: int, device, census: Census | None = None,
+                   clock=OFF) -> torch.Tensor | None:
+    """Megatron's schedule marks its own phases through `config.timers` (runtime/timers.py);
+    `clock` marks `engine.step()` as the optimizer phase."""
     prologue = per_backward_reduction(engine)
     _accumulate_from_zero(engine)
     on_backward = prologue
@@ -98,7 +107,8 @@ def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
         _check_every_backward_reduced(engine)
     if census:
         census("step")
-    _stepping(engine, census)
+    with clock.phase("optimizer"):
+        _stepping(engine, census)
     return loss
 
 

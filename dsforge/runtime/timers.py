@@ -1,60 +1,84 @@
-"""Measure the pipeline bubble: how much of each stage's schedule time is spent waiting.
+"""The engines' own timers, pointed at dsforge's StepClock (runtime/breakdown.py).
 
-Megatron-Core's schedules report `forward-compute`, `backward-compute` and the whole
-`forward-backward` through `config.timers`. ScheduleTimers totals them per step; the measured
-bubble of a rank is 1 - (forward + backward compute) / forward-backward, the share of its
-schedule spent waiting on its neighbours (compare with (p-1)/(v*m + p-1), the theoretical
-share of the step). On a GPU each timer synchronises the device, so they are only installed
-when a run is measured (`dsforge bench`), never in plain training.
+Megatron-Core's schedules call `config.timers(name).start()/.stop()` around each microbatch's
+`forward-compute` and `backward-compute`, each pipeline send and receive, and the whole
+`forward-backward`; DeepSpeed's ZeRO-1/2 optimizer calls `self.timers(name)` around the
+all-gather of the updated parameters (`optimizer_allgather`). PhaseTimers answers both
+interfaces with clock marks, so neither synchronises the device.
+
+The pipeline bubble of a rank is 1 - (forward + backward compute) / forward-backward, the share
+of its schedule spent waiting on its neighbours (compare with (p-1)/(v*m + p-1), the
+theoretical share of the step).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
-from collections import defaultdict
+from typing import Callable
 
-import torch
+from dsforge.runtime.breakdown import OTHER, Reading, StepClock
+
+# Inclusive spans the bubble needs, by Megatron's timer names.
+SCHEDULE, FORWARD, BACKWARD = "forward-backward", "forward-compute", "backward-compute"
+
+
+def schedule_phase(name: str) -> str | None:
+    """The phase of one of Megatron's schedule timers; None: not marked."""
+    if name == FORWARD:
+        return "forward"
+    if name == BACKWARD:
+        return "backward"
+    if "send" in name or "recv" in name:  # forward-recv, backward-send-forward-recv, ...
+        return "pipeline_wait"
+    # The schedule's own time outside the phases above is not a phase of its own.
+    return OTHER if name == SCHEDULE else None
+
+
+def optimizer_phase(name: str) -> str | None:
+    """The phase of one of DeepSpeed's ZeRO-1/2 optimizer timers; None: not marked."""
+    return "dp_comm" if name == "optimizer_allgather" else None
 
 
 class _Timer:
-    def __init__(self, owner: "ScheduleTimers", name: str):
-        self.owner, self.name, self.started = owner, name, None
+    def __init__(self, clock: StepClock, phase: str | None, span: str | None):
+        self.clock, self.phase, self.span = clock, phase, span
 
     def start(self, barrier: bool = False) -> None:
-        self.owner.sync()
-        self.started = time.perf_counter()
+        if self.phase is not None:
+            self.clock.enter(self.phase, span=self.span)
 
     def stop(self, barrier: bool = False) -> None:
-        self.owner.sync()
-        self.owner.totals[self.name] += time.perf_counter() - self.started
+        if self.phase is not None:
+            self.clock.exit(span=self.span)
 
 
-class ScheduleTimers:
-    """Callable like Megatron's Timers: `timers(name, log_level=...)` -> start()/stop()."""
+class PhaseTimers:
+    """Callable like Megatron's and DeepSpeed's timers: `timers(name, log_level=...)` ->
+    start()/stop(); `phase_of(name)` says which phase a timer marks (None: ignored)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.totals: dict[str, float] = defaultdict(float)
+    def __init__(self, clock: StepClock, phase_of: Callable[[str], str | None]):
+        self.clock, self.phase_of = clock, phase_of
         self._timers: dict[str, _Timer] = {}
-        self.bubble_per_step: list[float] = []
 
     def __call__(self, name: str, log_level: int = 0) -> _Timer:
         if name not in self._timers:
-            self._timers[name] = _Timer(self, name)
+            span = name if name in (SCHEDULE, FORWARD, BACKWARD) else None
+            self._timers[name] = _Timer(self.clock, self.phase_of(name), span)
         return self._timers[name]
 
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def log(self, *args, **kwargs) -> None:
+        """DeepSpeed asks its timers to log after each optimizer step; the clock reports."""
 
-    def end_step(self) -> None:
-        schedule = self.totals.get("forward-backward", 0.0)
-        compute = self.totals.get("forward-compute", 0.0) + self.totals.get("backward-compute", 0.0)
-        if schedule > 0:
-            self.bubble_per_step.append(max(0.0, 1.0 - compute / schedule))
-        self.totals.clear()
 
-    def median_bubble(self, skip: int) -> float | None:
-        measured = self.bubble_per_step[skip:] or self.bubble_per_step
-        return statistics.median(measured) if measured else None
+def bubble_share(reading: Reading) -> float | None:
+    """The share of the rank's schedule spent waiting; None for a step without a schedule."""
+    schedule = reading.spans.get(SCHEDULE, 0.0)
+    if schedule <= 0:
+        return None
+    compute = reading.spans.get(FORWARD, 0.0) + reading.spans.get(BACKWARD, 0.0)
+    return max(0.0, 1.0 - compute / schedule)
+
+
+def median_bubble(readings: list[Reading]) -> float | None:
+    shares = [s for s in map(bubble_share, readings) if s is not None]
+    return statistics.median(shares) if shares else None

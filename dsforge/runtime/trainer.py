@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -16,12 +17,16 @@ from dsforge.console import RankConsole
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.hardware import gpu_for_device_name
 from dsforge.recipe import Resolved
-from dsforge.runtime import checkpoint
+from dsforge.runtime import breakdown, checkpoint
 from dsforge.runtime import data as data_mod
 from dsforge.runtime.engine import build_rank
-from dsforge.runtime.metrics import MetricsWriter, format_summary, make_record
+from dsforge.metrics_file import median_breakdown
+from dsforge.runtime.metrics import MetricsWriter, format_breakdown, format_summary, make_record
+from dsforge.runtime.phase_hooks import marking
 from dsforge.runtime.preempt import Stopped, Stopper
 from dsforge.runtime import step as step_mod
+from dsforge.runtime.profiler import open_profiler
+from dsforge.runtime.timers import median_bubble
 from dsforge.runtime.tracking import open_tracker
 
 
@@ -41,12 +46,18 @@ class Trainer:
             self.console.say(f"dsforge: {self.sources.note}")
         parts = build_rank(resolved, device=device, backend=backend, timeout_s=collective_timeout_s)
         self.chunks, self.engine = parts.chunks, parts.engine
-        self.timers = self._schedule_timers() if measure and layout.pp > 1 else None
+        # The step breakdown (runtime/breakdown.py), in every run unless DSFORGE_BREAKDOWN=off;
+        # None turns it off for the steps that follow (the overhead benchmark alternates).
+        self.clock = breakdown.StepClock(device) if breakdown.enabled() else None
+        self.timings = breakdown.StepTimings()
         self.flops = flops_per_token(recipe.model, recipe.train.seq_len,
                                      recipe.train.activation_checkpointing)
         gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.peak_flops = gpu.peak_bf16_flops if gpu else None  # None: MFU not available
         self.start_step = self._resume() if resume else 0
+        self.profiler = open_profiler(recipe.tracking.profile_range, run_dir=run_dir,
+                                      start_step=self.start_step, device=device,
+                                      say=self.console.say)
         self.reporter = self._is_reporter()
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl") if self.reporter else None
         if self.reporter and resume:
@@ -81,14 +92,6 @@ class Trainer:
                 f"disk full? (df -h {root}); the previous complete checkpoint stays the latest"
             ) from exc
 
-    def _schedule_timers(self):
-        from dsforge.runtime.timers import ScheduleTimers
-
-        timers = ScheduleTimers(self.device)
-        for chunk in self.chunks:
-            chunk.config.timers = timers  # Megatron's schedules report into config.timers
-        return timers
-
     def _is_reporter(self) -> bool:
         from megatron.core import parallel_state as ps
 
@@ -112,26 +115,38 @@ class Trainer:
         return loss.item() / self.resolved.layout.dp
 
     def train_step(self, step: int) -> None:
-        layout, train = self.resolved.layout, self.resolved.recipe.train
+        with self.profiler.step(step) if self.profiler else contextlib.nullcontext():
+            self._train_step(step)
+
+    def _train_step(self, step: int) -> None:
+        clock = self.clock or breakdown.OFF
         start = time.perf_counter()  # the step's time includes making its batches
-        batches = self._batches(self.sources.train, step)
+        clock.start()
+        with clock.phase("data"):
+            batches = self._batches(self.sources.train, step)
         data_time = time.perf_counter() - start
         lr = self.engine.get_lr()[0]  # the rate this step's update uses
         census = self._census_inside_step if self._takes_census(step) else None
-        if layout.pp == 1:
-            loss = step_mod.step_unpipelined(self.engine, batches, self.device, census=census)
-        else:
-            loss = step_mod.step_pipelined(self.engine, self.chunks, batches, seq_len=train.seq_len,
-                                           micro_batch=layout.micro_batch, device=self.device,
-                                           census=census)
+        with marking(self.clock, self.engine, self.chunks) if self.clock else contextlib.nullcontext():
+            loss = self._forward_backward_update(batches, census, clock)
+        marked = clock.stop()
         if loss is not None:
-            loss = self._mean_over_replicas(loss)
+            loss = self._mean_over_replicas(loss)  # its .item() waits for the device
         elapsed = time.perf_counter() - start
         ended_at = time.time()
-        if self.timers is not None:
-            self.timers.end_step()
+        reading = self.timings.add(step, marked, elapsed) if marked is not None else None
         if self.reporter:
-            self._report(step, loss, lr, elapsed, ended_at, data_time)
+            self._report(step, loss, lr, elapsed, ended_at, data_time,
+                         reading.phases if reading else None)
+
+    def _forward_backward_update(self, batches, census, clock) -> torch.Tensor | None:
+        layout, train = self.resolved.layout, self.resolved.recipe.train
+        if layout.pp == 1:
+            return step_mod.step_unpipelined(self.engine, batches, self.device, census=census,
+                                             clock=clock)
+        return step_mod.step_pipelined(self.engine, self.chunks, batches, seq_len=train.seq_len,
+                                       micro_batch=layout.micro_batch, device=self.device,
+                                       census=census, clock=clock)
 
     def evaluate(self, step: int, before_batch: Callable[[int], None] | None = None) -> None:
         """The validation loss after `step`: train.eval_iters global batches of held-out samples
@@ -167,7 +182,7 @@ class Trainer:
                                   steps=train.steps, postfix=self._postfix())
 
     def _report(self, step: int, loss: float, lr: float, elapsed: float, ended_at: float,
-                data_time: float) -> None:
+                data_time: float, phases: dict[str, float] | None) -> None:
         recipe, layout = self.resolved.recipe, self.resolved.layout
         record = make_record(
             step=step, warmup=step < recipe.train.timing_warmup, loss=loss,
@@ -176,7 +191,7 @@ class Trainer:
             world_size=layout.world_size, flops_per_token=self.flops.model,
             hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
             device=self.device, ended_at=ended_at, loss_scale=self._loss_scale(),
-            data_time_s=data_time)
+            data_time_s=data_time, breakdown_s=phases)
         self.metrics.write(record)
         self.tracker.log_step(record)
         self.console.progress(name=recipe.name, step=step + 1, steps=recipe.train.steps,
@@ -207,6 +222,8 @@ class Trainer:
         summary = self.metrics.summary()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.console.say(format_summary(summary))
+        if summary["median_breakdown_s"] is not None:
+            self.console.say(format_breakdown(summary))
 
     def _write_rank_summary(self) -> None:
         """RUN_DIR/ranks/rankNNNNN.json: what only this rank knows (its memory, its bubble)."""
@@ -215,16 +232,27 @@ class Trainer:
         from dsforge.runtime.metrics import peak_memory
 
         memory, source = peak_memory(self.device)
-        skip = self.resolved.recipe.train.timing_warmup
+        if self.profiler is not None:
+            self.profiler.close()  # a run stopped before the last traced step
+        readings = self._timed_readings()
         summary = {"rank": torch.distributed.get_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
                    "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": ps.get_data_parallel_rank(),
                    "peak_memory_bytes": memory, "memory_source": source,
-                   "bubble_share": self.timers.median_bubble(skip) if self.timers else None,
+                   "bubble_share": median_bubble(readings),
+                   "breakdown_s": median_breakdown(r.phases for r in readings),
                    "tensor_bytes": self._tensor_census(),
                    **{f"tensor_bytes_{point}": census for point, census in self.censuses.items()}}
         directory = self.run_dir / "ranks"
         directory.mkdir(exist_ok=True)
         (directory / f"rank{summary['rank']:05d}.json").write_text(json.dumps(summary) + "\n")
+
+    def _timed_readings(self) -> list[breakdown.Reading]:
+        """This rank's step breakdowns after the warmup steps (all of them if every step was
+        one), once the device has finished the last step."""
+        self.timings.finish()
+        warmup = self.resolved.recipe.train.timing_warmup
+        readings = self.timings.readings
+        return [r for step, r in readings.items() if step >= warmup] or list(readings.values())
 
     def _takes_census(self, step: int) -> bool:
         """With `measure`, the census inside a step runs on the last step left out of the

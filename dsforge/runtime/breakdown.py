@@ -1,0 +1,210 @@
+"""Where a step's time goes: exclusive seconds per named phase, measured without a host sync.
+
+A StepClock takes a mark at each phase boundary: on a GPU a CUDA event recorded on the current
+stream, so an interval is how long the compute stream spent in that phase, host launches and
+waits for other streams included; on a CPU `time.perf_counter()`. Each interval between two
+marks belongs to the phase innermost at the time: nested phases subtract from their parent
+(a ZeRO gather inside a forward counts as dp_comm, not forward). "other" is the step's
+time outside every named phase, so the phases sum to the step's time. The events are read
+once the device has passed the step's last mark (StepTimings), which the loss's `.item()`
+guarantees on the ranks that have a loss; other pipeline ranks are read a step later rather
+than synchronised. Megatron-LM's timers synchronise the device instead; torchtitan profiles.
+
+Phase names: dsforge.metrics_file.PHASES. DSFORGE_BREAKDOWN=off leaves the clock out (the
+overhead benchmark's other side, benchmarks/overhead/README.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dsforge.metrics_file import PHASES
+
+OTHER = "other"
+ENV = "DSFORGE_BREAKDOWN"
+
+
+def enabled(environ=os.environ) -> bool:
+    return environ.get(ENV, "on").lower() not in ("0", "off", "false", "no")
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One step: seconds per phase (every name of PHASES; the phases sum to the step's time),
+    inclusive seconds per span (Megatron's schedule timers), and how many marks it took."""
+    phases: dict[str, float]
+    spans: dict[str, float]
+    marks: int
+
+
+class _HostMarker:
+    take = staticmethod(time.perf_counter)
+
+    @staticmethod
+    def ready(marks: list) -> bool:
+        return True
+
+    @staticmethod
+    def seconds(marks: list[float]) -> list[float]:
+        return [t - marks[0] for t in marks]
+
+
+class _CudaMarker:
+    """CUDA events with timing, recorded on the current stream; reused once read."""
+
+    def __init__(self):
+        self._free: list[torch.cuda.Event] = []
+
+    def take(self) -> torch.cuda.Event:
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def ready(marks: list) -> bool:
+        return marks[-1].query()
+
+    def seconds(self, marks: list) -> list[float]:
+        marks[-1].synchronize()  # at once when ready(): the caller waited for the device already
+        first = marks[0]
+        times = [0.0] + [first.elapsed_time(event) / 1e3 for event in marks[1:]]
+        self._free.extend(marks)
+        return times
+
+
+@dataclass
+class Marked:
+    """One step's marks: `owners[i]` is the phase of the interval ending at mark i + 1."""
+    marker: _HostMarker | _CudaMarker
+    marks: list = field(default_factory=list)
+    owners: list[str] = field(default_factory=list)
+    spans: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        return self.marker.ready(self.marks)
+
+    def read(self, step_time_s: float) -> Reading:
+        times = self.marker.seconds(self.marks)
+        phases = dict.fromkeys(PHASES, 0.0)
+        for owner, begin, end in zip(self.owners, times, times[1:]):
+            phases[owner] += end - begin
+        phases[OTHER] = step_time_s - sum(v for k, v in phases.items() if k != OTHER)
+        spans: dict[str, float] = {}
+        for name, begin, end in self.spans:
+            spans[name] = spans.get(name, 0.0) + times[end] - times[begin]
+        return Reading(phases=phases, spans=spans, marks=len(self.marks))
+
+
+class StepClock:
+    """Marks phase boundaries within one step: start(), enter(phase)/exit() (nested freely),
+    stop() -> Marked. Outside start()..stop() enter and exit do nothing (evaluation,
+    checkpoints). With `span`, enter/exit also time that name inclusively."""
+
+    def __init__(self, device: torch.device):
+        self._marker = _CudaMarker() if device.type == "cuda" else _HostMarker()
+        self._step: Marked | None = None
+        self._stack: list[str] = []
+        self._open: dict[str, int] = {}
+        self._contexts: dict[str, _Phase] = {}
+
+    def start(self) -> None:
+        self._step = Marked(marker=self._marker)
+        self._stack, self._open = [OTHER], {}
+        self._step.marks.append(self._marker.take())
+
+    def enter(self, phase: str, span: str | None = None) -> None:
+        if self._step is None:
+            return
+        if span or phase != self._stack[-1]:  # the same phase nested needs no mark
+            self._take(self._stack[-1])
+        self._stack.append(phase)
+        if span:
+            self._open[span] = len(self._step.marks) - 1
+
+    def exit(self, span: str | None = None) -> None:
+        if self._step is None:
+            return
+        if len(self._stack) < 2:
+            raise RuntimeError("step breakdown: a phase was left that was never entered")
+        phase = self._stack.pop()
+        if span or phase != self._stack[-1]:
+            self._take(phase)
+        if span:
+            self._step.spans.append((span, self._open.pop(span), len(self._step.marks) - 1))
+
+    def stop(self) -> Marked:
+        """The step's marks; raises if a phase is still open (an enter without its exit)."""
+        step, self._step = self._step, None
+        if self._stack != [OTHER]:
+            raise RuntimeError(f"step breakdown: phases {self._stack[1:]} entered and not left")
+        step.owners.append(OTHER)
+        step.marks.append(self._marker.take())
+        return step
+
+    def phase(self, name: str) -> "_Phase":
+        """`with clock.phase("forward"): ...`"""
+        if name not in self._contexts:
+            self._contexts[name] = _Phase(self, name)
+        return self._contexts[name]
+
+    def _take(self, owner: str) -> None:
+        self._step.owners.append(owner)
+        self._step.marks.append(self._marker.take())
+
+
+class _Phase:
+    def __init__(self, clock: StepClock, name: str):
+        self.clock, self.name = clock, name
+
+    def __enter__(self) -> None:
+        self.clock.enter(self.name)
+
+    def __exit__(self, *exc) -> None:
+        self.clock.exit()
+
+
+class _Off:
+    """The clock's interface doing nothing: the steps of a run without the breakdown."""
+
+    _NULL = contextlib.nullcontext()
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        return None
+
+    def phase(self, name: str) -> contextlib.nullcontext:
+        return self._NULL
+
+
+OFF = _Off()
+
+
+class StepTimings:
+    """Each step's Reading, read once the device has passed the step's last mark. add() reads
+    what is ready without waiting; finish() waits for the rest (the end of the run)."""
+
+    def __init__(self):
+        self._waiting: deque[tuple[int, Marked, float]] = deque()
+        self.readings: dict[int, Reading] = {}
+
+    def add(self, step: int, marked: Marked, step_time_s: float) -> Reading | None:
+        """Step `step`'s reading if it is ready now (always on CPU, and after a loss's .item())."""
+        self._waiting.append((step, marked, step_time_s))
+        self._read(wait=False)
+        return self.readings.get(step)
+
+    def finish(self) -> None:
+        self._read(wait=True)
+
+    def _read(self, wait: bool) -> None:
+        while self._waiting and (wait or self._waiting[0][1].ready()):
+            step, marked, step_time_s = self._waiting.popleft()
+            self.readings[step] = marked.read(step_time_s)
