@@ -3,7 +3,7 @@
 `shrink` keeps everything that decides how the job is laid out and run (world size, dp, tp,
 pp, vpp, ep, etp, sequence parallelism, ZeRO stage and offload, schedule, activation
 checkpointing, precision, tied embeddings, GQA and MoE routing) and replaces the model and the
-batch with the smallest ones that keep every divisibility rule of docs/validation.md true:
+batch with the smallest ones (with the kernels and attention backend CPU ranks run: auto) that keep every divisibility rule of docs/validation.md true:
   - one layer per virtual pipeline stage (L1/L2), MoE frequency capped to the layers (M3);
   - query groups = tp (T1), twice as many heads when the recipe uses GQA, 8 channels a head;
   - MLP and expert widths multiples of tp and expert-tp (T1);
@@ -55,7 +55,9 @@ def tiny_model(model: ModelConfig, *, tp: int, etp: int, pp: int, vpp: int) -> M
         ffn_hidden_size=_round_up(3 * hidden, tp), num_attention_heads=heads,
         num_kv_heads=tp if gqa else None, kv_channels=None, vocab_size=vocab,
         max_seq_len=_round_up(TINY_SEQ_LEN, tp), moe=moe,
-        init_from=None)  # drawn: a model.init_from folder's weights are not the tiny model's
+        init_from=None,  # drawn: a model.init_from folder's weights are not the tiny model's
+        # CPU ranks: the kernels and attention backend auto picks there (rule K1)
+        kernels="auto", sdpa_backend="auto")
 
 
 def shrink(recipe: Recipe, grad_accum: int) -> Recipe:

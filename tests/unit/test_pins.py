@@ -171,7 +171,9 @@ def test_the_optimizer_step_allocates_what_the_memory_model_says():
     backward: stages 1/2 make it per parameter group in `step()` (after freeing the gradients
     outside the partition) and free it after; stage 3 makes and frees it per sub-group of
     `sub_group_size` (translation sets DeepSpeed's default, 1e9); bf16 without ZeRO runs
-    FP16_Optimizer, which makes fp32 copies of the gradients and their flat in `step()`."""
+    FP16_UnfusedOptimizer around torch's AdamW, which gives each fp32 master an fp32 copy of
+    its gradient in `step()`, and FP16_Optimizer around DeepSpeed's FusedAdam, which makes fp32
+    copies of the gradients and their flat."""
     from deepspeed.runtime import engine
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.zero import stage3, stage_1_and_2
@@ -194,3 +196,22 @@ def test_the_optimizer_step_allocates_what_the_memory_model_says():
     assert "return FP16 if model_dtype == torch.float16 else DDP_BFLOAT16" in \
         _source(engine.DeepSpeedEngine._do_optimizer_sanity_check)
     assert "p.grad.to(data_type)" in _source(FP16_Optimizer.step)
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    assert "fp32_param.grad = fp16_param.grad.to(fp32_param.dtype)" in \
+        _source(FP16_UnfusedOptimizer.step)
+    assert "use_fused_optimizer = isinstance(optimizer, fused_opts)" in \
+        _source(engine.DeepSpeedEngine._configure_fp16_optimizer)
+
+
+def test_deepspeed_passes_torch_adamw_its_parameters():
+    """translate/optimizer.py asks for torch's AdamW through the config: DeepSpeed pops
+    torch_adam and foreach and hands the other params (fused among them) to torch.optim.AdamW."""
+    from deepspeed.runtime import engine
+
+    configure = _source(engine.DeepSpeedEngine.get_optimizer_configuration)
+    assert "torch_adam = optimizer_parameters.pop(TORCH_ADAM_PARAM, False)" in configure
+    assert "return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam), {'foreach': foreach}" \
+        in configure
+    assert "optimizer = adam_optimizer(model_parameters, **optimizer_parameters, **adam_optimizer_kwargs)" \
+        in _source(engine.DeepSpeedEngine._configure_basic_optimizer)

@@ -254,3 +254,44 @@ def test_expert_groups_are_carved_out_of_data_parallel():
     assert all(len(g) == 4 for g in groups["etp"])
     for name in ("ep", "etp", "edp"):
         assert _covers_world_once(groups[name], 32)
+
+
+def _optimizer_chain(optimizer) -> list[str]:
+    """The wrapper classes DeepSpeed put around the torch optimizer, outermost first."""
+    chain = [type(optimizer).__name__]
+    while getattr(optimizer, "optimizer", optimizer) is not optimizer:
+        optimizer = optimizer.optimizer
+        chain.append(type(optimizer).__name__)
+    return chain
+
+
+@pytest.mark.parametrize("stage, precision, wrappers", [
+    (0, "bf16", ["FP16_UnfusedOptimizer"]), (0, "fp32", []),
+    (1, "bf16", ["DeepSpeedZeroOptimizer"]), (2, "bf16", ["DeepSpeedZeroOptimizer"]),
+    (3, "bf16", ["DeepSpeedZeroOptimizer_Stage3"]), (3, "fp32", ["DeepSpeedZeroOptimizer_Stage3"]),
+])
+def test_deepspeed_steps_torch_fused_adamw_at_every_stage(deepspeed_comm, monkeypatch, stage,
+                                                          precision, wrappers):
+    """What GPU ranks get by default (adam_impl auto): torch.optim.AdamW with fused=True, wrapped
+    by DeepSpeed as the memory model counts (estimate/memory.py: ZeRO-0 in 16 bits is
+    FP16_UnfusedOptimizer, one fp32 copy of each gradient; FusedAdam would get FP16_Optimizer).
+    torch runs the fused kernel on CPU tensors too, so DeepSpeed's engine is built here for real."""
+    import deepspeed
+    import torch
+
+    resolved = resolve(make_recipe(f"zero.stage={stage}", f"train.precision={precision}",
+                                   "parallel.dp=1", "train.global_batch=1"), Topology(world_size=1))
+    r = resolved.recipe
+    config = deepspeed_config(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
+                              device="cuda")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    monkeypatch.setenv("LOCAL_RANK", "0")  # what a launcher sets; the engine asks for it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config,
+                                                       model_parameters=model.parameters())
+    assert _optimizer_chain(optimizer) == wrappers + ["AdamW"]
+    inner = optimizer
+    while getattr(inner, "optimizer", inner) is not inner:
+        inner = inner.optimizer
+    assert isinstance(inner, torch.optim.AdamW) and inner.defaults["fused"] is True
