@@ -17,9 +17,9 @@ from dsforge.estimate.hardware import gpu_by_key
 from dsforge.estimate.memory import estimate_memory, largest_stage_params
 from dsforge.estimate.params import count_params, padded_vocab_size
 from dsforge.recipe.resolve import Resolved
-from dsforge.recipe.schema import ZeroConfig
 from dsforge.problems import errors
 from dsforge.recipe.validate import validate
+from dsforge.search.memory_fixes import zero_at_stage
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.groups import rank_groups
@@ -109,7 +109,7 @@ def _memory_by_stage(resolved: Resolved) -> dict[str, dict[str, Any]]:
     recipe, layout = resolved.recipe, resolved.layout
     result: dict[str, dict[str, Any]] = {}
     for stage in range(4):
-        candidate = dataclasses.replace(recipe, zero=_zero_at_stage(recipe.zero, stage))
+        candidate = dataclasses.replace(recipe, zero=zero_at_stage(recipe.zero, stage))
         rejected = sorted({p.rule for p in errors(validate(candidate, resolved.topology))})
         total = None
         if not rejected:
@@ -117,14 +117,6 @@ def _memory_by_stage(resolved: Resolved) -> dict[str, dict[str, Any]]:
                                         zero=candidate.zero, layout=layout).total)
         result[str(stage)] = {"total": total, "rejected_by": rejected}
     return result
-
-
-def _zero_at_stage(zero: ZeroConfig, stage: int) -> ZeroConfig:
-    """The recipe's ZeRO options carried to another stage, where that stage allows them."""
-    return ZeroConfig(stage=stage,
-                      offload_optimizer=zero.offload_optimizer if stage >= 1 else "none",
-                      offload_params=zero.offload_params if stage == 3 else "none",
-                      offload_ratio=zero.offload_ratio if stage == 3 else 1.0)
 
 
 def _gpu_fit(resolved: Resolved, total: float, warnings: list[str]) -> dict[str, Any] | None:

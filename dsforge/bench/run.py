@@ -33,6 +33,7 @@ from dsforge import lock
 from dsforge.bench.store import EXIT_TRY_AGAIN, FAILED, BenchError, Row, Store, StoreLocked
 from dsforge.bench.study import Cell, Study, expand, study_identity
 from dsforge.files import write_atomic
+from dsforge.launch.diagnose import explain
 from dsforge.launch.job import JobSpec, Placement, launch_command
 from dsforge.launch.local import free_port, run_job
 from dsforge.metrics_file import median_breakdown, read_metrics
@@ -231,16 +232,16 @@ def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
         return "timeout", "exceeded the cell's wall-clock limit"
     first = failure.first(run_dir)
     if first is not None and first.kind in ("hang", "oom"):
-        return {"hang": "timeout", "oom": "oom"}[first.kind], one_line(first.headline())
+        return {"hang": "timeout", "oom": "oom"}[first.kind], one_line(explain(first, run_dir))
     recorded_kill = first is not None and first.kind == "killed" and \
         first.message.startswith("killed by SIGKILL")
     if recorded_kill:
-        return "oom", one_line(first.headline())
+        return "oom", one_line(explain(first, run_dir))
     if code in _KILLED:
         return "oom", (f"a rank was killed by SIGKILL (launcher exit code {code}), usually the "
                        f"kernel's out-of-memory killer; see {run_dir / JOB_LOG}")
     if first is not None:
-        return "crashed", one_line(first.headline())
+        return "crashed", one_line(explain(first, run_dir))
     return "crashed", f"exit code {code}; see {run_dir / JOB_LOG}"
 
 

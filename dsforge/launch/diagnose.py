@@ -1,11 +1,13 @@
 """What `dsforge run` says when a job fails: who failed first, who said nothing, and where.
 
-Sources, most specific first: the ranks' failure records (runtime/failure.py: exception, oom,
-hang, with tracebacks); the ranks that neither recorded a failure nor reported completion
-although they started (RUN_DIR/ranks/rankNNNNN.pid): killed or stopped from outside, the usual
-cause when their peers then fail on a broken connection; DeepSpeed's launcher's own exit line
+Sources, most specific first: the ranks' failure records (runtime/failure.py: exception,
+build, oom, hang, with tracebacks); the ranks that neither recorded a failure nor reported
+completion although they started (RUN_DIR/ranks/rankNNNNN.pid): killed or stopped from outside,
+the usual cause when their peers then fail on a broken connection; DeepSpeed's launcher's own exit line
 for the code it saw (a negative code is the signal that ended a rank); and each rank's last
-heartbeat.
+heartbeat. A failure the record explains (a build's cause and fix; an out-of-memory's measured
+peak, set against the memory model's prediction and the changes predicted to fit) is one line,
+its traceback left in the job log; any other shows the end of its traceback.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ import re
 import signal
 from pathlib import Path
 
-from dsforge.launch.run_dir import JOB_LOG
+from dsforge.launch.run_dir import JOB_LOG, RECIPE
+from dsforge.problems import RecipeError
+from dsforge.recipe import Resolved, resolve_file
 from dsforge.runtime import failure
+from dsforge.runtime.oom import needed_bytes, size_text
 from dsforge.runtime.heartbeat import read_all, summarize
+from dsforge.search.memory_fixes import HEADROOM, estimate, fit_limit, memory_fixes
 # deepspeed/launcher/launch.py (0.19.8) logs "<cmd> exits with return code = N" for the first
 # rank it saw fail (its <cmd> is the last rank's command, so only N is trusted here).
 _LAUNCHER_EXIT = re.compile(r"exits with return code = (-?\d+)")
@@ -68,7 +74,7 @@ def failure_report(run_dir: Path, code: int, done_ranks: set[int]) -> str:
     if silent and records:
         lines += _silent_lines(silent, run_dir, launcher_exit_codes(log_text))
     if records:
-        lines += _record_lines(records)
+        lines += _record_lines(records, run_dir)
     elif silent:
         lines += _silent_lines(silent, run_dir, launcher_exit_codes(log_text))
     lines.append(f"  every rank's output and the engines' logs: {log}")
@@ -87,12 +93,67 @@ def _silent_lines(silent: dict[int, str], run_dir: Path, codes: list[int]) -> li
     return lines
 
 
-def _record_lines(records: list[failure.Failure]) -> list[str]:
+def _record_lines(records: list[failure.Failure], run_dir: Path) -> list[str]:
     first = records[0]
-    lines = [f"  first failure: {first.headline()}"]
-    lines += ["    " + line for line in first.detail.rstrip().splitlines()[-12:]]
+    if first.explained:
+        lines = [f"  first failure: {explain(first, run_dir)}; traceback in {run_dir / JOB_LOG}"]
+    else:
+        lines = [f"  first failure: {first.headline()}"]
+        lines += ["    " + line for line in first.detail.rstrip().splitlines()[-12:]]
     hung = [r for r in records if r.kind == "hang"]
     if len(hung) > 1:  # usually one rank is elsewhere and the rest wait for it in a collective
         lines.append("  where each stuck rank was:")
         lines += [f"    rank {r.rank}: {r.innermost_call()}" for r in hung]
     return lines
+
+
+def explain(record: failure.Failure, run_dir: Path) -> str:
+    """The record in one line; an out-of-memory also with what the memory model predicted for
+    the run's recipe (RUN_DIR/recipe.yaml, as the ranks resolved it) and what would fit."""
+    if record.kind != "oom" or not record.memory:
+        return record.headline()
+    resolved = run_recipe(run_dir)
+    if resolved is None:
+        return f"{record.headline()}; no prediction: {run_dir / RECIPE} cannot be resolved"
+    return f"{record.headline()}; {memory_advice(record.memory, resolved)}"
+
+
+def run_recipe(run_dir: Path) -> Resolved | None:
+    try:
+        return resolve_file(Path(run_dir) / RECIPE)
+    except (OSError, RecipeError):
+        return None
+
+
+def memory_advice(memory: dict, resolved: Resolved) -> str:
+    """The memory model's peak for `resolved` against what a rank measured when it ran out,
+    and the changes predicted to fit (search/memory_fixes.py)."""
+    peak = estimate(resolved)
+    where = f"pipeline rank {peak.pipeline_rank}, " if resolved.layout.pp > 1 else ""
+    said = f"the memory model predicts {size_text(peak.total)} ({where}at the {peak.peak_moment})"
+    capacity, needed = memory["capacity"], needed_bytes(memory)
+    limit = fit_limit(capacity=capacity, predicted=peak.total, needed=needed)
+    if peak.total <= limit:
+        return f"{said}, which fits: the rest went {_outside_the_model(memory)}"
+    beyond = needed - peak.total
+    if limit <= 0:  # one allocation larger than the device: no layout change makes room
+        return (f"{said}, but the rank needed {size_text(needed)}, {size_text(beyond)} beyond it "
+                f"and more than the device holds: look at the allocation in the traceback")
+    less = f", less the {size_text(beyond)} measured beyond the prediction" if beyond > 0 else ""
+    under = f"{size_text(limit)} ({1 - HEADROOM:.0%} of {size_text(capacity)}{less})"
+    fixes = memory_fixes(resolved, limit)
+    if not fixes:
+        return (f"{said}; no change of activation checkpointing, micro-batch or ZeRO stage is "
+                f"predicted under {under}: `dsforge plan --search` finds layouts that fit "
+                "(tp, pp, more GPUs)")
+    shown = "; or ".join(f"{fix.overrides()} ({size_text(fix.predicted)})" for fix in fixes)
+    return f"{said}. Fix, each predicted under {under}: {shown}"
+
+
+def _outside_the_model(memory: dict) -> str:
+    if memory.get("reserved") is not None:  # CUDA: torch's caching allocator
+        return ("outside it (another process on the GPU, or fragmentation: "
+                f"{size_text(memory['reserved'])} reserved). Fix: check nvidia-smi, or set "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    return ("outside it (other processes on the host). Fix: free the host's memory, or run fewer "
+            "ranks on it")

@@ -18,6 +18,7 @@ from pathlib import Path
 from dsforge.lock import Busy, Lock, hold_directory
 
 JOB_LOG = "job.log"
+RECIPE = "recipe.yaml"  # the resolved recipe, as the ranks wrote it
 
 
 class RunDirError(ValueError):

@@ -26,6 +26,7 @@ from dsforge.launch.diagnose import write_pid
 from dsforge.launch.env import check_names
 from dsforge.launch.job import JobSpec
 from dsforge.launch.owner import owner_alive, watch_owner
+from dsforge.launch.run_dir import RECIPE
 from dsforge.runtime import failure
 from dsforge.runtime.preempt import StopRequest, Stopped
 from dsforge.runtime.build_locks import clear_stale_locks
@@ -74,14 +75,20 @@ def threads_per_rank(environ=os.environ) -> int | None:
 
 
 # Failure drills for tests and for checking a cluster's failure handling:
-# DSFORGE_INJECT_FAULT=KIND:RANK:STEP. raise | hang | exit act when RANK starts STEP;
+# DSFORGE_INJECT_FAULT=KIND:RANK:STEP. raise | hang | exit | oom | build act when RANK starts
+# STEP: oom raises torch's out-of-memory error, as a GPU's allocator does; build runs the first
+# part of DeepSpeed's JIT build of its CUDA FusedAdam op (its architecture flags, from
+# TORCH_CUDA_ARCH_LIST or the GPUs), which fails as on a GPU where that list is one DeepSpeed
+# cannot read, and does nothing where the build would get past it;
 # save-exit kills RANK while it saves the checkpoint of STEP, after writing its files.
 # Preemption drills: stop sends SIGTERM to the `dsforge run` that started the job (to the
 # rank itself without one on this host) when RANK starts STEP, stop-save the same while RANK
 # saves the checkpoint of STEP; stop-eval sends SIGUSR1 to RANK's supervisor only
 # (a `kill` of the process a launcher started) before RANK's first validation batch after STEP.
 FAULT_ENV = "DSFORGE_INJECT_FAULT"
-FAULT_KINDS = ("raise", "hang", "exit", "save-exit", "stop", "stop-eval", "stop-save")
+FAULT_KINDS = ("raise", "hang", "exit", "oom", "build", "save-exit", "stop", "stop-eval",
+               "stop-save")
+_STEP_FAULTS = ("raise", "hang", "exit", "oom", "build")  # act when a step starts
 
 
 def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
@@ -94,14 +101,38 @@ def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
 
 
 def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> None:
-    if fault is None or fault[0] not in ("raise", "hang", "exit") or (fault[1], fault[2]) != (rank, step):
+    if fault is None or fault[0] not in _STEP_FAULTS or (fault[1], fault[2]) != (rank, step):
         return
     if fault[0] == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if fault[0] == "oom":
+        import torch
+
+        raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at step {step}")
+    if fault[0] == "build":
+        _arch_flags_as_deepspeed_builds_them()
+        return
     if fault[0] == "exit":
         os._exit(7)
     while True:  # hang: the watchdog (or the job timeout) has to end it
         time.sleep(1)
+
+
+def _arch_flags_as_deepspeed_builds_them() -> None:
+    """DeepSpeed's CUDA FusedAdam builder in its JIT mode computes the nvcc architecture flags
+    (op_builder/builder.py compute_capability_args), which rewrites TORCH_CUDA_ARCH_LIST;
+    jit_load restores it afterwards, and so does this."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    try:
+        builder.compute_capability_args()
+    finally:
+        os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        if saved is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved
 
 
 def _save_fault(fault, owner: str = "", request: StopRequest | None = None):
@@ -196,14 +227,13 @@ def run_rank(job: JobSpec) -> None:
 
 def _report_failure(job: JobSpec, rank: int, step: int, exc: Exception,
                     console: RankConsole) -> None:
-    """The failure record, one line for the user, the whole traceback for the log."""
+    """The failure record, one line for the user, the whole traceback for the log (stderr,
+    which `dsforge run` writes to RUN_DIR/job.log)."""
     detail = traceback.format_exc()
-    message = traceback.format_exception_only(exc)[-1].strip()
-    record = failure.Failure(rank=rank, step=step, kind=failure.kind_of(exc), message=message,
-                             detail=detail)
+    record = failure.record_for(exc, rank=rank, step=step, detail=detail)
     failure.write(Path(job.run_dir), record)
     console.say(f"dsforge: {record.headline()}")
-    print(f"dsforge: rank {rank} failed at step {step}:\n{detail}", file=sys.stderr, flush=True)
+    print(f"dsforge: {record.headline()}\n{detail}", file=sys.stderr, flush=True)
 
 
 def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
@@ -250,7 +280,7 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
 def _write_recipe(run_dir: Path, text: str, rank: int) -> Path:
     """RUN_DIR/recipe.yaml on this node (ranks of one node write the same text, atomically)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "recipe.yaml"
+    path = run_dir / RECIPE
     partial = run_dir / f".recipe.yaml.rank{rank}"
     partial.write_text(text)
     os.replace(partial, path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsforge.launch.diagnose import describe_code, failure_report, launcher_exit_codes, write_pid
+from dsforge.launch.diagnose import describe_code, explain, failure_report, launcher_exit_codes, write_pid
 from dsforge.launch.job import Placement, remote_shell_problems
 from dsforge.runtime import failure
 
@@ -55,3 +55,107 @@ def test_working_directory_and_python_must_be_plain_for_remote_shells():
         {"Python executable": "/opt/my env/python"}
     # without a hostfile nothing reaches a shell: the local launcher passes argument lists
     assert remote_shell_problems(Placement(world_size=2), cwd="/tmp/$(x)", python="/p") == []
+
+
+# Failures a record explains: one line, the traceback left in the job log.
+
+GiB = 2**30
+H200_OOM = {"source": "cuda max_memory_allocated", "peak": 133 * GiB, "allocated": 131 * GiB,
+            "reserved": 138 * GiB, "capacity": int(140.4 * GiB), "device": "NVIDIA H200",
+            "requested": 4 * GiB}
+NO_CHECKPOINTING = ["train.activation_checkpointing=none", "train.micro_batch=2", "train.grad_accum=4"]
+TRACE = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\nValueError: boom\n'
+
+
+def _run_dir_of(tmp_path, recipe: str, overrides=()):
+    """A run directory with the resolved recipe the ranks write (runtime/rank.py)."""
+    from dsforge.recipe import resolve_file
+    from dsforge.recipe.loader import dump_recipe
+    from tests.conftest import REPO
+
+    resolved = resolve_file(REPO / "recipes" / recipe, overrides)
+    (tmp_path / "recipe.yaml").write_text(dump_recipe(resolved.recipe))
+    return tmp_path
+
+
+def test_a_build_failure_is_one_line_without_its_traceback(tmp_path):
+    failure.write(tmp_path, failure.Failure(
+        rank=0, step=-1, kind="build", message="ValueError: invalid literal", detail=TRACE,
+        what="DeepSpeed's fused_adam op", cause="TORCH_CUDA_ARCH_LIST='9.0a' cannot be parsed",
+        fix="export TORCH_CUDA_ARCH_LIST='9.0' before dsforge run"))
+    report = failure_report(tmp_path, 1, done_ranks=set())
+    assert ("  first failure: rank 0 failed building DeepSpeed's fused_adam op before its first "
+            "step: TORCH_CUDA_ARCH_LIST='9.0a' cannot be parsed. Fix: export "
+            f"TORCH_CUDA_ARCH_LIST='9.0' before dsforge run; traceback in {tmp_path / 'job.log'}") \
+        in report.splitlines()
+    assert "Traceback" not in report and "x.py" not in report
+
+
+def test_an_exception_still_shows_the_end_of_its_traceback(tmp_path):
+    failure.write(tmp_path, failure.Failure(rank=0, step=2, kind="exception",
+                                            message="ValueError: boom", detail=TRACE))
+    assert 'File "x.py", line 1, in f' in failure_report(tmp_path, 1, done_ranks=set())
+
+
+def test_an_out_of_memory_against_the_prediction_with_the_fixes_that_fit(tmp_path):
+    """The H200 7B without checkpointing at micro-batch 2: predicted 135.7 GiB of 140.4."""
+    run_dir = _run_dir_of(tmp_path, "7b_1gpu.yaml", NO_CHECKPOINTING)
+    failure.write(run_dir, failure.Failure(rank=0, step=3, kind="oom", detail=TRACE,
+                                           message="torch.OutOfMemoryError: CUDA out of memory.",
+                                           memory=H200_OOM))
+    report = failure_report(run_dir, 1, done_ranks=set())
+    line = next(line for line in report.splitlines() if "first failure" in line)
+    assert line == (
+        "  first failure: rank 0 ran out of memory at step 3: measured peak 133.0 GiB (cuda "
+        "max_memory_allocated, 138.0 GiB reserved) of 140.4 GiB (NVIDIA H200); 4.0 GiB more "
+        "requested; the memory model predicts 135.7 GiB (at the backward). Fix, each predicted "
+        "under 126.4 GiB (90% of 140.4 GiB): --set train.micro_batch=1 --set train.grad_accum=8 "
+        "(118.9 GiB); or --set train.activation_checkpointing=full (106.9 GiB); traceback in "
+        f"{run_dir / 'job.log'}")
+    assert "Traceback" not in report
+
+
+def test_an_out_of_memory_the_model_does_not_explain(tmp_path):
+    """Predicted to fit: the memory went to another process or the allocator's fragments."""
+    run_dir = _run_dir_of(tmp_path, "7b_1gpu.yaml")  # as shipped: 106.9 GiB
+    memory = {**H200_OOM, "peak": 100 * GiB, "allocated": 100 * GiB, "requested": 2 * GiB}
+    advice = explain(failure.Failure(rank=0, step=3, kind="oom", message="m", memory=memory), run_dir)
+    assert advice.endswith("the memory model predicts 106.9 GiB (at the optimizer step), which fits: "
+                           "the rest went outside it (another process on the GPU, or "
+                           "fragmentation: 138.0 GiB reserved). Fix: check nvidia-smi, or set "
+                           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+
+
+def test_an_out_of_memory_nothing_simple_fixes_or_without_a_recipe(tmp_path):
+    record = failure.Failure(rank=0, step=3, kind="oom", message="m",
+                             memory={**H200_OOM, "capacity": 40 * GiB})
+    assert explain(record, tmp_path).endswith(f"no prediction: {tmp_path / 'recipe.yaml'} "
+                                              "cannot be resolved")
+    run_dir = _run_dir_of(tmp_path, "7b_1gpu.yaml", NO_CHECKPOINTING)
+    assert explain(record, run_dir).endswith(
+        "the memory model predicts 135.7 GiB (at the backward); no change of activation "
+        "checkpointing, micro-batch or ZeRO stage is predicted under 36.0 GiB (90% of 40.0 GiB): "
+        "`dsforge plan --search` finds layouts that fit (tp, pp, more GPUs)")
+
+
+def test_bench_reasons_carry_the_cause_and_the_prediction(tmp_path):
+    from dsforge.bench.run import classify
+
+    run_dir = _run_dir_of(tmp_path, "7b_1gpu.yaml", NO_CHECKPOINTING)
+    failure.write(run_dir, failure.Failure(rank=0, step=3, kind="oom", message="m", memory=H200_OOM))
+    status, reason = classify(1, run_dir)
+    assert status == "oom" and "the memory model predicts 135.7 GiB" in reason
+    build = tmp_path / "build"
+    failure.write(build, failure.Failure(rank=0, step=-1, kind="build", message="ValueError: x",
+                                         what="DeepSpeed's fused_adam op", cause="c", fix="f"))
+    assert classify(1, build) == ("crashed", "rank 0 failed building DeepSpeed's fused_adam op "
+                                             "before its first step: c. Fix: f")
+
+
+def test_one_allocation_larger_than_the_device(tmp_path):
+    run_dir = _run_dir_of(tmp_path, "7b_1gpu.yaml")
+    memory = {**H200_OOM, "peak": GiB, "allocated": GiB, "requested": 280 * GiB}
+    advice = explain(failure.Failure(rank=0, step=0, kind="oom", message="m", memory=memory), run_dir)
+    assert advice.endswith("the memory model predicts 106.9 GiB (at the optimizer step), but the "
+                           "rank needed 281.0 GiB, 174.1 GiB beyond it and more than the device "
+                           "holds: look at the allocation in the traceback")
