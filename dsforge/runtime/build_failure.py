@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+from dsforge.launch.build_env import deepspeed_reads, map_arch_list
+
 # Path pieces (with "/" separators) of the code that builds: a frame of one of them on the stack
 # means the failure happened while building. Not the code that runs what was built: a compiled
 # graph runs under torch/_dynamo/eval_frame.py and launches its kernels through
@@ -31,8 +33,6 @@ _TRITON_ERRORS = ("triton.compiler.", "triton.runtime.errors.")
 _COMPILE_ERRORS = ("torch._dynamo.exc.", "torch._inductor.exc.")
 # DeepSpeed's builder reads every TORCH_CUDA_ARCH_LIST entry as MAJOR.MINOR[+PTX]
 # (builder.py compute_capability_args, int() of each part); anything else kills the build.
-_DEEPSPEED_ARCH = re.compile(r"\d+\.\d+(\+PTX)?")
-_ARCH_ENTRY = re.compile(r"(?:sm_|compute_)?(\d+?)\.?(\d)[a-z]?(\+PTX)?", re.IGNORECASE)
 # The first error a compiler printed (gcc, clang, nvcc: "file:line:col: error: ...").
 _COMPILER_ERROR = re.compile(r"^.*\berror:.*$", re.MULTILINE | re.IGNORECASE)
 SHOWN_CHARS = 200  # longest piece of an error message a cause quotes
@@ -117,7 +117,7 @@ def _op_cause(what: str, evidence: Evidence, env: Mapping[str, str],
 def _op_environment(evidence: Evidence, env: Mapping[str, str]) -> tuple[str, str] | None:
     text = _text(evidence)
     arch = env.get("TORCH_CUDA_ARCH_LIST")
-    if arch is not None and "invalid literal for int()" in text and not arch_list_readable(arch):
+    if arch is not None and "invalid literal for int()" in text and not deepspeed_reads(arch):
         return _arch_list(arch)
     for check in (_unknown_arch, _cuda_mismatch, _compiler, _no_toolkit, _no_ninja, _no_arch_list):
         found = check(text, env)
@@ -129,7 +129,11 @@ def _op_environment(evidence: Evidence, env: Mapping[str, str]) -> tuple[str, st
 def _arch_list(value: str) -> tuple[str, str]:
     cause = (f"TORCH_CUDA_ARCH_LIST={value!r} cannot be parsed by DeepSpeed's op builder, which "
              "reads each entry as MAJOR.MINOR[+PTX]")
-    return cause, f"export TORCH_CUDA_ARCH_LIST={readable_arch_list(value)!r} before dsforge run"
+    mapped = map_arch_list(value)
+    if mapped.unreadable:
+        return cause, ("set TORCH_CUDA_ARCH_LIST to the GPUs' architectures as MAJOR.MINOR, "
+                       "e.g. '9.0' for H100/H200")
+    return cause, f"export TORCH_CUDA_ARCH_LIST={mapped.mapped!r} before dsforge run"
 
 
 def _unknown_arch(text: str, env: Mapping[str, str]) -> tuple[str, str] | None:
@@ -141,23 +145,6 @@ def _unknown_arch(text: str, env: Mapping[str, str]) -> tuple[str, str] | None:
     return (f"TORCH_CUDA_ARCH_LIST={value!r} names {match[1]!r}, an architecture torch's "
             "extension builder does not know",
             "set TORCH_CUDA_ARCH_LIST to the GPUs' architectures, e.g. '9.0' for H100/H200")
-
-
-def readable_arch_list(value: str) -> str:
-    """`value` in entries DeepSpeed's builder reads: "9.0a" -> "9.0", "sm_90a" -> "9.0",
-    "8.0;9.0a+PTX" -> "8.0;9.0+PTX" (an arch-specific target builds for its base arch)."""
-    entries = []
-    for entry in re.split(r"[;\s]+", value.strip()):
-        match = _ARCH_ENTRY.fullmatch(entry)
-        readable = f"{match[1]}.{match[2]}{match[3] or ''}" if match else entry
-        if entry and readable not in entries:
-            entries.append(readable)
-    return ";".join(entries)
-
-
-def arch_list_readable(value: str) -> bool:
-    """Whether DeepSpeed's op builder can read every entry of TORCH_CUDA_ARCH_LIST."""
-    return all(_DEEPSPEED_ARCH.fullmatch(e) for e in re.split(r"[;\s]+", value.strip()) if e)
 
 
 def _cuda_mismatch(text: str, env: Mapping[str, str]) -> tuple[str, str] | None:

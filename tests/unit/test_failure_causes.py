@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dsforge.runtime import failure, oom
-from dsforge.runtime.build_failure import (BuildCause, Evidence, Frame, Raised, arch_list_readable,
-                                           diagnose, readable_arch_list)
+from dsforge.launch.build_env import deepspeed_reads, map_arch_list
+from dsforge.runtime.build_failure import BuildCause, Evidence, Frame, Raised, diagnose
 
 SITE = "/usr/lib/python3.11/site-packages"
 BUILDER = Frame(f"{SITE}/deepspeed/ops/op_builder/builder.py", "jit_load", "fused_adam")
@@ -91,8 +91,9 @@ def test_a_compiler_error_from_torchs_extension_loader(tmp_path, monkeypatch):
     ("sm_100a", "10.0"), ("10.0f", "10.0"), ("9.0", "9.0"), ("8.0;8.0a", "8.0"),
 ])
 def test_arch_lists_deepspeed_can_read(value, readable):
-    assert readable_arch_list(value) == readable and arch_list_readable(readable)
-    assert arch_list_readable(value) == (value == readable)
+    """The fix a build failure names is launch/build_env.py's mapping (one rule for both)."""
+    assert map_arch_list(value).mapped == readable and deepspeed_reads(readable)
+    assert deepspeed_reads(value) == (value == readable)
 
 
 @pytest.mark.parametrize("raised, expected", [
