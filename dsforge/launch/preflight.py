@@ -96,8 +96,9 @@ def version_problems(host: str, remote: dict, local: dict) -> list[Problem]:
 def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
               python: str = sys.executable, fit=None) -> list[Problem]:
     """Every problem with the hosts of `hostfile` (no errors: ready to launch). With `fit`
-    = (resolved recipe, --device), each host's slots must also fit its GPUs or memory, and the
-    host must be able to build the DeepSpeed ops its ranks build (launch/build_env.py)."""
+    = (resolved recipe, --device), each host's slots must also fit its GPUs or memory, the
+    host must be able to build the DeepSpeed ops its ranks build (launch/build_env.py), and
+    its ranks' device must run the recipe's kernels (K1, translate/kernels.py)."""
     hosts = list(hostfile.hostnames)
     local = package_versions()
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
@@ -115,9 +116,12 @@ def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
 
 def _fit(host: str, slots: int, probed: dict, fit) -> list[Problem]:
     from dsforge.launch.fit import Machine, device_for, fit_problems
+    from dsforge.translate.kernels import device_problems
 
     resolved, device = fit
     machine = Machine.from_probe(host, probed)
     if machine.build is not None:
         machine = replace(machine, build=machine.build.forwarded(os.environ))
-    return fit_problems(resolved, machine, device=device_for(device, machine), ranks=slots)
+    device = device_for(device, machine)
+    return (device_problems(resolved.recipe.model, device=device)
+            + fit_problems(resolved, machine, device=device, ranks=slots))
