@@ -23,6 +23,8 @@ from dsforge.search.memory_fixes import zero_at_stage
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.groups import rank_groups
+from dsforge.translate.kernels import choose_kernels, liger_installed
+from dsforge.translate.optimizer import adam_impl, ops_built_at_run_time
 from dsforge.translate.megatron import gpt_model_kwargs, parallel_state_kwargs, transformer_config_kwargs
 
 GiB = 1024**3
@@ -48,6 +50,7 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
     flops = flops_per_token(model, train.seq_len, train.activation_checkpointing)
     memory = estimate_memory(model=model, train=train, zero=zero, layout=layout)
     warnings = [str(p) for p in resolved.warnings]
+    kernels = choose_kernels(model, device=device, liger_available=liger_installed())
     plan = {
         "name": recipe.name,
         "layout": {**dataclasses.asdict(layout), "num_microbatches": layout.num_microbatches},
@@ -58,9 +61,13 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
         "megatron": {
             "parallel_state": parallel_state_kwargs(layout),
             "transformer_config": transformer_config_kwargs(model=model, train=train, layout=layout,
-                                                            device=device),
+                                                            device=device, kernels=kernels.impl),
             "gpt_model": gpt_model_kwargs(model=model, layout=layout),
         },
+        "implementations": {
+            "adam": adam_impl(train=train, zero=zero, device=device),
+            "built_at_run_time": list(ops_built_at_run_time(train=train, zero=zero, device=device)),
+            "kernels": kernels.impl, "kernels_why": kernels.why, "sdpa_backend": model.sdpa_backend},
         "params": {"total": params.total, "active": params.active,
                    "padded_vocab_size": padded_vocab_size(model.vocab_size, layout.tp)},
         "flops_per_token": flops.model,
@@ -151,7 +158,19 @@ def _render_layout(plan: dict[str, Any]) -> str:
             f" (x cp {lay['cp']}); vpp {lay['vpp']}; ep {lay['ep']} (etp {lay['etp']}, expert-dp {lay['edp']})\n"
             f"  sequence parallel: {'on' if lay['sequence_parallel'] else 'off'}; schedule: {lay['schedule']}\n"
             f"  batch: global {lay['global_batch']} = micro {lay['micro_batch']} x grad_accum "
-            f"{lay['grad_accum']} x dp {lay['dp']}; {lay['num_microbatches']} microbatches per step")
+            f"{lay['grad_accum']} x dp {lay['dp']}; {lay['num_microbatches']} microbatches per step\n"
+            + _render_implementations(plan["implementations"]))
+
+
+_ADAM = {"fused": "torch's fused AdamW", "foreach": "torch's foreach AdamW",
+         "for-loop": "torch's for-loop AdamW", "deepspeed": "DeepSpeed's own Adam op"}
+
+
+def _render_implementations(impl: dict[str, Any]) -> str:
+    built = ", ".join(impl["built_at_run_time"])
+    builds = f"builds {built} when the ranks start" if built else "builds nothing at run time"
+    return (f"  optimizer: {_ADAM[impl['adam']]} ({builds}); kernels: {impl['kernels']} "
+            f"({impl['kernels_why']}); attention: SDPA {impl['sdpa_backend']}")
 
 
 def _on_off(flag: bool) -> str:

@@ -46,8 +46,8 @@ def choose_kernels(model: ModelConfig, *, device: str, liger_available: bool) ->
     if device != "cuda":
         return KernelChoice("torch", "auto: Liger's Triton kernels need a GPU")
     if not liger_available:
-        return KernelChoice("torch", "auto: liger-kernel is not installed "
-                                     "(pip install 'dsforge[gpu]' for its fused kernels)")
+        return KernelChoice("torch", "auto: liger-kernel is not installed; "
+                                     "pip install 'dsforge[gpu]' for its fused kernels")
     return KernelChoice("liger", "auto: GPU ranks and liger-kernel installed")
 
 
