@@ -203,9 +203,11 @@ def test_the_fp32_gradient_is_made_in_the_step_not_held_through_the_backward(sta
     assert s.step_grads == pytest.approx(2 * psi / n)
     assert s.step_buffers == pytest.approx(6 * psi / n)
     assert model_states(psi, stage=stage, shards=n, precision="fp32").step_buffers == 4 * psi / n
-    # ZeRO-0 in bf16 or fp16 is FP16_Optimizer: fp32 copies of every gradient, then their flat
+    # ZeRO-0 in bf16 or fp16: around torch's AdamW FP16_UnfusedOptimizer, an fp32 copy of every
+    # gradient; around DeepSpeed's FusedAdam FP16_Optimizer, those copies and then their flat
     zero0 = model_states(psi, stage=0, shards=n)
-    assert zero0.step_grads == 2 * psi and zero0.step_buffers == 8 * psi
+    assert zero0.step_grads == 2 * psi and zero0.step_buffers == 4 * psi
+    assert model_states(psi, stage=0, shards=n, flat_fp32_grads=True).step_buffers == 8 * psi
     assert model_states(psi, stage=0, shards=n, precision="fp32").step_buffers == 0
 
 
@@ -285,3 +287,13 @@ def test_zero3_keeps_its_bucket_through_the_optimizer_step():
     assert zero2.step_bucket == 0 < zero2.bucket
     assert zero3.step_total == pytest.approx(zero3.params + zero3.optimizer + zero3.step_grads
                                              + zero3.step_buffers + zero3.bucket)
+
+
+@pytest.mark.parametrize("impl, flat", [("auto", False), ("fused", False), ("for-loop", False),
+                                        ("deepspeed", True)])
+def test_zero0_wrapper_follows_the_adam_implementation(impl, flat):
+    """Only DeepSpeed's FusedAdam gets FP16_Optimizer (engine._configure_fp16_optimizer), whose
+    flat fp32 gradient the ZeRO-0 step adds; translate/optimizer.py asks for it with `deepspeed`."""
+    from dsforge.estimate.memory import zero0_flattens
+
+    assert zero0_flattens(make_recipe(f"train.adam_impl={impl}").train) is flat
