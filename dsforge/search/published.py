@@ -178,7 +178,8 @@ def _kf(ref: str, label: str, model: Model, gpus: int, tp: int, micro: int, accu
 
 _FSDP_ONE_GPU = ("FSDP2 keeps fp32 weights, fp32 gradients and AdamW's state: 16 bytes a parameter; "
                  "DeepSpeed's ZeRO-0, the layout scored, keeps 16 through the backward, then in the "
-                 "optimizer step converts every 16-bit gradient to fp32 and flattens them (8 more); "
+                 "optimizer step gives every fp32 master weight an fp32 copy of its gradient (4 more: "
+                 "torch's AdamW in DeepSpeed's FP16_UnfusedOptimizer); "
                  "ZeRO-3 on the one GPU would add only one 1e9 sub-group's (docs/search.md, "
                  "\"First choices\")")
 
