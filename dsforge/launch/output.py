@@ -8,10 +8,14 @@ reporting rank's step events, and the summary. `verbose` also echoes every other
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, TextIO
 
 from dsforge.console import parse
+
+# "dsforge: rank 3 failed building ...": every rank of a job may say the same thing.
+_RANK_LINE = re.compile(r"dsforge: rank (\d+) (.*)")
 
 
 class JobView:
@@ -22,6 +26,8 @@ class JobView:
         self.done_ranks: set[int] = set()  # ranks that reported completing their part
         # rank -> (steps done, why) for ranks that stopped early with a checkpoint
         self.stopped_ranks: dict[int, tuple[int, str]] = {}
+        # what a rank said (without its number) -> the other ranks that said it too, unshown
+        self._repeated: dict[str, list[int]] = {}
 
     def feed(self, line: str) -> None:
         """One line of the launcher's output (without its newline)."""
@@ -33,7 +39,7 @@ class JobView:
         if event["kind"] == "progress":
             self._progress(event)
         elif event["kind"] == "line":
-            self._write(str(event.get("text", "")))
+            self._say(str(event.get("text", "")))
         elif event["kind"] == "done":
             self.done_ranks.add(int(event["rank"]))
         elif event["kind"] == "stopped":
@@ -43,6 +49,24 @@ class JobView:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        for said, ranks in self._repeated.items():
+            if ranks:
+                shown = said if len(said) <= 80 else said[:80] + "..."
+                self._write(f"dsforge: rank{'s' if len(ranks) > 1 else ''} "
+                            f"{_ranks_text(ranks)} said the same: {shown}")
+        self._repeated.clear()
+
+    def _say(self, text: str) -> None:
+        """A rank's line, unless another rank said the same before (shown once, at close, as
+        which ranks repeated it: 8 GPUs failing one build make one line, not 8)."""
+        match = _RANK_LINE.fullmatch(text)
+        if match is None:
+            self._write(text)
+        elif match[2] in self._repeated:
+            self._repeated[match[2]].append(int(match[1]))
+        else:
+            self._repeated[match[2]] = []
+            self._write(text)
 
     def _write(self, text: str) -> None:
         self.lines_shown.append(text)
@@ -62,3 +86,8 @@ class JobView:
                              unit="step", dynamic_ncols=True, file=self.out)
         self._bar.set_postfix_str(str(event.get("postfix", "")), refresh=False)
         self._bar.update(step - self._bar.n)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, sorted(ranks)[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")

@@ -272,9 +272,12 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
         inject_fault(fault, rank, step)
         stop_drill.before(step)
 
-    return train_loop(trainer, before_step=before_step, after_steps=watchdog.disarm,
-                      save_fault=_save_fault(fault, job.owner, stop_request),
-                      stopper=Stopper(stop_request, budget, device=device))
+    try:
+        return train_loop(trainer, before_step=before_step, after_steps=watchdog.disarm,
+                          save_fault=_save_fault(fault, job.owner, stop_request),
+                          stopper=Stopper(stop_request, budget, device=device))
+    finally:  # the step a failing rank was on, even when it fails within the write interval
+        heartbeat.flush()
 
 
 def _write_recipe(run_dir: Path, text: str, rank: int) -> Path:

@@ -57,3 +57,20 @@ def test_plain_rank_console_prints_text(capsys):
     console = RankConsole(marked=False)
     console.say("dsforge: plain")
     assert capsys.readouterr().err == "dsforge: plain\n"
+
+
+def test_what_every_rank_says_is_shown_once():
+    """Eight ranks failing the same build make one line and one that names the others."""
+    out = io.StringIO()
+    view = JobView(out=out)
+    for rank in range(8):
+        view.feed(MARK + f'{{"kind": "line", "text": "dsforge: rank {rank} failed building '
+                         f'fused_adam before its first step: TORCH_CUDA_ARCH_LIST"}}')
+    view.feed(MARK + '{"kind": "line", "text": "dsforge: rank 2 ran out of memory at step 3"}')
+    view.close()
+    assert view.lines_shown == [
+        "dsforge: rank 0 failed building fused_adam before its first step: TORCH_CUDA_ARCH_LIST",
+        "dsforge: rank 2 ran out of memory at step 3",
+        "dsforge: ranks 1, 2, 3, 4, 5, 6, 7 said the same: failed building fused_adam before its "
+        "first step: TORCH_CUDA_ARCH_LIST",
+    ]
