@@ -4,7 +4,9 @@ For each recipe: the matrix products of one transformer layer and of the output 
 the three shapes a training step runs them (nn.Linear layout, weight [out, in]: forward
 X W^T, input gradient dY W, weight gradient dY^T X), timed in bf16 with CUDA events (median of
 `reps` after warm-up, random inputs), and torch's scaled_dot_product_attention, causal, forward
-and backward, with the KV heads expanded as dsforge's attention does (runtime/layers.py).
+and backward, through dsforge's own attention module (runtime/layers.py) with each of
+`model.sdpa_backend`'s kernels (flash, cudnn, efficient, torch's choice): the SDPA backend
+comparison at the models' shapes.
 The FLOP-weighted throughput of all of a step's products over the GPU's peak is the figure to
 compare with `compute_efficiency` in dsforge/search/profile.py (the share of peak the step-time
 model assumes the model's GEMMs reach).
@@ -84,23 +86,42 @@ def time_gemm(g: Gemm, device: torch.device, dtype: torch.dtype, reps: int, warm
     return {name: median_seconds(fn, device, reps, warmup) for name, fn in passes.items()}
 
 
+# dsforge's model.sdpa_backend choices timed here; "auto" leaves the kernel to torch.
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "auto")
+
+
 def time_attention(model, micro_batch: int, seq: int, device, dtype, reps: int, warmup: int,
-                   divisor: int = 1) -> dict:
-    """Causal SDPA forward + backward; FLOPs counted as dsforge does (full s x s matrix:
-    12 b s^2 heads d), about twice what a causal flash kernel computes."""
-    heads, d = model.num_attention_heads, max(model.head_dim // divisor, 1)
-    shape = (micro_batch, heads, seq, d)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(shape, device=device, dtype=dtype)
+                   divisor: int = 1, backends: tuple[str, ...] = SDPA_BACKENDS) -> dict:
+    """dsforge's core attention (runtime/layers.py SDPAttention: causal, grouped KV heads as
+    they are, Megatron's [seq, batch, heads, dim] layout), forward and backward, with each
+    `model.sdpa_backend`; FLOPs counted as dsforge does (full s x s matrix: 12 b s^2 heads d),
+    about twice what a causal kernel computes. A backend torch has no kernel for at these
+    shapes is recorded with its error."""
+    from types import SimpleNamespace
 
-    def step():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.backward(grad)
+    from dsforge.runtime.layers import SDPAttention
 
-    seconds = median_seconds(step, device, reps, warmup)
+    heads, groups, d = model.num_attention_heads, model.query_groups, max(model.head_dim // divisor, 1)
+    q = torch.randn(seq, micro_batch, heads, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(seq, micro_batch, groups, d, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    grad = torch.randn(seq, micro_batch, heads * d, device=device, dtype=dtype)
     flops = 12.0 * micro_batch * seq * seq * heads * d
-    return {"shape_bhsd": list(shape), "seconds": seconds, "flops_full_matrix": flops,
-            "tflops_full_matrix": flops / seconds / 1e12}
+    timed = {}
+    for name in backends:
+        attention = SDPAttention(SimpleNamespace(attention_dropout=0.0), 1, None, None, sdpa_backend=name)
+
+        def step():
+            attention(q, k, v, None).backward(grad)
+
+        try:
+            seconds = median_seconds(step, device, reps, warmup)
+        except RuntimeError as exc:  # no kernel for these inputs: the finding
+            timed[name] = {"error": str(exc).splitlines()[0][:200]}
+            continue
+        timed[name] = {"seconds": seconds, "tflops_full_matrix": flops / seconds / 1e12}
+    return {"shape_sbhd": [seq, micro_batch, heads, d], "kv_heads": groups,
+            "flops_full_matrix": flops, "backends": timed}
 
 
 def measure_model(recipe: str, device: torch.device, dtype: torch.dtype,
@@ -159,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for entry in result["models"]:
         share = f"{entry['share_of_peak']:.1%}" if entry["share_of_peak"] is not None else "n/a"
-        print(f"{entry['recipe']}: GEMMs {entry['tflops']:.1f} TFLOP/s ({share} of peak), "
-              f"attention {entry['attention']['tflops_full_matrix']:.1f} TFLOP/s (full-matrix count)")
+        attention = ", ".join(f"{name} {t['tflops_full_matrix']:.1f}" if "error" not in t else f"{name} -"
+                              for name, t in entry["attention"]["backends"].items())
+        print(f"{entry['recipe']}: GEMMs {entry['tflops']:.1f} TFLOP/s ({share} of peak); attention "
+              f"TFLOP/s (full-matrix count): {attention}")
     return 0
 
 

@@ -2,22 +2,26 @@
 """The dsforge GPU kit's driver (benchmarks/gpu/README.md).
 
     python3 benchmarks/gpu/kit.py [--dry-run] [--out DIR] [--gpu KEY] [--budget S] MEASUREMENT...
-    python3 benchmarks/gpu/kit.py --list            # measurements, calls, estimated durations
+    python3 benchmarks/gpu/kit.py --list            # selections, measurements, estimates
     python3 benchmarks/gpu/kit.py --check-wheels    # what build_kit.sh built
 
-MEASUREMENT is a name from kit_plan.MEASUREMENTS, `callN` (one device-tool call's worth) or
-`all`. On the GPU machine (run.sh calls this) the steps run one after another from the
-repository root: install the carried wheels, check the environment, then the measurements, each
-within what is left of the call's budget (a step that no longer fits is skipped and says so).
-Everything lands in --out (the device tool's $OUT; at most 8 files come back): table.md,
-results.json, kit.log, kit-files.tar.gz (logs, run directories' small files, bench databases
-and reports) and torch_extensions.tar.gz when DeepSpeed built ops (carry it to the next call).
-The table is printed last.
+MEASUREMENT is a name from kit_plan.MEASUREMENTS, a selection (kit_plan.SELECTIONS:
+`essential`, `levers`, `sweeps`) or `all`. On the GPU machine (run.sh calls this) the steps run
+one after another from the repository root: install the carried wheels, check the environment,
+then the measurements, each within what is left of the command's budget (a step that no
+longer fits is skipped and says so). The steps run with the machine's environment as a user
+has it: the kit sets nothing dsforge itself does not (TORCH_CUDA_ARCH_LIST stays as the image
+sets it). Everything lands in --out (the device tool's $OUT): table.md, results.json, kit.log,
+kit-files.tar.gz (logs, run directories' small files, bench databases and reports) and
+torch_extensions.tar.gz when DeepSpeed built ops (carry it to the next command). The table is
+printed last.
 
 --dry-run needs no GPU: it checks the wheels and pins, every recipe and study the measurements
-use (valid for one GPU, fitting the H100 and H200 by dsforge's memory model), the calls'
-durations against the budget, prints the exact commands, and renders the table from invented
-inputs (GEMMs measured on the CPU at tiny shapes). Exit status 1 when a check fails.
+use (valid for one GPU, fitting the H100 and H200 by dsforge's memory model, no two runs
+alike), each selection's estimated duration against its limit (the essential one within one
+command of 8 minutes, install and environment included), prints the exact commands with the
+basis of each estimate, and renders the table from invented inputs (GEMMs measured on the CPU
+at tiny shapes). Exit status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -45,14 +49,14 @@ for _path in (str(KIT), str(REPO)):
 import kit_plan
 import kit_results
 import kit_wheels
-from kit_plan import CALL_BUDGET_S, CALLS, MEASUREMENTS, PLANNED_GPUS, Context, Step
+from kit_plan import CALL_BUDGET_S, MEASUREMENTS, PLANNED_GPUS, SELECTIONS, Context, Step
 
 GiB = 1024**3
 DEFAULT_WORK = Path("/tmp/dsforge-gpu-kit")
 EXTENSION_CACHE = kit_wheels.WHEELS / "cache" / "torch_extensions.tar.gz"
 ARCHIVE_FILE_LIMIT = 4 * 1024**2  # larger files stay out of kit-files.tar.gz
 RETURN_FILE_LIMIT = 16 * 1024**2  # the device tool's limit per returned file
-SAMPLED = ("pytest", "run", "bench")  # steps whose peak GPU memory nvidia-smi records
+SAMPLED = ("pytest", "run", "bench", "adam")  # steps whose peak GPU memory nvidia-smi records
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,18 +68,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu", choices=PLANNED_GPUS, help="plan for this GPU [detected; "
                                                             "h100 in a dry run]")
     parser.add_argument("--budget", type=float, default=CALL_BUDGET_S,
-                        help="seconds this call may take before steps are skipped")
+                        help="seconds this command may take before steps are skipped "
+                             f"[{CALL_BUDGET_S}; the essential command: {kit_plan.ESSENTIAL_BUDGET_S}]")
     parser.add_argument("--wheels", type=Path, default=kit_wheels.WHEELS)
     parser.add_argument("--imports", action="store_true",
                         help="dry run: also import dsforge's runtime (deepspeed, megatron-core) "
                              "and check every distribution it loads is carried or in the image")
-    parser.add_argument("--list", action="store_true", help="list the measurements and calls")
+    parser.add_argument("--list", action="store_true", help="list the selections and measurements")
     parser.add_argument("--check-wheels", action="store_true", help="check the wheels folder")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.command = shlex.join(["bash", "benchmarks/gpu/run.sh", *(sys.argv[1:] if argv is None else argv)])
     if args.list:
         print("\n".join(list_lines()))
         return 0
@@ -95,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def list_lines() -> list[str]:
     lines = []
-    for call, names in CALLS.items():
-        seconds = "; ".join(f"~{kit_plan.call_seconds(call, g) / 60:.1f} min on {g}" for g in PLANNED_GPUS)
-        lines.append(f"call{call} ({seconds}): {' '.join(names)}")
+    for selection, names in SELECTIONS.items():
+        seconds = "; ".join(f"~{kit_plan.selection_seconds(selection, g) / 60:.1f} min on {g}"
+                            for g in PLANNED_GPUS)
+        lines.append(f"{selection} ({seconds}, install and environment included): {' '.join(names)}")
         lines += [f"  {n}: {MEASUREMENTS[n].about}" for n in names]
     return lines
 
@@ -110,7 +117,9 @@ def wheel_check(folder: Path, with_tree: bool = True) -> tuple[list[str], list[s
     """Lines to print and the problems: pins against setup.cfg, the folder's wheels (absent is
     'not built', not a problem), their requirements, the size that travels."""
     pins = kit_wheels.read_pins()
-    problems = kit_wheels.pin_problems(pins, kit_wheels.setup_requirements())
+    pin_found = kit_wheels.pin_problems(pins, kit_wheels.setup_requirements(),
+                                        kit_wheels.extra_requirements())
+    problems = list(pin_found)
     report = kit_wheels.check_wheels(folder, kit_wheels.expected_wheels(pins))
     if report.state == "incomplete":
         problems += report.problems
@@ -121,8 +130,8 @@ def wheel_check(folder: Path, with_tree: bool = True) -> tuple[list[str], list[s
     if tree is not None and tree + report.bytes > kit_wheels.TREE_LIMIT_BYTES:
         problems.append("the working tree and the wheels exceed the device tool's 64 MiB")
     lines = kit_wheels.wheel_lines(report, pins, tree) + resolver
-    lines.append("pins: " + ("match setup.cfg" if not kit_wheels.pin_problems(
-        pins, kit_wheels.setup_requirements()) else "DO NOT match setup.cfg"))
+    lines.append("pins: " + ("match setup.cfg (install_requires and the gpu extra)"
+                             if not pin_found else "DO NOT match setup.cfg"))
     lines += [f"  problem: {p}" for p in problems]
     return lines, problems
 
@@ -141,16 +150,36 @@ def _resolver_lines(folder: Path, problems: list[str]) -> list[str]:
 
 def spec_check() -> tuple[list[str], list[str]]:
     """Every run of every measurement on each planned GPU: valid for one GPU, and fitting
-    where it is planned (a planned run that does not fit is a problem: the kit would skip it)."""
+    where it is planned (a planned run that does not fit is a problem: the kit would skip it);
+    no two runs planned on a GPU alike (a recipe changed to what its alternative measures)."""
     lines, problems = ["runs (world size 1; memory by dsforge's model, as dsforge plan --json):"], []
     for m in MEASUREMENTS.values():
         for spec in m.runs:
             for gpu in PLANNED_GPUS:
                 line, problem = _run_verdict(spec, gpu)
-                lines.append(f"  {m.name:7} {spec.label:26} {gpu}: {line}")
+                lines.append(f"  {m.name:10} {spec.label:26} {gpu}: {line}")
                 problems += [problem] if problem else []
+    problems += duplicate_runs() if not problems else []
     study_lines, study_problems = study_check()
     return lines + study_lines, problems + study_problems
+
+
+def duplicate_runs() -> list[str]:
+    """Runs of one selection planned on the same GPU whose resolved recipes are equal: one
+    of them measures nothing new (e.g. a recipe now ships what its alternative measured).
+    Each selection's table stands alone, so its comparisons are all made in one command;
+    across selections a configuration may repeat."""
+    problems = []
+    for selection, names in SELECTIONS.items():
+        for gpu in PLANNED_GPUS:
+            seen: dict = {}
+            for spec in (s for n in names for s in MEASUREMENTS[n].runs if gpu in s.gpus):
+                recipe = kit_plan.resolve_run(spec, gpu).recipe
+                if recipe in seen:
+                    problems.append(f"{spec.label} and {seen[recipe]} run the same recipe on {gpu} "
+                                    f"in {selection}; change one of them")
+                seen.setdefault(recipe, spec.label)
+    return problems
 
 
 def _run_verdict(spec: kit_plan.RunSpec, gpu: str) -> tuple[str, str | None]:
@@ -194,17 +223,24 @@ def study_check() -> tuple[list[str], list[str]]:
     return lines, problems
 
 
-def call_check() -> tuple[list[str], list[str]]:
-    lines, problems = [f"calls (estimates; each within {CALL_BUDGET_S:.0f} s of the 600 s limit):"], []
-    for call in CALLS:
+def selection_check() -> tuple[list[str], list[str]]:
+    """Each selection's estimated command on each GPU against its limit: the essential one
+    within ESSENTIAL_S (8 minutes) less the finish and a margin, the others within one
+    command's budget. Estimates include install and environment, not the machine's start."""
+    lines = [f"selections (estimates; essential within {kit_plan.ESSENTIAL_S} s less "
+             f"{kit_plan.FINISH_S} s to finish and {kit_plan.ESSENTIAL_MARGIN_S} s margin, "
+             f"the others within {CALL_BUDGET_S} s):"]
+    problems = []
+    for selection in SELECTIONS:
+        limit = kit_plan.selection_limit(selection)
         for gpu in PLANNED_GPUS:
-            seconds = kit_plan.call_seconds(call, gpu)
-            lines.append(f"  call{call} on {gpu}: ~{seconds:.0f} s")
-            if seconds > CALL_BUDGET_S:
-                problems.append(f"call{call} on {gpu}: ~{seconds:.0f} s > {CALL_BUDGET_S:.0f} s")
-    total = {g: sum(kit_plan.call_seconds(c, g) for c in CALLS) for g in PLANNED_GPUS}
-    lines.append("  all calls: " + ", ".join(f"~{s / 60:.1f} min on {g}" for g, s in total.items())
-                 + " (plus each call's machine start)")
+            planned = kit_plan.selection_steps(selection, gpu)
+            seconds = sum(s.expected_s for s in planned)
+            measured = sum(s.expected_s for s in planned if s.basis.startswith("measured"))
+            lines.append(f"  {selection:9} on {gpu}: ~{seconds:.0f} s of {limit:.0f} s "
+                         f"({measured:.0f} s in steps whose main parts were measured)")
+            if seconds > limit:
+                problems.append(f"{selection} on {gpu}: ~{seconds:.0f} s > {limit:.0f} s")
     return lines, problems
 
 
@@ -219,7 +255,7 @@ def import_check() -> tuple[list[str], list[str]]:
 def command_lines(steps: list[Step]) -> list[str]:
     lines = []
     for s in steps:
-        head = f"# {s.name} ({s.kind}; ~{s.expected_s:.0f} s, limit {s.timeout_s:.0f} s)"
+        head = f"# {s.name} ({s.kind}; ~{s.expected_s:.0f} s, limit {s.timeout_s:.0f} s; {s.basis})"
         if s.kind == "skip":
             lines.append(f"# {s.name}: skipped: {s.note}")
         elif s.kind == "plan":
@@ -254,7 +290,7 @@ def dry_run(measurements: list[kit_plan.Measurement], args: argparse.Namespace) 
     print(f"dsforge GPU kit: dry run for {gpu} ({' '.join(names)}); no GPU is used and nothing "
           "is measured")
     problems = []
-    checks = [lambda: wheel_check(args.wheels), spec_check, call_check]
+    checks = [lambda: wheel_check(args.wheels), spec_check, selection_check]
     checks += [import_check] if args.imports else []
     for check in checks:
         lines, found = check()
@@ -266,7 +302,8 @@ def dry_run(measurements: list[kit_plan.Measurement], args: argparse.Namespace) 
           f"(~{sum(s.expected_s for s in steps):.0f} s):")
     print("\n".join(command_lines(steps)))
     print(fake_table(steps, gpu, names))
-    print(f"dry run: {len(problems)} problem(s)" if problems else "dry run: ok")
+    print("\n".join([f"dry run: {len(problems)} problem(s)", *(f"  problem: {p}" for p in problems)])
+          if problems else "dry run: ok")
     return 1 if problems else 0
 
 
@@ -335,7 +372,9 @@ def detect_gpu(log: Log) -> str:
 
 def step_environment(work: Path) -> dict[str, str]:
     """The working tree's dsforge first on the path (for the ranks DeepSpeed starts too),
-    unbuffered output, DeepSpeed's JIT builds in the work folder."""
+    unbuffered output, DeepSpeed's JIT builds in the work folder. Nothing else: the machine's
+    environment stays as a user has it (issue 21: no fix inside the kit that dsforge itself
+    does not apply; TORCH_CUDA_ARCH_LIST is the image's)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(PYTHONUNBUFFERED="1", TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"),
@@ -405,9 +444,9 @@ def run_step(step: Step, ctx: Context, env: dict, deadline: float, log: Log) -> 
         return run_plan(step, ctx)
     left = deadline - time.monotonic()
     if left < step.expected_s:
-        return {"status": "skipped", "note": f"not enough time left in this call (~{step.expected_s:.0f} s "
+        return {"status": "skipped", "note": f"not enough time left in this command (~{step.expected_s:.0f} s "
                                              f"needed, {left:.0f} s left)"}
-    if step.kind == "run":  # an earlier call's run on this machine: dsforge wants it empty
+    if step.kind == "run":  # an earlier command's run on this machine: dsforge wants it empty
         shutil.rmtree(ctx.work / "runs" / step.spec.label, ignore_errors=True)
     log_path = ctx.work / "logs" / f"{step.name}.log"
     started = time.monotonic()
@@ -423,7 +462,7 @@ def run_step(step: Step, ctx: Context, env: dict, deadline: float, log: Log) -> 
 
 
 def restore_extension_cache(work: Path, log: Log) -> None:
-    """A carried build of DeepSpeed's ops (an earlier call's torch_extensions.tar.gz), with
+    """A carried build of DeepSpeed's ops (an earlier command's torch_extensions.tar.gz), with
     every file made newer than the sources just installed so ninja keeps them."""
     if not EXTENSION_CACHE.is_file():
         return
@@ -437,10 +476,11 @@ def restore_extension_cache(work: Path, log: Log) -> None:
     log(f"kit: restored DeepSpeed's op builds from {EXTENSION_CACHE.relative_to(REPO)}")
 
 
-def write_outputs(steps: list[Step], records: dict, ctx: Context, out: Path) -> str:
+def write_outputs(steps: list[Step], records: dict, ctx: Context, out: Path, command: str) -> str:
     """results.json, table.md and kit-files.tar.gz in OUT (rewritten after every step, so a
-    call cut short still returns what it measured); returns the table."""
+    command cut short still returns what it measured); returns the table."""
     result = kit_results.collect(steps, records, ctx.work, ctx.gpu)
+    result["command"] = command
     table = kit_results.render(result)
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "table.md").write_text(table)
@@ -493,9 +533,9 @@ def execute(measurements: list[kit_plan.Measurement], args: argparse.Namespace) 
             for later in steps[index + 1:]:
                 records[later.name] = {"status": "not run", "note": f"{step.name} failed"}
             break
-        write_outputs(steps, records, ctx, args.out)
+        write_outputs(steps, records, ctx, args.out, args.command)
     save_extension_cache(args.work, args.out, log)
-    table = write_outputs(steps, records, ctx, args.out)
+    table = write_outputs(steps, records, ctx, args.out, args.command)
     log(table)
     return 0 if all(r["status"] in ("ok", "skipped") for r in records.values()) else 1
 

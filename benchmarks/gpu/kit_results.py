@@ -2,9 +2,12 @@
 render the markdown table.
 
 Everything is read from files in dsforge's own formats (a run directory's summary.json,
-metrics.jsonl, ranks/ and manifest.json; a bench results.db; pytest's JUnit XML; gemm.py's and
-probe_env.py's JSON), so the dry run can feed the same functions with invented inputs
-(`write_fake_inputs`) and check the table without a GPU.
+metrics.jsonl, ranks/ and manifest.json; a bench results.db; pytest's JUnit XML and the GPU
+tests' run directories; gemm.py's, adam_step.py's and probe_env.py's JSON), so the dry run can
+feed the same functions with invented inputs (`write_fake_inputs`) and check the table
+without a GPU. The step breakdown (dsforge.metrics_file.PHASES; a run's summary.json
+`median_breakdown_s`, a bench cell's `breakdown_s`) is read where present: runs of a dsforge
+without it show none.
 
 MFU is shown twice with the same peak (dsforge's device table): by dsforge's formula
 (docs/flops.md: 6N + 12 L s heads head_dim, N the matmul parameters incl. the output layer)
@@ -23,10 +26,12 @@ from pathlib import Path
 from kit_plan import RunSpec, Step, StudySpec, prediction, resolve_run
 
 from dsforge.estimate.hardware import gpu_by_key, gpu_for_device_name
-from dsforge.metrics_file import is_validation
+from dsforge.metrics_file import PHASES, is_validation
 
 GiB = 1024**3
 PRECISION_TOLERANCE = 0.05  # |bf16 - fp32| / fp32 of the last-10-step mean loss
+KERNEL_RTOL, KERNEL_ATOL = 1e-2, 1e-3  # Liger's own bf16 loss tolerance (tests/gpu)
+GPU_RUNS = "pytest/gpu-runs"  # tests/gpu/conftest.py's run directories under the work folder
 
 
 def kempnerforge_flops_per_token(model, seq_len: int) -> float:
@@ -80,12 +85,13 @@ def run_row(spec: RunSpec, record: dict, work: Path, gpu: str) -> dict:
         recipe = resolve_run(spec, gpu).recipe
         peak = peak_flops(device)
         per_gpu = summary["median_tokens_per_s_per_gpu"]
-        kf = kempnerforge_flops_per_token(recipe.model, recipe.train.seq_len)
+        # KempnerForge's formula is for dense models: no figure for an MoE.
+        kf = None if recipe.model.moe else kempnerforge_flops_per_token(recipe.model, recipe.train.seq_len)
         hfus = [r["hfu"] for r in step_records(run_dir / "metrics.jsonl") if not r["warmup"] and r["hfu"]]
         row.update(step_s=summary["median_step_time_s"], tokens_per_s_per_gpu=per_gpu,
                    mfu=summary["median_mfu"], hfu=statistics.median(hfus) if hfus else None,
-                   mfu_kempnerforge=per_gpu * kf / peak if peak else None,
-                   final_loss=summary["final_loss"])
+                   mfu_kempnerforge=per_gpu * kf / peak if peak and kf else None,
+                   final_loss=summary["final_loss"], breakdown_s=summary.get("median_breakdown_s"))
     return row
 
 
@@ -101,15 +107,15 @@ def junit_counts(path: Path) -> dict | None:
     return {"counts": counts, "tests": results}
 
 
+def _gpu_test_losses(work: Path, name: str) -> list[float]:
+    return [r["loss"] for r in step_records(work / GPU_RUNS / name / "metrics.jsonl")]
+
+
 def precision_row(work: Path) -> dict | None:
-    """bf16 against fp32 on the smoke recipe, from tests/gpu/test_gpu_precision.py's runs."""
-    curves = {}
-    for precision in ("fp32", "bf16"):
-        found = sorted((work / "pytest").glob(f"**/precision-{precision}/metrics.jsonl"))
-        records = step_records(found[-1]) if found else []
-        if not records:
-            return None
-        curves[precision] = [r["loss"] for r in records]
+    """bf16 against fp32 (both with torch's kernels) from tests/gpu's runs."""
+    curves = {"fp32": _gpu_test_losses(work, "fp32"), "bf16": _gpu_test_losses(work, "torch")}
+    if not all(curves.values()):
+        return None
     tail = {p: statistics.mean(c[-10:]) for p, c in curves.items()}
     steps = min(len(c) for c in curves.values())
     diff = (tail["bf16"] - tail["fp32"]) / tail["fp32"]
@@ -117,6 +123,22 @@ def precision_row(work: Path) -> dict | None:
             "bf16_tail": tail["bf16"], "relative_difference": diff,
             "max_step_difference": max(abs(curves["bf16"][i] - curves["fp32"][i]) for i in range(steps)),
             "within_tolerance": abs(diff) <= PRECISION_TOLERANCE}
+
+
+def kernels_row(work: Path) -> dict | None:
+    """The default run (Liger's kernels where installed) against torch's, both bf16, from
+    tests/gpu's runs: the largest per-step gap, relative to torch's loss."""
+    fused, plain = _gpu_test_losses(work, "default"), _gpu_test_losses(work, "torch")
+    if not fused or not plain:
+        return None
+    steps = min(len(fused), len(plain))
+    gaps = [abs(fused[i] - plain[i]) / abs(plain[i]) for i in range(steps)]
+    worst = max(range(steps), key=gaps.__getitem__)
+    within = all(abs(fused[i] - plain[i]) <= KERNEL_ATOL + KERNEL_RTOL * abs(plain[i])
+                 for i in range(steps))
+    return {"steps": steps, "first_loss": plain[0], "last_fused": fused[steps - 1],
+            "last_plain": plain[steps - 1], "max_relative_gap": gaps[worst], "at_step": worst,
+            "within_tolerance": within}
 
 
 def study_rows(spec: StudySpec, work: Path) -> list[dict]:
@@ -136,10 +158,11 @@ def study_rows(spec: StudySpec, work: Path) -> list[dict]:
 
 def collect(steps: list[Step], records: dict[str, dict], work: Path, gpu: str) -> dict:
     """Every result of a call: step records, environment, tests, runs, GEMMs, studies."""
-    result = {"gpu": gpu, "steps": [{"name": s.name, "kind": s.kind, **records.get(s.name, {})}
-                                    for s in steps],
+    result = {"gpu": gpu, "steps": [{"name": s.name, "kind": s.kind, "expected_s": s.expected_s,
+                                     "basis": s.basis, **records.get(s.name, {})} for s in steps],
               "env": read_json(work / "env.json"), "gemm": read_json(work / "gemm.json"),
               "gpu_tests": junit_counts(work / "gpu-tests.xml"), "precision": precision_row(work),
+              "kernels": kernels_row(work), "adam": read_json(work / "adam_step.json"),
               "runs": [], "studies": {}}
     for step in steps:
         if step.kind in ("run", "skip") and isinstance(step.spec, RunSpec):
@@ -173,7 +196,8 @@ def _ratio(a, b) -> str:
 
 def render(result: dict, *, fake: bool = False) -> str:
     sections = [_render_head(result, fake), _render_steps(result), _render_correctness(result),
-                _render_runs(result), _render_gemm(result), _render_studies(result)]
+                _render_runs(result), _render_breakdown(result), _render_gemm(result),
+                _render_adam(result), _render_studies(result)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -182,6 +206,11 @@ def _render_head(result: dict, fake: bool) -> str:
     device = (env.get("torch") or {}).get("device") or "no GPU"
     lines = [f"## dsforge GPU kit: {device} (planned as {result['gpu']}), "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
+    if result.get("command"):
+        lines.append(f"Command: `{result['command']}`")
+    versions = _versions(env)
+    if versions:
+        lines.append(f"Versions: {versions}")
     if fake:
         lines.append("FAKE INPUTS (dry run on CPU): every run, test and study figure below is "
                      "invented to exercise the table; the GEMM line was measured on the CPU at "
@@ -189,11 +218,27 @@ def _render_head(result: dict, fake: bool) -> str:
     return "\n".join(lines)
 
 
+def _versions(env: dict) -> str:
+    """The versions env.json (probe_env.py) recorded, on one line."""
+    torch_facts, packages = env.get("torch") or {}, env.get("packages") or {}
+    if not torch_facts:
+        return ""
+    parts = [f"python {(env.get('host') or {}).get('python')}",
+             f"torch {torch_facts.get('version')} (CUDA {torch_facts.get('cuda')}, cuDNN "
+             f"{torch_facts.get('cudnn')}, NCCL {torch_facts.get('nccl')})"]
+    parts += [f"{name} {facts.get('version')}" for name, facts in packages.items()
+              if facts.get("version")]
+    kernels = env.get("kernels_auto")
+    if kernels:
+        parts.append(f"model.kernels auto -> {kernels['impl']}")
+    return ", ".join(parts)
+
+
 def _render_steps(result: dict) -> str:
-    lines = ["| step | status | seconds | note |", "|---|---|---:|---|"]
+    lines = ["| step | status | seconds | estimated | note |", "|---|---|---:|---:|---|"]
     for s in result["steps"]:
         lines.append(f"| {s['name']} | {s.get('status', 'not run')} | {_num(s.get('seconds'), '.0f')} "
-                     f"| {s.get('note') or ''} |")
+                     f"| {_num(s.get('expected_s'), '.0f')} | {s.get('note') or ''} |")
     return "### Steps\n" + "\n".join(lines)
 
 
@@ -211,6 +256,13 @@ def _render_correctness(result: dict) -> str:
                      f"{p['first_loss']:.3f}): last-10 mean fp32 {p['fp32_tail']:.4f}, bf16 "
                      f"{p['bf16_tail']:.4f} ({p['relative_difference']:+.2%}, {verdict} "
                      f"{PRECISION_TOLERANCE:.0%}); largest per-step gap {p['max_step_difference']:.4f}")
+    k = result.get("kernels")
+    if k:
+        verdict = "within" if k["within_tolerance"] else "OUTSIDE"
+        lines.append(f"- Liger's kernels (default run) vs torch's, bf16, {k['steps']} steps, loss from "
+                     f"{k['first_loss']:.3f} to {k['last_fused']:.4f} / {k['last_plain']:.4f}: largest "
+                     f"gap {k['max_relative_gap']:.2%} at step {k['at_step']} ({verdict} "
+                     f"{KERNEL_RTOL:.0%} + {KERNEL_ATOL:g})")
     return "### Correctness\n" + "\n".join(lines) if lines else ""
 
 
@@ -231,18 +283,71 @@ def _render_runs(result: dict) -> str:
             "nvidia-smi = peak device memory used: reserved + CUDA context)\n" + "\n".join(lines))
 
 
+def _render_breakdown(result: dict) -> str:
+    """Each run's and study cell's median ms per phase (dsforge.metrics_file.PHASES) and
+    its share of the median step, where the run measured a breakdown."""
+    rows = [(r["label"], r.get("step_s"), r.get("breakdown_s")) for r in result["runs"]]
+    for label, cells in result["studies"].items():
+        rows += [(f"{label} " + ", ".join(f"{k}={v}" for k, v in c["axes"].items()),
+                  c.get("step_time_median"), c.get("breakdown_s")) for c in cells]
+    rows = [row for row in rows if row[2]]
+    if not rows:
+        return ""
+    lines = ["| run | step ms | " + " | ".join(PHASES) + " |", "|---|---:|" + "---:|" * len(PHASES)]
+    for label, step, phases in rows:
+        cells = [_phase(phases.get(p), step) for p in PHASES]
+        step_ms = _num(step * 1e3 if step else None, ",.0f")
+        lines.append(f"| {label} | {step_ms} | " + " | ".join(cells) + " |")
+    return ("### Where the step goes (median ms per phase and share of the median step; "
+            "docs/breakdown.md)\n" + "\n".join(lines))
+
+
+def _phase(seconds, step) -> str:
+    if seconds is None:
+        return "-"
+    share = f" ({seconds / step:.0%})" if step else ""
+    return f"{seconds * 1e3:,.0f}{share}"
+
+
 def _render_gemm(result: dict) -> str:
     g = result.get("gemm")
     if not g:
         return ""
-    lines = ["| model | tokens | GEMM TFLOP/s | share of peak | planner assumes | attention TFLOP/s "
-             "(full-matrix count) |", "|---|---:|---:|---:|---:|---:|"]
+    backends = list(g["models"][0]["attention"]["backends"]) if g["models"] else []
+    lines = ["| model | tokens | GEMM TFLOP/s | share of peak | planner assumes | "
+             + " | ".join(f"SDPA {b} TFLOP/s" for b in backends) + " |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(backends)]
     for m in g["models"]:
+        sdpa = [_sdpa(m["attention"]["backends"].get(b)) for b in backends]
         lines.append(f"| {Path(m['recipe']).stem} | {m['tokens']} | {m['tflops']:.3g} "
                      f"| {_pct(m.get('share_of_peak'))} | {_pct(g['planner_compute_efficiency'])} "
-                     f"| {m['attention']['tflops_full_matrix']:.3g} |")
+                     f"| " + " | ".join(sdpa) + " |")
     where = "CPU, fp32, tiny shapes" if g.get("tiny") else f"{g['device']}, {g['dtype']}"
-    return f"### GEMMs at the models' shapes ({where}; median of {g['reps']})\n" + "\n".join(lines)
+    return (f"### GEMMs and attention at the models' shapes ({where}; median of {g['reps']}; "
+            "attention forward + backward through dsforge's SDPAttention per model.sdpa_backend, "
+            "full-matrix FLOP count)\n" + "\n".join(lines))
+
+
+def _sdpa(timed: dict | None) -> str:
+    if not timed:
+        return "-"
+    return "no kernel" if "error" in timed else f"{timed['tflops_full_matrix']:.3g}"
+
+
+def _render_adam(result: dict) -> str:
+    a = result.get("adam")
+    if not a:
+        return ""
+    lines = ["| ZeRO | Adam | DeepSpeed's optimizer | step ms | peak GiB | note |",
+             "|---:|---|---|---:|---:|---|"]
+    for r in a["results"]:
+        step = r.get("step_s")
+        lines.append(f"| {r['stage']} | {r['impl']} | {r.get('optimizer') or '-'} "
+                     f"| {_num(step * 1e3 if step is not None else None, ',.1f')} "
+                     f"| {_gib(r.get('peak_memory_bytes'))} | {r.get('error') or ''} |")
+    return (f"### The optimizer step alone ({a['device']}, {a['parameters'] / 1e9:.2f}B parameters "
+            f"of {Path(a['recipe']).stem}'s shapes, {a['dtype']}; median of {a['reps']})\n"
+            + "\n".join(lines))
 
 
 def _render_studies(result: dict) -> str:
@@ -271,20 +376,24 @@ def _render_studies(result: dict) -> str:
 
 FAKE_MFU = 0.40  # the invented runs' MFU
 FAKE_ALLOCATED_SHARE = 0.9  # invented allocated / predicted
+# An invented split of each step over the phases (shares of the step; the rest is "other").
+FAKE_PHASE_SHARES = {"forward": 0.3, "backward": 0.45, "recompute": 0.1, "optimizer": 0.05}
 
 
 def write_fake_inputs(steps: list[Step], work: Path, gpu: str) -> dict[str, dict]:
-    """Files shaped like a GPU call's, with invented figures; returns the step records."""
+    """Files shaped like a GPU command's, with invented figures; returns the step records."""
     records = {}
     for step in steps:
         if step.kind == "plan":
             _write(work / "plans" / f"{step.spec.label}.json", prediction(resolve_run(step.spec, gpu)))
         elif step.kind == "run":
-            records[step.name] = _fake_run(step.spec, work, gpu)
+            records[step.name] = {**_fake_run(step.spec, work, gpu), "seconds": step.expected_s}
         elif step.kind == "bench":
             _fake_study(step.spec, work, gpu)
         elif step.kind == "pytest":
             _fake_tests(work)
+        elif step.kind == "adam":
+            _fake_adam(work, gpu)
         if step.kind != "skip":
             records.setdefault(step.name, {"status": "fake", "seconds": step.expected_s})
     return records
@@ -295,16 +404,23 @@ def _write(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _fake_records(predicted: dict, tokens_per_step: int, peak: float, allocated: int, steps: int = 8):
+def _fake_breakdown(step_s: float) -> dict[str, float]:
+    phases = {p: FAKE_PHASE_SHARES.get(p, 0.0) * step_s for p in PHASES}
+    phases["other"] = step_s - sum(phases.values())
+    return phases
+
+
+def _fake_records(predicted: dict, tokens_per_step: int, peak: float, allocated: int, steps: int = 3):
     from dsforge.runtime.metrics import StepRecord
 
     per_gpu = FAKE_MFU * peak / predicted["flops_per_token"]
     hfu = FAKE_MFU * predicted["hardware_flops_per_token"] / predicted["flops_per_token"]
-    return [StepRecord(step=i, warmup=i < 3, loss=11.0 - 0.1 * i, grad_norm=1.0, lr=3e-4,
-                       step_time_s=tokens_per_step / per_gpu, tokens_per_s=per_gpu,
-                       tokens_per_s_per_gpu=per_gpu,
+    step_s = tokens_per_step / per_gpu
+    return [StepRecord(step=i, warmup=i < 1, loss=11.0 - 0.1 * i, grad_norm=1.0, lr=3e-4,
+                       step_time_s=step_s, tokens_per_s=per_gpu, tokens_per_s_per_gpu=per_gpu,
                        tflops_per_gpu=per_gpu * predicted["flops_per_token"] / 1e12, mfu=FAKE_MFU, hfu=hfu,
-                       peak_memory_bytes=allocated, memory_source="FAKE") for i in range(steps)]
+                       peak_memory_bytes=allocated, memory_source="FAKE",
+                       breakdown_s=_fake_breakdown(step_s)) for i in range(steps)]
 
 
 def _fake_run(spec: RunSpec, work: Path, gpu: str) -> dict:
@@ -323,7 +439,7 @@ def _fake_run(spec: RunSpec, work: Path, gpu: str) -> dict:
     _write(run_dir / "ranks" / "rank00000.json", {"rank": 0, "peak_memory_bytes": allocated,
                                                    "memory_source": "FAKE"})
     _write(run_dir / "manifest.json", {"device": {"type": "cuda", "name": gpu_by_key(gpu).name}})
-    return {"status": "fake", "seconds": spec.expected_s, "smi_peak_bytes": allocated + GiB}
+    return {"status": "fake", "smi_peak_bytes": allocated + GiB}
 
 
 def _fake_study(spec: StudySpec, work: Path, gpu: str) -> None:
@@ -342,33 +458,48 @@ def _fake_study(spec: StudySpec, work: Path, gpu: str) -> None:
     try:
         for cell in expand(study, base=study_identity(study, recipe_path)):
             resolved = resolve_file(recipe_path, cell.overrides, world_size=study.world_size)
-            predicted = prediction(resolved)
-            allocated = int(FAKE_ALLOCATED_SHARE * predicted["memory_bytes"]["total"])
-            records = _fake_records(predicted, resolved.layout.global_batch
-                                    * resolved.recipe.train.seq_len, gpu_by_key(gpu).peak_bf16_flops,
-                                    allocated)
-            figures = {"step_times_s": [r.step_time_s for r in records if not r.warmup],
-                       "tokens_per_s": records[-1].tokens_per_s,
-                       "tokens_per_s_per_gpu": records[-1].tokens_per_s_per_gpu, "mfu": FAKE_MFU,
-                       "hfu": records[-1].hfu, "final_loss": records[-1].loss, "peak_memory_bytes": allocated,
-                       "memory_source": "FAKE", "bubble_share_by_stage": {}, "tensor_bytes": None}
-            store.write(Row(study=study.name, cell=cell.key, repeat=0, axes=cell.axes, status="ok",
-                            seconds=30.0, manifest={"device": {"name": gpu_by_key(gpu).name}},
-                            figures=figures, prediction={**predicted, "layout": asdict(resolved.layout)},
-                            finished=time.time()))
+            store.write(_fake_row(study.name, cell, resolved, gpu, Row, asdict))
     finally:
         store.close()
 
 
+def _fake_row(study: str, cell, resolved, gpu: str, Row, asdict):
+    predicted = prediction(resolved)
+    allocated = int(FAKE_ALLOCATED_SHARE * predicted["memory_bytes"]["total"])
+    records = _fake_records(predicted, resolved.layout.global_batch * resolved.recipe.train.seq_len,
+                            gpu_by_key(gpu).peak_bf16_flops, allocated)
+    figures = {"step_times_s": [r.step_time_s for r in records if not r.warmup],
+               "tokens_per_s": records[-1].tokens_per_s,
+               "tokens_per_s_per_gpu": records[-1].tokens_per_s_per_gpu, "mfu": FAKE_MFU,
+               "hfu": records[-1].hfu, "final_loss": records[-1].loss, "peak_memory_bytes": allocated,
+               "memory_source": "FAKE", "bubble_share_by_stage": {}, "tensor_bytes": None,
+               "breakdown_s": records[-1].breakdown_s}
+    return Row(study=study, cell=cell.key, repeat=0, axes=cell.axes, status="ok", seconds=30.0,
+               manifest={"device": {"name": gpu_by_key(gpu).name}}, figures=figures,
+               prediction={**predicted, "layout": asdict(resolved.layout)}, finished=time.time())
+
+
+FAKE_TESTS = ("test_default_run_trains_in_bf16_on_one_gpu", "test_default_run_builds_nothing",
+              "test_bf16_loss_follows_fp32", "test_fused_kernels_loss_equals_the_plain_path_over_30_steps")
+
+
 def _fake_tests(work: Path) -> None:
     root = ET.Element("testsuites")
-    suite = ET.SubElement(root, "testsuite", name="pytest", tests="2")
-    for name in ("test_smoke_recipe_in_bf16_on_one_gpu", "test_bf16_loss_follows_fp32"):
+    suite = ET.SubElement(root, "testsuite", name="pytest", tests=str(len(FAKE_TESTS)))
+    for name in FAKE_TESTS:
         ET.SubElement(suite, "testcase", classname="tests.gpu", name=name)
     work.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(root).write(work / "gpu-tests.xml")
-    for precision, offset in (("fp32", 0.0), ("bf16", 0.01)):
-        lines = [json.dumps({"step": i, "loss": 5.5 - 0.05 * i + offset}) for i in range(60)]
-        path = work / "pytest" / "test_bf16_loss_follows_fp320" / f"precision-{precision}" / "metrics.jsonl"
+    for name, offset in (("fp32", 0.0), ("torch", 0.01), ("default", 0.012)):
+        lines = [json.dumps({"step": i, "loss": 6.0 - 0.04 * i + offset}) for i in range(30)]
+        path = work / GPU_RUNS / name / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
+
+
+def _fake_adam(work: Path, gpu: str) -> None:
+    results = [{"stage": stage, "impl": impl, "optimizer": "FAKE", "step_s": 0.05 * (1 + stage / 10),
+                "peak_memory_bytes": 20 * GiB} for stage in range(4) for impl in ("fused", "deepspeed")]
+    _write(work / "adam_step.json", {"device": gpu_by_key(gpu).name, "recipe": "fake.yaml",
+                                     "parameters": 1.24e9, "dtype": "bfloat16", "reps": 5,
+                                     "results": results})

@@ -3,7 +3,9 @@
 The device machine has no network: every package dsforge needs that its image lacks travels as
 a wheel in benchmarks/gpu/wheels/ (built by build_kit.sh, gitignored). This module checks,
 without installing anything:
-  - the pins of requirements.txt against setup.cfg (deepspeed and megatron-core exactly);
+  - the pins of requirements.txt against setup.cfg (deepspeed and megatron-core exactly, and
+    dsforge's `gpu` extra, liger-kernel, within its range: the kit installs what a user's
+    `pip install 'dsforge[gpu]'` would);
   - that the folder holds exactly the expected wheels (name, version, a tag Python 3.12 on
     x86-64 Linux accepts), one of each;
   - that every requirement of every carried wheel is met by a carried wheel or by the GPU
@@ -48,8 +50,8 @@ REQUIREMENTS = KIT / "requirements.txt"
 MiB = 1024**2
 TREE_LIMIT_BYTES = 64 * MiB  # the device tool's limit: working tree + carried paths
 
-# The GPU image's Python packages as the device documentation listed them (read on a machine
-# running the image, 2026-11-17; /work/.library/device/KINDS.md). Only a few versions were
+# The GPU image's Python packages as the device tool's documentation of its machine kinds
+# listed them (read on a machine running the image, 2026-11-17). Only a few versions were
 # listed (IMAGE_VERSIONS); for the others any version is assumed to satisfy a requirement,
 # and run.sh's pip install is the final word.
 IMAGE_PACKAGES = frozenset(canonicalize_name(n) for n in """
@@ -120,12 +122,26 @@ def read_pins(path: Path = REQUIREMENTS) -> list[Pin]:
     return pins
 
 
+GPU_EXTRA = "gpu"  # setup.cfg's extra a GPU install adds (liger-kernel)
+
+
 def setup_requirements(path: Path = REPO / "setup.cfg") -> dict[str, Requirement]:
     """dsforge's install_requires by canonical name."""
     parser = configparser.ConfigParser()
     parser.read(path)
-    lines = parser["options"]["install_requires"].splitlines()
-    requirements = (Requirement(line.strip()) for line in lines if line.strip())
+    return _requirements(parser["options"]["install_requires"])
+
+
+def extra_requirements(extra: str = GPU_EXTRA, path: Path = REPO / "setup.cfg") -> dict[str, Requirement]:
+    """One extra's requirements by canonical name."""
+    parser = configparser.ConfigParser()
+    parser.read(path)
+    return _requirements(parser["options.extras_require"][extra])
+
+
+def _requirements(text: str) -> dict[str, Requirement]:
+    lines = (line.split("#")[0].strip() for line in text.splitlines())
+    requirements = (Requirement(line) for line in lines if line)
     return {canonicalize_name(r.name): r for r in requirements}
 
 
@@ -136,10 +152,18 @@ def dsforge_version(path: Path = REPO / "dsforge" / "__init__.py") -> str:
     raise ValueError(f"{path}: no __version__")
 
 
-def pin_problems(pins: list[Pin], setup: dict[str, Requirement]) -> list[str]:
+def pin_problems(pins: list[Pin], setup: dict[str, Requirement],
+                 gpu_extra: dict[str, Requirement] | None = None) -> list[str]:
     """Every exact pin of setup.cfg must be carried at that version; every requirement of
-    setup.cfg must be carried or in the image; a name may be pinned once."""
+    setup.cfg must be carried or in the image; every requirement of the GPU extra must be
+    carried at a version it accepts (the image has none of them); a name may be pinned once."""
     problems = []
+    carried = {p.name: p.version for p in pins}
+    for name, requirement in (gpu_extra or {}).items():
+        version = carried.get(name)
+        if version is None or not requirement.specifier.contains(version, prereleases=True):
+            problems.append(f"dsforge[{GPU_EXTRA}] needs {requirement} but the kit carries "
+                            f"{name}=={version or '(nothing)'}")
     carried = {p.name: p.version for p in pins}
     if len(carried) != len(pins):
         problems.append("requirements.txt pins a package twice")
@@ -336,24 +360,46 @@ RUNTIME_MODULES = ("dsforge.cli", "dsforge.plan", "dsforge.runtime.rank", "dsfor
 SETUPTOOLS_VENDORED = frozenset({"backports-tarfile", "jaraco-context", "jaraco-functools",
                                  "jaraco-text", "more-itertools", "autocommand", "inflect",
                                  "platformdirs", "tomli", "wheel", "zipp", "importlib-metadata"})
+# Imported only where installed (inside try/except ImportError), and absent from the GPU image:
+# the child hides them, as the image does, so what they pull in is not counted. Megatron-Core's
+# inference context imports wandb (megatron/core/inference/contexts/dynamic_context.py);
+# tensorboard's file-system layer imports boto3 and botocore for S3.
+OPTIONAL_IMPORTS = ("wandb", "boto3", "botocore")
 _IMPORTS = """
-import importlib, json, sys
+import functools, importlib, json, sys
 from importlib.metadata import packages_distributions
+hidden = set(sys.argv[1].split(","))
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in hidden:
+            raise ImportError(f"{name} is hidden (not in the GPU image)")
+sys.meta_path.insert(0, Hide())
+from importlib.metadata import distribution
 before = set(sys.modules)
-for name in sys.argv[1:]:
+for name in sys.argv[2:]:
     importlib.import_module(name)
 owners = packages_distributions()
-tops = {m.split(".")[0] for m in set(sys.modules) - before}
-print(json.dumps(sorted({d for t in tops for d in owners.get(t, [])})))
+@functools.cache
+def second_levels(dist):
+    return {"/".join(str(f).split("/")[:2]).removesuffix(".py") for f in distribution(dist).files or []}
+found = set()
+for module in set(sys.modules) - before:
+    parts = module.split(".")
+    dists = owners.get(parts[0], [])
+    if len(dists) > 1:  # a namespace (google): the distribution holding the subpackage
+        dists = [d for d in dists if len(parts) > 1 and "/".join(parts[:2]) in second_levels(d)]
+    found.update(dists)
+print(json.dumps(sorted(found)))
 """
 
 
-def imported_distributions(modules: tuple[str, ...] = RUNTIME_MODULES) -> list[str]:
+def imported_distributions(modules: tuple[str, ...] = RUNTIME_MODULES,
+                           hidden: tuple[str, ...] = OPTIONAL_IMPORTS) -> list[str]:
     """The distributions importing `modules` loads, found by importing them in a child
-    Python (with the working tree's dsforge)."""
+    Python (with the working tree's dsforge) where the `hidden` packages cannot be found."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run([sys.executable, "-c", _IMPORTS, *modules], capture_output=True,
-                          text=True, env=env, check=True)
+    done = subprocess.run([sys.executable, "-c", _IMPORTS, ",".join(hidden), *modules],
+                          capture_output=True, text=True, env=env, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

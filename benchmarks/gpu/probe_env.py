@@ -2,8 +2,10 @@
 
 Reads, never changes: nvidia-smi's name, memory, driver and clocks; torch's CUDA, cuDNN, NCCL
 and bf16 support and whether flash attention is enabled; the versions of deepspeed,
-megatron-core and dsforge and whether they import (and from where: dsforge must come from the
-working tree); nvcc and ninja, which DeepSpeed's JIT builds need; CPUs and host memory.
+megatron-core, liger-kernel, triton and dsforge and whether they import (and from where:
+dsforge must come from the working tree); which kernels `model.kernels: auto` picks here (the
+ranks' own choice, dsforge/translate/kernels.py); TORCH_CUDA_ARCH_LIST as the image sets it;
+nvcc and ninja, which DeepSpeed's JIT builds need; CPUs and host memory.
 Writes JSON to --out and prints a short summary; exits 1 when a run could not work (no CUDA
 device, deepspeed or megatron-core missing, or versions other than setup.cfg's pins).
 
@@ -96,15 +98,33 @@ def host_facts() -> dict:
     return {"python": sys.version.split()[0], "executable": sys.executable,
             "platform": platform.platform(), "cpus": os.cpu_count(), "memory_bytes": memory,
             "nvcc": command_output(["nvcc", "--version"]), "ninja": command_output(["ninja", "--version"]),
-            "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR")}
+            "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR"),
+            "torch_cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST")}
+
+
+def kernels_auto(cuda: bool) -> dict:
+    """What `model.kernels: auto` runs on this machine's ranks, decided as the ranks decide."""
+    from types import SimpleNamespace
+
+    from dsforge.translate.kernels import choose_kernels, liger_installed
+
+    choice = choose_kernels(SimpleNamespace(kernels="auto"), device="cuda" if cuda else "cpu",
+                            liger_available=liger_installed())
+    return {"impl": choice.impl, "why": choice.why}
 
 
 def collect(quick: bool) -> dict:
-    return {"host": host_facts(), "nvidia_smi": nvidia_smi(), "torch": torch_facts(),
+    facts = torch_facts()
+    # liger_kernel.ops imports Triton, which needs a GPU driver: imported only where one is.
+    liger_module = "liger_kernel.ops" if facts["cuda_available"] else None
+    return {"host": host_facts(), "nvidia_smi": nvidia_smi(), "torch": facts,
             "packages": {"deepspeed": package("deepspeed", "deepspeed", quick),
                          "megatron-core": package("megatron-core", "megatron.core", quick),
+                         "liger-kernel": package("liger-kernel", liger_module, quick),
+                         "triton": package("triton", None, quick),
                          "transformer-engine": package("transformer-engine", None, quick),
                          "apex": package("apex", None, quick)},
+            "kernels_auto": kernels_auto(facts["cuda_available"]),
             "dsforge": dsforge_facts()}
 
 
@@ -119,6 +139,10 @@ def problems(facts: dict, pins: dict[str, str]) -> list[str]:
             found.append(f"{name} {entry['version'] or 'not installed'}, setup.cfg pins {pins.get(name)}")
         if "import_error" in entry:
             found.append(f"{name} does not import: {entry['import_error']}")
+    liger = facts["packages"]["liger-kernel"]
+    if "import_error" in liger and facts["kernels_auto"]["impl"] == "liger":
+        found.append(f"liger-kernel does not import ({liger['import_error']}), yet model.kernels "
+                     "auto picks it: every run would fail")
     if not facts["dsforge"]["from_working_tree"]:
         found.append(f"dsforge imports from {facts['dsforge']['imported_from']}, not the working "
                      "tree (set PYTHONPATH to the repository root)")
@@ -143,6 +167,8 @@ def summary(facts: dict) -> str:
         if t["cuda_available"] else "no CUDA device"
     return (f"{gpu}; torch {t['version']} (CUDA {t['cuda']}, NCCL {t.get('nccl')}); "
             f"deepspeed {p['deepspeed']['version']}, megatron-core {p['megatron-core']['version']}, "
+            f"liger-kernel {p['liger-kernel']['version']} (model.kernels auto: "
+            f"{facts['kernels_auto']['impl']}), "
             f"dsforge {facts['dsforge']['tree_version']} from "
             f"{'the working tree' if facts['dsforge']['from_working_tree'] else facts['dsforge']['imported_from']}; "
             f"python {facts['host']['python']}, {facts['host']['cpus']} CPUs")

@@ -1,8 +1,10 @@
-"""The GPU kit (benchmarks/gpu) without a GPU: its dry run, the wheel and pin checks, the
-planned recipes and studies, the command list, the table, and the driver's step runner."""
+"""The GPU kit (benchmarks/gpu) without a GPU: its dry run, the one-command budget of the
+essential selection, the wheel and pin checks, the planned recipes and studies, the command
+list, the table, the driver's step runner and environment, and the scripts at tiny size."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -46,27 +48,84 @@ def test_dry_run_passes_without_wheels_and_prints_every_command(gpu, tmp_path, c
     assert out.rstrip().endswith("dry run: ok")
 
 
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_dry_run_of_the_essential_command_shows_its_estimate(gpu, tmp_path, capsys):
+    assert kit.main(["--dry-run", "--gpu", gpu, "--wheels", str(tmp_path / "absent"), "essential"]) == 0
+    out = capsys.readouterr().out
+    seconds = kit_plan.selection_seconds("essential", gpu)
+    assert f"commands on the {gpu} machine, from the repository root (~{seconds:.0f} s):" in out
+    assert f"essential on {gpu}: ~{seconds:.0f} s of {kit_plan.selection_limit('essential'):.0f} s" in out
+
+
 def test_unknown_measurement_is_a_usage_error(capsys):
     assert kit.main(["--dry-run", "mfu-70b"]) == 2
     assert "unknown measurement 'mfu-70b'" in capsys.readouterr().err
 
 
-def test_selection_by_name_call_and_all():
-    assert [m.name for m in kit_plan.select(["call3"])] == ["mfu-1b", "mfu-3b"]
-    assert [m.name for m in kit_plan.select(["gemm", "call1", "gemm"])] == ["gemm", "gpu-tests", "zero"]
+def test_selection_by_name_selection_and_all():
+    assert [m.name for m in kit_plan.select(["essential"])] == ["gpu-tests", "anchor", "zero", "moe"]
+    assert [m.name for m in kit_plan.select(["gemm", "levers", "gemm"])] == [
+        "gemm", "kernels-1b", "adam-step", "7b-levers"]
     every = [m.name for m in kit_plan.select(["all"])]
     assert sorted(every) == sorted(kit_plan.MEASUREMENTS) and len(set(every)) == len(every)
-    assert sorted(n for names in kit_plan.CALLS.values() for n in names) == sorted(kit_plan.MEASUREMENTS)
-    assert all(m.name in kit_plan.CALLS[m.call] for m in kit_plan.MEASUREMENTS.values())
+    named = [n for names in kit_plan.SELECTIONS.values() for n in names]
+    assert sorted(named) == sorted(kit_plan.MEASUREMENTS)  # each measurement in one selection
     with pytest.raises(ValueError):
         kit_plan.select([])
+    with pytest.raises(ValueError, match="call1"):
+        kit_plan.select(["call1"])
+
+
+def test_the_essential_command_fits_8_minutes_with_install_and_environment():
+    """Issue 21: the essential measurements fit one command of at most 8 minutes. The
+    estimates include install and environment; the finish and a margin stay unplanned."""
+    limit = kit_plan.ESSENTIAL_S - kit_plan.FINISH_S - kit_plan.ESSENTIAL_MARGIN_S
+    assert kit_plan.selection_limit("essential") == limit and kit_plan.ESSENTIAL_S <= 480
+    for gpu in kit_plan.PLANNED_GPUS:
+        steps = kit_plan.selection_steps("essential", gpu)
+        assert [s.kind for s in steps[:2]] == ["install", "env"]
+        assert {"pytest", "run", "bench", "report"} <= {s.kind for s in steps}
+        assert sum(s.expected_s for s in steps) <= limit, gpu
+    assert kit_plan.ESSENTIAL_BUDGET_S + kit_plan.FINISH_S <= kit_plan.ESSENTIAL_S
+    _, problems = kit.selection_check()
+    assert problems == []
+
+
+def test_a_step_that_breaks_the_essential_budget_fails_the_check(monkeypatch):
+    monkeypatch.setitem(kit_plan.SELECTIONS, "essential", (*kit_plan.SELECTIONS["essential"], "kernels-1b"))
+    _, problems = kit.selection_check()
+    assert [p.split(":")[0] for p in problems] == ["essential on h100", "essential on h200"]
+
+
+def test_optional_selections_each_fit_one_command():
+    for selection in ("levers", "sweeps"):
+        assert kit_plan.selection_limit(selection) == kit_plan.CALL_BUDGET_S < kit_plan.ONE_COMMAND_S
+        for gpu in kit_plan.PLANNED_GPUS:
+            assert kit_plan.selection_seconds(selection, gpu) <= kit_plan.CALL_BUDGET_S
+
+
+def test_every_estimate_says_whether_it_was_measured_or_guessed():
+    for selection in kit_plan.SELECTIONS:
+        for gpu in kit_plan.PLANNED_GPUS:
+            for step in kit_plan.selection_steps(selection, gpu):
+                if step.kind not in ("plan", "skip"):
+                    assert step.basis.startswith(("measured", "guess")), (step.name, step.basis)
+                    assert step.expected_s > 0
 
 
 def test_kit_pins_match_setup_cfg_and_a_drift_is_caught():
     pins, setup = kit_wheels.read_pins(), kit_wheels.setup_requirements()
-    assert kit_wheels.pin_problems(pins, setup) == []
+    gpu_extra = kit_wheels.extra_requirements("gpu")
+    assert "liger-kernel" in gpu_extra  # the kit carries what dsforge[gpu] adds
+    assert kit_wheels.pin_problems(pins, setup, gpu_extra) == []
     drifted = [kit_wheels.Pin(p.name, "0.19.7" if p.name == "deepspeed" else p.version, p.why) for p in pins]
     assert any("deepspeed==0.19.8" in p for p in kit_wheels.pin_problems(drifted, setup))
+    old_liger = [kit_wheels.Pin(p.name, "0.8.4" if p.name == "liger-kernel" else p.version, p.why)
+                 for p in pins]
+    assert [p for p in kit_wheels.pin_problems(old_liger, setup, gpu_extra) if "dsforge[gpu]" in p]
+    without = [p for p in pins if p.name != "liger-kernel"]
+    assert any("(nothing)" in p for p in kit_wheels.pin_problems(without, setup, gpu_extra))
+    assert "liger-kernel==0.8.5" in kit_plan.install_requirements()
 
 
 def _fake_wheel(folder: Path, name: str, version: str, requires=(), tag="py3-none-any") -> Path:
@@ -135,11 +194,14 @@ def test_planned_runs_and_studies_validate_and_fit_where_planned():
         assert kit_plan.resolve_run(spec, gpu).layout.world_size == 1
 
 
-def test_each_call_fits_its_budget_by_the_estimates():
-    _, problems = kit.call_check()
-    assert problems == []
-    assert all(kit_plan.call_seconds(c, g) <= kit_plan.CALL_BUDGET_S
-               for c in kit_plan.CALLS for g in kit_plan.PLANNED_GPUS)
+def test_a_selection_running_one_recipe_twice_is_a_problem(monkeypatch):
+    anchor = kit_plan.MEASUREMENTS["anchor"]
+    shipped = next(s for s in anchor.runs if s.label == "7b-shipped")
+    same = dataclasses.replace(shipped, label="7b-again", overrides=(*shipped.overrides, "zero.stage=3"))
+    monkeypatch.setitem(kit_plan.MEASUREMENTS, "anchor",
+                        dataclasses.replace(anchor, runs=(*anchor.runs, same)))
+    assert kit.duplicate_runs() == ["7b-again and 7b-shipped run the same recipe on h200 in essential; "
+                                    "change one of them"]
 
 
 def test_kit_recipes_and_studies_start_with_a_comment():
@@ -151,23 +213,31 @@ def test_kit_recipes_and_studies_start_with_a_comment():
 
 def test_commands_per_gpu():
     ctx = lambda gpu: kit.Context(gpu=gpu, python="PY", work=Path("/w"))
-    h100 = kit_plan.steps(kit_plan.select(["mfu-7b"]), ctx("h100"))
-    h200 = kit_plan.steps(kit_plan.select(["mfu-7b"]), ctx("h200"))
-    assert [s.kind for s in h100] == ["install", "env", "plan", "run"]
+    h100 = kit_plan.steps(kit_plan.select(["anchor"]), ctx("h100"))
+    h200 = kit_plan.steps(kit_plan.select(["anchor"]), ctx("h200"))
+    assert [s.kind for s in h100] == ["install", "env"] + ["plan", "run"] * 3
     assert h100[0].argv[:6] == ("PY", "-m", "pip", "install", "--no-index", "--find-links")
-    assert [s.name for s in h200 if s.kind == "run"] == ["7b-full-mb1", "7b-full-mb2"]
-    run = next(s for s in h200 if s.name == "7b-full-mb2")
-    assert run.argv[:8] == ("PY", "-m", "dsforge", "run", "recipes/7b_1gpu.yaml", "--world-size",
-                            "1", "--run-dir")
-    assert run.argv[8] == "/w/runs/7b-full-mb2"
-    assert "train.micro_batch=2" in run.argv and "cluster.gpu=h200" in run.argv
-    first_job = next(s for s in h200 if s.kind in ("pytest", "run", "bench"))
-    assert first_job.expected_s == 100 + kit_plan.JIT_BUILD_S  # pays for the FusedAdam build
+    assert [s.name for s in h100 if s.kind == "run"] == ["3b-shipped", "3b-z0-none-mb1", "3b-z0-none-mb2"]
+    assert [s.name for s in h200 if s.kind == "run"] == ["7b-shipped", "7b-z0-none-mb1"]
+    shipped = next(s for s in h200 if s.name == "7b-shipped")
+    assert shipped.argv[:8] == ("PY", "-m", "dsforge", "run", "recipes/7b_1gpu.yaml", "--world-size",
+                                "1", "--run-dir")
+    assert shipped.argv[8] == "/w/runs/7b-shipped"
+    # as shipped: only the step count, the timing warm-up and the GPU's name change
+    sets = [shipped.argv[i + 1] for i, word in enumerate(shipped.argv) if word == "--set"]
+    assert sets == ["train.steps=3", "train.timing_warmup=1", "cluster.gpu=h200"]
+    assert shipped.argv[shipped.argv.index("--timeout") + 1] == f"{shipped.timeout_s - 30:.0f}"
+    alternative = next(s for s in h200 if s.name == "7b-z0-none-mb1")
+    assert {"zero.stage=0", "train.activation_checkpointing=none"} <= set(alternative.argv)
+    # the default GPU path builds nothing: no run pays for a FusedAdam build any more
+    assert shipped.expected_s == pytest.approx(kit_plan.START_7B.seconds + kit_plan.END_S
+                                               + 3 * kit_plan.STEP_7B_FULL_MB1.seconds)
 
 
 def test_a_run_that_does_not_fit_becomes_a_skip_with_the_reason():
     spec = kit_plan.RunSpec(label="7b-none-mb4", recipe="recipes/7b_1gpu.yaml",
-                            overrides=("train.activation_checkpointing=none", "train.micro_batch=4"))
+                            overrides=("train.activation_checkpointing=none", "train.micro_batch=4"),
+                            start=kit_plan.START_7B, step=kit_plan.STEP_7B_OTHER)
     [step] = kit_plan.run_steps(spec, "m", kit.Context(gpu="h100", python="PY", work=Path("/w")))
     assert step.kind == "skip" and "GiB per GPU >" in step.note and "H100" in step.note
 
@@ -183,6 +253,8 @@ def test_kempnerforge_formula_equals_dsforges_for_llama_and_differs_when_heads_x
 
 
 def test_table_from_fake_inputs(tmp_path):
+    from dsforge.metrics_file import PHASES
+
     steps = kit_plan.steps(kit_plan.select(["all"]), kit.Context(gpu="h200", python="PY", work=tmp_path))
     records = kit_results.write_fake_inputs(steps, tmp_path, "h200")
     result = kit_results.collect(steps, records, tmp_path, "h200")
@@ -190,13 +262,36 @@ def test_table_from_fake_inputs(tmp_path):
     assert [r["label"] for r in result["runs"]] == [s.name for s in steps if s.kind in ("run", "skip")]
     for row in result["runs"]:
         assert row["mfu"] == pytest.approx(kit_results.FAKE_MFU)
-        assert row["mfu_kempnerforge"] == pytest.approx(kit_results.FAKE_MFU)
+        if row["label"].startswith("moe"):  # KempnerForge's formula is for dense models
+            assert row["mfu_kempnerforge"] is None
+        else:
+            assert row["mfu_kempnerforge"] == pytest.approx(kit_results.FAKE_MFU)
         assert row["allocated_bytes"] / row["predicted_bytes"] == pytest.approx(0.9, abs=1e-6)
-    assert result["gpu_tests"]["counts"]["passed"] == 2 and result["precision"]["within_tolerance"]
+        assert sum(row["breakdown_s"].values()) == pytest.approx(row["step_s"])
+    assert result["gpu_tests"]["counts"]["passed"] == 4 and result["precision"]["within_tolerance"]
+    assert result["kernels"]["within_tolerance"] and result["kernels"]["steps"] == 30
     zero = result["studies"]["zero-1b"]
     assert sorted(c["axes"]["zero.stage"] for c in zero) == [0, 1, 2, 3]
-    assert "| 7b-full-mb2 | fake |" in table and "| zero.stage=3 | ok |" in table
+    assert all(c["breakdown_s"] for c in zero)
+    assert "| 7b-shipped | fake |" in table and "| zero.stage=3 | ok |" in table
+    assert "| run | step ms | " + " | ".join(PHASES) + " |" in table
+    assert "| zero-1b zero.stage=0 |" in table and "| moe-8l |" in table
+    assert "| 3 | deepspeed | FAKE |" in table and "SDPA flash TFLOP/s" not in table  # no gemm.json
     assert "FAKE INPUTS" in table and "MFU 6P+12LDS" in table
+
+
+def test_table_leaves_out_the_breakdown_of_a_run_without_one(tmp_path):
+    """Runs of a dsforge that measured no breakdown (DSFORGE_BREAKDOWN=off, or older) render
+    without that section instead of failing."""
+    steps = kit_plan.steps(kit_plan.select(["moe"]), kit.Context(gpu="h100", python="PY", work=tmp_path))
+    records = kit_results.write_fake_inputs(steps, tmp_path, "h100")
+    summary = tmp_path / "runs" / "moe-8l" / "summary.json"
+    data = json.loads(summary.read_text())
+    data.pop("median_breakdown_s")
+    summary.write_text(json.dumps(data))
+    result = kit_results.collect(steps, records, tmp_path, "h100")
+    assert result["runs"][0]["breakdown_s"] is None and result["runs"][0]["step_s"] > 0
+    assert "Where the step goes" not in kit_results.render(result)
 
 
 def _step(name, code, expected=1.0, timeout=30.0, kind="gemm"):
@@ -227,7 +322,7 @@ def test_the_driver_runs_steps_within_the_budget_and_writes_its_files(tmp_path, 
     assert "kit: " in (out / "kit.log").read_text()
 
 
-def test_a_failed_required_step_stops_the_call(tmp_path, monkeypatch):
+def test_a_failed_required_step_stops_the_command(tmp_path, monkeypatch):
     steps = [kit.Step(name="env", kind="env", argv=(sys.executable, "-c", "raise SystemExit(1)"),
                       expected_s=1, timeout_s=30, required=True), _step("after", "print(1)")]
     monkeypatch.setattr(kit.kit_plan, "steps", lambda measurements, ctx: steps)
@@ -237,12 +332,26 @@ def test_a_failed_required_step_stops_the_call(tmp_path, monkeypatch):
     assert status == {"env": "failed (1)", "after": "not run"}
 
 
+def test_the_driver_sets_nothing_dsforge_does_not(monkeypatch, tmp_path):
+    """Issue 21: the kit runs with the machine's environment as a user has it."""
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.delenv("DS_SKIP_CUDA_CHECK", raising=False)
+    env = kit.step_environment(tmp_path)
+    assert env["TORCH_CUDA_ARCH_LIST"] == "9.0a" and "DS_SKIP_CUDA_CHECK" not in env
+    added = {k for k in env if k not in __import__("os").environ}
+    assert added <= {"PYTHONPATH", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR", "DSFORGE_RUNS"}
+    script = (KIT / "run.sh").read_text()
+    assert "TORCH_CUDA_ARCH_LIST" not in script and "DS_SKIP_CUDA_CHECK" not in script
+
+
 def test_probe_env_quick_on_this_cpu(tmp_path):
     import probe_env
 
     assert probe_env.main(["--quick", "--out", str(tmp_path / "env.json")]) == 1  # no CUDA here
     facts = json.loads((tmp_path / "env.json").read_text())
     assert facts["dsforge"]["from_working_tree"] and facts["problems"] == ["torch sees no CUDA device"]
+    assert facts["kernels_auto"]["impl"] == "torch"  # auto on a machine without a GPU
+    assert "liger-kernel" in facts["packages"] and "torch_cuda_arch_list" in facts["host"]
 
 
 def test_gemm_code_runs_on_the_cpu_at_tiny_shapes():
@@ -251,6 +360,26 @@ def test_gemm_code_runs_on_the_cpu_at_tiny_shapes():
     result = gemm.run(["benchmarks/gpu/recipes/1b_1gpu.yaml"], "h100", tiny=True, reps=1, warmup=0)
     [model] = result["models"]
     assert len(model["gemms"]) == 5 * 3 and model["share_of_peak"] is None
-    assert result["planner_compute_efficiency"] == 0.6 and model["attention"]["seconds"] > 0
+    assert result["planner_compute_efficiency"] == 0.6
     flops = sum(g["count"] * 2 * g["m"] * g["k"] * g["n"] for g in model["gemms"])
     assert model["step_gemm_flops"] == flops
+    backends = model["attention"]["backends"]
+    assert list(backends) == list(gemm.SDPA_BACKENDS)
+    assert backends["auto"]["seconds"] > 0 and backends["flash"]["seconds"] > 0  # torch's CPU kernels
+    assert "error" in backends["cudnn"]  # no cuDNN attention on a CPU: recorded, not raised
+    assert model["attention"]["kv_heads"] == 8  # grouped KV heads go in as they are
+
+
+def test_adam_step_script_on_the_cpu_at_tiny_shapes(tmp_path):
+    """Its own process: DeepSpeed's engines need a process group, which this one must not get."""
+    out = tmp_path / "adam.json"
+    done = subprocess.run([sys.executable, str(KIT / "adam_step.py"), "--recipe",
+                           "benchmarks/gpu/recipes/1b_1gpu.yaml", "--cpu-tiny", "--reps", "1",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["stage"], r["impl"]) for r in result["results"]] == [(s, "fused") for s in range(4)]
+    wrappers = [r["optimizer"].split(" around ")[0] for r in result["results"]]
+    assert wrappers == ["FP16_UnfusedOptimizer", "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer",
+                        "DeepSpeedZeroOptimizer_Stage3"]
+    assert all(r["optimizer"].endswith("AdamW (fused)") and r["step_s"] > 0 for r in result["results"])
