@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-PACKAGES = ("torch", "deepspeed", "megatron-core", "dsforge")
+# liger-kernel: model.kernels auto picks it where installed, so every host must agree
+PACKAGES = ("torch", "deepspeed", "megatron-core", "dsforge", "liger-kernel")
 
 
 def package_versions() -> dict[str, str | None]:

@@ -108,13 +108,13 @@ def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
         problems += host_problems
         if found is not None:
             problems += version_problems(host, found["versions"], local)
-            problems += _fit(host, slots, found["machine"], fit) if fit else []
+            problems += _fit(host, slots, found["machine"], found["versions"], fit) if fit else []
     if not errors(problems):
         problems += check_port(hosts[0], master_port, python, timeout_s)
     return problems
 
 
-def _fit(host: str, slots: int, probed: dict, fit) -> list[Problem]:
+def _fit(host: str, slots: int, probed: dict, probed_versions: dict, fit) -> list[Problem]:
     from dsforge.launch.fit import Machine, device_for, fit_problems
     from dsforge.translate.kernels import device_problems
 
@@ -123,5 +123,6 @@ def _fit(host: str, slots: int, probed: dict, fit) -> list[Problem]:
     if machine.build is not None:
         machine = replace(machine, build=machine.build.forwarded(os.environ))
     device = device_for(device, machine)
-    return (device_problems(resolved.recipe.model, device=device)
+    liger = probed_versions.get("liger-kernel") is not None
+    return (device_problems(resolved.recipe.model, device=device, liger_available=liger)
             + fit_problems(resolved, machine, device=device, ranks=slots))

@@ -31,7 +31,7 @@ from dsforge.recipe import Resolved
 from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.tiny import reference_resolved, tiny_resolved
 from dsforge.runtime.preempt import EXIT_RESUMABLE
-from dsforge.translate.kernels import device_problems
+from dsforge.translate.kernels import device_problems, liger_installed
 
 Say = Callable[[str], None]
 # Exit codes of a job dsforge stopped at once on request: Ctrl-C, SIGHUP, SIGUSR1, SIGTERM
@@ -86,9 +86,10 @@ def check_fit(command: list[str], resolved: Resolved, device: str, tiny: bool) -
     when it cannot hold the job or cannot build what its ranks build (launch/fit.py)."""
     machine = Machine.from_probe("this machine", probe())
     device = device_for(device, machine)
-    unrunnable = device_problems(resolved.recipe.model, device=device)
+    unrunnable = device_problems(resolved.recipe.model, device=device,
+                                 liger_available=liger_installed())
     if unrunnable:  # rule K1 (translate/kernels.py)
-        raise Refused(f"{command[2]} asks for kernels {device.upper()} ranks do not have",
+        raise Refused(f"{command[2]} asks for kernels its {device.upper()} ranks here do not have",
                       unrunnable, "ways forward: use the fixes above, or run on GPUs")
     if job_ops(resolved, device):
         machine = machine.with_build(build_facts())

@@ -19,16 +19,14 @@ _NEEDS = {
     "tracking.tensorboard": ("tensorboard", "tensorboard",
                              "torch.utils.tensorboard writes its event files through it", "false"),
     "tracking.wandb": ("wandb", "wandb", "Weights & Biases tracking runs through it", "false"),
-    "model.kernels": ("liger_kernel", "gpu", "model.kernels: liger runs Liger Kernel's Triton "
-                      "kernels (auto uses them only where installed)", "auto"),
 }
 
 
 def missing_extras(recipe: Recipe) -> list[Problem]:
     """An X1 problem for each optional feature the recipe turns on whose package is missing."""
     written = {"tracking.tensorboard": recipe.tracking.tensorboard,
-               "tracking.wandb": recipe.tracking.wandb, "model.kernels": recipe.model.kernels}
-    asked = {field: value for field, value in written.items() if value not in (False, "auto", "torch")}
+               "tracking.wandb": recipe.tracking.wandb}
+    asked = {field: value for field, value in written.items() if value is not False}
     return [_missing(field, value, *_NEEDS[field]) for field, value in asked.items()
             if not _installed(_NEEDS[field][0])]
 

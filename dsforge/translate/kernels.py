@@ -10,9 +10,11 @@ Triton compiles each kernel on its first call (seconds, cached under ~/.triton),
 is built at install time; Triton needs a GPU. `auto` picks liger on GPU ranks when
 liger-kernel is installed (`pip install 'dsforge[gpu]'`), else torch.
 
-A recipe that asks for what its ranks cannot run is refused before any rank starts:
-liger without the package (X1, recipe/extras.py), liger or a GPU-only attention backend on
-CPU ranks (K1, `device_problems`).
+A recipe that asks for what its ranks cannot run is refused before any rank starts, on the
+machines the ranks run on (`device_problems`, from the fit check and every host's preflight;
+`dsforge plan` on a laptop may plan a GPU job): liger or a GPU-only attention backend on CPU
+ranks (K1), liger where liger-kernel is not installed (X1). Every host runs the same
+liger-kernel version (preflight F3), so auto picks the same kernels on every rank.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ def choose_kernels(model: ModelConfig, *, device: str, liger_available: bool) ->
     return KernelChoice("liger", "auto: GPU ranks and liger-kernel installed")
 
 
-def device_problems(model: ModelConfig, *, device: str) -> list[Problem]:
-    """K1: what CPU ranks cannot run."""
+def device_problems(model: ModelConfig, *, device: str, liger_available: bool) -> list[Problem]:
+    """K1: what CPU ranks cannot run; X1: liger asked for where it is not installed."""
     if device == "cuda":
-        return []
+        return [] if model.kernels != "liger" or liger_available else [_liger_missing()]
     problems = []
     if model.kernels == "liger":
         problems.append(Problem(
@@ -68,3 +70,11 @@ def device_problems(model: ModelConfig, *, device: str) -> list[Problem]:
                     f"{model.sdpa_backend} kernel on the CPU",
             fix="use model.sdpa_backend: auto (or one of " + ", ".join(CPU_SDPA_BACKENDS) + ")"))
     return problems
+
+
+def _liger_missing() -> Problem:
+    return Problem(rule="X1", fields={"model.kernels": "liger"},
+                   message="needs the liger-kernel package on the machines the ranks run on, "
+                           "which is not installed here",
+                   fix="pip install 'dsforge[gpu]', or set model.kernels: auto (Liger where "
+                       "installed, torch's kernels elsewhere)")
