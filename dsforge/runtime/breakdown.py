@@ -10,8 +10,10 @@ once the device has passed the step's last mark (StepTimings), which the loss's 
 guarantees on the ranks that have a loss; other pipeline ranks are read a step later rather
 than synchronised. Megatron-LM's timers synchronise the device instead; torchtitan profiles.
 
-Phase names: dsforge.metrics_file.PHASES. DSFORGE_BREAKDOWN=off leaves the clock out (the
-overhead benchmark's other side, benchmarks/overhead/README.md).
+Phase names: dsforge.metrics_file.PHASES. DSFORGE_BREAKDOWN in the ranks' environment: `on`
+(the default), `off` (no clock: the overhead benchmark's other side,
+benchmarks/overhead/README.md), or `gathers`: also ZeRO-3's gather of each module's parameters
+as dp_comm, at two marks per module per pass (off by default: measured at 1-2% of a step).
 """
 
 from __future__ import annotations
@@ -30,8 +32,15 @@ OTHER = "other"
 ENV = "DSFORGE_BREAKDOWN"
 
 
-def enabled(environ=os.environ) -> bool:
-    return environ.get(ENV, "on").lower() not in ("0", "off", "false", "no")
+MODES = ("on", "off", "gathers")
+
+
+def mode(environ=os.environ) -> str:
+    """DSFORGE_BREAKDOWN's value: on, off or gathers; ValueError for anything else."""
+    value = environ.get(ENV, "on").strip().lower() or "on"
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r}: use one of {', '.join(MODES)}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,21 @@ class Reading:
     phases: dict[str, float]
     spans: dict[str, float]
     marks: int
+
+
+# How far the named phases may exceed their step before the reading is called wrong: the
+# device's clock and the host's disagree by a timer tick, not by more.
+TOLERANCE = 1e-3
+
+
+def overrun(reading: Reading, step: int, step_time_s: float) -> str | None:
+    """What is wrong with a reading whose named phases add up to more than the step they are
+    part of (its `other` negative beyond TOLERANCE of the step); None when it is right."""
+    if reading.phases[OTHER] >= -TOLERANCE * step_time_s:
+        return None
+    named = step_time_s - reading.phases[OTHER]
+    return (f"step breakdown: the phases of step {step} add up to {named * 1e3:.3f} ms, more "
+            f"than the step's {step_time_s * 1e3:.3f} ms; its breakdown_s is not right")
 
 
 class _HostMarker:
@@ -104,9 +128,11 @@ class Marked:
 class StepClock:
     """Marks phase boundaries within one step: start(), enter(phase)/exit() (nested freely),
     stop() -> Marked. Outside start()..stop() enter and exit do nothing (evaluation,
-    checkpoints). With `span`, enter/exit also time that name inclusively."""
+    checkpoints). With `span`, enter/exit also time that name inclusively. `gathers`: the
+    engine hooks also mark ZeRO-3's per-module gathers (runtime/phase_hooks.py)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, gathers: bool = False):
+        self.gathers = gathers
         self._marker = _CudaMarker() if device.type == "cuda" else _HostMarker()
         self._step: Marked | None = None
         self._stack: list[str] = []

@@ -5,13 +5,15 @@ the breakdown meet the engines untouched:
 
 | phase | marked around |
 |---|---|
-| dp_comm | `engine.allreduce_gradients` (ZeRO 0/1: the data-parallel reduction at the step's boundary; ZeRO 2/3: the last bucket after each backward); ZeRO-1/2's `reduce_ipg_grads` (each bucket reduced during the backward) and its `optimizer_allgather` timer (the updated parameters gathered after the optimizer step); ZeRO-3's `fetch_sub_module` (each module's parameters gathered before its forward and backward) and its bucket reduce-scatter |
+| dp_comm | `engine.allreduce_gradients` (ZeRO 0/1: the data-parallel reduction at the step's boundary; ZeRO 2/3: the last bucket after each backward); ZeRO-1/2's `reduce_ipg_grads` (each bucket reduced during the backward) and its `optimizer_allgather` timer (the updated parameters gathered after the optimizer step); ZeRO-3's bucket reduce-scatter, and with DSFORGE_BREAKDOWN=gathers its `fetch_sub_module` for each module holding parameters (gathered before its forward and backward) |
 | forward, backward, pipeline_wait | Megatron-Core's schedule timers (`config.timers`, timers.py): with pp > 1 |
 | recompute | the forward that Megatron's `CheckpointFunction.backward` runs again (activation checkpointing) |
 
 Wrappers are instance attributes over DeepSpeed's methods (a method calls them through `self`),
-so they reach exactly this engine; the one class attribute, CheckpointFunction.backward, is
-restored after the step. tests/unit/test_breakdown.py pins the names.
+so they reach exactly this engine. CheckpointFunction.backward is a class attribute: it is
+replaced once per process, so no class changes while training runs, and marks only while a
+step's clock is set (RECOMPUTE).
+tests/unit/test_breakdown.py pins the names.
 """
 
 from __future__ import annotations
@@ -30,29 +32,50 @@ ZERO3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
 def marking(clock: StepClock, engine, chunks) -> Iterator[None]:
     undo: list[Callable[[], None]] = []
     try:
-        for owner, name in communication(engine):
-            _set(owner, name, _timed(clock, "dp_comm", getattr(owner, name)), undo)
+        for owner, name, marked in communication(clock, engine):
+            _set(owner, name, marked, undo)
         if hasattr(engine.optimizer, "reduce_ipg_grads"):  # ZeRO-1/2 report through timers
             _set(engine.optimizer, "timers", PhaseTimers(clock, optimizer_phase), undo)
         for chunk in chunks:
             _set(chunk.config, "timers", PhaseTimers(clock, schedule_phase), undo)
-        _mark_recompute(clock, undo)
+        RECOMPUTE.install()
+        RECOMPUTE.clock = clock
+        undo.append(RECOMPUTE.stop)
         yield
     finally:
         for restore in reversed(undo):
             restore()
 
 
-def communication(engine) -> list[tuple[object, str]]:
-    """(object, method name) of each data-parallel reduction or ZeRO gather this engine has."""
+def communication(clock: StepClock, engine) -> list[tuple[object, str, Callable]]:
+    """(object, method name, its marked replacement) for each data-parallel reduction or ZeRO
+    gather this engine has."""
     optimizer = engine.optimizer
-    found = [(engine, "allreduce_gradients")]
-    found += [(optimizer, name) for name in ("reduce_ipg_grads", ZERO3_REDUCE)
-              if hasattr(optimizer, name)]
+    found = [(owner, name, _timed(clock, "dp_comm", getattr(owner, name)))
+             for owner, name in [(engine, "allreduce_gradients"), (optimizer, "reduce_ipg_grads"),
+                                 (optimizer, ZERO3_REDUCE)] if hasattr(owner, name)]
     offload = getattr(optimizer, "parameter_offload", None)
-    if offload is not None:
-        found.append((offload.get_param_coordinator(), "fetch_sub_module"))
+    if offload is not None and clock.gathers:
+        coordinator = offload.get_param_coordinator()
+        found.append((coordinator, "fetch_sub_module",
+                      _timed_fetch(clock, coordinator.fetch_sub_module)))
     return found
+
+
+def _timed_fetch(clock: StepClock, fetch: Callable) -> Callable:
+    """ZeRO-3's fetch, marked for modules that hold parameters: the others' (a layer, its MLP)
+    gather nothing, and leaving them unmarked halves the marks a step takes. Inline: it runs
+    for every module of every pass, which is why it is off by default (docs/breakdown.md)."""
+    def fetch_sub_module(module, *args, **kwargs):
+        if not module._parameters:
+            return fetch(module, *args, **kwargs)
+        clock.enter("dp_comm")
+        try:
+            return fetch(module, *args, **kwargs)
+        finally:
+            clock.exit()
+
+    return fetch_sub_module
 
 
 def _timed(clock: StepClock, phase: str, function: Callable) -> Callable:
@@ -74,20 +97,38 @@ def _set(owner, name: str, value, undo: list) -> None:
     undo.append(lambda: setattr(owner, name, previous) if had else delattr(owner, name))
 
 
-def _mark_recompute(clock: StepClock, undo: list) -> None:
-    """The forward run again inside a checkpointed segment's backward is `recompute`; the
-    rest of that backward stays `backward`."""
-    from megatron.core.tensor_parallel.random import CheckpointFunction
+class _RecomputeMarks:
+    """Megatron-Core's CheckpointFunction.backward, replaced once: while `clock` is set (inside
+    a step's `marking`), the forward a checkpointed segment runs again inside its backward is
+    `recompute`; the rest of that backward stays `backward`. Otherwise it is Megatron's."""
 
-    original = vars(CheckpointFunction)["backward"]  # the staticmethod itself
+    def __init__(self):
+        self.clock: StepClock | None = None
+        self._installed = False
 
-    def backward(ctx, *grads):
-        run = ctx.run_function
-        ctx.run_function = _timed(clock, "recompute", run)
-        try:
-            return original.__func__(ctx, *grads)
-        finally:
-            ctx.run_function = run
+    def install(self) -> None:
+        if self._installed:
+            return
+        from megatron.core.tensor_parallel.random import CheckpointFunction
 
-    CheckpointFunction.backward = staticmethod(backward)
-    undo.append(lambda: setattr(CheckpointFunction, "backward", original))
+        original = vars(CheckpointFunction)["backward"].__func__
+
+        def backward(ctx, *grads):
+            clock = self.clock
+            if clock is None:
+                return original(ctx, *grads)
+            run = ctx.run_function
+            ctx.run_function = _timed(clock, "recompute", run)
+            try:
+                return original(ctx, *grads)
+            finally:
+                ctx.run_function = run
+
+        CheckpointFunction.backward = staticmethod(backward)
+        self._installed = True
+
+    def stop(self) -> None:
+        self.clock = None
+
+
+RECOMPUTE = _RecomputeMarks()

@@ -48,8 +48,10 @@ class Trainer:
         self.chunks, self.engine = parts.chunks, parts.engine
         # The step breakdown (runtime/breakdown.py), in every run unless DSFORGE_BREAKDOWN=off;
         # None turns it off for the steps that follow (the overhead benchmark alternates).
-        self.clock = breakdown.StepClock(device) if breakdown.enabled() else None
+        marks = breakdown.mode()
+        self.clock = None if marks == "off" else breakdown.StepClock(device, gathers=marks == "gathers")
         self.timings = breakdown.StepTimings()
+        self._breakdown_warned = False
         self.flops = flops_per_token(recipe.model, recipe.train.seq_len,
                                      recipe.train.activation_checkpointing)
         gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -135,9 +137,18 @@ class Trainer:
         elapsed = time.perf_counter() - start
         ended_at = time.time()
         reading = self.timings.add(step, marked, elapsed) if marked is not None else None
+        if reading is not None:
+            self._check_breakdown(reading, step, elapsed)
         if self.reporter:
             self._report(step, loss, lr, elapsed, ended_at, data_time,
                          reading.phases if reading else None)
+
+    def _check_breakdown(self, reading: breakdown.Reading, step: int, elapsed: float) -> None:
+        """Say once if a step's phases add up to more than the step (a measurement bug)."""
+        problem = breakdown.overrun(reading, step, elapsed)
+        if problem and not self._breakdown_warned:
+            self._breakdown_warned = True
+            self.console.say(f"dsforge: warning: {problem} (rank {torch.distributed.get_rank()})")
 
     def _forward_backward_update(self, batches, census, clock) -> torch.Tensor | None:
         layout, train = self.resolved.layout, self.resolved.recipe.train

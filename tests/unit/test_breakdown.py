@@ -128,10 +128,12 @@ def test_a_reading_waits_for_the_device_only_at_the_end():
     assert sorted(timings.readings) == [3, 4, 5]
 
 
-def test_the_breakdown_is_on_unless_the_environment_turns_it_off():
-    assert breakdown.enabled({}) and breakdown.enabled({"DSFORGE_BREAKDOWN": "on"})
-    assert not breakdown.enabled({"DSFORGE_BREAKDOWN": "off"})
-    assert not breakdown.enabled({"DSFORGE_BREAKDOWN": "0"})
+def test_the_breakdown_is_on_unless_the_environment_says_otherwise():
+    assert breakdown.mode({}) == "on" == breakdown.mode({"DSFORGE_BREAKDOWN": ""})
+    assert breakdown.mode({"DSFORGE_BREAKDOWN": "OFF"}) == "off"
+    assert breakdown.mode({"DSFORGE_BREAKDOWN": "gathers"}) == "gathers"
+    with pytest.raises(ValueError, match="use one of on, off, gathers"):
+        breakdown.mode({"DSFORGE_BREAKDOWN": "0"})
 
 
 # --- the hooks into the engines -------------------------------------------------------------
@@ -182,16 +184,13 @@ class FakeEngine:
 
 
 def test_marking_wraps_this_engine_for_one_step_and_restores_everything():
-    from megatron.core.tensor_parallel.random import CheckpointFunction
-
     clock = StepClock(torch.device("cpu"))
     engine = FakeEngine(clock)
     config = SimpleNamespace(timers=None)
-    backward = vars(CheckpointFunction)["backward"]
     clock.start()
     with phase_hooks.marking(clock, engine, [SimpleNamespace(config=config)] * 2):
         assert isinstance(config.timers, PhaseTimers)
-        assert vars(CheckpointFunction)["backward"] is not backward
+        assert phase_hooks.RECOMPUTE.clock is clock
         with clock.phase("backward"):
             engine.optimizer.reduce_ipg_grads()  # a bucket full during the backward
             engine.allreduce_gradients()
@@ -202,30 +201,48 @@ def test_marking_wraps_this_engine_for_one_step_and_restores_everything():
     assert reading.phases["dp_comm"] > 0
     assert "allreduce_gradients" not in vars(engine) and "reduce_ipg_grads" not in vars(engine.optimizer)
     assert engine.optimizer.timers is None and config.timers is None
-    assert vars(CheckpointFunction)["backward"] is backward
+    assert phase_hooks.RECOMPUTE.clock is None
 
 
-def test_recompute_is_the_forward_run_again_inside_a_checkpoints_backward():
+@pytest.mark.parametrize("gathers", [False, True])
+def test_zero3_gathers_are_marked_on_request_for_modules_holding_parameters(gathers):
+    clock = StepClock(torch.device("cpu"), gathers=gathers)
+    seen = []
+    coordinator = SimpleNamespace(fetch_sub_module=lambda module, forward: seen.append(clock._stack[-1]))
+    engine = SimpleNamespace(allreduce_gradients=lambda: None, optimizer=SimpleNamespace(
+        parameter_offload=SimpleNamespace(get_param_coordinator=lambda: coordinator)))
+    layer = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    clock.start()
+    with phase_hooks.marking(clock, engine, []), clock.phase("forward"):
+        coordinator.fetch_sub_module(layer, forward=True)     # a container: nothing to gather
+        coordinator.fetch_sub_module(layer[0], forward=True)  # its weights
+    if gathers:
+        assert seen == ["forward", "dp_comm"] and clock.stop().read(1.0).marks == 6
+    else:
+        assert seen == ["forward", "forward"] and clock.stop().read(1.0).marks == 4
+    assert "fetch_sub_module" in vars(coordinator)  # the coordinator's own attribute, back
+
+
+def test_recompute_is_the_forward_run_again_inside_a_checkpoints_backward(monkeypatch):
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
+    # Megatron's backward stood in by one that only runs the segment's forward again.
+    monkeypatch.setattr(CheckpointFunction, "backward",
+                        staticmethod(lambda ctx, *grads: ctx.run_function()))
+    marks = phase_hooks._RecomputeMarks()
+    marks.install()
     clock = StepClock(torch.device("cpu"))
     seen = []
-    run = lambda *inputs: seen.append(clock._stack[-1])
-    undo = []
-    original = vars(CheckpointFunction)["backward"]
-    CheckpointFunction.backward = staticmethod(lambda ctx, *grads: ctx.run_function())
-    try:
-        phase_hooks._mark_recompute(clock, undo)
-        ctx = SimpleNamespace(run_function=run)
-        clock.start()
-        with clock.phase("backward"):
-            CheckpointFunction.backward(ctx)
-        clock.stop()
-        assert seen == ["recompute"] and ctx.run_function is run
-    finally:
-        for restore in undo:
-            restore()
-        CheckpointFunction.backward = original
+    ctx = SimpleNamespace(run_function=lambda: seen.append(clock._stack[-1]))
+    run = ctx.run_function
+    clock.start()
+    with clock.phase("backward"):
+        CheckpointFunction.backward(ctx)  # no step's clock set: Megatron's own
+        marks.clock = clock
+        CheckpointFunction.backward(ctx)
+        marks.stop()
+    assert clock.stop().read(1.0).phases["recompute"] > 0
+    assert seen == ["backward", "recompute"] and ctx.run_function is run
 
 
 # --- records, summaries, the report ----------------------------------------------------------
@@ -323,3 +340,15 @@ def test_run_profile_is_the_recipe_field():
                               "--profile", "3:5", "--dry-run"])
     assert ok.exit_code == 0, ok.output
     assert """--set 'tracking.profile="3:5"'""" in ok.output
+
+
+def test_phases_adding_up_to_more_than_their_step_are_called_wrong():
+    clock = _clock([0, 1, 2, 3])
+    clock.start()
+    with clock.phase("forward"):
+        pass
+    marked = clock.stop()
+    assert breakdown.overrun(marked.read(step_time_s=3.0), 7, 3.0) is None
+    wrong = Marked(marker=breakdown._HostMarker(), marks=[0.0, 1.0, 3.0], owners=["forward", "backward"])
+    problem = breakdown.overrun(wrong.read(step_time_s=2.0), 7, 2.0)
+    assert "phases of step 7 add up to 3000.000 ms, more than the step's 2000.000 ms" in problem
