@@ -30,8 +30,6 @@ from dsforge.metrics_file import PHASES
 
 OTHER = "other"
 ENV = "DSFORGE_BREAKDOWN"
-
-
 MODES = ("on", "off", "gathers")
 
 

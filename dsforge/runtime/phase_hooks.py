@@ -30,6 +30,8 @@ ZERO3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
 
 @contextlib.contextmanager
 def marking(clock: StepClock, engine, chunks) -> Iterator[None]:
+    """For one step: the engine's reductions and gathers, its ZeRO-1/2 optimizer's timers,
+    Megatron's schedule timers and the recompute report to `clock`; all undone afterwards."""
     undo: list[Callable[[], None]] = []
     try:
         for owner, name, marked in communication(clock, engine):
