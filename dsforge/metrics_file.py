@@ -16,8 +16,8 @@ VALIDATION_KEY = "val_loss"
 # them. Exclusive: a phase nested in another (a ZeRO gather inside a forward, a recompute
 # inside a backward) counts only in the inner one, and "other" is the step's time outside
 # every named phase, so the phases sum to the record's step_time_s.
-PHASES = ("data", "forward", "backward", "recompute", "optimizer", "dp_comm", "pipeline_wait",
-          "other")
+PHASES = ("data", "forward", "backward", "recompute", "experts", "optimizer", "dp_comm",
+          "pipeline_wait", "other")
 
 
 def is_validation(record: dict) -> bool:

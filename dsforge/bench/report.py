@@ -220,7 +220,7 @@ def _breakdown_table(cells: list[dict]) -> list[str]:
              "only roughly to the median step.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in shown:
-        phases = [f"{c['breakdown_s'][p] * 1e3:,.1f}" for p in PHASES]
+        phases = [f"{c['breakdown_s'].get(p, 0.0) * 1e3:,.1f}" for p in PHASES]
         lines.append("| " + " | ".join([str(c["axes"][a]) for a in axes]
                                        + [f"{c['step_time_median'] * 1e3:,.1f}", *phases]) + " |")
     return lines
@@ -303,8 +303,9 @@ def _plots(study: str, cells: list[dict], out_dir: Path) -> list[Path]:
 
 
 # One colour per phase, the same in every report.
-PHASE_COLORS = dict(zip(PHASES, ("#8c8c8c", "#4c72b0", "#dd8452", "#da8bc3", "#55a868",
-                                 "#c44e52", "#8172b2", "#ccb974")))
+PHASE_COLORS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#dd8452",
+                "recompute": "#da8bc3", "experts": "#64b5cd", "optimizer": "#55a868",
+                "dp_comm": "#c44e52", "pipeline_wait": "#8172b2", "other": "#ccb974"}
 
 
 def _breakdown_plot(study: str, ok: list[dict], labels: list[str], out_dir: Path, plt) -> list[Path]:
@@ -316,7 +317,8 @@ def _breakdown_plot(study: str, ok: list[dict], labels: list[str], out_dir: Path
     x = list(range(len(cells)))
     bottom = [0.0] * len(cells)
     for phase in PHASES:
-        heights = [c["breakdown_s"][phase] * 1e3 for c, _ in cells]
+        # .get: cells stored before a phase existed (experts) lack it
+        heights = [c["breakdown_s"].get(phase, 0.0) * 1e3 for c, _ in cells]
         axis.bar(x, heights, bottom=bottom, color=PHASE_COLORS[phase], label=phase)
         bottom = [b + h for b, h in zip(bottom, heights)]
     axis.set_ylabel("ms per step (median of each phase)")

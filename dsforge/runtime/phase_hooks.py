@@ -8,6 +8,7 @@ the breakdown meet the engines untouched:
 | dp_comm | `engine.allreduce_gradients` (ZeRO 0/1: the data-parallel reduction at the step's boundary; ZeRO 2/3: the last bucket after each backward); ZeRO-1/2's `reduce_ipg_grads` (each bucket reduced during the backward) and its `optimizer_allgather` timer (the updated parameters gathered after the optimizer step); ZeRO-3's bucket reduce-scatter, and with DSFORGE_BREAKDOWN=gathers its `fetch_sub_module` for each module holding parameters (gathered before its forward and backward) |
 | forward, backward, pipeline_wait | Megatron-Core's schedule timers (`config.timers`, timers.py): with pp > 1 |
 | recompute | the forward that Megatron's `CheckpointFunction.backward` runs again (activation checkpointing) |
+| experts | MoE layers' expert MLPs (Megatron's SequentialMLP): each forward (module hooks), and its backward, from the gradient reaching its output to the gradient of its input (tensor hooks), in forward, recompute and backward alike |
 
 Wrappers are instance attributes over DeepSpeed's methods (a method calls them through `self`),
 so they reach exactly this engine. CheckpointFunction.backward is a class attribute: it is
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 from typing import Callable, Iterator
+
+import torch
 
 from dsforge.runtime.breakdown import StepClock
 from dsforge.runtime.timers import PhaseTimers, optimizer_phase, schedule_phase
@@ -43,6 +46,7 @@ def marking(clock: StepClock, engine, chunks) -> Iterator[None]:
         RECOMPUTE.install()
         RECOMPUTE.clock = clock
         undo.append(RECOMPUTE.stop)
+        _mark_experts(clock, chunks, undo)
         yield
     finally:
         for restore in reversed(undo):
@@ -97,6 +101,29 @@ def _set(owner, name: str, value, undo: list) -> None:
     previous = vars(owner).get(name)
     setattr(owner, name, value)
     undo.append(lambda: setattr(owner, name, previous) if had else delattr(owner, name))
+
+
+def _mark_experts(clock: StepClock, chunks, undo: list) -> None:
+    """The expert loop of every MoE layer is `experts`: a step of an MoE model shows its share.
+    Its forward lies between the module's pre-hook and hook; its backward, when autograd runs
+    one, from the gradient reaching its output to the gradient of its input (tensor hooks,
+    set only where both ends get a gradient, so every enter has its exit)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    def after(module, args, output) -> None:
+        clock.exit()
+        tokens, out = args[0], output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and tokens.requires_grad and out.requires_grad:
+            out.register_hook(lambda grad: clock.enter("experts"))
+            tokens.register_hook(lambda grad: clock.exit())
+
+    handles = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, SequentialMLP):
+                handles.append(module.register_forward_pre_hook(lambda m, a: clock.enter("experts")))
+                handles.append(module.register_forward_hook(after))
+    undo.append(lambda: [handle.remove() for handle in handles])
 
 
 class _RecomputeMarks:

@@ -2,7 +2,8 @@
 none negative, summing to the step's time; the phases each layout has are measured (the
 data-parallel reduction and ZeRO-3's gathers, recompute under full checkpointing, pipeline
 waits and the bubble with pp > 1); and `tracking.profile` writes rank 0's trace of exactly
-the steps asked for. One world of 2 CPU ranks trains the three layouts in turn."""
+the steps asked for; an MoE model's expert loop is its own phase. Two worlds of 2 CPU ranks
+(dense, MoE) train the layouts in turn."""
 
 from __future__ import annotations
 
@@ -22,23 +23,34 @@ CASES = {
     "pp2_full_ckpt": STEPS + ["parallel.dp=1", "parallel.pp=2", "zero.stage=1",
                               "train.activation_checkpointing=full"],
 }
+# MoE: the expert loop's share, in 1F1B with full checkpointing (forward, recompute and
+# backward of the experts all nested in other phases)
+MOE_CASES = {"moe_ep2": STEPS + ["parallel.dp=2", "parallel.ep=2", "zero.stage=1"],
+             "moe_pp2_full_ckpt": STEPS + ["parallel.dp=1", "parallel.pp=2", "parallel.ep=1",
+                                           "zero.stage=1", "train.activation_checkpointing=full"]}
 # Phases each layout must spend time in at every step (others may be 0).
 SPENT = {"dp2_zero1_profiled": {"data", "forward", "backward", "optimizer", "dp_comm"},
          "dp2_zero3": {"data", "forward", "backward", "optimizer", "dp_comm"},
-         "pp2_full_ckpt": {"data", "forward", "backward", "optimizer", "recompute", "pipeline_wait"}}
+         "pp2_full_ckpt": {"data", "forward", "backward", "optimizer", "recompute", "pipeline_wait"},
+         "moe_ep2": {"data", "forward", "backward", "experts", "optimizer", "dp_comm"},
+         "moe_pp2_full_ckpt": {"data", "forward", "backward", "recompute", "experts", "optimizer",
+                               "pipeline_wait"}}
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     out = tmp_path_factory.mktemp("breakdown")
     metrics = run_world(2, CASES, recipe=REPO / "recipes" / "tiny.yaml", out=out, timeout_s=240)
+    metrics |= run_world(2, MOE_CASES, recipe=REPO / "recipes" / "tiny_moe.yaml", out=out / "moe",
+                         timeout_s=240)
     return out, metrics
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(MOE_CASES))
 def test_every_step_is_broken_down_into_its_phases(world, case):
     out, metrics = world
+    out = out / "moe" if case in MOE_CASES else out
     steps = [r for r in metrics[case] if "step_time_s" in r]
     assert len(steps) == 4
     for record in steps:
@@ -51,8 +63,9 @@ def test_every_step_is_broken_down_into_its_phases(world, case):
     assert set(summary["median_breakdown_s"]) == set(PHASES)
     ranks = [json.loads(p.read_text()) for p in sorted((out / case / "ranks").glob("rank*.json"))]
     assert len(ranks) == 2 and all(set(r["breakdown_s"]) == set(PHASES) for r in ranks)
-    pipelined = case.startswith("pp2")
+    pipelined = "pp2" in case
     assert all((r["bubble_share"] is not None) == pipelined for r in ranks)
+    assert (summary["median_breakdown_s"]["experts"] > 0) == (case in MOE_CASES)
 
 
 @pytest.mark.timeout(300)
