@@ -21,7 +21,7 @@ from dsforge.runtime.init import init_from_hugging_face, init_layout_invariant
 from dsforge.runtime.model import build_model_chunks
 from dsforge.runtime.moe_glue import deepspeed_sees_megatron_moe, register_experts
 from dsforge.translate.deepspeed_config import deepspeed_config
-from dsforge.translate.kernels import choose_kernels, liger_installed
+from dsforge.translate.kernels import KernelChoice, choose_kernels, liger_installed
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         parallel_state_kwargs, transformer_config_kwargs)
 
@@ -33,6 +33,7 @@ class RankParts:
 
     chunks: list[nn.Module]
     engine: Any  # deepspeed.DeepSpeedEngine
+    kernels: KernelChoice  # what the model's norms, SwiGLU and loss run on
 
 
 def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
@@ -79,7 +80,7 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
     ds_config = deepspeed_config(model=recipe.model, train=recipe.train, zero=recipe.zero,
                                  layout=layout, device=device.type)
     engine = initialize_deepspeed(container, ds_config, has_experts)
-    return RankParts(chunks=chunks, engine=engine)
+    return RankParts(chunks=chunks, engine=engine, kernels=kernels)
 
 
 class MegatronMPU:

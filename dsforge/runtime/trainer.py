@@ -45,7 +45,7 @@ class Trainer:
         if self.sources.note and int(os.environ.get("RANK", 0)) == 0:
             self.console.say(f"dsforge: {self.sources.note}")
         parts = build_rank(resolved, device=device, backend=backend, timeout_s=collective_timeout_s)
-        self.chunks, self.engine = parts.chunks, parts.engine
+        self.chunks, self.engine, self.kernels = parts.chunks, parts.engine, parts.kernels
         # The step breakdown (runtime/breakdown.py), in every run unless DSFORGE_BREAKDOWN=off;
         # None turns it off for the steps that follow (the overhead benchmark alternates).
         marks = breakdown.mode()
@@ -219,9 +219,12 @@ class Trainer:
         return _postfix(self.metrics.records[-1], self.metrics.last_eval())
 
     def _write_manifest(self) -> None:
-        from dsforge.runtime.manifest import environment_manifest
+        from dsforge.runtime.manifest import environment_manifest, implementations
 
-        manifest = environment_manifest(self.device, asdict(self.resolved.layout))
+        used = implementations(self.engine.optimizer, kernels=self.kernels.impl,
+                               kernels_why=self.kernels.why,
+                               sdpa_backend=self.resolved.recipe.model.sdpa_backend)
+        manifest = environment_manifest(self.device, asdict(self.resolved.layout), used)
         (self.run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
     def finish(self) -> None:

@@ -256,15 +256,6 @@ def test_expert_groups_are_carved_out_of_data_parallel():
         assert _covers_world_once(groups[name], 32)
 
 
-def _optimizer_chain(optimizer) -> list[str]:
-    """The wrapper classes DeepSpeed put around the torch optimizer, outermost first."""
-    chain = [type(optimizer).__name__]
-    while getattr(optimizer, "optimizer", optimizer) is not optimizer:
-        optimizer = optimizer.optimizer
-        chain.append(type(optimizer).__name__)
-    return chain
-
-
 @pytest.mark.parametrize("stage, precision, wrappers", [
     (0, "bf16", ["FP16_UnfusedOptimizer"]), (0, "fp32", []),
     (1, "bf16", ["DeepSpeedZeroOptimizer"]), (2, "bf16", ["DeepSpeedZeroOptimizer"]),
@@ -279,6 +270,8 @@ def test_deepspeed_steps_torch_fused_adamw_at_every_stage(deepspeed_comm, monkey
     import deepspeed
     import torch
 
+    from dsforge.runtime.manifest import implementations, optimizer_chain
+
     resolved = resolve(make_recipe(f"zero.stage={stage}", f"train.precision={precision}",
                                    "parallel.dp=1", "train.global_batch=1"), Topology(world_size=1))
     r = resolved.recipe
@@ -290,8 +283,7 @@ def test_deepspeed_steps_torch_fused_adamw_at_every_stage(deepspeed_comm, monkey
         warnings.simplefilter("ignore")
         engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config,
                                                        model_parameters=model.parameters())
-    assert _optimizer_chain(optimizer) == wrappers + ["AdamW"]
-    inner = optimizer
-    while getattr(inner, "optimizer", inner) is not inner:
-        inner = inner.optimizer
-    assert isinstance(inner, torch.optim.AdamW) and inner.defaults["fused"] is True
+    used = implementations(optimizer, kernels="torch", kernels_why="", sdpa_backend="auto")
+    assert used["optimizer"] == wrappers + ["AdamW"]  # what manifest.json records
+    assert used["optimizer_fused"] is True and not used["optimizer_foreach"]
+    assert isinstance(optimizer_chain(optimizer)[-1], torch.optim.AdamW)
