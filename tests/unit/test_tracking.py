@@ -9,6 +9,7 @@ HTTP(S) proxies pointed at a local trap that fails the test when reached.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -175,7 +176,8 @@ tracker = open_tracker(make_recipe(), Path(sys.argv[1]))
 tracker.log_step(SimpleNamespace(step=0, warmup=True, loss=1.0, grad_norm=None, lr=0.1,
                                  step_time_s=1.0, tokens_per_s=1.0, tokens_per_s_per_gpu=1.0,
                                  tflops_per_gpu=0.0, mfu=None, hfu=None, peak_memory_bytes=1,
-                                 memory_source="test", ended_at=None, loss_scale=None))
+                                 memory_source="test", ended_at=None, loss_scale=None,
+                                 breakdown_s=None))
 tracker.log_eval(0, 1.0)
 tracker.close()
 print(json.dumps({"backends": tracker.backends, "loaded": sorted(
@@ -460,3 +462,12 @@ def test_missing_extras_only_for_what_is_asked_and_missing(monkeypatch):
     assert missing_extras(make_recipe("tracking.tensorboard=true")) == []
     only_installed(monkeypatch)
     assert missing_extras(make_recipe()) == []  # nothing asked, nothing needed
+
+
+def test_the_step_breakdown_is_logged_per_phase():
+    phases = {"data": 0.001, "forward": 0.05, "backward": 0.06, "other": 0.014}
+    with_breakdown = dataclasses.replace(RECORDS[1], breakdown_s=phases)
+    scalars = step_scalars(with_breakdown)
+    assert {k: v for k, v in scalars.items() if k.startswith("time/")} == {
+        "time/data_s": 0.001, "time/forward_s": 0.05, "time/backward_s": 0.06, "time/other_s": 0.014}
+    assert not any(k.startswith("time/") for k in step_scalars(RECORDS[1]))
