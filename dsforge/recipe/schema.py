@@ -23,6 +23,7 @@ LrDecay = Literal["cosine", "linear", "constant"]
 TokenDtype = Literal["uint16", "uint32"]
 # Which AdamW implementation steps the optimizer (translate/optimizer.py says what each means).
 AdamImpl = Literal["auto", "fused", "foreach", "for-loop", "deepspeed"]
+TORCH_ADAM_IMPLS = ("fused", "foreach", "for-loop")  # the ones that are torch.optim.AdamW
 # Kernels for the work outside the matrix products (translate/kernels.py).
 Kernels = Literal["auto", "torch", "liger"]
 # torch.nn.attention.SDPBackend to use; auto = torch's own choice.

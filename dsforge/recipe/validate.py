@@ -23,10 +23,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 from dsforge.problems import Problem, RecipeError
 from dsforge.recipe.layout import BatchSizes, Topology, batch_sizes, data_parallel_size, derive_batch
-from dsforge.recipe.schema import ParallelConfig, Recipe, TrainConfig, divisors
+from dsforge.recipe.schema import TORCH_ADAM_IMPLS, ParallelConfig, Recipe, TrainConfig, divisors
 from dsforge.recipe.extras import missing_extras
 from dsforge.hf.folder import init_from_problems
-from dsforge.translate.optimizer import offload_needs_deepspeed_adam
 from dsforge.recipe.validate_data import DATA_RULES
 
 
@@ -489,7 +488,7 @@ def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
 def optimizer_offload(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     """O1: optimizer offload steps with DeepSpeed's CPU Adam, not a torch AdamW
     (translate/optimizer.py says why)."""
-    if offload_needs_deepspeed_adam(train=recipe.train, zero=recipe.zero):
+    if recipe.zero.offload_optimizer == "cpu" and recipe.train.adam_impl in TORCH_ADAM_IMPLS:
         yield Problem(rule="O1", fields={"train.adam_impl": recipe.train.adam_impl,
                                          "zero.offload_optimizer": "cpu"},
                       message="optimizer offload steps with DeepSpeed's CPU Adam (DeepSpeed "

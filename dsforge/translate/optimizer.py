@@ -22,9 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsforge.recipe.schema import TrainConfig, ZeroConfig
-
-TORCH_IMPLS = ("fused", "foreach", "for-loop")
+from dsforge.recipe.schema import TORCH_ADAM_IMPLS, TrainConfig, ZeroConfig
 
 # DeepSpeed op builder names (deepspeed/ops/op_builder/*.py NAME).
 FUSED_ADAM = "fused_adam"
@@ -32,8 +30,8 @@ CPU_ADAM = "cpu_adam"
 
 
 def adam_impl(*, train: TrainConfig, zero: ZeroConfig, device: str) -> str:
-    """The implementation the ranks on `device` ("cpu" | "cuda") use: one of TORCH_IMPLS or
-    "deepspeed"."""
+    """The implementation the ranks on `device` ("cpu" | "cuda") use: one of TORCH_ADAM_IMPLS
+    or "deepspeed"."""
     if train.adam_impl != "auto":
         return train.adam_impl
     if zero.offload_optimizer == "cpu":
@@ -46,7 +44,7 @@ def optimizer_section(*, train: TrainConfig, zero: ZeroConfig, device: str) -> d
     params: dict[str, Any] = {"lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2],
                               "eps": train.adam_eps, "weight_decay": train.weight_decay}
     impl = adam_impl(train=train, zero=zero, device=device)
-    if impl in TORCH_IMPLS:
+    if impl in TORCH_ADAM_IMPLS:
         # DeepSpeed pops torch_adam and foreach and passes the rest to torch.optim.AdamW.
         params["torch_adam"] = True
         params["foreach"] = impl == "foreach"
@@ -62,7 +60,3 @@ def ops_built_at_run_time(*, train: TrainConfig, zero: ZeroConfig, device: str) 
         return ()
     return (CPU_ADAM,) if zero.offload_optimizer == "cpu" else (FUSED_ADAM,)
 
-
-def offload_needs_deepspeed_adam(*, train: TrainConfig, zero: ZeroConfig) -> bool:
-    """Rule O1: optimizer offload with a torch AdamW asked for by name."""
-    return zero.offload_optimizer == "cpu" and train.adam_impl in TORCH_IMPLS
