@@ -24,6 +24,7 @@ mid-load. Rule ids CK1-CK4: docs/validation.md.
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import json
 import os
@@ -31,6 +32,7 @@ import pwd
 import random
 import re
 import stat
+import typing
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from dsforge.ckpt.format import COMPLETE, STATE_DIR
 from dsforge.ckpt.reader import StateError, open_state
 from dsforge.files import write_atomic
 from dsforge.problems import Problem, shorten
+from dsforge.recipe.schema import Recipe
 from dsforge.runtime.layout_free import load_state, write_state
 
 LATEST = "latest"
@@ -50,9 +53,10 @@ LATEST = "latest"
 # it is the horizon of the learning-rate schedule that the checkpoint restores.
 # Evaluation settings and where the data's indices are cached change no training step either,
 # nor where the weights came from: the checkpoint's weights replace model.init_from's.
+# The kernels and attention backend compute the same model (runtime/kernels.py, layers.py).
 RESUMABLE_CHANGES = {"train.timing_warmup", "train.checkpoint_every", "train.eval_every",
                      "train.eval_iters", "data.cache_dir", "train.time_limit", "train.keep_last",
-                     "model.init_from"}
+                     "model.init_from", "model.kernels", "model.sdpa_backend"}
 # How the job is split may change on resume too (with the same global batch): the checkpoint's
 # layout-free state (dsforge/ckpt) is read back onto the new layout.
 LAYOUT_SECTIONS = ("parallel", "zero")
@@ -317,12 +321,21 @@ def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[s
     saved, current = json.loads(json.dumps(saved)), json.loads(json.dumps(current))
     differences = []
     for section in ("model", "parallel", "zero", "train", "data"):
+        # A field the saving dsforge did not have yet held its default there.
+        written = {**_defaults(section), **(saved.get(section) or {})}
         for key in sorted(set(saved.get(section) or {}) | set(current.get(section) or {})):
-            old, new = (saved.get(section) or {}).get(key), (current.get(section) or {}).get(key)
+            old, new = written.get(key), (current.get(section) or {}).get(key)
             if old != new:
                 differences.append((f"{section}.{key}",
                                     f"{section}.{key}: {old!r} in the checkpoint, {new!r} now"))
     return differences
+
+
+def _defaults(section: str) -> dict[str, Any]:
+    """The recipe section's fields that have a default, with it (as JSON would hold it)."""
+    section_class = typing.get_type_hints(Recipe)[section]
+    return {f.name: json.loads(json.dumps(f.default)) for f in dataclasses.fields(section_class)
+            if f.default is not dataclasses.MISSING}
 
 
 def check_resumable(run_dir: Path, recipe: dict[str, Any], world_size: int) -> dict[str, Any]:

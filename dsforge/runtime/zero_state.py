@@ -39,9 +39,16 @@ def optimizer_view(engine):
 
 
 def _new_state(flat: torch.Tensor, optimizer, step: int) -> dict[str, Any]:
-    """Adam's state as the optimizer itself would have made it (torch keeps the step as a
-    tensor, DeepSpeed's CPU Adam as an int)."""
-    counter = torch.tensor(float(step)) if type(optimizer).__module__.startswith("torch.") else step
+    """Adam's state as the optimizer itself would have made it: torch keeps the step as a
+    float32 tensor, on the parameter's device when it steps fused or capturable (its fused
+    kernel reads the step there: a CPU step would fault on a GPU), on the CPU otherwise;
+    DeepSpeed's CPU Adam keeps an int."""
+    if not type(optimizer).__module__.startswith("torch."):
+        counter = step
+    elif optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"):
+        counter = torch.tensor(float(step), dtype=torch.float32, device=flat.device)
+    else:
+        counter = torch.tensor(float(step))
     return {"step": counter, "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
 
 

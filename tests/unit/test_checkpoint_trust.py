@@ -48,6 +48,20 @@ def test_a_complete_checkpoint_of_your_own_is_resumable(tmp_path):
     assert check_resumable(tmp_path, RECIPE, 2)["step"] == 3
 
 
+def test_a_checkpoint_from_before_a_field_existed_resumes_at_its_default(tmp_path):
+    """A recipe saved by an older dsforge lacks the fields added since; they held their
+    defaults then. The kernels and attention backend may change on resume (same model)."""
+    _checkpoint(tmp_path)
+    now = {**RECIPE, "model": {**RECIPE["model"], "kernels": "auto", "sdpa_backend": "auto"},
+           "train": {**RECIPE["train"], "adam_impl": "auto"}}
+    assert check_resumable(tmp_path, now, 2)["step"] == 3
+    changed = {**now, "model": {**now["model"], "kernels": "liger", "sdpa_backend": "flash"}}
+    assert check_resumable(tmp_path, changed, 2)["step"] == 3
+    other_adam = {**now, "train": {**now["train"], "adam_impl": "deepspeed"}}
+    with pytest.raises(CheckpointError, match="train.adam_impl: 'auto' in the checkpoint"):
+        check_resumable(tmp_path, other_adam, 2)
+
+
 @pytest.mark.parametrize("content", [
     "../../other-run/checkpoints/step00000002",
     "/abs/step00000002",

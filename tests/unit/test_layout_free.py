@@ -144,3 +144,19 @@ def test_a_new_vocabulary_padding_keeps_the_rows_and_says_so():
     assert "from 384 to 512 rows" in notes[0]
     with pytest.raises(StateError, match="decoder.final_layernorm.weight is"):
         _fit(torch.ones(4), ParamSpec("decoder.final_layernorm.weight", (8,), None, 1, 0, 1, False), [])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_resumed_adam_state_is_the_one_torch_would_have_made(fused):
+    """The layout-free resume writes Adam's state itself (runtime/zero_state.py): the step's
+    dtype and device must be torch's own for that optimizer (fused: float32 on the parameter's
+    device, which its kernel reads; a CPU step would fault there on a GPU)."""
+    from dsforge.runtime.zero_state import _new_state
+
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=fused, foreach=False)
+    weight.grad = torch.ones(4)
+    optimizer.step()
+    made = optimizer.state[weight]["step"]
+    ours = _new_state(weight.detach(), optimizer, 7)["step"]
+    assert (ours.dtype, ours.device, float(ours)) == (made.dtype, made.device, 7.0)
