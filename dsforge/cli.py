@@ -232,7 +232,7 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
                                    create=not dry_run, peers_may_join=node_rank is not None)
     job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
                   device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
-                  env=_job_env(resolved, device), owner=current_owner())
+                  env=_forwarded_env(), owner=current_owner())
     command = launch_command(placement, job)
     if hostfile and node_rank is None and launcher in ("pdsh", "openmpi", "mvapich") and not dry_run:
         _preflight_or_exit(recipe, hostfile, include, exclude, placement.master_port,
@@ -272,7 +272,7 @@ def _run_in_slurm(plan, recipe, resolved, overrides, *, run_dir, device, backend
                                    create=not dry_run, peers_may_join=False)
     job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
                   device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
-                  env=_job_env(resolved, device), owner=current_owner(), slurm=True)
+                  env=_forwarded_env(), owner=current_owner(), slurm=True)
     command = plan.command([sys.executable, "-u", "-m", "dsforge.runtime.rank",
                             "--job", job.encode()])
     if dry_run:
@@ -413,18 +413,6 @@ def preflight(recipe, world_size, hostfile, overrides, master_port, include, exc
         click.echo(f"  warning: {warning}", err=True)
     _preflight_or_exit(recipe, hostfile, include, exclude, master_port, ssh_timeout,
                        fit=(resolved, "auto"))
-
-
-def _job_env(resolved: Resolved, device: str) -> dict[str, str]:
-    """What every rank gets: the forwarded environment, with a TORCH_CUDA_ARCH_LIST DeepSpeed
-    can read when GPU ranks build an op (launch/build_env.py)."""
-    from dsforge.launch.start import job_env
-
-    try:
-        return job_env(resolved, device, _say)
-    except RecipeError as exc:
-        print_problems("environment", exc.problems)
-        sys.exit(EXIT_INVALID)
 
 
 def _forwarded_env() -> dict[str, str]:

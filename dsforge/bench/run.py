@@ -34,7 +34,6 @@ from dsforge.bench.store import EXIT_TRY_AGAIN, FAILED, BenchError, Row, Store, 
 from dsforge.bench.study import Cell, Study, expand, study_identity
 from dsforge.files import write_atomic
 from dsforge.launch.diagnose import explain
-from dsforge.launch.build_env import job_ops, rank_env
 from dsforge.launch.job import JobSpec, Placement, launch_command
 from dsforge.launch.local import free_port, run_job
 from dsforge.metrics_file import median_breakdown, read_metrics
@@ -218,11 +217,8 @@ def _launch(study: Study, resolved: Resolved, run_dir: Path, device: str) -> int
                   owner=current_owner())
     placement = Placement(world_size=resolved.layout.world_size, hostfile=study.hostfile,
                           master_port=free_port())
-    # A TORCH_CUDA_ARCH_LIST DeepSpeed can read, as `dsforge run` gives its ranks (start.job_env)
-    mapped, _ = rank_env(job_ops(resolved, "cuda") if device != "cpu" else (), os.environ)
     return run_job(launch_command(placement, job), timeout_s=study.measure.timeout_s,
-                   env={**os.environ, **mapped, lock.JOB_DIR_ENV: str(run_dir)},
-                   log_path=run_dir / JOB_LOG)
+                   env={**os.environ, lock.JOB_DIR_ENV: str(run_dir)}, log_path=run_dir / JOB_LOG)
 
 
 def classify(code: int, run_dir: Path) -> tuple[str, str | None]:

@@ -140,6 +140,15 @@ def job_ops(resolved: Resolved, device: str) -> tuple[str, ...]:
     return ops_built_at_run_time(train=r.train, zero=r.zero, device=device)
 
 
+def arch_list_for_rank(resolved: Resolved, device: str,
+                       environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """What a rank on `device` ("cpu" | "cuda") sets in its own environment before DeepSpeed
+    builds anything, and the line that says so: a rank applies it itself, so the list it
+    reads is mapped however it got there (forwarded from `dsforge run`, a host's own
+    environment, Slurm, a plain `deepspeed` command)."""
+    return rank_env(job_ops(resolved, "cuda") if device == "cuda" else (), environ)
+
+
 def rank_env(gpu_ops: Iterable[str], environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
     """What to set on ranks that build `gpu_ops` on GPUs from `environ`, and the dsforge line
     that says so ("" when nothing). Only a TORCH_CUDA_ARCH_LIST DeepSpeed cannot read and

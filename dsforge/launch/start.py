@@ -15,10 +15,10 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
-from dsforge.launch.build_env import BUILD_RULES, job_ops, rank_env
+from dsforge.launch.build_env import BUILD_RULES, job_ops
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.fit import GiB, Machine, device_for, fit_problems, rank_memory_bytes
-from dsforge.launch.job import JobSpec, Placement, forwarded_env, launch_command, runner_env
+from dsforge.launch.job import JobSpec, Placement, launch_command, runner_env
 from dsforge.launch.local import STOP_GRACE_S, free_port, run_job
 from dsforge.launch.output import JobView
 from dsforge.launch.owner import current_owner
@@ -103,19 +103,6 @@ def check_fit(command: list[str], resolved: Resolved, device: str, tiny: bool) -
         raise Refused(f"{command[2]} does not fit {machine.describe()}", problems,
                       ways_forward(command, resolved, tiny))
     return problems
-
-
-def job_env(resolved: Resolved, device: str, say: Say) -> dict[str, str]:
-    """The environment every rank gets (forwarded from here, launch/job.py), with a
-    TORCH_CUDA_ARCH_LIST DeepSpeed can read when GPU ranks build an op (launch/build_env.py),
-    said in one line. `device` as given to `dsforge run` ("auto" may mean GPUs). Raises
-    RecipeError (H4) for a variable name a shell would misread."""
-    env = forwarded_env(os.environ)
-    gpu_ops = () if device == "cpu" else job_ops(resolved, "cuda")
-    mapped, line = rank_env(gpu_ops, os.environ)
-    if line:
-        say(line)
-    return env | mapped
 
 
 def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:

@@ -254,6 +254,7 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
     resolved = resolve_file(_write_recipe(run_dir, job.recipe_yaml, rank),
                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
     device, backend = pick_device(job.device, job.backend)
+    _readable_arch_list(resolved, device.type, rank, console)
     watchdog = Watchdog(job.step_timeout_s, rank, run_dir=run_dir, console=console)
     trainer = Trainer(resolved, device=device, backend=backend, run_dir=run_dir,
                       collective_timeout_s=job.step_timeout_s, resume=job.resume,
@@ -278,6 +279,17 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
                           stopper=Stopper(stop_request, budget, device=device))
     finally:  # the step a failing rank was on, even when it fails within the write interval
         heartbeat.flush()
+
+
+def _readable_arch_list(resolved, device: str, rank: int, console: RankConsole) -> None:
+    """Before DeepSpeed builds an op on this rank: a TORCH_CUDA_ARCH_LIST it can parse
+    ("9.0a" -> "9.0", launch/build_env.py), said once by rank 0."""
+    from dsforge.launch.build_env import arch_list_for_rank
+
+    mapped, line = arch_list_for_rank(resolved, device, os.environ)
+    os.environ.update(mapped)
+    if line and rank == 0:
+        console.say(line)
 
 
 def _write_recipe(run_dir: Path, text: str, rank: int) -> Path:

@@ -16,9 +16,9 @@ from dsforge import cli
 from dsforge.launch import preflight as preflight_module
 from dsforge.launch import probe
 from dsforge.launch.build_env import (AVOID, CUDA_OPS, TORCH_ARCH_NAMES, BuildFacts,
-                                      build_problems, deepspeed_reads, map_arch_list, rank_env)
+                                      arch_list_for_rank, build_problems, deepspeed_reads,
+                                      map_arch_list, rank_env)
 from dsforge.launch.fit import GiB, Gpu, Machine, fit_problems
-from dsforge.launch.start import job_env
 from dsforge.recipe import resolve_file
 from dsforge.translate.optimizer import CPU_ADAM, FUSED_ADAM
 from tests.conftest import REPO
@@ -252,20 +252,19 @@ def test_a_job_that_builds_nothing_is_never_refused_for_builds(device):
     assert {p.rule for p in fit_problems(deepspeed, machine, device=device)} >= {"BLD5", "BLD6"}
 
 
-def test_the_ranks_get_the_mapped_list_only_when_a_gpu_rank_builds(monkeypatch):
-    said = []
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+def test_a_rank_maps_its_list_only_when_it_builds_on_a_gpu():
+    """Each rank maps the list it has itself (runtime/rank.py), however it got there."""
     builds = resolve_file(TINY, ["train.adam_impl=deepspeed"])
-    assert job_env(builds, "auto", said.append)["TORCH_CUDA_ARCH_LIST"] == "9.0"
-    assert job_env(builds, "cuda", said.append)["TORCH_CUDA_ARCH_LIST"] == "9.0"
-    assert len(said) == 2 and "DeepSpeed builds fused_adam" in said[0]
-    assert job_env(builds, "cpu", said.append)["TORCH_CUDA_ARCH_LIST"] == "9.0a"
-    assert job_env(resolve_file(TINY), "auto", said.append)["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+    image = {"TORCH_CUDA_ARCH_LIST": "9.0a"}
+    mapped, line = arch_list_for_rank(builds, "cuda", image)
+    assert mapped == {"TORCH_CUDA_ARCH_LIST": "9.0"} and "DeepSpeed builds fused_adam" in line
+    assert arch_list_for_rank(builds, "cpu", image) == ({}, "")
+    assert arch_list_for_rank(resolve_file(TINY), "cuda", image) == ({}, "")  # builds nothing
     offload = resolve_file(TINY, ["zero.offload_optimizer=cpu"])  # CPU Adam: C++, no list read
-    assert job_env(offload, "cuda", said.append)["TORCH_CUDA_ARCH_LIST"] == "9.0a"
-    assert len(said) == 2
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "hopper")  # unmappable: refused by BLD1 instead
-    assert job_env(builds, "cuda", said.append)["TORCH_CUDA_ARCH_LIST"] == "hopper"
+    assert arch_list_for_rank(offload, "cuda", image) == ({}, "")
+    assert arch_list_for_rank(builds, "cuda", {"TORCH_CUDA_ARCH_LIST": "9.0"}) == ({}, "")
+    # unmappable: refused by BLD1 before launch, left as it is here
+    assert arch_list_for_rank(builds, "cuda", {"TORCH_CUDA_ARCH_LIST": "hopper"})[0] == {}
 
 
 def test_preflight_checks_the_list_the_ranks_will_get():
