@@ -172,7 +172,8 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
               help="Keep the recipe's layout, shrink model and batch to the smallest valid size, "
                    "train a few steps on CPU ranks and compare the loss with one rank's.")
 @click.option("--skip-fit-check", is_flag=True,
-              help="Start even if the job's ranks or memory do not fit this machine.")
+              help="Start even if the job's ranks or memory do not fit this machine, or it lacks "
+                   "what the ranks build or run.")
 @click.option("--verbose", is_flag=True,
               help="Also show the engines' and the launcher's output (always in RUN_DIR/job.log).")
 @click.option("--profile", "profile_steps", metavar="A:B", default=None,
@@ -206,13 +207,14 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
             resolved = start.shrink_to_tiny(recipe, resolved, overrides, _say)
             device, backend = "cpu", "gloo"
         _print_warnings(resolved.warnings)
+        command_words = start.command_words(recipe, overrides, world_size)
         if launcher == "slurm":
             _check_slurm_options(hostfile, include, exclude, node_rank)
             slurm_plan = start.plan_slurm(recipe, resolved, device=device, master_addr=master_addr,
                                           master_port=master_port, say=_say)
-        elif hostfile is None and not skip_fit_check:
-            command_words = start.command_words(recipe, overrides, world_size)
-            _print_warnings(start.check_fit(command_words, resolved, device, tiny))
+        if not skip_fit_check:
+            _check_this_machine(command_words, resolved, device, tiny, hostfile=hostfile,
+                                node_rank=node_rank, launcher=launcher)
     except start.Refused as refused:
         _exit_refused(refused)
     if launcher == "slurm":
@@ -249,6 +251,18 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
         code = start.check_tiny_layout(resolved, run_dir, env=_forwarded_env(), timeout=timeout,
                                        verbose=verbose, say=_say)
     sys.exit(code)
+
+
+def _check_this_machine(command: list[str], resolved: Resolved, device: str, tiny: bool, *,
+                        hostfile, node_rank, launcher) -> None:
+    """Ranks that start here are checked here: a local job whole (memory fit too), this node's
+    ranks under Slurm or --no-ssh (kernels and builds); a hostfile's hosts are the preflight's."""
+    from dsforge.launch import start
+
+    if launcher == "slurm" or node_rank is not None:
+        _print_warnings(start.check_this_node(command, resolved, device))
+    elif hostfile is None:
+        _print_warnings(start.check_fit(command, resolved, device, tiny))
 
 
 def _check_slurm_options(hostfile, include, exclude, node_rank) -> None:

@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
-from dsforge.launch.build_env import BUILD_RULES, job_ops
+from dsforge.launch.build_env import BUILD_RULES, build_problems, job_ops
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.fit import GiB, Machine, device_for, fit_problems, rank_memory_bytes
 from dsforge.launch.job import JobSpec, Placement, launch_command, runner_env
@@ -83,26 +83,47 @@ def layout_text(lay) -> str:
 
 def check_fit(command: list[str], resolved: Resolved, device: str, tiny: bool) -> list[Problem]:
     """This machine's warnings for the job; Refused, in a second and before any rank starts,
-    when it cannot hold the job or cannot build what its ranks build (launch/fit.py)."""
+    when it cannot hold the job or cannot build or run what its ranks need (launch/fit.py)."""
     machine = Machine.from_probe("this machine", probe())
     device = device_for(device, machine)
-    unrunnable = device_problems(resolved.recipe.model, device=device,
-                                 liger_available=liger_installed())
-    if unrunnable:  # rule K1 (translate/kernels.py)
-        raise Refused(f"{command[2]} asks for kernels its {device.upper()} ranks here do not have",
-                      unrunnable, "ways forward: use the fixes above, or run on GPUs")
+    _refuse_missing_kernels(command, resolved, device)
     if job_ops(resolved, device):
         machine = machine.with_build(build_facts())
     problems = fit_problems(resolved, machine, device=device)
     refusals = errors(problems)
     if refusals and all(p.rule in BUILD_RULES for p in refusals):  # it fits; only builds fail
-        raise Refused(f"{command[2]} cannot build its DeepSpeed ops on {machine.name}", problems,
-                      "ways forward: set up the build as each fix says, or start anyway: add "
-                      "--skip-fit-check")
+        _refuse_builds(command, machine.name, problems)
     if refusals:
         raise Refused(f"{command[2]} does not fit {machine.describe()}", problems,
                       ways_forward(command, resolved, tiny))
     return problems
+
+
+def check_this_node(command: list[str], resolved: Resolved, device: str) -> list[Problem]:
+    """For ranks started on this node by a scheduler or by `--no-ssh` (whose memory fit is the
+    scheduler's or each node's own business): its kernels (K1, X1) and its builds (BLD*)."""
+    machine = Machine.from_probe("this machine", probe())
+    device = device_for(device, machine)
+    _refuse_missing_kernels(command, resolved, device)
+    ops = job_ops(resolved, device)
+    problems = build_problems(ops, build_facts(), device=device, host=machine.name) if ops else []
+    if errors(problems):
+        _refuse_builds(command, machine.name, problems)
+    return problems
+
+
+def _refuse_missing_kernels(command: list[str], resolved: Resolved, device: str) -> None:
+    unrunnable = device_problems(resolved.recipe.model, device=device,
+                                 liger_available=liger_installed())
+    if unrunnable:  # rules K1, X1 (translate/kernels.py)
+        raise Refused(f"{command[2]} asks for kernels its {device.upper()} ranks here do not have",
+                      unrunnable, "ways forward: use the fixes above, or run on GPUs")
+
+
+def _refuse_builds(command: list[str], host: str, problems: list[Problem]) -> None:
+    raise Refused(f"{command[2]} cannot build its DeepSpeed ops on {host}", problems,
+                  "ways forward: set up the build as each fix says, or start anyway: add "
+                  "--skip-fit-check")
 
 
 def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:

@@ -119,3 +119,17 @@ def test_console_script_runs_as_a_module():
     result = subprocess.run([sys.executable, "-m", "dsforge", "validate", EXAMPLE],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("start", [["--hostfile", "HOSTFILE", "--no-ssh", "0"], []])
+def test_ranks_started_here_are_refused_kernels_this_machine_cannot_run(tmp_path, start):
+    """A local run and a --no-ssh node (and Slurm's, by the same check) refuse before any rank
+    starts what their ranks could not run: here a GPU-only attention kernel on CPU ranks (K1)."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    words = [str(hostfile) if word == "HOSTFILE" else word for word in start]
+    result = run("run", str(REPO / "recipes" / "tiny.yaml"), "--device", "cpu", *words,
+                 "--set", "model.sdpa_backend=cudnn", "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    assert "[K1] model.sdpa_backend='cudnn'" in result.output
+    assert not (tmp_path / "run").exists()
