@@ -72,9 +72,11 @@ def shrink(recipe: Recipe, grad_accum: int) -> Recipe:
     data = recipe.data
     if recipe.model.vocab_size > TINY_MAX_VOCAB:  # the tiny model's vocabulary cannot hold it
         data = dataclasses.replace(data, source="synthetic", tokenizer=None)
+    # The recipe's profiler steps are its own run's; the tiny run has TINY_STEPS (rule R4).
+    tracking = dataclasses.replace(recipe.tracking, profile=None)
     # Names become directory names (at most 100 characters, rule N1): room for the suffixes.
     return dataclasses.replace(recipe, name=f"{recipe.name[:80]}-tiny", model=model, train=train,
-                               data=data)
+                               data=data, tracking=tracking)
 
 
 BATCH_FIELDS = ("global_batch", "micro_batch", "grad_accum")

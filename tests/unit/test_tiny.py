@@ -49,6 +49,16 @@ def test_set_fields_win_over_shrinking():
     assert tiny.recipe.train.steps == 7 and tiny.recipe.train.precision == "fp32"
 
 
+def test_tiny_runs_what_cpu_ranks_run_and_its_own_steps():
+    """The recipe's GPU kernels and attention backend become auto (rule K1 on CPU ranks), and
+    its profiler steps, which the 4-step tiny run may not have (R4), are dropped."""
+    path = REPO / "recipes" / "7b_1gpu.yaml"
+    overrides = ("model.kernels=liger", "model.sdpa_backend=cudnn", 'tracking.profile="10:12"')
+    tiny = tiny_resolved(resolve_file(path, overrides))
+    m = tiny.recipe.model
+    assert (m.kernels, m.sdpa_backend, tiny.recipe.tracking.profile) == ("auto", "auto", None)
+
+
 def test_a_set_batch_field_lets_the_others_follow():
     path = REPO / "recipes" / "13b_8gpu_zero3.yaml"
     overrides = ("train.global_batch=64",)
