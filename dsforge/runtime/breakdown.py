@@ -29,6 +29,8 @@ import torch
 from dsforge.metrics_file import PHASES
 
 OTHER = "other"
+# Steps whose readings a rank keeps for its summary's medians (ranks/*.json): ~10 MB at most.
+KEPT_READINGS = 10_000
 ENV = "DSFORGE_BREAKDOWN"
 MODES = ("on", "off", "gathers")
 
@@ -140,6 +142,7 @@ class StepClock:
     def start(self) -> None:
         self._step = Marked(marker=self._marker)
         self._stack, self._open = [OTHER], {}
+        self.problem: str | None = None  # why this step's marks do not pair up
         self._step.marks.append(self._marker.take())
 
     def enter(self, phase: str, span: str | None = None) -> None:
@@ -154,19 +157,24 @@ class StepClock:
     def exit(self, span: str | None = None) -> None:
         if self._step is None:
             return
-        if len(self._stack) < 2:
-            raise RuntimeError("step breakdown: a phase was left that was never entered")
+        if len(self._stack) < 2:  # a hook fired without its partner: this step is not read
+            self.problem = "a phase was left that was never entered"
+            return
         phase = self._stack.pop()
         if span or phase != self._stack[-1]:
             self._take(phase)
         if span:
             self._step.spans.append((span, self._open.pop(span), len(self._step.marks) - 1))
 
-    def stop(self) -> Marked:
-        """The step's marks; raises if a phase is still open (an enter without its exit)."""
+    def stop(self) -> Marked | None:
+        """The step's marks; None when they do not pair up (an exit without its enter, or a
+        phase still open), with `problem` saying how: the step trains on, unread. Measuring
+        must never end a run."""
         step, self._step = self._step, None
-        if self._stack != [OTHER]:
-            raise RuntimeError(f"step breakdown: phases {self._stack[1:]} entered and not left")
+        if self._stack != [OTHER] and self.problem is None:
+            self.problem = f"phases {self._stack[1:]} entered and not left"
+        if self.problem is not None:
+            return None
         step.owners.append(OTHER)
         step.marks.append(self._marker.take())
         return step
@@ -215,9 +223,10 @@ class StepTimings:
     """Each step's Reading, read once the device has passed the step's last mark. add() reads
     what is ready without waiting; finish() waits for the rest (the end of the run)."""
 
-    def __init__(self):
+    def __init__(self, kept: int = KEPT_READINGS):
         self._waiting: deque[tuple[int, Marked, float]] = deque()
-        self.readings: dict[int, Reading] = {}
+        self.readings: dict[int, Reading] = {}  # the newest `kept` steps, oldest first
+        self._kept = kept
 
     def add(self, step: int, marked: Marked, step_time_s: float) -> Reading | None:
         """Step `step`'s reading if it is ready now (always on CPU, and after a loss's .item())."""
@@ -232,3 +241,5 @@ class StepTimings:
         while self._waiting and (wait or self._waiting[0][1].ready()):
             step, marked, step_time_s = self._waiting.popleft()
             self.readings[step] = marked.read(step_time_s)
+            if len(self.readings) > self._kept:  # a long run's memory stays bounded
+                del self.readings[next(iter(self.readings))]

@@ -132,6 +132,8 @@ class Trainer:
         with marking(self.clock, self.engine, self.chunks) if self.clock else contextlib.nullcontext():
             loss = self._forward_backward_update(batches, census, clock)
         marked = clock.stop()
+        if marked is None and self.clock is not None:
+            self._warn_breakdown(f"step breakdown: step {step} not measured: {self.clock.problem}")
         if loss is not None:
             loss = self._mean_over_replicas(loss)  # its .item() waits for the device
         elapsed = time.perf_counter() - start
@@ -146,7 +148,12 @@ class Trainer:
     def _check_breakdown(self, reading: breakdown.Reading, step: int, elapsed: float) -> None:
         """Say once if a step's phases add up to more than the step (a measurement bug)."""
         problem = breakdown.overrun(reading, step, elapsed)
-        if problem and not self._breakdown_warned:
+        if problem:
+            self._warn_breakdown(problem)
+
+    def _warn_breakdown(self, problem: str) -> None:
+        """Once per run: what went wrong measuring a step (a measurement bug, not training's)."""
+        if not self._breakdown_warned:
             self._breakdown_warned = True
             self.console.say(f"dsforge: warning: {problem} (rank {torch.distributed.get_rank()})")
 
