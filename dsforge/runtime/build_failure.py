@@ -31,8 +31,6 @@ _COMPILE = ("/torch/_dynamo/convert_frame.py", "/torch/_inductor/compile_fx.py")
 # Exception classes raised only while compiling.
 _TRITON_ERRORS = ("triton.compiler.", "triton.runtime.errors.")
 _COMPILE_ERRORS = ("torch._dynamo.exc.", "torch._inductor.exc.")
-# DeepSpeed's builder reads every TORCH_CUDA_ARCH_LIST entry as MAJOR.MINOR[+PTX]
-# (builder.py compute_capability_args, int() of each part); anything else kills the build.
 # The first error a compiler printed (gcc, clang, nvcc: "file:line:col: error: ...").
 _COMPILER_ERROR = re.compile(r"^.*\berror:.*$", re.MULTILINE | re.IGNORECASE)
 SHOWN_CHARS = 200  # longest piece of an error message a cause quotes
@@ -154,9 +152,8 @@ def _cuda_mismatch(text: str, env: Mapping[str, str]) -> tuple[str, str] | None:
     versions = re.findall(r"\b\d+\.\d+\b", text)
     said = f" ({versions[0]} against torch's {versions[1]})" if len(versions) >= 2 else ""
     return (f"the CUDA toolkit at CUDA_HOME={home} is not the CUDA torch was built with{said}",
-            "point CUDA_HOME at a toolkit of torch's CUDA version, or set DS_SKIP_CUDA_CHECK=1 "
-            "to let DeepSpeed build with this one (its minor-version table may lag new CUDA "
-            "releases)")
+            "point CUDA_HOME at a toolkit of torch's CUDA major version (dsforge checks it "
+            "before launch: rule BLD3)")
 
 
 def _no_toolkit(text: str, env: Mapping[str, str]) -> tuple[str, str] | None:
