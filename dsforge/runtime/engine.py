@@ -18,6 +18,7 @@ from torch import nn
 from dsforge.recipe import Resolved
 from dsforge.runtime.grads import sum_sequence_parallel_grads
 from dsforge.runtime.init import init_from_hugging_face, init_layout_invariant
+from dsforge.runtime.kernels import loadable
 from dsforge.runtime.model import build_model_chunks
 from dsforge.runtime.moe_glue import deepspeed_sees_megatron_moe, register_experts
 from dsforge.translate.deepspeed_config import deepspeed_config
@@ -62,7 +63,8 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
         cpu_backend.activate()
     init_distributed(backend, timeout_s)
     init_parallel_state(parallel_state_kwargs(layout), recipe.train.seed, timeout_s)
-    kernels = choose_kernels(recipe.model, device=device.type, liger_available=liger_installed())
+    kernels = loadable(choose_kernels(recipe.model, device=device.type,
+                                      liger_available=liger_installed()), recipe.model.kernels)
     config = build_transformer_config(transformer_config_kwargs(
         model=recipe.model, train=recipe.train, layout=layout, device=device.type,
         kernels=kernels.impl))

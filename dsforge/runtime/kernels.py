@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dsforge.runtime.layers import RMSNorm
+from dsforge.translate.kernels import KernelChoice
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,19 @@ def liger_ops() -> LigerOps:
         return LigerFusedGateUpSiLUMulFunction.apply(x, False)
 
     return LigerOps(rms_norm=rms_norm, swiglu=swiglu, cross_entropy=LigerMegatronCrossEntropy())
+
+
+def loadable(choice: KernelChoice, asked: str) -> KernelChoice:
+    """`choice` as this rank can run it: auto's liger falls back to torch's kernels where Liger
+    (or the Triton under it) does not load, saying why; a liger asked for by name must load."""
+    if choice.impl != "liger" or asked != "auto":
+        return choice
+    try:
+        liger_ops()
+    except Exception as exc:  # a broken Triton or liger-kernel install; auto means: then torch
+        return KernelChoice("torch", f"auto: liger-kernel did not load here "
+                                     f"({type(exc).__name__}: {str(exc)[:120]})")
+    return choice
 
 
 class LigerRMSNorm(RMSNorm):

@@ -38,7 +38,7 @@ class Trainer:
         self.measure = measure
         self.censuses: dict[str, dict[str, int]] = {}  # point of the step -> live tensor bytes
         self.console = console or RankConsole(marked=False)
-        recipe, layout = resolved.recipe, resolved.layout
+        recipe = resolved.recipe
         # Before the process group exists: dataset indices are built once per node under a
         # file lock, in a private world (dsforge/data/samples.py).
         self.sources = data_mod.open_sources(resolved)

@@ -6,13 +6,11 @@ precision or by kernels.
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
 import torch
-
-from dsforge.recipe.loader import load_recipe
-from dsforge.translate.kernels import choose_kernels, liger_installed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -34,9 +32,8 @@ def test_bf16_loss_follows_fp32(gpu_runs):
 
 def test_fused_kernels_loss_equals_the_plain_path_over_30_steps(gpu_runs):
     default = gpu_runs["default"]
-    model = load_recipe(default.run_dir / "recipe.yaml").model
-    choice = choose_kernels(model, device="cuda", liger_available=liger_installed())
-    assert choice.impl == "liger", f"the default run used {choice.impl}: {choice.why}"
+    used = json.loads((default.run_dir / "manifest.json").read_text())["implementations"]
+    assert used["kernels"] == "liger", f"the default run used {used['kernels']}: {used['kernels_why']}"
     fused, plain = default.losses(), gpu_runs["torch"].losses()
     assert fused[-1] < fused[0] - 0.5, "the fused path did not learn"
     far = [(step, f, p) for step, (f, p) in enumerate(zip(fused, plain))

@@ -1,6 +1,6 @@
 """model.kernels and model.sdpa_backend: the choice, its checks, and the liger path's wiring.
 
-Liger Kernel's Triton kernels run only on a GPU (tests/gpu/test_gpu_kernels.py holds their
+Liger Kernel's Triton kernels run only on a GPU (tests/gpu/test_gpu_precision.py holds their
 losses to the plain path's over 30 steps). Here, on the CPU: which kernels each device and
 installation gets, the refusals (K1, X1), and that the liger path puts its three pieces where
 they belong: every norm, every MLP's activation (dense and each expert's) and the loss. For
@@ -178,3 +178,21 @@ def _child(folder: Path) -> None:
 
 if __name__ == "__main__":
     _child(Path(sys.argv[1]))
+
+
+def test_auto_falls_back_to_torch_where_liger_does_not_load(monkeypatch):
+    """A broken Triton or liger-kernel install: auto trains on torch's kernels and says why;
+    liger asked for by name is not silently replaced."""
+    from dsforge.runtime import kernels as kernels_mod
+    from dsforge.translate.kernels import KernelChoice
+
+    def broken():
+        raise ImportError("libtriton.so: cannot open shared object file")
+
+    monkeypatch.setattr(kernels_mod, "liger_ops", broken)
+    liger = KernelChoice("liger", "auto: GPU ranks and liger-kernel installed")
+    fallback = kernels_mod.loadable(liger, "auto")
+    assert fallback.impl == "torch" and "libtriton.so" in fallback.why
+    assert kernels_mod.loadable(liger, "liger") is liger
+    monkeypatch.setattr(kernels_mod, "liger_ops", lambda: None)
+    assert kernels_mod.loadable(liger, "auto") is liger
