@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-# liger-kernel: model.kernels auto picks it where installed, so every host must agree
+# liger-kernel: model.kernels auto picks it where installed, so every host must agree (the
+# machine that launches the job need not have it: RANKS_ONLY, compared among the hosts)
 PACKAGES = ("torch", "deepspeed", "megatron-core", "dsforge", "liger-kernel")
+RANKS_ONLY = ("liger-kernel",)
 
 
 def package_versions() -> dict[str, str | None]:

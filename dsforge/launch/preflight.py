@@ -21,7 +21,7 @@ from pathlib import Path
 from dsforge.launch import probe as probe_module
 from dsforge.launch.hostfile import Hostfile
 from dsforge.problems import Problem, errors
-from dsforge.versions import PACKAGES, package_versions
+from dsforge.versions import PACKAGES, RANKS_ONLY, package_versions
 
 # One ssh round trip per host: its package versions and what it has for the job, builds
 # included (probe.py's own text, so the remote side needs nothing but Python).
@@ -85,12 +85,29 @@ def check_port(host: str, port: int, python: str, timeout_s: float) -> list[Prob
                     fix="pass another --master-port")]
 
 
-def version_problems(host: str, remote: dict, local: dict) -> list[Problem]:
-    return [Problem(rule="F3", fields={"host": host, "package": name},
-                    message=f"{name} {remote.get(name)} there, {local[name]} here",
-                    fix="install the same versions on every host (pip install -e . with the same "
-                        "pins), or exclude the host")
-            for name in PACKAGES if remote.get(name) != local[name]]
+def version_problems(host: str, remote: dict, reference: dict) -> list[Problem]:
+    """F3: `reference` maps each package to its version here, or to (version, where) for the
+    ones compared among the hosts (RANKS_ONLY)."""
+    problems = []
+    for name in PACKAGES:
+        wanted, where = reference[name] if isinstance(reference[name], tuple) else (reference[name], "here")
+        if remote.get(name) != wanted:
+            problems.append(Problem(
+                rule="F3", fields={"host": host, "package": name},
+                message=f"{name} {remote.get(name)} there, {wanted} {where}",
+                fix="install the same versions on every host (pip install -e . with the same "
+                    "pins), or exclude the host"))
+    return problems
+
+
+def _reference_versions(local: dict, hosts: list[str], results: list) -> dict:
+    """The versions every host must have: this machine's, but for RANKS_ONLY packages the
+    first reachable host's (the launching machine runs no rank)."""
+    first = next(((host, found) for host, (_, found) in zip(hosts, results) if found), None)
+    if first is None:
+        return local
+    return {**local, **{name: (first[1]["versions"].get(name), f"on {first[0]}")
+                        for name in RANKS_ONLY}}
 
 
 def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
@@ -103,11 +120,12 @@ def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
     local = package_versions()
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         results = list(pool.map(lambda h: check_host(h, python, timeout_s), hosts))
+    reference = _reference_versions(local, hosts, results)
     problems = []
     for host, slots, (host_problems, found) in zip(hosts, hostfile.node_slots, results):
         problems += host_problems
         if found is not None:
-            problems += version_problems(host, found["versions"], local)
+            problems += version_problems(host, found["versions"], reference)
             problems += _fit(host, slots, found["machine"], found["versions"], fit) if fit else []
     if not errors(problems):
         problems += check_port(hosts[0], master_port, python, timeout_s)

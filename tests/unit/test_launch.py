@@ -86,6 +86,9 @@ def test_version_mismatch_names_host_and_package():
         "[F3] host='node-b', package='deepspeed': deepspeed 0.18.0 there, 0.19.8 here. Fix: install "
         "the same versions on every host (pip install -e . with the same pins), or exclude the host"]
     # kernels auto picks Liger where it is installed: a host that has it and one that has not
-    # would train different kernels
-    (liger,) = version_problems("node-b", {**local, "liger-kernel": "0.8.5"}, local)
-    assert liger.fields == {"host": "node-b", "package": "liger-kernel"}
+    # would train different kernels; it is compared with the first host, not the launcher
+    among_hosts = {**local, "liger-kernel": ("0.8.5", "on node-a")}
+    (liger,) = version_problems("node-b", local, among_hosts)
+    assert str(liger).startswith("[F3] host='node-b', package='liger-kernel': liger-kernel None "
+                                 "there, 0.8.5 on node-a.")
+    assert version_problems("node-b", {**local, "liger-kernel": "0.8.5"}, among_hosts) == []
