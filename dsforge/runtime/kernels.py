@@ -6,8 +6,11 @@ the liger choice plugs into the model (runtime/model.py builds the spec with the
     kernel, with Llama's casting (statistics in fp32, the weight applied in the input dtype);
   - `LigerSwiGLU`: MLP's activation on the whole fc1 output [.., 2 x ffn] (gate, then up),
     Megatron's `use_te_activation_func` slot, which any module taking the config fills;
-  - `LigerLossGPTModel`: GPTModel whose loss is Liger's vocab-parallel cross-entropy over the
-    16-bit logits (Megatron's upcasts them to fp32 first), at any tp.
+  - `LigerLossGPTModel`: GPTModel whose loss is Liger's: with one tensor-parallel rank the
+    output layer and the cross-entropy fused, the logits made one chunk of tokens at a time
+    and never whole (neither the 16-bit [tokens, vocab] logits nor their fp32 copy, 6 bytes a
+    logit, 6 GiB a microbatch of 8k tokens at a 128k vocabulary); with tp > 1 Liger's
+    vocab-parallel cross-entropy (one kernel, but an fp32 buffer of the logits as Megatron's).
 Liger is imported when a model is built, never at import time: it imports Triton, and the CPU
 path never needs either. `liger_ops()` is the one place that names Liger's functions.
 """
@@ -29,11 +32,15 @@ class LigerOps:
     rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps) -> y
     swiglu: Callable[[torch.Tensor], torch.Tensor]  # [tokens, 2 ffn] -> [tokens, ffn]
     cross_entropy: Callable[..., torch.Tensor]  # (logits [s, b, v/tp], labels [s, b], tp_group)
+    # (hidden [tokens, h], output weight [v, h], labels [tokens]) -> the mean loss, the logits
+    # made one chunk of tokens at a time and never whole
+    linear_cross_entropy: Callable[..., torch.Tensor]
 
 
 def liger_ops() -> LigerOps:
     from liger_kernel.megatron import LigerMegatronCrossEntropy
     from liger_kernel.ops import LigerFusedGateUpSiLUMulFunction, LigerRMSNormFunction
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     def rms_norm(x, weight, eps):
         # offset 0, Llama's casting, not in place (Megatron keeps the input for recompute).
@@ -42,7 +49,9 @@ def liger_ops() -> LigerOps:
     def swiglu(x):
         return LigerFusedGateUpSiLUMulFunction.apply(x, False)
 
-    return LigerOps(rms_norm=rms_norm, swiglu=swiglu, cross_entropy=LigerMegatronCrossEntropy())
+    linear_loss = LigerFusedLinearCrossEntropyLoss()  # mean: its gradient is made in the forward
+    return LigerOps(rms_norm=rms_norm, swiglu=swiglu, cross_entropy=LigerMegatronCrossEntropy(),
+                    linear_cross_entropy=lambda x, weight, labels: linear_loss(weight, x, labels))
 
 
 def loadable(choice: KernelChoice, asked: str) -> KernelChoice:
@@ -81,19 +90,60 @@ class LigerSwiGLU(nn.Module):
 
 
 def liger_loss_gpt_model() -> type:
-    """GPTModel with Liger's cross-entropy (a function: megatron.core imports at call time)."""
+    """GPTModel with Liger's loss (a function: megatron.core imports at call time). With one
+    tensor-parallel rank the output layer and the cross-entropy are one fused function that
+    makes the logits a chunk of tokens at a time (`_FusedLossHead`); with tp > 1 the logits are
+    vocabulary-parallel and Liger's vocab-parallel cross-entropy takes them."""
     from megatron.core.models.gpt import GPTModel
 
     class LigerLossGPTModel(GPTModel):
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
-            self._cross_entropy = liger_ops().cross_entropy
+            self._ops = liger_ops()
+            self._fused_head = self.post_process and self.config.tensor_model_parallel_size == 1
+            if self._fused_head:
+                _FusedLossHead.adopt(self.output_layer, self._ops.linear_cross_entropy)
+
+        def forward(self, *args: Any, labels=None, **kwargs: Any):
+            if not self._fused_head or labels is None:
+                return super().forward(*args, labels=labels, **kwargs)
+            self.output_layer.labels = labels.transpose(0, 1).contiguous()
+            try:
+                return super().forward(*args, labels=labels, **kwargs)
+            finally:
+                self.output_layer.labels = None
 
         def compute_language_model_loss(self, labels, logits):
             """Per-token loss [batch, seq], as GPTModel's own: labels arrive [b, s], logits
-            [s, b, vocab / tp]."""
-            loss = self._cross_entropy(logits, labels.transpose(0, 1).contiguous(),
-                                       self.pg_collection.tp)
+            [s, b, vocab / tp], or, from the fused head, the loss already [s, b]."""
+            if self._fused_head:
+                return logits.transpose(0, 1)
+            loss = self._ops.cross_entropy(logits, labels.transpose(0, 1).contiguous(),
+                                           self.pg_collection.tp)
             return loss.transpose(0, 1).contiguous()
 
     return LigerLossGPTModel
+
+
+class _FusedLossHead:
+    """The output layer (Megatron's ColumnParallelLinear, one tp rank), made to return the loss
+    when its model was given labels: the matmul and the cross-entropy run inside the layer's
+    own forward, so ZeRO-3 has its weight gathered there as for any forward. The loss is the
+    mean over the tokens, spread back over them ([s, b], every entry the mean): dsforge's step
+    takes the mean of the per-token loss, which is then this loss, and its gradient Liger's."""
+
+    @staticmethod
+    def adopt(layer, linear_cross_entropy) -> None:
+        plain_forward = layer.forward
+        layer.labels = None
+
+        def forward(input_, weight=None, runtime_gather_output=None):
+            if layer.labels is None:
+                return plain_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+            seq, batch, hidden = input_.shape
+            loss = linear_cross_entropy(input_.reshape(-1, hidden),
+                                        layer.weight if weight is None else weight,
+                                        layer.labels.reshape(-1))
+            return loss.expand(seq, batch), None
+
+        layer.forward = forward

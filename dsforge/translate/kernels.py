@@ -1,11 +1,11 @@
 """model.kernels and model.sdpa_backend: which kernels do the work outside the matrix products.
 
-`torch` is the plain path: torch's RMSNorm, Megatron-Core's unfused SwiGLU (silu, multiply)
-and its vocab-parallel cross-entropy, which upcasts the whole [tokens, vocab] logits to fp32.
-`liger` runs three of them as Liger Kernel's Triton kernels through its Megatron-Core adapter
-(liger_kernel.megatron, runtime/kernels.py): RMSNorm, the gate-and-up SwiGLU read straight
-from fc1's output, and the vocab-parallel cross-entropy computed in one pass over bf16 logits
-(its gradient written in place, no fp32 copy), at any tp. Rotary embeddings stay Megatron's.
+`torch` is the plain path: torch's RMSNorm, Megatron-Core's unfused SwiGLU (silu, multiply),
+the output layer's whole [tokens, vocab] logits and Megatron's vocab-parallel cross-entropy,
+which keeps an fp32 copy of them. `liger` runs Liger Kernel's Triton kernels
+(runtime/kernels.py): RMSNorm, the gate-and-up SwiGLU read straight from fc1's output, and at
+tp 1 the output layer fused with the cross-entropy, the logits made a chunk of tokens at a
+time (at tp > 1 its vocab-parallel cross-entropy). Rotary embeddings stay Megatron's.
 Triton compiles each kernel on its first call (seconds, cached under ~/.triton), so nothing
 is built at install time; Triton needs a GPU. `auto` picks liger on GPU ranks when
 liger-kernel is installed (`pip install 'dsforge[gpu]'`), else torch.

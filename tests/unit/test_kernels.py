@@ -3,7 +3,8 @@
 Liger Kernel's Triton kernels run only on a GPU (tests/gpu/test_gpu_precision.py holds their
 losses to the plain path's over 30 steps). Here, on the CPU: which kernels each device and
 installation gets, the refusals (K1, X1), and that the liger path puts its three pieces where
-they belong: every norm, every MLP's activation (dense and each expert's) and the loss. For
+they belong: every norm, every MLP's activation (dense and each expert's) and the loss (with
+one tensor-parallel rank, the output layer and the cross-entropy as one function). For
 that, Liger's functions are replaced by torch references that count their calls (the one
 seam, runtime/kernels.liger_ops): a model built with kernels "liger" must then compute the
 plain model's loss and gradients exactly, and every stand-in must have been called. Built in
@@ -92,7 +93,7 @@ class _StandIns:
     """torch references with Liger's call signatures, counting their calls."""
 
     def __init__(self):
-        self.calls = {"rms_norm": 0, "swiglu": 0, "cross_entropy": 0}
+        self.calls = {"rms_norm": 0, "swiglu": 0, "cross_entropy": 0, "linear_cross_entropy": 0}
 
     def ops(self):
         from dsforge.runtime.kernels import LigerOps
@@ -111,7 +112,12 @@ class _StandIns:
             flat = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
             return flat.view(labels.shape)
 
-        return LigerOps(rms_norm=rms_norm, swiglu=swiglu, cross_entropy=cross_entropy)
+        def linear_cross_entropy(x, weight, labels):
+            self.calls["linear_cross_entropy"] += 1
+            return F.cross_entropy((x @ weight.t()).float(), labels)
+
+        return LigerOps(rms_norm=rms_norm, swiglu=swiglu, cross_entropy=cross_entropy,
+                        linear_cross_entropy=linear_cross_entropy)
 
 
 def _build(resolved, kernels: str, sdpa_backend: str):
@@ -158,9 +164,10 @@ def _compare(overrides: tuple[str, ...], sdpa_backend: str) -> dict:
                                            for n in plain_grads),
             "calls": stand_ins.calls,
             # forward only: the stand-ins are plain torch, autograd runs their backward
+            # one tp rank: the output layer and the loss fused (vocab-parallel CE: tp > 1)
             "expected_calls": {"rms_norm": 2 * m.num_layers + 1,
                                "swiglu": m.num_layers * experts_per_layer,
-                               "cross_entropy": 1}}
+                               "cross_entropy": 0, "linear_cross_entropy": 1}}
 
 
 def _child(folder: Path) -> None:
