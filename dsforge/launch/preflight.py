@@ -142,5 +142,7 @@ def _fit(host: str, slots: int, probed: dict, probed_versions: dict, fit) -> lis
         machine = replace(machine, build=machine.build.forwarded(os.environ))
     device = device_for(device, machine)
     liger = probed_versions.get("liger-kernel") is not None
-    return (device_problems(resolved.recipe.model, device=device, liger_available=liger)
+    r = resolved.recipe
+    return (device_problems(r.model, device=device, precision=r.train.precision,
+                            liger_available=liger)
             + fit_problems(resolved, machine, device=device, ranks=slots))

@@ -114,6 +114,7 @@ def check_this_node(command: list[str], resolved: Resolved, device: str) -> list
 
 def _refuse_missing_kernels(command: list[str], resolved: Resolved, device: str) -> None:
     unrunnable = device_problems(resolved.recipe.model, device=device,
+                                 precision=resolved.recipe.train.precision,
                                  liger_available=liger_installed())
     if unrunnable:  # rules K1, X1 (translate/kernels.py)
         raise Refused(f"{command[2]} asks for kernels its {device.upper()} ranks here do not have",

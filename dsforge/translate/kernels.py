@@ -28,6 +28,8 @@ from dsforge.recipe.schema import ModelConfig
 LIGER_PACKAGE = "liger_kernel"
 # Attention backends torch's CPU SDPA has (flash: its own CPU flash kernel).
 CPU_SDPA_BACKENDS = ("auto", "flash", "math")
+# CUDA attention kernels for 16-bit inputs only (flash-attention 2, cuDNN's fused attention).
+HALF_ONLY_SDPA_BACKENDS = ("flash", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,20 @@ def choose_kernels(model: ModelConfig, *, device: str, liger_available: bool) ->
     return KernelChoice("liger", "auto: GPU ranks and liger-kernel installed")
 
 
-def device_problems(model: ModelConfig, *, device: str, liger_available: bool) -> list[Problem]:
-    """K1: what CPU ranks cannot run; X1: liger asked for where it is not installed."""
+def device_problems(model: ModelConfig, *, device: str, precision: str,
+                    liger_available: bool) -> list[Problem]:
+    """K1: what the ranks' device cannot run; X1: liger asked for where it is not installed."""
     if device == "cuda":
-        return [] if model.kernels != "liger" or liger_available else [_liger_missing()]
+        problems = [] if model.kernels != "liger" or liger_available else [_liger_missing()]
+        if model.sdpa_backend in HALF_ONLY_SDPA_BACKENDS and precision == "fp32":
+            problems.append(Problem(
+                rule="K1", fields={"model.sdpa_backend": model.sdpa_backend,
+                                   "train.precision": "fp32"},
+                message=f"torch's {model.sdpa_backend} attention kernel takes bf16 and fp16 "
+                        "only; fp32 attention would find no kernel at the first step",
+                fix="use model.sdpa_backend: auto (or efficient, math) with fp32, or "
+                    "train.precision: bf16"))
+        return problems
     problems = []
     if model.kernels == "liger":
         problems.append(Problem(

@@ -51,22 +51,33 @@ def test_kernels_named_in_the_recipe_are_kept():
 
 def test_cpu_ranks_refuse_what_only_a_gpu_runs():
     asked = _model(kernels="liger", sdpa_backend="cudnn")
-    problems = device_problems(asked, device="cpu", liger_available=True)
+    problems = device_problems(asked, device="cpu", precision="bf16", liger_available=True)
     assert [(p.rule, list(p.fields)) for p in problems] == [
         ("K1", ["model.kernels"]), ("K1", ["model.sdpa_backend"])]
     assert "model.kernels: auto" in problems[0].fix
-    assert device_problems(asked, device="cuda", liger_available=True) == []
-    assert device_problems(_model(sdpa_backend="flash"), device="cpu", liger_available=False) == []
+    assert device_problems(asked, device="cuda", precision="bf16", liger_available=True) == []
+    assert device_problems(_model(sdpa_backend="flash"), device="cpu", precision="fp32",
+                           liger_available=False) == []
+
+
+@pytest.mark.parametrize("backend, precision, refused", [
+    ("flash", "fp32", True), ("cudnn", "fp32", True), ("flash", "bf16", False),
+    ("efficient", "fp32", False), ("auto", "fp32", False)])
+def test_gpu_attention_kernels_for_16_bits_only_are_refused_in_fp32(backend, precision, refused):
+    problems = device_problems(_model(sdpa_backend=backend), device="cuda", precision=precision,
+                               liger_available=True)
+    assert [p.rule for p in problems] == (["K1"] if refused else [])
 
 
 def test_liger_is_checked_where_the_ranks_run_not_at_validation():
     """A laptop without liger-kernel plans and validates a GPU job that asks for it; the
     machines its ranks run on must have it (the fit check here, preflight on each host)."""
     assert not errors(validate(make_recipe("model.kernels=liger"), Topology(world_size=1)))
-    problems = device_problems(_model(kernels="liger"), device="cuda", liger_available=False)
+    problems = device_problems(_model(kernels="liger"), device="cuda", precision="bf16",
+                               liger_available=False)
     assert [(p.rule, p.fields) for p in problems] == [("X1", {"model.kernels": "liger"})]
     assert "pip install 'dsforge[gpu]'" in problems[0].fix
-    assert device_problems(_model(), device="cuda", liger_available=False) == []
+    assert device_problems(_model(), device="cuda", precision="bf16", liger_available=False) == []
 
 
 @pytest.fixture(scope="module")
