@@ -48,7 +48,7 @@ TORCH_ARCH_NAMES = {
 
 _READABLE = re.compile(r"^[0-9]+\.[0-9]+(\+PTX)?$")  # what DeepSpeed's int() parsing takes
 # 9.0a (arch-specific) and 12.0f (family-specific) targets, with or without +PTX.
-_SUFFIXED = re.compile(r"^([0-9]+)\.([0-9]+)[af]?(\+PTX)?$")
+_SUFFIXED = re.compile(r"^([0-9]+)\.([0-9]+)[af]?(\+PTX)?$", re.IGNORECASE)  # "+ptx" too
 # nvcc's own spellings: sm_90a (machine code), compute_90 (PTX); the last digit is the minor.
 _NVCC_NAME = re.compile(r"^(sm|compute)_([0-9]+)([0-9])[af]?$")
 

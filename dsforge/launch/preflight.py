@@ -23,18 +23,23 @@ from dsforge.launch.hostfile import Hostfile
 from dsforge.problems import Problem, errors
 from dsforge.versions import PACKAGES, RANKS_ONLY, package_versions
 
-# One ssh round trip per host: its package versions and what it has for the job, builds
-# included (probe.py's own text, so the remote side needs nothing but Python).
-_HOST_SCRIPT = (
+# One ssh round trip per host: its package versions and what it has for the job, its build
+# tools when the job builds an op (probe.py's own text, so the remote side needs nothing but
+# Python; `nvcc --version` alone can take seconds).
+_HOST_PROBE = (
     Path(probe_module.__file__).read_text().replace('if __name__ == "__main__":', "if False:")
     + "\nfrom importlib.metadata import version, PackageNotFoundError\n"
     "def _version(name):\n"
     "    try:\n"
     "        return version(name)\n"
     "    except PackageNotFoundError:\n"
-    "        return None\n"
-    f"print(json.dumps({{'versions': {{name: _version(name) for name in {PACKAGES!r}}}, "
-    "'machine': dict(probe(), build=build_facts())}))\n")
+    "        return None\n")
+_HOST_REPORT = (f"print(json.dumps({{'versions': {{name: _version(name) for name in {PACKAGES!r}}}, "
+                "'machine': dict(probe(), build=build_facts() if BUILDS else None)}))\n")
+
+
+def host_script(builds: bool) -> str:
+    return _HOST_PROBE + f"BUILDS = {builds!r}\n" + _HOST_REPORT
 
 
 def ssh_command(host: str, remote: list[str], timeout_s: float) -> list[str]:
@@ -61,9 +66,12 @@ def _run(command: list[str], timeout_s: float) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr.strip()
 
 
-def check_host(host: str, python: str, timeout_s: float) -> tuple[list[Problem], dict | None]:
-    """SSH reachability; the host's package versions and machine (probe.py)."""
-    code, out, err = _run(ssh_command(host, [python, "-c", _HOST_SCRIPT], timeout_s), timeout_s + 5)
+def check_host(host: str, python: str, timeout_s: float,
+               builds: bool = False) -> tuple[list[Problem], dict | None]:
+    """SSH reachability; the host's package versions and machine (probe.py), with its build
+    tools when `builds`."""
+    command = [python, "-c", host_script(builds)]
+    code, out, err = _run(ssh_command(host, command, timeout_s), timeout_s + 5)
     if code == 0:
         try:
             return [], json.loads(out.strip().splitlines()[-1])
@@ -100,6 +108,14 @@ def version_problems(host: str, remote: dict, reference: dict) -> list[Problem]:
     return problems
 
 
+def _builds(fit) -> bool:
+    """Whether the job's ranks build a DeepSpeed op on any device (then the hosts' build
+    tools are probed)."""
+    from dsforge.launch.build_env import job_ops
+
+    return fit is not None and any(job_ops(fit[0], device) for device in ("cuda", "cpu"))
+
+
 def _reference_versions(local: dict, hosts: list[str], results: list) -> dict:
     """The versions every host must have: this machine's, but for RANKS_ONLY packages the
     first reachable host's (the launching machine runs no rank)."""
@@ -119,7 +135,7 @@ def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
     hosts = list(hostfile.hostnames)
     local = package_versions()
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        results = list(pool.map(lambda h: check_host(h, python, timeout_s), hosts))
+        results = list(pool.map(lambda h: check_host(h, python, timeout_s, _builds(fit)), hosts))
     reference = _reference_versions(local, hosts, results)
     problems = []
     for host, slots, (host_problems, found) in zip(hosts, hostfile.node_slots, results):

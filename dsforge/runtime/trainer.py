@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from dsforge.console import RankConsole
+from dsforge.files import write_atomic
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.hardware import gpu_for_device_name
 from dsforge.recipe import Resolved
@@ -232,7 +233,7 @@ class Trainer:
                                kernels_why=self.kernels.why,
                                sdpa_backend=self.resolved.recipe.model.sdpa_backend)
         manifest = environment_manifest(self.device, asdict(self.resolved.layout), used)
-        (self.run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        write_atomic(self.run_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
 
     def finish(self) -> None:
         self._write_rank_summary()
@@ -241,7 +242,7 @@ class Trainer:
         self.console.close()
         self.tracker.close()
         summary = self.metrics.summary()
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         self.console.say(format_summary(summary))
         if summary["median_breakdown_s"] is not None:
             self.console.say(format_breakdown(summary))
@@ -265,7 +266,7 @@ class Trainer:
                    **{f"tensor_bytes_{point}": census for point, census in self.censuses.items()}}
         directory = self.run_dir / "ranks"
         directory.mkdir(exist_ok=True)
-        (directory / f"rank{summary['rank']:05d}.json").write_text(json.dumps(summary) + "\n")
+        write_atomic(directory / f"rank{summary['rank']:05d}.json", json.dumps(summary) + "\n")
 
     def _timed_readings(self) -> list[breakdown.Reading]:
         """This rank's step breakdowns after the warmup steps (all of them if every step was
@@ -273,6 +274,10 @@ class Trainer:
         self.timings.finish()
         warmup = self.resolved.recipe.train.timing_warmup
         readings = self.timings.readings
+        for step, reading in readings.items():  # read late (no loss here): not checked yet
+            problem = breakdown.overrun(reading, step, sum(reading.phases.values()))
+            if problem:
+                self._warn_breakdown(problem)
         return [r for step, r in readings.items() if step >= warmup] or list(readings.values())
 
     def _takes_census(self, step: int) -> bool:
@@ -349,7 +354,7 @@ def _finish_stopped(trainer: Trainer) -> None:
         trainer.console.close()
         trainer.tracker.close()
         summary = trainer.metrics.summary()
-        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(trainer.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 def save_and_prune(trainer: Trainer, steps_done: int, fault=None) -> None:
