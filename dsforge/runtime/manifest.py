@@ -33,7 +33,8 @@ def environment_manifest(device: torch.device, layout: dict, implementations: di
 
 def implementations(optimizer, *, kernels: str, kernels_why: str, sdpa_backend: str) -> dict:
     """What the engine was built with: DeepSpeed's optimizer wrappers around the torch
-    optimizer (outermost first) and how that one steps; the kernels and why; SDPA's backend."""
+    optimizer (outermost first) and how that one steps; the kernels and why; the SDPA backend
+    as set (auto: torch chooses per call)."""
     chain = optimizer_chain(optimizer)
     inner = chain[-1]
     return {"optimizer": [type(o).__name__ for o in chain],
