@@ -1,5 +1,5 @@
 """Score dsforge's step-time model against published training measurements
-(dsforge/search/published.py) and write benchmarks/search/published.md.
+(tools/published_runs.py) and write benchmarks/search/published.md.
 
     python tools/published_compare.py --out benchmarks/search/published.md              # "after"
     python tools/published_compare.py --label before --stats-only --out benchmarks/search/published.md
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from dsforge.estimate.hardware import gpu_by_key
-from dsforge.search.published import (
+from published_runs import (  # beside this file: python puts its folder on sys.path
     GiB,
     ROWS,
     Scored,
@@ -30,21 +30,20 @@ from dsforge.search.published import (
 
 HEADER = """# dsforge's predicted MFU against published measurements
 
-Written by `tools/published_compare.py` (data and scoring: dsforge/search/published.py):
+Written by `tools/published_compare.py` (data and scoring: tools/published_runs.py):
 
 ```bash
 python tools/published_compare.py --out benchmarks/search/published.md            # section "after"
-# "before": the same two files in a worktree of the baseline commit
-git worktree add /tmp/dsforge-before 5b31f63e76a8e04a20ac8bfc955a64aaa49b3298
-cp dsforge/search/published.py /tmp/dsforge-before/dsforge/search/
-cp tools/published_compare.py /tmp/dsforge-before/tools/
-(cd /tmp/dsforge-before && PYTHONPATH=/tmp/dsforge-before python tools/published_compare.py \\
-    --label before --stats-only --out /work/main/benchmarks/search/published.md)
-git worktree remove --force /tmp/dsforge-before
+# "before": the same two files in a worktree of the baseline commit (from the repository root)
+git worktree add ../dsforge-before 5b31f63e76a8e04a20ac8bfc955a64aaa49b3298
+cp tools/published_runs.py tools/published_compare.py ../dsforge-before/tools/
+(cd ../dsforge-before && PYTHONPATH=. python tools/published_compare.py \\
+    --label before --stats-only --out "$OLDPWD/benchmarks/search/published.md")
+git worktree remove --force ../dsforge-before
 ```
 
 Each row is a published run with its full layout (source file and commit in
-dsforge/search/published.py). dsforge builds the recipe of exactly that layout, validates it
+tools/published_runs.py). dsforge builds the recipe of exactly that layout, validates it
 as `dsforge run` would, and predicts its MFU (`search.evaluate`, the GPU's default profile).
 "Measured" is the published tokens/s turned into MFU with dsforge's own FLOPs formula
 (docs/flops.md: 6N + 12 L s h, causal mask not halved) and BF16 peak (A100 312, H100/H200 989

@@ -48,7 +48,7 @@ class ClusterProfile:
     # layouts known to train (docs/search.md "Fit"); `--memory-headroom` changes it.
     memory_margin: float = DEFAULT_MEMORY_HEADROOM
     # Relative error band of a predicted step time: the median of |predicted / measured - 1|
-    # throughput over the published comparison's scored runs (dsforge/search/published.py,
+    # throughput over the published comparison's scored runs (tools/published_runs.py,
     # `Stats.median_relative_error` of "all"; tests/unit/test_published.py holds this copy to
     # it). Candidates whose bands overlap the fastest one's tie (search.py).
     prediction_error: float = PREDICTION_ERROR

@@ -572,7 +572,7 @@ TORCHTITAN = (
 )
 
 # --- The Ultra-Scale Playbook (nanotron), via the shared reference --------------------------
-PLAYBOOK = ("/work/shared/reference/performance-anchors.md (Ultra-Scale Playbook benchmark data; "
+PLAYBOOK = ("../shared/reference/performance-anchors.md (Ultra-Scale Playbook benchmark data; "
             "the Playbook's own data files were not found in the index)")
 PLAYBOOK_ROWS = (
     Row("playbook", PLAYBOOK, "8B DP2 PP4 ZeRO-1", LLAMA3_8B, 4096, "h100", 8, 8, 1, 4, 2, 1, 1, 64,
