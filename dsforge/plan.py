@@ -23,11 +23,11 @@ from dsforge.search.memory_fixes import zero_at_stage
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.groups import rank_groups
+from dsforge.units import GiB, format_bytes
 from dsforge.translate.kernels import choose_kernels, liger_installed
 from dsforge.translate.optimizer import adam_impl, ops_built_at_run_time
 from dsforge.translate.megatron import gpt_model_kwargs, parallel_state_kwargs, transformer_config_kwargs
 
-GiB = 1024**3
 
 
 def plan_device(choice: str = "auto") -> str:
@@ -243,12 +243,8 @@ def _render_data_parallel(plan: dict[str, Any]) -> str:
     overlap = (", not overlapped (the schedule calls the chunks)" if traffic["every_microbatch"] and lay["pp"] > 1
                else "")
     return (f"Data-parallel traffic (ZeRO {stage})\n"
-            f"  {_size(traffic['bytes_per_step'])} per GPU per step, {traffic['vs_zero1']:.1f}x "
+            f"  {format_bytes(traffic['bytes_per_step'], 2)} per GPU per step, {traffic['vs_zero1']:.1f}x "
             f"ZeRO-1's: {when}{overlap} (docs/runtime.md)")
-
-
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.2f} MiB"
 
 
 def _render_deepspeed(plan: dict[str, Any]) -> str:

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from dsforge.estimate.hardware import gpu_by_key
+from dsforge.units import GiB
 from published_runs import (  # beside this file: python puts its folder on sys.path
-    GiB,
     ROWS,
     Scored,
     Stats,

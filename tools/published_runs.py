@@ -39,8 +39,8 @@ from dsforge.recipe.schema import ModelConfig, divisors
 from dsforge.search.profile import default_profile
 from dsforge.search.search import Ranked, evaluate
 from dsforge.search.space import MAX_VPP, Candidate
+from dsforge.units import GiB
 
-GiB = 1024**3
 SOURCES = ("kempnerforge", "llm-foundry", "megatron-lm", "torchtitan", "playbook")
 
 

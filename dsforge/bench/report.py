@@ -14,12 +14,11 @@ from collections import defaultdict
 from pathlib import Path
 
 from dsforge.bench.run import CENSUS_POINTS, largest_census
+from dsforge.units import GiB, MiB
 from dsforge.bench.store import BenchError, Row, Store
 from dsforge.estimate.hardware import gpu_for_device_name
 from dsforge.metrics_file import PHASES, median_breakdown
 
-GiB = 1024**3
-MiB = 1024**2
 
 
 def aggregate(rows: list[Row]) -> list[dict]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MiB = 1024**2
+from dsforge.units import MiB
 
 
 @dataclass(frozen=True, kw_only=True)

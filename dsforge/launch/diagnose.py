@@ -20,7 +20,8 @@ from dsforge.launch.run_dir import JOB_LOG, RECIPE
 from dsforge.problems import RecipeError
 from dsforge.recipe import Resolved, resolve_file
 from dsforge.runtime import failure
-from dsforge.runtime.oom import needed_bytes, size_text
+from dsforge.runtime.oom import needed_bytes
+from dsforge.units import format_bytes
 from dsforge.runtime.heartbeat import read_all, summarize
 from dsforge.search.memory_fixes import HEADROOM, estimate, fit_limit, memory_fixes
 # deepspeed/launcher/launch.py (0.19.8) logs "<cmd> exits with return code = N" for the first
@@ -130,30 +131,30 @@ def memory_advice(memory: dict, resolved: Resolved) -> str:
     and the changes predicted to fit (search/memory_fixes.py)."""
     peak = estimate(resolved)
     where = f"pipeline rank {peak.pipeline_rank}, " if resolved.layout.pp > 1 else ""
-    said = f"the memory model predicts {size_text(peak.total)} ({where}at the {peak.peak_moment})"
+    said = f"the memory model predicts {format_bytes(peak.total)} ({where}at the {peak.peak_moment})"
     capacity, needed = memory["capacity"], needed_bytes(memory)
     limit = fit_limit(capacity=capacity, predicted=peak.total, needed=needed)
     if peak.total <= limit:
         return f"{said}, which fits: the rest went {_outside_the_model(memory)}"
     beyond = needed - peak.total
     if limit <= 0:  # one allocation larger than the device: no layout change makes room
-        return (f"{said}, but the rank needed {size_text(needed)}, {size_text(beyond)} beyond it "
+        return (f"{said}, but the rank needed {format_bytes(needed)}, {format_bytes(beyond)} beyond it "
                 f"and more than the device holds: look at the allocation in the traceback")
-    less = f", less the {size_text(beyond)} measured beyond the prediction" if beyond > 0 else ""
-    under = f"{size_text(limit)} ({1 - HEADROOM:.0%} of {size_text(capacity)}{less})"
+    less = f", less the {format_bytes(beyond)} measured beyond the prediction" if beyond > 0 else ""
+    under = f"{format_bytes(limit)} ({1 - HEADROOM:.0%} of {format_bytes(capacity)}{less})"
     fixes = memory_fixes(resolved, limit)
     if not fixes:
         return (f"{said}; no change of activation checkpointing, micro-batch or ZeRO stage is "
                 f"predicted under {under}: `dsforge plan --search` finds layouts that fit "
                 "(tp, pp, more GPUs)")
-    shown = "; or ".join(f"{fix.overrides()} ({size_text(fix.predicted)})" for fix in fixes)
+    shown = "; or ".join(f"{fix.overrides()} ({format_bytes(fix.predicted)})" for fix in fixes)
     return f"{said}. Fix, each predicted under {under}: {shown}"
 
 
 def _outside_the_model(memory: dict) -> str:
     if memory.get("reserved") is not None:  # CUDA: torch's caching allocator
         return ("outside it (another process on the GPU, or fragmentation: "
-                f"{size_text(memory['reserved'])} reserved). Fix: check nvidia-smi, or set "
+                f"{format_bytes(memory['reserved'])} reserved). Fix: check nvidia-smi, or set "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     return ("outside it (other processes on the host). Fix: free the host's memory, or run fewer "
             "ranks on it")

@@ -19,10 +19,9 @@ from dataclasses import dataclass, replace
 from dsforge.estimate.memory import estimate_memory
 from dsforge.launch.build_env import BuildFacts, build_problems, job_ops
 from dsforge.problems import Problem
+from dsforge.units import MiB, format_bytes
 from dsforge.recipe import Resolved
 
-GiB = 1024**3
-MiB = 1024**2
 # A CPU rank's own footprint before the model: Python, torch, DeepSpeed and Megatron-Core
 # imported, gloo groups formed. Measured: 32 tiny ranks of recipes/70b_pp4.yaml --tiny
 # raised the machine's used memory by ~10.3 GiB (docs/launch.md).
@@ -57,11 +56,11 @@ class Machine:
         return replace(self, build=BuildFacts.from_probe(facts))
 
     def describe(self) -> str:
-        ram = f"{_gib(self.memory_available)} of available RAM" if self.memory_available else "unknown RAM"
+        ram = f"{format_bytes(self.memory_available)} of available RAM" if self.memory_available else "unknown RAM"
         if not self.gpus:
             return f"{self.name}: no GPU, {self.cpus} CPU cores, {ram}"
         free = min(g.memory_free for g in self.gpus)
-        return (f"{self.name}: {len(self.gpus)} x {self.gpus[0].name} ({_gib(free)} free on the "
+        return (f"{self.name}: {len(self.gpus)} x {self.gpus[0].name} ({format_bytes(free)} free on the "
                 f"fullest), {self.cpus} CPU cores, {ram}")
 
 
@@ -107,9 +106,9 @@ def _gpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem
     if usable and per_rank > min(g.memory_free for g in usable):
         fullest = min(usable, key=lambda g: g.memory_free)
         problems.append(Problem(
-            rule="FIT2", fields={"memory per rank (estimated)": _gib(per_rank),
-                                 f"free on {fullest.name}": _gib(fullest.memory_free)},
-            message=f"a rank's predicted peak does not fit its GPU ({_gib(fullest.memory_total)} total)",
+            rule="FIT2", fields={"memory per rank (estimated)": format_bytes(per_rank),
+                                 f"free on {fullest.name}": format_bytes(fullest.memory_free)},
+            message=f"a rank's predicted peak does not fit its GPU ({format_bytes(fullest.memory_total)} total)",
             fix="raise zero.stage, parallel.tp or parallel.pp, set train.activation_checkpointing, "
                 "lower train.micro_batch, or run on larger GPUs"))
     return problems
@@ -120,9 +119,9 @@ def _cpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem
     need = ranks * (per_rank + CPU_RANK_OVERHEAD_BYTES)
     if machine.memory_available is not None and need > machine.memory_available:
         problems.append(Problem(
-            rule="FIT2", fields={"ranks": ranks, "memory per rank (estimated)": _gib(per_rank),
-                                 f"available RAM on {machine.name}": _gib(machine.memory_available)},
-            message=f"the CPU ranks share the host's memory and need {_gib(need)} together "
+            rule="FIT2", fields={"ranks": ranks, "memory per rank (estimated)": format_bytes(per_rank),
+                                 f"available RAM on {machine.name}": format_bytes(machine.memory_available)},
+            message=f"the CPU ranks share the host's memory and need {format_bytes(need)} together "
                     f"(model states and activations + {CPU_RANK_OVERHEAD_BYTES // MiB} MiB a "
                     "process)",
             fix="run on GPUs over a hostfile, shrink the model, or smoke-test the layout at "
@@ -133,7 +132,3 @@ def _cpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem
             message="more CPU ranks than cores: each rank gets one thread and steps are slow",
             fix="expected for smoke tests of big layouts; use fewer ranks to measure speed"))
     return problems
-
-
-def _gib(value: float) -> str:
-    return f"{value / GiB:,.1f} GiB"

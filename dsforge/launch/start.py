@@ -17,7 +17,7 @@ from typing import Callable
 
 from dsforge.launch.build_env import BUILD_RULES, build_problems, job_ops
 from dsforge.launch.diagnose import failure_report
-from dsforge.launch.fit import GiB, Machine, device_for, fit_problems, rank_memory_bytes
+from dsforge.launch.fit import Machine, device_for, fit_problems, rank_memory_bytes
 from dsforge.launch.job import JobSpec, Placement, launch_command, runner_env
 from dsforge.launch.local import STOP_GRACE_S, free_port, run_job
 from dsforge.launch.output import JobView
@@ -32,6 +32,7 @@ from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.tiny import reference_resolved, tiny_resolved
 from dsforge.runtime.preempt import EXIT_RESUMABLE
 from dsforge.translate.kernels import device_problems, liger_installed
+from dsforge.units import GiB
 
 Say = Callable[[str], None]
 # Exit codes of a job dsforge stopped at once on request: Ctrl-C, SIGHUP, SIGUSR1, SIGTERM

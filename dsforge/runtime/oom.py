@@ -14,10 +14,12 @@ import os
 import re
 from typing import Any
 
+from dsforge.units import GiB, KiB, MiB, format_bytes
+
 # How torch says it ran out, when it is not its own exception class.
 _OOM_TEXT = ("CUDA out of memory", "CUDA error: out of memory")
 _REQUESTED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": 1024 * GiB}
 
 
 def out_of_memory(exc: BaseException) -> bool:
@@ -74,11 +76,7 @@ def needed_bytes(memory: dict[str, Any]) -> int:
 def measured_text(memory: dict[str, Any]) -> str:
     """e.g. "measured peak 137.2 GiB (cuda max_memory_allocated, 138.9 GiB reserved) of
     139.8 GiB (NVIDIA H200); 2.0 GiB more requested"."""
-    reserved = f", {size_text(memory['reserved'])} reserved" if memory.get("reserved") else ""
-    requested = f"; {size_text(memory['requested'])} more requested" if memory.get("requested") else ""
-    return (f"measured peak {size_text(memory['peak'])} ({memory['source']}{reserved}) of "
-            f"{size_text(memory['capacity'])} ({memory['device']}){requested}")
-
-
-def size_text(nbytes: float) -> str:
-    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**29 else f"{nbytes / 2**20:,.1f} MiB"
+    reserved = f", {format_bytes(memory['reserved'])} reserved" if memory.get("reserved") else ""
+    requested = f"; {format_bytes(memory['requested'])} more requested" if memory.get("requested") else ""
+    return (f"measured peak {format_bytes(memory['peak'])} ({memory['source']}{reserved}) of "
+            f"{format_bytes(memory['capacity'])} ({memory['device']}){requested}")

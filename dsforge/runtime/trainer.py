@@ -15,6 +15,7 @@ import torch
 
 from dsforge.console import RankConsole
 from dsforge.files import write_atomic
+from dsforge.units import MiB
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.hardware import gpu_for_device_name
 from dsforge.recipe import Resolved
@@ -387,4 +388,4 @@ def _postfix(r, last_eval: tuple[int, float] | None) -> str:
     norm = f"{r.grad_norm:.3f}" if r.grad_norm is not None else "n/a"
     val = f" | val {last_eval[1]:.4f}" if last_eval is not None else ""
     return (f"loss {r.loss:.4f}{val} | gnorm {norm} | lr {r.lr:.2e} | {r.step_time_s * 1e3:.0f} ms | "
-            f"{r.tokens_per_s:,.0f} tok/s | MFU {mfu} | mem {r.peak_memory_bytes / 2**20:,.0f} MiB")
+            f"{r.tokens_per_s:,.0f} tok/s | MFU {mfu} | mem {r.peak_memory_bytes / MiB:,.0f} MiB")

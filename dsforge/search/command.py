@@ -27,8 +27,8 @@ from dsforge.search.measure import measure_top, render_trials, verdict
 from dsforge.search.profile import ClusterProfile, load_profile
 from dsforge.search.search import Ranked, SearchResult, search
 from dsforge.search.space import Space
+from dsforge.units import GiB
 
-GiB = 2**30
 DEFAULT_BATCH_TOKENS = 2**20  # ~1M tokens per optimizer step
 DEFAULT_SEQ_LEN = 4096
 

@@ -13,6 +13,7 @@ import dataclasses
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.estimate.memory import estimate_memory
 from dsforge.search.cost import step_time
+from dsforge.units import GiB, format_bytes
 
 _NAMES = {"compute": "compute", "tp_comm": "tensor-parallel traffic", "ep_comm": "expert all-to-all",
           "bubble": "pipeline bubble", "pp_comm": "pipeline sends", "dp_comm": "data-parallel traffic",
@@ -98,7 +99,7 @@ def tie_reason(a, b) -> str:
     elif la.tp * la.ep != lb.tp * lb.ep:
         won = f"a smaller tensor x expert degree ({la.tp * la.ep} vs {lb.tp * lb.ep})"
     elif a.memory.total != b.memory.total:
-        won = f"more memory headroom ({_bytes(a.memory.total)} vs {_bytes(b.memory.total)} per GPU)"
+        won = f"more memory headroom ({format_bytes(a.memory.total)} vs {format_bytes(b.memory.total)} per GPU)"
     else:
         won = "the same layout complexity and memory"
     change = a.time.total / b.time.total - 1
@@ -115,7 +116,7 @@ def time_reason(a, b) -> str:
     gain_term = max(saved, key=saved.get)
     if saved[gain_term] <= 1e-9 * max(tb["total"], 1e-12):
         if a.memory.total < b.memory.total:
-            return f"same predicted step time, {_bytes(b.memory.total - a.memory.total)} less memory"
+            return f"same predicted step time, {format_bytes(b.memory.total - a.memory.total)} less memory"
         return "same predicted step time and memory"
     text = (f"{_why(gain_term, a, b)}: {_NAMES[gain_term]} {format_duration(ta[gain_term])} vs "
             f"{format_duration(tb[gain_term])}")
@@ -153,18 +154,14 @@ def zero_pipeline_note(r, ranked: list, profile) -> str | None:
     cost = (f"its {_PIPELINE_TRAFFIC[stage]} costs {format_duration(r.time.total - seconds)} per step "
             f"over ZeRO-{other}")
     if not fitting:
-        split = (f"parameters {_bytes(r.memory.params)} vs {_bytes(memory.params)}, " if stage == 3 else "")
-        return (f"needs ZeRO-{stage}: at ZeRO-{other} this layout takes {memory.total / 2**30:.1f} GiB > "
-                f"{profile.usable_memory_bytes / 2**30:.1f} usable ({split}gradients {_bytes(r.memory.grads)} "
-                f"vs {_bytes(memory.grads)}, bucket {_bytes(r.memory.bucket)} vs {_bytes(memory.bucket)}); {cost}")
+        split = (f"parameters {format_bytes(r.memory.params)} vs {format_bytes(memory.params)}, " if stage == 3 else "")
+        return (f"needs ZeRO-{stage}: at ZeRO-{other} this layout takes {memory.total / GiB:.1f} GiB > "
+                f"{profile.usable_memory_bytes / GiB:.1f} usable ({split}gradients {format_bytes(r.memory.grads)} "
+                f"vs {format_bytes(memory.grads)}, bucket {format_bytes(r.memory.bucket)} vs {format_bytes(memory.bucket)}); {cost}")
     rank = next((i + 1 for i, x in enumerate(ranked) if x.resolved.recipe == recipe), None)
     where = f" (#{rank})" if rank else ""
     faster = "is faster" if seconds < r.time.total else "is predicted no faster"
     return f"ZeRO-{other} of this layout fits and {faster}{where}; {cost}"
-
-
-def _bytes(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**29 else f"{n / 2**20:.1f} MiB"
 
 
 def format_duration(seconds: float) -> str:

@@ -18,7 +18,8 @@ from dsforge.launch import probe
 from dsforge.launch.build_env import (AVOID, CUDA_OPS, TORCH_ARCH_NAMES, BuildFacts,
                                       arch_list_for_rank, build_problems, deepspeed_reads,
                                       map_arch_list, rank_env)
-from dsforge.launch.fit import GiB, Gpu, Machine, fit_problems
+from dsforge.launch.fit import Gpu, Machine, fit_problems
+from dsforge.units import GiB
 from dsforge.recipe import resolve_file
 from dsforge.translate.optimizer import CPU_ADAM, FUSED_ADAM
 from tests.conftest import REPO

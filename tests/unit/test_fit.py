@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from dsforge import cli
 from dsforge.launch import probe
-from dsforge.launch.fit import CPU_RANK_OVERHEAD_BYTES, GiB, Gpu, Machine, device_for, fit_problems
+from dsforge.launch.fit import CPU_RANK_OVERHEAD_BYTES, Gpu, Machine, device_for, fit_problems
+from dsforge.units import GiB
 from dsforge.recipe import resolve_file
 from tests.conftest import REPO
 
