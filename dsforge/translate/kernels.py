@@ -6,14 +6,16 @@ which keeps an fp32 copy of them. `liger` runs Liger Kernel's Triton kernels
 (runtime/kernels.py): RMSNorm, the gate-and-up SwiGLU read straight from fc1's output, and at
 tp 1 the output layer fused with the cross-entropy, the logits made a chunk of tokens at a
 time (at tp > 1 its vocab-parallel cross-entropy). Rotary embeddings stay Megatron's.
-Triton compiles each kernel on its first call (seconds, cached under ~/.triton), so nothing
-is built at install time; Triton needs a GPU. `auto` picks liger on GPU ranks when
-liger-kernel is installed (`pip install 'dsforge[gpu]'`), else torch.
+Triton compiles each kernel on its first call (seconds, cached under ~/.triton, with the
+compiler Triton ships: no toolchain to set up; a failure is one line, runtime/build_failure.py);
+Triton needs a GPU. `auto` picks liger on GPU ranks when liger-kernel is installed and loads
+(`pip install 'dsforge[gpu]'`; runtime/kernels.loadable), else torch.
 
 A recipe that asks for what its ranks cannot run is refused before any rank starts, on the
 machines the ranks run on (`device_problems`, from the fit check and every host's preflight;
 `dsforge plan` on a laptop may plan a GPU job): liger or a GPU-only attention backend on CPU
-ranks (K1), liger where liger-kernel is not installed (X1). Every host runs the same
+ranks, flash or cuDNN attention with fp32 on GPU ranks (K1), liger where liger-kernel is not
+installed (X1). Every host runs the same
 liger-kernel version (preflight F3), so auto picks the same kernels on every rank.
 """
 
