@@ -227,6 +227,7 @@ class StepTimings:
         self._waiting: deque[tuple[int, Marked, float]] = deque()
         self.readings: dict[int, Reading] = {}  # the newest `kept` steps, oldest first
         self._kept = kept
+        self.problem: str | None = None  # the first reading whose phases overran its step
 
     def add(self, step: int, marked: Marked, step_time_s: float) -> Reading | None:
         """Step `step`'s reading if it is ready now (always on CPU, and after a loss's .item())."""
@@ -241,5 +242,6 @@ class StepTimings:
         while self._waiting and (wait or self._waiting[0][1].ready()):
             step, marked, step_time_s = self._waiting.popleft()
             self.readings[step] = marked.read(step_time_s)
+            self.problem = self.problem or overrun(self.readings[step], step, step_time_s)
             if len(self.readings) > self._kept:  # a long run's memory stays bounded
                 del self.readings[next(iter(self.readings))]

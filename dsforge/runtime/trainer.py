@@ -141,20 +141,15 @@ class Trainer:
         elapsed = time.perf_counter() - start
         ended_at = time.time()
         reading = self.timings.add(step, marked, elapsed) if marked is not None else None
-        if reading is not None:
-            self._check_breakdown(reading, step, elapsed)
+        if self.timings.problem:
+            self._warn_breakdown(self.timings.problem)
         if self.reporter:
             self._report(step, loss, lr, elapsed, ended_at, data_time,
                          reading.phases if reading else None)
 
-    def _check_breakdown(self, reading: breakdown.Reading, step: int, elapsed: float) -> None:
-        """Say once if a step's phases add up to more than the step (a measurement bug)."""
-        problem = breakdown.overrun(reading, step, elapsed)
-        if problem:
-            self._warn_breakdown(problem)
-
     def _warn_breakdown(self, problem: str) -> None:
-        """Once per run: what went wrong measuring a step (a measurement bug, not training's)."""
+        """Once per run: what went wrong measuring a step (a measurement bug, not training's):
+        marks that do not pair up, or phases adding up to more than the step."""
         if not self._breakdown_warned:
             self._breakdown_warned = True
             self.console.say(f"dsforge: warning: {problem} (rank {torch.distributed.get_rank()})")
@@ -275,10 +270,8 @@ class Trainer:
         self.timings.finish()
         warmup = self.resolved.recipe.train.timing_warmup
         readings = self.timings.readings
-        for step, reading in readings.items():  # read late (no loss here): not checked yet
-            problem = breakdown.overrun(reading, step, sum(reading.phases.values()))
-            if problem:
-                self._warn_breakdown(problem)
+        if self.timings.problem:  # readings made late (a rank without the loss) included
+            self._warn_breakdown(self.timings.problem)
         return [r for step, r in readings.items() if step >= warmup] or list(readings.values())
 
     def _takes_census(self, step: int) -> bool:

@@ -368,3 +368,9 @@ def test_phases_adding_up_to_more_than_their_step_are_called_wrong():
     wrong = Marked(marker=breakdown._HostMarker(), marks=[0.0, 1.0, 3.0], owners=["forward", "backward"])
     problem = breakdown.overrun(wrong.read(step_time_s=2.0), 7, 2.0)
     assert "phases of step 7 add up to 3000.000 ms, more than the step's 2000.000 ms" in problem
+    # every reading is checked where it is made, a late one (a rank without the loss) too
+    timings = StepTimings()
+    timings.add(6, marked, step_time_s=3.0)
+    assert timings.problem is None
+    timings.add(7, wrong, step_time_s=2.0)
+    assert timings.problem == problem

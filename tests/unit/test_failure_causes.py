@@ -107,7 +107,7 @@ def test_arch_lists_deepspeed_can_read(value, readable):
      ("no CUDA compiler: CUDA_HOME=/usr/local/cuda holds no nvcc", "set CUDA_HOME")),
     (("builtins.RuntimeError", "Unable to JIT load the fused_adam op due to ninja not being installed."),
      ("ninja is not installed (or not on PATH)", "pip install ninja")),
-    (("builtins.OSError", "[Errno 28] No space left on device: '/root/.cache/torch_extensions'"),
+    (("builtins.OSError", "[Errno 28] No space left on device: '/home/user/.cache/torch_extensions'"),
      ("cannot write its cache directory (TORCH_EXTENSIONS_DIR not set): OSError: [Errno 28] No "
       "space left",
       "set TORCH_EXTENSIONS_DIR")),
