@@ -13,29 +13,27 @@ import importlib.util
 from dsforge.problems import Problem
 from dsforge.recipe.schema import Recipe
 
-# recipe field -> (the package it needs, the dsforge extra that installs it, what uses it,
-# the field's value that needs no package)
+# recipe field -> (the package it needs, the dsforge extra that installs it, what uses it)
 _NEEDS = {
     "tracking.tensorboard": ("tensorboard", "tensorboard",
-                             "torch.utils.tensorboard writes its event files through it", "false"),
-    "tracking.wandb": ("wandb", "wandb", "Weights & Biases tracking runs through it", "false"),
+                             "torch.utils.tensorboard writes its event files through it"),
+    "tracking.wandb": ("wandb", "wandb", "Weights & Biases tracking runs through it"),
 }
 
 
 def missing_extras(recipe: Recipe) -> list[Problem]:
     """An X1 problem for each optional feature the recipe turns on whose package is missing."""
-    written = {"tracking.tensorboard": recipe.tracking.tensorboard,
-               "tracking.wandb": recipe.tracking.wandb}
-    asked = {field: value for field, value in written.items() if value is not False}
-    return [_missing(field, value, *_NEEDS[field]) for field, value in asked.items()
-            if not _installed(_NEEDS[field][0])]
+    asked = {"tracking.tensorboard": recipe.tracking.tensorboard,
+             "tracking.wandb": recipe.tracking.wandb}
+    return [_missing(field, *_NEEDS[field]) for field, on in asked.items()
+            if on and not _installed(_NEEDS[field][0])]
 
 
 def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def _missing(field: str, value, package: str, extra: str, why: str, without: str) -> Problem:
-    return Problem(rule="X1", fields={field: value},
+def _missing(field: str, package: str, extra: str, why: str) -> Problem:
+    return Problem(rule="X1", fields={field: True},
                    message=f"needs the {package} package, which is not installed ({why})",
-                   fix=f"pip install 'dsforge[{extra}]', or set {field}: {without}")
+                   fix=f"pip install 'dsforge[{extra}]', or set {field}: false")
