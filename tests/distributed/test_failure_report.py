@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
-
 from dsforge.runtime import failure
 from tests.distributed.test_run import QUICK, TINY, _job_processes, dsforge
 
