@@ -20,6 +20,7 @@ tests/unit/test_breakdown.py pins the names.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -118,12 +119,21 @@ def _mark_experts(clock: StepClock, chunks, undo: list) -> None:
             tokens.register_hook(lambda grad: clock.exit())
 
     handles = []
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, SequentialMLP):
-                handles.append(module.register_forward_pre_hook(lambda m, a: clock.enter("experts")))
-                handles.append(module.register_forward_hook(after))
+    for module in (m for chunk in chunks for m in _expert_loops(chunk, SequentialMLP)):
+        handles.append(module.register_forward_pre_hook(lambda m, a: clock.enter("experts")))
+        handles.append(module.register_forward_hook(after))
     undo.append(lambda: [handle.remove() for handle in handles])
+
+
+_EXPERT_LOOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _expert_loops(chunk, loop_class) -> tuple:
+    """The chunk's expert loops, found once (a model's modules do not change between steps;
+    walking them at every step would cost each step of a dense model for nothing)."""
+    if chunk not in _EXPERT_LOOPS:
+        _EXPERT_LOOPS[chunk] = tuple(m for m in chunk.modules() if isinstance(m, loop_class))
+    return _EXPERT_LOOPS[chunk]
 
 
 class _RecomputeMarks:

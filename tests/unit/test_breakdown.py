@@ -203,7 +203,8 @@ def test_marking_wraps_this_engine_for_one_step_and_restores_everything():
     engine = FakeEngine(clock)
     config = SimpleNamespace(timers=None)
     clock.start()
-    chunk = SimpleNamespace(config=config, modules=lambda: [])  # no MoE layer
+    chunk = torch.nn.Module()  # no MoE layer
+    chunk.config = config
     with phase_hooks.marking(clock, engine, [chunk] * 2):
         assert isinstance(config.timers, PhaseTimers)
         assert phase_hooks.RECOMPUTE.clock is clock
