@@ -94,18 +94,13 @@ def check_port(host: str, port: int, python: str, timeout_s: float) -> list[Prob
 
 
 def version_problems(host: str, remote: dict, reference: dict) -> list[Problem]:
-    """F3: `reference` maps each package to its version here, or to (version, where) for the
-    ones compared among the hosts (RANKS_ONLY)."""
-    problems = []
-    for name in PACKAGES:
-        wanted, where = reference[name] if isinstance(reference[name], tuple) else (reference[name], "here")
-        if remote.get(name) != wanted:
-            problems.append(Problem(
-                rule="F3", fields={"host": host, "package": name},
-                message=f"{name} {remote.get(name)} there, {wanted} {where}",
-                fix="install the same versions on every host (pip install -e . with the same "
-                    "pins), or exclude the host"))
-    return problems
+    """F3: `reference` maps each package to (the version every host must have, where that
+    version is: "here", or "on HOST" for the ones compared among the hosts, RANKS_ONLY)."""
+    return [Problem(rule="F3", fields={"host": host, "package": name},
+                    message=f"{name} {remote.get(name)} there, {wanted} {where}",
+                    fix="install the same versions on every host (pip install -e . with the same "
+                        "pins), or exclude the host")
+            for name, (wanted, where) in reference.items() if remote.get(name) != wanted]
 
 
 def _builds(fit) -> bool:
@@ -117,13 +112,13 @@ def _builds(fit) -> bool:
 
 
 def _reference_versions(local: dict, hosts: list[str], results: list) -> dict:
-    """The versions every host must have: this machine's, but for RANKS_ONLY packages the
-    first reachable host's (the launching machine runs no rank)."""
+    """The versions every host must have, and where they are: this machine's, but for
+    RANKS_ONLY packages the first reachable host's (the launching machine runs no rank)."""
+    reference = {name: (version, "here") for name, version in local.items()}
     first = next(((host, found) for host, (_, found) in zip(hosts, results) if found), None)
-    if first is None:
-        return local
-    return {**local, **{name: (first[1]["versions"].get(name), f"on {first[0]}")
-                        for name in RANKS_ONLY}}
+    if first is not None:
+        reference |= {name: (first[1]["versions"].get(name), f"on {first[0]}") for name in RANKS_ONLY}
+    return reference
 
 
 def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,

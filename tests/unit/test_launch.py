@@ -81,13 +81,14 @@ def test_preflight_ssh_uses_pdsh_options(monkeypatch):
 def test_version_mismatch_names_host_and_package():
     local = {"torch": "2.13.0", "deepspeed": "0.19.8", "megatron-core": "0.16.1", "dsforge": "0.1.0",
              "liger-kernel": None}
-    problems = version_problems("node-b", {**local, "deepspeed": "0.18.0"}, local)
+    here = {name: (version, "here") for name, version in local.items()}
+    problems = version_problems("node-b", {**local, "deepspeed": "0.18.0"}, here)
     assert [str(p) for p in problems] == [
         "[F3] host='node-b', package='deepspeed': deepspeed 0.18.0 there, 0.19.8 here. Fix: install "
         "the same versions on every host (pip install -e . with the same pins), or exclude the host"]
     # kernels auto picks Liger where it is installed: a host that has it and one that has not
     # would train different kernels; it is compared with the first host, not the launcher
-    among_hosts = {**local, "liger-kernel": ("0.8.5", "on node-a")}
+    among_hosts = {**here, "liger-kernel": ("0.8.5", "on node-a")}
     (liger,) = version_problems("node-b", local, among_hosts)
     assert str(liger).startswith("[F3] host='node-b', package='liger-kernel': liger-kernel None "
                                  "there, 0.8.5 on node-a.")
