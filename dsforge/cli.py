@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from dsforge.launch.hostfile import active_hosts, read_hostfile
 from dsforge.problems import EXIT_INVALID, errors, print_problems
+from dsforge.recipe.hostfile import active_hosts, read_hostfile
 
 # Run-directory locks this process holds until it exits (launch/run_dir.claim).
 _HELD: list = []
@@ -189,11 +189,12 @@ def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_
     if profile_steps is not None:
         # Quoted: YAML would read an unquoted 3:5 as the base-60 integer 185.
         overrides = (*overrides, f"tracking.profile={json.dumps(profile_steps)}")
+    from dsforge.job.owner import current_owner
+    from dsforge.job.word import JobSpec
     from dsforge.launch import start
-    from dsforge.launch.job import (JobSpec, Placement, launch_command, plain_deepspeed_command,
-                                    remote_shell_problems)
+    from dsforge.launch.commands import (Placement, launch_command, plain_deepspeed_command,
+                                         remote_shell_problems)
     from dsforge.launch.local import free_port
-    from dsforge.launch.owner import current_owner
     from dsforge.recipe.loader import dump_recipe
 
     if local_rank is not None:  # started by DeepSpeed's launcher: be a rank
@@ -277,9 +278,9 @@ def _check_slurm_options(hostfile, include, exclude, node_rank) -> None:
 def _run_in_slurm(plan, recipe, resolved, overrides, *, run_dir, device, backend, step_timeout,
                   resume, dry_run, timeout, verbose, stop_grace, tiny) -> None:
     """`dsforge run --launcher slurm`: one srun for every rank of the job (launch/slurm.py)."""
+    from dsforge.job.owner import current_owner
+    from dsforge.job.word import JobSpec
     from dsforge.launch import start
-    from dsforge.launch.job import JobSpec
-    from dsforge.launch.owner import current_owner
     from dsforge.recipe.loader import dump_recipe
 
     run_dir = _own_run_dir_or_exit(run_dir, resolved, resume=resume, joining=False,
@@ -327,8 +328,8 @@ def sbatch(recipe, nodes, gpus_per_node, time_limit, partition, account, signal_
     """Write a Slurm batch script for RECIPE: #SBATCH lines, a trap that passes Slurm's
     warning signal to `dsforge run --launcher slurm`, and a requeue when the ranks stopped
     with a checkpoint (exit 75); the requeued job resumes. Exit status: 0 written, 2 refused."""
+    from dsforge.job.run_dir import runs_root
     from dsforge.launch import slurm
-    from dsforge.launch.run_dir import runs_root
 
     resolved = resolve_or_exit(recipe, overrides, None, None)
     cluster = resolved.recipe.cluster
@@ -430,7 +431,7 @@ def preflight(recipe, world_size, hostfile, overrides, master_port, include, exc
 
 
 def _forwarded_env() -> dict[str, str]:
-    from dsforge.launch.job import forwarded_env
+    from dsforge.job.word import forwarded_env
 
     try:
         return forwarded_env(os.environ)
@@ -442,11 +443,10 @@ def _forwarded_env() -> dict[str, str]:
 def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_timeout, resume):
     """`deepspeed [--hostfile H] -m dsforge run RECIPE`: every rank resolves the recipe
     against WORLD_SIZE itself and trains; the run directory must be the same on every rank."""
-    from dsforge.launch.job import JobSpec
+    from dsforge.job.run_dir import runs_root
+    from dsforge.job.word import JobSpec
     from dsforge.recipe.loader import dump_recipe
     from dsforge.runtime.rank import run_rank
-
-    from dsforge.launch.run_dir import runs_root
 
     world = int(os.environ["WORLD_SIZE"])
     resolved = resolve_or_exit(recipe, overrides, world, None)
@@ -460,9 +460,9 @@ def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_time
 
 def _own_run_dir_or_exit(run_dir: Path | None, resolved: Resolved, *, resume: bool,
                          joining: bool, create: bool, peers_may_join: bool) -> Path:
-    from dsforge.launch.run_dir import RunDirError
+    from dsforge.ckpt.trust import CheckpointError
+    from dsforge.job.run_dir import RunDirError
     from dsforge.launch.start import own_run_dir
-    from dsforge.runtime.checkpoint import CheckpointError
 
     try:
         run_dir, lock = own_run_dir(run_dir, resolved, resume=resume, joining=joining,

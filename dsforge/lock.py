@@ -8,7 +8,7 @@ start time, what for) so that a refused caller can be told who owns the director
 
 A flock belongs to the dsforge process, not to the job it starts: the ranks run in their own
 session and can outlive a SIGKILLed dsforge for a while. So taking the lock also looks for
-live processes of a job started for DIR (their `--job` word names it, launch/job.py) and
+live processes of a job started for DIR (their `--job` word names it, job/word.py) and
 waits `wait_s` for them to go; if they are still there, the directory is busy.
 
     with hold_directory(run_dir, what="dsforge bench study cell abc repeat 0"):
@@ -22,8 +22,8 @@ is refused too. flock is local to a machine (on NFS it is not reliable across ho
 from __future__ import annotations
 
 import base64
-import contextlib
 import binascii
+import contextlib
 import fcntl
 import json
 import os
@@ -37,7 +37,7 @@ from typing import Iterator
 # (set by `dsforge run` and `dsforge bench` for the launcher; inherited by the ranks).
 JOB_DIR_ENV = "DSFORGE_JOB_DIR"
 # How long a new owner waits for processes of an earlier owner's job to end (ranks whose
-# dsforge is gone end themselves within about a second, launch/owner.py).
+# dsforge is gone end themselves within about a second, job/owner.py).
 LEFTOVER_WAIT_S = 5.0
 
 
@@ -152,7 +152,7 @@ def read_owner(path: Path) -> Owner | None:
 def job_processes(directory: Path) -> list[int]:
     """PIDs of live processes on this machine (other than this one) of a job whose run
     directory is `directory`: tagged JOB_DIR_ENV=DIRECTORY in their environment, or with a
-    `--job` word (launch/job.py: the runner, the launcher and every rank) naming it. Zombies
+    `--job` word (job/word.py: the runner, the launcher and every rank) naming it. Zombies
     do not count (their command line and environment read empty). Empty without /proc."""
     target = str(Path(directory).resolve())
     tag = f"{JOB_DIR_ENV}={target}".encode()

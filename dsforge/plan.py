@@ -13,21 +13,22 @@ from typing import Any
 
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
 from dsforge.estimate.flops import flops_per_token
-from dsforge.estimate.hardware import gpu_by_key
 from dsforge.estimate.memory import estimate_memory, largest_stage_params
-from dsforge.estimate.params import count_params, padded_vocab_size
-from dsforge.recipe.resolve import Resolved
+from dsforge.estimate.memory_fixes import zero_at_stage
+from dsforge.estimate.params import count_params
+from dsforge.hardware import gpu_by_key
 from dsforge.problems import errors
+from dsforge.recipe.resolve import Resolved
+from dsforge.recipe.schema import padded_vocab_size
 from dsforge.recipe.validate import validate
-from dsforge.search.memory_fixes import zero_at_stage
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.groups import rank_groups
-from dsforge.units import GiB, format_bytes
 from dsforge.translate.kernels import choose_kernels, liger_installed
+from dsforge.translate.megatron import (gpt_model_kwargs, parallel_state_kwargs,
+                                        transformer_config_kwargs)
 from dsforge.translate.optimizer import adam_impl, ops_built_at_run_time
-from dsforge.translate.megatron import gpt_model_kwargs, parallel_state_kwargs, transformer_config_kwargs
-
+from dsforge.units import GiB, format_bytes
 
 
 def plan_device(choice: str = "auto") -> str:

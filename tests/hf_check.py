@@ -30,7 +30,7 @@ def single_process(store: Path) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from dsforge.runtime import cpu_backend
+    from dsforge.runtime.build import cpu_backend
 
     cpu_backend.activate()
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0,
@@ -43,7 +43,7 @@ def build_chunk(resolved):
     """dsforge's model (one chunk) for a resolved one-process recipe, and its padded vocabulary."""
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    from dsforge.runtime.model import build_model_chunks
+    from dsforge.runtime.build.model import build_model_chunks
     from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                             transformer_config_kwargs)
 

@@ -88,7 +88,7 @@ def cost_per_mark(device_name: str, marks: int = 2000) -> float:
     """Host seconds per mark: taking it inside a step, and reading it back after the step."""
     import torch
 
-    from dsforge.runtime.breakdown import StepClock
+    from dsforge.runtime.loop.breakdown import StepClock
 
     clock = StepClock(torch.device(device_name))
     for _ in range(3):  # the first rounds allocate (events, lists)
@@ -109,7 +109,7 @@ def summarise(layout: str, measured: dict, skip: int) -> dict:
     on_s = statistics.median(on for on, _ in paired)
     per_mark = cost_per_mark("cuda" if measured["device"].startswith("cuda") else "cpu")
     direct = statistics.median(marks) * per_mark + measured["fixed_s"]
-    from dsforge.runtime.breakdown import mode
+    from dsforge.runtime.loop.breakdown import mode
 
     label = layout if mode() == "on" else f"{layout} ({mode()})"
     return {"layout": label, "device": measured["device"], "pairs": len(paired),

@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dsforge.job.metrics_file import read_metrics
 from dsforge.launch.local import free_port, run_job
-from dsforge.metrics_file import read_metrics
 from dsforge.runtime.rank import threads_per_rank
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,16 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dsforge.estimate.hardware import gpu_by_key
+from published_runs import (ROWS, Scored,  # beside this file: python puts its folder on sys.path
+                            Stats, fit_rejections, score_all, statistics_table)
+
+from dsforge.hardware import gpu_by_key
 from dsforge.units import GiB
-from published_runs import (  # beside this file: python puts its folder on sys.path
-    ROWS,
-    Scored,
-    Stats,
-    fit_rejections,
-    score_all,
-    statistics_table,
-)
 
 HEADER = """# dsforge's predicted MFU against published measurements
 

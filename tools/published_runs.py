@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from dsforge.estimate.flops import flops_per_token
-from dsforge.estimate.hardware import gpu_by_key
+from dsforge.hardware import gpu_by_key
 from dsforge.problems import RecipeError
 from dsforge.recipe.layout import Topology
 from dsforge.recipe.loader import build_recipe

@@ -65,7 +65,7 @@ def recipe_dict(args) -> dict:
 
 
 def split_rule(name: str) -> tuple[int | None, int]:
-    """(tp_dim, stride) as Megatron shards the parameter (dsforge/runtime/names.py)."""
+    """(tp_dim, stride) as Megatron shards the parameter (dsforge/ckpt/names.py)."""
     if name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
         return 0, 1
     if name.endswith("linear_fc1.weight"):

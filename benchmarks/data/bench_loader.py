@@ -14,13 +14,13 @@ then, with A = the shipped data/tempest dataset:
        dsforge run recipes/smoke.yaml --device cpu --set 'data.source=[{path: A, weight: 0.7},
            {path: B, weight: 0.3}]' --set train.steps=60 --set data.cache_dir=DIR/cache
            --run-dir DIR/run-N
-   and reads DIR/run-N/metrics.jsonl (dsforge.metrics_file.read_metrics): for every measured
+   and reads DIR/run-N/metrics.jsonl (dsforge.job.metrics_file.read_metrics): for every measured
    (non-warmup) step, data_time_s / step_time_s (data_time_s is the reporting rank's time to
    make its microbatches, inside step_time_s); prints the median and p90 of that share and the
    medians of both times;
 2. in this process, with no process group and no model: the same blend built as the runtime
    builds it (dsforge.data.samples.build_splits + MegatronSamples, the recipe's seed, split,
-   seq_len and a --direct-steps step run), then times dsforge.runtime.data.microbatches for
+   seq_len and a --direct-steps step run), then times dsforge.runtime.loop.data.microbatches for
    --direct-steps steps of dp rank 0 (the reporting rank's share of a step); the same for
    dataset A alone and for synthetic tokens, for comparison.
 Prints the figures and writes results_loader.json beside this script.
@@ -76,7 +76,7 @@ def blend_override(a: Path, b: Path) -> str:
 
 
 def train(work: Path, a: Path, b: Path, steps: int, run: int) -> dict:
-    from dsforge.metrics_file import read_metrics
+    from dsforge.job.metrics_file import read_metrics
 
     run_dir = work / f"run-{run}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -110,7 +110,7 @@ def direct(work: Path, a: Path, b: Path, steps: int) -> list[dict]:
     from dsforge.data.indexed import inspect_dataset
     from dsforge.data.samples import MegatronSamples, build_splits
     from dsforge.recipe import resolve_file
-    from dsforge.runtime.data import SyntheticTokens, microbatches
+    from dsforge.runtime.loop.data import SyntheticTokens, microbatches
 
     torch.set_num_threads(1)  # a rank of the smoke run has one core
     results = []

@@ -4,7 +4,7 @@ For each recipe: the matrix products of one transformer layer and of the output 
 the three shapes a training step runs them (nn.Linear layout, weight [out, in]: forward
 X W^T, input gradient dY W, weight gradient dY^T X), timed in bf16 with CUDA events (median of
 `reps` after warm-up, random inputs), and torch's scaled_dot_product_attention, causal, forward
-and backward, through dsforge's own attention module (runtime/layers.py) with each of
+and backward, through dsforge's own attention module (runtime/build/layers.py) with each of
 `model.sdpa_backend`'s kernels (flash, cudnn, efficient, torch's choice): the SDPA backend
 comparison at the models' shapes.
 The FLOP-weighted throughput of all of a step's products over the GPU's peak is the figure to
@@ -92,14 +92,14 @@ SDPA_BACKENDS = ("flash", "cudnn", "efficient", "auto")
 
 def time_attention(model, micro_batch: int, seq: int, device, dtype, reps: int, warmup: int,
                    divisor: int = 1, backends: tuple[str, ...] = SDPA_BACKENDS) -> dict:
-    """dsforge's core attention (runtime/layers.py SDPAttention: causal, grouped KV heads as
+    """dsforge's core attention (runtime/build/layers.py SDPAttention: causal, grouped KV heads as
     they are, Megatron's [seq, batch, heads, dim] layout), forward and backward, with each
     `model.sdpa_backend`; FLOPs counted as dsforge does (full s x s matrix: 12 b s^2 heads d),
     about twice what a causal kernel computes. A backend torch has no kernel for at these
     shapes is recorded with its error."""
     from types import SimpleNamespace
 
-    from dsforge.runtime.layers import SDPAttention
+    from dsforge.runtime.build.layers import SDPAttention
 
     heads, groups, d = model.num_attention_heads, model.query_groups, max(model.head_dim // divisor, 1)
     q = torch.randn(seq, micro_batch, heads, d, device=device, dtype=dtype, requires_grad=True)
@@ -149,7 +149,7 @@ def measure_model(recipe: str, device: torch.device, dtype: torch.dtype,
 
 def run(recipes: list[str], gpu: str | None, *, tiny: bool, reps: int, warmup: int) -> dict:
     """Every recipe's figures, with the peak and the planner's efficiency for `gpu`."""
-    from dsforge.estimate.hardware import gpu_by_key
+    from dsforge.hardware import gpu_by_key
     from dsforge.search.profile import default_profile
 
     device = torch.device("cpu" if tiny else "cuda")

@@ -359,7 +359,7 @@ class SmiSampler:
 
 
 def detect_gpu(log: Log) -> str:
-    from dsforge.estimate.hardware import gpu_for_device_name
+    from dsforge.hardware import gpu_for_device_name
 
     out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip() if shutil.which("nvidia-smi") else ""

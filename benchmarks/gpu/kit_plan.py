@@ -21,8 +21,8 @@ from pathlib import Path
 from kit_wheels import REPO, dsforge_version, read_pins
 
 from dsforge.estimate.flops import flops_per_token
-from dsforge.estimate.hardware import gpu_by_key
 from dsforge.estimate.memory import estimate_memory
+from dsforge.hardware import gpu_by_key
 from dsforge.recipe import Resolved, resolve_file
 
 GiB = 1024**3
@@ -130,7 +130,7 @@ class Step:
 
 @dataclass(frozen=True, kw_only=True)
 class Context:
-    gpu: str  # key in dsforge.estimate.hardware
+    gpu: str  # key in dsforge.hardware
     python: str  # the interpreter the commands use
     work: Path  # scratch folder for run directories and logs
 

@@ -5,7 +5,7 @@ Everything is read from files in dsforge's own formats (a run directory's summar
 metrics.jsonl, ranks/ and manifest.json; a bench results.db; pytest's JUnit XML and the GPU
 tests' run directories; gemm.py's, adam_step.py's and probe_env.py's JSON), so the dry run can
 feed the same functions with invented inputs (`write_fake_inputs`) and check the table
-without a GPU. The step breakdown (dsforge.metrics_file.PHASES; a run's summary.json
+without a GPU. The step breakdown (dsforge.job.metrics_file.PHASES; a run's summary.json
 `median_breakdown_s`, a bench cell's `breakdown_s`) is read where present: runs of a dsforge
 without it show none.
 
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from kit_plan import RunSpec, Step, StudySpec, prediction, resolve_run
 
-from dsforge.estimate.hardware import gpu_by_key, gpu_for_device_name
-from dsforge.metrics_file import PHASES, is_validation
+from dsforge.hardware import gpu_by_key, gpu_for_device_name
+from dsforge.job.metrics_file import PHASES, is_validation
 
 GiB = 1024**3
 PRECISION_TOLERANCE = 0.05  # |bf16 - fp32| / fp32 of the last-10-step mean loss
@@ -284,7 +284,7 @@ def _render_runs(result: dict) -> str:
 
 
 def _render_breakdown(result: dict) -> str:
-    """Each run's and study cell's median ms per phase (dsforge.metrics_file.PHASES) and
+    """Each run's and study cell's median ms per phase (dsforge.job.metrics_file.PHASES) and
     its share of the median step, where the run measured a breakdown."""
     rows = [(r["label"], r.get("step_s"), r.get("breakdown_s")) for r in result["runs"]]
     for label, cells in result["studies"].items():
@@ -411,7 +411,7 @@ def _fake_breakdown(step_s: float) -> dict[str, float]:
 
 
 def _fake_records(predicted: dict, tokens_per_step: int, peak: float, allocated: int, steps: int = 3):
-    from dsforge.runtime.metrics import StepRecord
+    from dsforge.runtime.loop.metrics import StepRecord
 
     per_gpu = FAKE_MFU * peak / predicted["flops_per_token"]
     hfu = FAKE_MFU * predicted["hardware_flops_per_token"] / predicted["flops_per_token"]
@@ -424,7 +424,7 @@ def _fake_records(predicted: dict, tokens_per_step: int, peak: float, allocated:
 
 
 def _fake_run(spec: RunSpec, work: Path, gpu: str) -> dict:
-    from dsforge.runtime.metrics import MetricsWriter
+    from dsforge.runtime.loop.metrics import MetricsWriter
 
     resolved = resolve_run(spec, gpu)
     predicted = prediction(resolved)

@@ -36,11 +36,7 @@ from pathlib import Path
 from packaging.markers import default_environment
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.tags import Tag, compatible_tags, cpython_tags
-from packaging.utils import (
-    InvalidWheelFilename,
-    canonicalize_name,
-    parse_wheel_filename,
-)
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 KIT = Path(__file__).resolve().parent
@@ -354,8 +350,8 @@ def resolve_install(folder: Path, requirements: list[str], python312: str) -> tu
 
 # What a rank and the dsforge commands import: every distribution they load must be carried or
 # in the image. (setuptools' vendored packages show up under their own names.)
-RUNTIME_MODULES = ("dsforge.cli", "dsforge.plan", "dsforge.runtime.rank", "dsforge.runtime.engine",
-                   "dsforge.runtime.trainer", "dsforge.bench.report", "deepspeed", "megatron.core",
+RUNTIME_MODULES = ("dsforge.cli", "dsforge.plan", "dsforge.runtime.rank", "dsforge.runtime.build.engine",
+                   "dsforge.runtime.loop.trainer", "dsforge.bench.report", "deepspeed", "megatron.core",
                    "megatron.core.models.gpt", "megatron.core.pipeline_parallel")
 SETUPTOOLS_VENDORED = frozenset({"backports-tarfile", "jaraco-context", "jaraco-functools",
                                  "jaraco-text", "more-itertools", "autocommand", "inflect",

@@ -1,4 +1,4 @@
-"""The per-step stop agreement's cost (runtime/preempt.py `Stopper.agree`: one all-reduce MAX
+"""The per-step stop agreement's cost (runtime/guard/preempt.py `Stopper.agree`: one all-reduce MAX
 of two int64 over the world, then a host read), alone in a gloo world of N CPU ranks.
 
     python benchmarks/overhead/agreement.py --ranks 2 --calls 2000
@@ -19,7 +19,7 @@ def _rank(rank: int, ranks: int, calls: int, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=ranks)
-    from dsforge.runtime.preempt import Stopper, StopRequest
+    from dsforge.runtime.guard.preempt import Stopper, StopRequest
 
     stopper = Stopper(StopRequest(), None)
     times = []

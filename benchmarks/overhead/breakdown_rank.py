@@ -5,7 +5,7 @@ DeepSpeed's launcher, like dsforge launches its ranks:
         --recipe recipes/tiny.yaml --steps 100 --out /tmp/breakdown.json
 
 dsforge's own Trainer trains the recipe; consecutive steps form pairs, one step with the
-step breakdown (runtime/breakdown.py) and one without, in alternating order (on-off, off-on,
+step breakdown (runtime/loop/breakdown.py) and one without, in alternating order (on-off, off-on,
 ...), so drift in the machine's speed hits both sides alike. A step's time is its whole
 `train_step` as the loop sees it: the engine hooks installed and removed, the marks, reading
 them, the metrics record. The reporting rank (its step ends with the loss's .item(), so on a
@@ -42,8 +42,8 @@ def main() -> None:
     import torch
 
     from dsforge.recipe import resolve_file
+    from dsforge.runtime.loop.trainer import Trainer
     from dsforge.runtime.rank import pick_device, threads_per_rank
-    from dsforge.runtime.trainer import Trainer
 
     threads = threads_per_rank()
     if threads is not None:
@@ -77,8 +77,8 @@ def fixed_cost(trainer, clock, rounds: int = 500) -> float:
     """Host seconds per step that the breakdown costs besides its marks, on this engine:
     installing and removing its hooks, starting and stopping the clock, reading a step
     without marks and writing its phases into the record's JSON."""
-    from dsforge.runtime.breakdown import StepTimings
-    from dsforge.runtime.phase_hooks import marking
+    from dsforge.runtime.loop.breakdown import StepTimings
+    from dsforge.runtime.loop.phase_hooks import marking
 
     timings = StepTimings()
     started = time.perf_counter()

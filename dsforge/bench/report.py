@@ -14,11 +14,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from dsforge.bench.run import CENSUS_POINTS, largest_census
-from dsforge.units import GiB, MiB
 from dsforge.bench.store import BenchError, Row, Store
-from dsforge.estimate.hardware import gpu_for_device_name
-from dsforge.metrics_file import PHASES, median_breakdown
-
+from dsforge.hardware import gpu_for_device_name
+from dsforge.job.metrics_file import PHASES, median_breakdown
+from dsforge.units import GiB, MiB
 
 
 def aggregate(rows: list[Row]) -> list[dict]:
@@ -122,7 +121,7 @@ def _formula_text() -> str:
     return ("MFU counts model FLOPs per token = 6 N + 12 L s (heads x head_dim): N the active "
             "matmul parameters incl. the output layer, the full (not causally halved) attention "
             "score matrix (docs/flops.md). HFU adds recomputation. Peak: the device's dense BF16 "
-            "figure from dsforge/estimate/hardware.py unless overridden; MFU is n/a without a known "
+            "figure from dsforge/hardware.py unless overridden; MFU is n/a without a known "
             "peak (CPU). Bubble: measured share of each pipeline stage's schedule spent waiting "
             "(max over stages) next to the theoretical (p-1)/(v m + p-1).")
 
@@ -165,7 +164,7 @@ MEMORY_PARTS = ("params", "grads", "bucket", "optimizer", "activations", "buffer
 def _memory_split(cells: list[dict]) -> list[str]:
     """The planner's estimate per component next to what was measured: the peak as a total only
     (the CUDA allocator's on GPU, the process's RSS on CPU, which also holds the Python and
-    torch runtime), and live-tensor censuses (runtime/tensor_census.py): inside a step, when
+    torch runtime), and live-tensor censuses (runtime/loop/tensor_census.py): inside a step, when
     its last backward ends (before ZeRO reduces it) and before the optimizer step (the
     gradients ZeRO holds and its reduce bucket), and when the torch optimizer steps (the fp32
     gradient DeepSpeed made for it), and after training (params, optimizer, other)."""
@@ -178,7 +177,7 @@ def _memory_split(cells: list[dict]) -> list[str]:
         "grads (before step)", "grads (optimizer step)", "step grads (optimizer step)",
         "params (live)", "optimizer (live)", "other (live)"]
     lines = ["", "Memory per GPU, MiB: the planner's split (worst pipeline rank), the measured peak, and "
-             "live tensors (runtime/tensor_census.py, the rank holding the most): the gradients ZeRO "
+             "live tensors (runtime/loop/tensor_census.py, the rank holding the most): the gradients ZeRO "
              "holds and its reduce bucket when the step's last backward ends (before ZeRO reduces it) "
              "and before the optimizer step; the gradients left and the fp32 gradient DeepSpeed made "
              "(step grads) when the torch optimizer steps; then parameters, optimizer master copies and "

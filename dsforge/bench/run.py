@@ -33,17 +33,18 @@ from dsforge import lock
 from dsforge.bench.store import EXIT_TRY_AGAIN, FAILED, BenchError, Row, Store, StoreLocked
 from dsforge.bench.study import Cell, Study, expand, study_identity
 from dsforge.files import write_atomic
+from dsforge.job import failure
+from dsforge.job.metrics_file import median_breakdown, read_metrics
+from dsforge.job.owner import current_owner
+from dsforge.job.run_dir import RunDir
+from dsforge.job.word import JobSpec
+from dsforge.launch.commands import Placement, launch_command
 from dsforge.launch.diagnose import explain
-from dsforge.launch.job import JobSpec, Placement, launch_command
 from dsforge.launch.local import free_port, run_job
-from dsforge.metrics_file import median_breakdown, read_metrics
-from dsforge.launch.owner import current_owner
-from dsforge.launch.run_dir import JOB_LOG
 from dsforge.problems import RecipeError, errors
 from dsforge.recipe import Resolved, resolve_file
 from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.tiny import tiny_resolved
-from dsforge.runtime import failure
 
 # Exit codes of a launcher whose rank the kernel killed (SIGKILL, usually its OOM killer):
 # the signal as Python reports it, as a shell does (128 + 9), and as DeepSpeed's launcher
@@ -51,7 +52,6 @@ from dsforge.runtime import failure
 _KILLED = (-9, 137, 247)
 # run_job's codes when dsforge itself was stopped: SIGHUP, Ctrl-C (SIGINT), SIGTERM.
 STOPPED = (129, 130, 143)
-RESULT = "result.json"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -93,7 +93,7 @@ def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed:
         return 130
     except StoreLocked as exc:
         log(f"dsforge bench: {exc}; each finished result is kept in its cell directory "
-            f"({out_dir / 'cells'}/KEY/repeatN/{RESULT}) and imported when the study runs again")
+            f"({RunDir(out_dir / 'cells' / 'KEY' / 'repeatN').bench_result}) and imported when the study runs again")
         return exc.exit_code
     except BenchError as exc:
         log(f"dsforge bench: {exc}")
@@ -151,7 +151,7 @@ def _import_saved(study: Study, cell: Cell, repeat: int, store: Store, out_dir: 
     saved = saved_result(cell_dir(out_dir, cell, repeat), study.name, cell.key, repeat)
     if saved is not None and (previous is None or (previous.finished or 0) < saved.finished):
         store.write(saved)
-        log(f"{where}: {saved.status} (imported from {cell_dir(out_dir, cell, repeat) / RESULT})")
+        log(f"{where}: {saved.status} (imported from {RunDir(cell_dir(out_dir, cell, repeat)).bench_result})")
         return saved
     return previous
 
@@ -163,7 +163,7 @@ def cell_dir(out_dir: Path, cell: Cell, repeat: int) -> Path:
 def saved_result(run_dir: Path, study: str, key: str, repeat: int) -> Row | None:
     """RUN_DIR/result.json if it is a complete result of this study, cell and repeat."""
     try:
-        row = Row(**json.loads((run_dir / RESULT).read_text()))
+        row = Row(**json.loads((RunDir(run_dir).bench_result).read_text()))
     except (OSError, ValueError, TypeError):
         return None
     return row if (row.study, row.cell, row.repeat) == (study, key, repeat) and row.finished else None
@@ -194,10 +194,10 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
             raise Interrupted(code, cell, repeat)
         status, reason = classify(code, run_dir)
         row = Row(**base, status=status, reason=reason, seconds=time.monotonic() - started,
-                  recipe=dump_recipe(resolved.recipe), manifest=_read_json(run_dir / "manifest.json"),
+                  recipe=dump_recipe(resolved.recipe), manifest=_read_json(RunDir(run_dir).manifest),
                   figures=figures(run_dir) if status == "ok" else None,
                   prediction=prediction(resolved), finished=time.time())
-        write_atomic(run_dir / RESULT, json.dumps(dataclasses.asdict(row)))
+        write_atomic(RunDir(run_dir).bench_result, json.dumps(dataclasses.asdict(row)))
     return row
 
 
@@ -208,7 +208,7 @@ def _resolve_cell(study: Study, recipe_path: Path, cell: Cell, tiny: bool = Fals
 
 
 def _launch(study: Study, resolved: Resolved, run_dir: Path, device: str) -> int:
-    """The cell's job; it ends itself if this bench dies (owner watch, launch/owner.py), and
+    """The cell's job; it ends itself if this bench dies (owner watch, job/owner.py), and
     its local processes carry the run directory (job word and DSFORGE_JOB_DIR) so the next
     owner of the cell can tell whether it still runs (dsforge/lock.py)."""
     run_dir = run_dir.resolve()
@@ -218,15 +218,15 @@ def _launch(study: Study, resolved: Resolved, run_dir: Path, device: str) -> int
     placement = Placement(world_size=resolved.layout.world_size, hostfile=study.hostfile,
                           master_port=free_port())
     return run_job(launch_command(placement, job), timeout_s=study.measure.timeout_s,
-                   env={**os.environ, lock.JOB_DIR_ENV: str(run_dir)}, log_path=run_dir / JOB_LOG)
+                   env={**os.environ, lock.JOB_DIR_ENV: str(run_dir)}, log_path=RunDir(run_dir).job_log)
 
 
 def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
     """ok / timeout / oom / crashed from the launcher's exit code and the ranks' failure
-    records (runtime/failure.py): a hang ended by a rank's watchdog is a timeout of one step;
+    records (job/failure.py): a hang ended by a rank's watchdog is a timeout of one step;
     a rank killed by SIGKILL (usually the kernel's OOM killer) is oom, whatever its peers then
     recorded about the broken connection."""
-    if code == 0 and (run_dir / "summary.json").exists():
+    if code == 0 and RunDir(run_dir).summary.exists():
         return "ok", None
     if code == 124:
         return "timeout", "exceeded the cell's wall-clock limit"
@@ -239,10 +239,10 @@ def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
         return "oom", one_line(explain(first, run_dir))
     if code in _KILLED:
         return "oom", (f"a rank was killed by SIGKILL (launcher exit code {code}), usually the "
-                       f"kernel's out-of-memory killer; see {run_dir / JOB_LOG}")
+                       f"kernel's out-of-memory killer; see {RunDir(run_dir).job_log}")
     if first is not None:
         return "crashed", one_line(explain(first, run_dir))
-    return "crashed", f"exit code {code}; see {run_dir / JOB_LOG}"
+    return "crashed", f"exit code {code}; see {RunDir(run_dir).job_log}"
 
 
 # Terminal control sequences, and a progress bar as tqdm draws it
@@ -265,9 +265,9 @@ def figures(run_dir: Path) -> dict:
     """Measured figures of one repeat: per-step times of the measured steps, throughput,
     MFU/HFU medians, peak memory max over ranks, measured bubble per pipeline stage, the
     reporting rank's step breakdown (median seconds per phase; None without one)."""
-    records, _ = read_metrics(run_dir / "metrics.jsonl")
+    records, _ = read_metrics(RunDir(run_dir).metrics)
     measured = [r for r in records if not r["warmup"]]
-    ranks = [_read_json(p) for p in sorted((run_dir / "ranks").glob("rank*.json"))]
+    ranks = [_read_json(p) for p in RunDir(run_dir).rank_summaries()]
     bubbles: dict[int, list[float]] = {}
     for r in ranks:
         if r["bubble_share"] is not None:
@@ -287,14 +287,14 @@ def figures(run_dir: Path) -> dict:
     }
 
 
-# Where a measured run also takes the census inside a step (runtime/step.py): when the step's
+# Where a measured run also takes the census inside a step (runtime/loop/step.py): when the step's
 # last backward ends (before ZeRO reduces it), before `engine.step()`, and when the torch
 # optimizer steps inside it (DeepSpeed's fp32 gradient made).
 CENSUS_POINTS = ("backward", "step", "optimizer")
 
 
 def largest_census(censuses) -> dict | None:
-    """The live-tensor census holding the most (runtime/tensor_census.py); None if there is none."""
+    """The live-tensor census holding the most (runtime/loop/tensor_census.py); None if there is none."""
     present = [c for c in censuses if c]
     return max(present, key=lambda c: c["total"]) if present else None
 

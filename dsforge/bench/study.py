@@ -159,7 +159,7 @@ def check_study(study: Study, recipe_path: Path) -> list[Problem]:
     hostfile, the base recipe with the study's `set`, and each axis value on that base."""
     problems: list[Problem] = []
     if study.hostfile:
-        from dsforge.launch.hostfile import read_hostfile
+        from dsforge.recipe.hostfile import read_hostfile
 
         problems += _problems_of(lambda: read_hostfile(study.hostfile))
     base = _base_settings(study)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+LATEST = "latest"  # beside the checkpoint directories: the tag of the newest complete one
 COMPLETE = "dsforge_complete.json"  # the completion marker every checkpoint directory ends with
 STATE_DIR = "dsforge_state"
 STATE_FILE = "state.json"
@@ -28,13 +29,24 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def rank_file(rank: int) -> str:
+    """A rank's layout-free state, in STATE_DIR."""
     return f"rank{rank:05d}.safetensors"
+
+
+def rng_file(rank: int) -> str:
+    """A rank's RNG states, in the checkpoint directory."""
+    return f"dsforge_rng_rank{rank:05d}.pt"
+
+
+def experts_file(rank: int) -> str:
+    """A rank's expert weights (with expert parallelism), in the checkpoint directory."""
+    return f"dsforge_experts_rank{rank:05d}.pt"
 
 
 @dataclass(frozen=True)
 class Piece:
     key: str  # the tensor's key in the rank file
-    name: str  # the parameter's global name (runtime/names.py)
+    name: str  # the parameter's global name (ckpt/names.py)
     state: str  # one of STATES
     full_shape: tuple[int, ...]
     tp_dim: int | None

@@ -3,7 +3,7 @@
 `open_state(checkpoint_dir)` reads the piece records of every rank file (headers only);
 `full(name, state)` reads the pieces of one parameter and joins them: the data-parallel
 ranges of each tensor-parallel shard are concatenated (they must tile the shard exactly),
-then the shards are joined along the shard dimension (runtime/names.py `unshard`). Memory is
+then the shards are joined along the shard dimension (ckpt/names.py `unshard`). Memory is
 one parameter at a time, which is what keeps a resume on another layout and `dsforge export`
 bounded by the largest parameter rather than the model: the rank files' memory maps are closed
 after each parameter, since the pages read through an open map stay resident
@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from dsforge.ckpt.format import (COMPLETE, FORMAT_VERSION, STATE_DIR, STATE_FILE, Piece,
-                                 rank_file)
-from dsforge.runtime.names import unshard
+from dsforge.ckpt.format import COMPLETE, FORMAT_VERSION, STATE_DIR, STATE_FILE, Piece, rank_file
+from dsforge.ckpt.names import unshard
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -7,7 +7,7 @@ sequences, sample index, shuffle and blending index (Megatron's compiled helpers
 
 Which samples a split holds depends only on the recipe (seed, seq_len, split, weights, the
 number of samples asked for), never on the layout, so every layout reads the same samples for
-global sample id i (runtime/data.py assigns ids to ranks).
+global sample id i (runtime/loop/data.py assigns ids to ranks).
 
 Index building, once per node: Megatron-Core builds the index cache on global rank 0 and has
 every other rank load it, which fails on nodes that do not share rank 0's file system
@@ -64,7 +64,7 @@ class Splits:
 
 
 class MegatronSamples:
-    """Global sample id -> seq_len + 1 token ids (inputs and shifted labels), as runtime/data.py's
+    """Global sample id -> seq_len + 1 token ids (inputs and shifted labels), as runtime/loop/data.py's
     other sources."""
 
     def __init__(self, dataset, *, what: str):
@@ -86,7 +86,8 @@ def build_splits(parts: list[tuple[str, float]], *, split: str, seq_len: int, se
     for. Parts dsforge does not read (the test part; validation without evaluation) are not
     built: Megatron would build every part with a share, and an empty one loops forever in
     GPTDataset._get_num_epochs. Leaving them out changes no document's part."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import \
+        BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     used = [(path, weight) for path, weight in parts if weight > 0]

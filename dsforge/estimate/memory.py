@@ -36,7 +36,7 @@ Reduce bucket (its own component, `bucket`): stages 1-3 allocate the whole reduc
   Stages 1 and 2 (stage_1_and_2.py `setup_buckets`, contiguous_gradients, which translate
   sets) allocate it at the first gradient of a backward and free it in the backward's
   epilogue, so it is live at the backward's peak; stage 3 keeps it (stage3.py).
-  With pp > 1, ZeRO-2 reduce-scatters after every chunk backward (runtime/step.py): its
+  With pp > 1, ZeRO-2 reduce-scatters after every chunk backward (runtime/loop/step.py): its
   gradients stay partitioned (2 Psi / N) and the bucket is the price: on a small pipeline stage
   it can exceed the saving 2 Psi (1 - 1/N) over ZeRO-1.
 fp32 training keeps 4-byte params and grads and 8 bytes of Adam state; ZeRO 1 and 2 add their
@@ -64,10 +64,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from dsforge.estimate.params import (attention_params, mlp_params, padded_vocab_size, router_params,
-                                     stage_layers)
+from dsforge.estimate.params import attention_params, mlp_params, router_params, stage_layers
 from dsforge.recipe.resolve import Layout
-from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig
+from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig, padded_vocab_size
 
 # DeepSpeed's default zero_optimization.reduce_bucket_size (elements): the most dsforge asks for.
 REDUCE_BUCKET_SIZE = 500_000_000

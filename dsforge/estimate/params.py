@@ -15,14 +15,6 @@ from dataclasses import dataclass
 
 from dsforge.recipe.schema import ModelConfig
 
-# Megatron pads the vocabulary so every tensor-parallel shard is a multiple of 128 (rule T4).
-VOCAB_DIVISIBLE_BY = 128
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    multiple = VOCAB_DIVISIBLE_BY * tp
-    return -(-vocab_size // multiple) * multiple
-
 
 def attention_params(m: ModelConfig, with_bias: bool = True) -> int:
     q_width, kv_width = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim

@@ -5,7 +5,7 @@ is ever presented as a model folder:
   1. the target: OUT absent or an empty directory, no OUT.partial beside it (EX8);
   2. the checkpoint: RUN_DIR -> RUN_DIR/checkpoints/latest, or a checkpoint directory given
      directly; its completion marker read and every file it lists present with its size
-     (runtime/checkpoint.py: CK1, CK3, CK4); it holds layout-free pieces (EX6);
+     (runtime/checkpoint/save_load.py: CK1, CK3, CK4); it holds layout-free pieces (EX6);
   3. the model: exportable (config.py: EX1-EX4) and the checkpoint's tensors exactly the
      recipe's model (EX7);
   4. OUT.partial written: tokenizer files, config.json, generation_config.json, safetensors
@@ -29,14 +29,15 @@ from typing import Any, Callable
 import click
 import torch
 
+from dsforge.ckpt.format import COMPLETE, LATEST
+from dsforge.ckpt.trust import CheckpointError, check_complete, read_latest, read_marker
 from dsforge.files import fsync_directory
 from dsforge.hf.config import TORCH_DTYPES, export_problems, generation_config, hf_config
 from dsforge.hf.names import architecture, global_shapes, model_config, pieces, to_hf
 from dsforge.hf.shards import Entry, parse_size, write_shards
 from dsforge.hf.tokenizer import tokenizer_files
+from dsforge.job.run_dir import RunDir
 from dsforge.problems import EXIT_INVALID, Problem, print_problems
-from dsforge.runtime.checkpoint import (COMPLETE, LATEST, CheckpointError, check_complete,
-                                        checkpoint_root, read_latest, read_marker)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Files a checkpoint holds when written before the layout-free pieces (DeepSpeed's engine
@@ -184,7 +185,8 @@ def _find_checkpoint(source: Path) -> tuple[Path, dict[str, Any]]:
     if (source / COMPLETE).exists():
         root, tag = source.parent, source.name
     else:
-        root = checkpoint_root(source) if (source / "checkpoints").is_dir() else source
+        checkpoints = RunDir(source).checkpoints
+        root = checkpoints if checkpoints.is_dir() else source
         tag = read_latest(root)
         if tag is None:
             raise ExportRefused([Problem(

@@ -1,7 +1,7 @@
 """A Hugging Face folder's tensors as dsforge global tensors, one global tensor at a time.
 
 `model.init_from` starts a model from a Llama or Mixtral folder: every rank asks, for each of
-its own parameters, for that parameter's global tensor (runtime/init.py), and keeps its shard.
+its own parameters, for that parameter's global tensor (runtime/build/init.py), and keeps its shard.
 `HFWeights.full(name)` reads only the Hugging Face tensors that make that one tensor
 (names.by_source: q/k/v for linear_qkv, gate/up for linear_fc1), from the file the index names
 (safetensors' safe_open memory-maps it and reads a tensor's bytes on request), so a rank's
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dsforge.hf.folder import INDEX, SINGLE, read_tensors
+from dsforge.recipe.init_from import INDEX, SINGLE, read_tensors
 from dsforge.hf.names import by_source, global_tensor
 from dsforge.recipe.schema import ModelConfig
 

@@ -1,6 +1,6 @@
 """What `dsforge run` says when a job fails: who failed first, who said nothing, and where.
 
-Sources, most specific first: the ranks' failure records (runtime/failure.py: exception,
+Sources, most specific first: the ranks' failure records (job/failure.py: exception,
 build, oom, hang, with tracebacks); the ranks that neither recorded a failure nor reported
 completion although they started (RUN_DIR/ranks/rankNNNNN.pid): killed or stopped from outside,
 the usual cause when their peers then fail on a broken connection; DeepSpeed's launcher's own exit line
@@ -16,38 +16,19 @@ import re
 import signal
 from pathlib import Path
 
-from dsforge.launch.run_dir import JOB_LOG, RECIPE
+from dsforge.estimate.memory_fixes import HEADROOM, estimate, fit_limit, memory_fixes
+from dsforge.job import failure
+from dsforge.job.failure import needed_bytes
+from dsforge.job.heartbeat import read_all, summarize
+from dsforge.job.pids import started_ranks
+from dsforge.job.run_dir import RunDir
 from dsforge.problems import RecipeError
 from dsforge.recipe import Resolved, resolve_file
-from dsforge.runtime import failure
-from dsforge.runtime.oom import needed_bytes
 from dsforge.units import format_bytes
-from dsforge.runtime.heartbeat import read_all, summarize
-from dsforge.search.memory_fixes import HEADROOM, estimate, fit_limit, memory_fixes
+
 # deepspeed/launcher/launch.py (0.19.8) logs "<cmd> exits with return code = N" for the first
 # rank it saw fail (its <cmd> is the last rank's command, so only N is trusted here).
 _LAUNCHER_EXIT = re.compile(r"exits with return code = (-?\d+)")
-
-
-def pid_path(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / "ranks" / f"rank{rank:05d}.pid"
-
-
-def write_pid(run_dir: Path, rank: int, host: str, pid: int) -> None:
-    path = pid_path(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{host} {pid}\n")
-
-
-def started_ranks(run_dir: Path) -> dict[int, str]:
-    """rank -> "host pid" for every rank that got as far as starting."""
-    found = {}
-    for path in sorted((Path(run_dir) / "ranks").glob("rank*.pid")):
-        try:
-            found[int(path.stem[4:])] = path.read_text().strip()
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 def launcher_exit_codes(log_text: str) -> list[int]:
@@ -65,7 +46,7 @@ def describe_code(code: int) -> str:
 
 def failure_report(run_dir: Path, code: int, done_ranks: set[int]) -> str:
     run_dir = Path(run_dir)
-    log = run_dir / JOB_LOG
+    log = RunDir(run_dir).job_log
     log_text = log.read_text(errors="replace") if log.exists() else ""
     records = failure.read_all(run_dir)
     recorded = {r.rank for r in records}
@@ -97,7 +78,7 @@ def _silent_lines(silent: dict[int, str], run_dir: Path, codes: list[int]) -> li
 def _record_lines(records: list[failure.Failure], run_dir: Path) -> list[str]:
     first = records[0]
     if first.explained:
-        lines = [f"  first failure: {explain(first, run_dir)}; traceback in {run_dir / JOB_LOG}"]
+        lines = [f"  first failure: {explain(first, run_dir)}; traceback in {RunDir(run_dir).job_log}"]
     else:
         lines = [f"  first failure: {first.headline()}"]
         lines += ["    " + line for line in first.detail.rstrip().splitlines()[-12:]]
@@ -115,20 +96,20 @@ def explain(record: failure.Failure, run_dir: Path) -> str:
         return record.headline()
     resolved = run_recipe(run_dir)
     if resolved is None:
-        return f"{record.headline()}; no prediction: {run_dir / RECIPE} cannot be resolved"
+        return f"{record.headline()}; no prediction: {RunDir(run_dir).recipe} cannot be resolved"
     return f"{record.headline()}; {memory_advice(record.memory, resolved)}"
 
 
 def run_recipe(run_dir: Path) -> Resolved | None:
     try:
-        return resolve_file(Path(run_dir) / RECIPE)
+        return resolve_file(RunDir(run_dir).recipe)
     except (OSError, RecipeError):
         return None
 
 
 def memory_advice(memory: dict, resolved: Resolved) -> str:
     """The memory model's peak for `resolved` against what a rank measured when it ran out,
-    and the changes predicted to fit (search/memory_fixes.py)."""
+    and the changes predicted to fit (estimate/memory_fixes.py)."""
     peak = estimate(resolved)
     where = f"pipeline rank {peak.pipeline_rank}, " if resolved.layout.pp > 1 else ""
     said = f"the memory model predicts {format_bytes(peak.total)} ({where}at the {peak.peak_moment})"

@@ -8,7 +8,7 @@ activations and buffers) and a probe of the machine (launch/probe.py):
                  machine's ranks together > the host memory available (they share it);
   FIT3 (warning) more CPU ranks than cores: it runs, each rank on one thread, slowly;
   BLD1-BLD6      what DeepSpeed needs to build the ops the ranks build at run time, when the
-                 machine's build facts were probed (launch/build_env.py).
+                 machine's build facts were probed (translate/build_env.py).
 The user can override the errors (--skip-fit-check); warnings never block.
 """
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dsforge.estimate.memory import estimate_memory
-from dsforge.launch.build_env import BuildFacts, build_problems, job_ops
 from dsforge.problems import Problem
-from dsforge.units import MiB, format_bytes
 from dsforge.recipe import Resolved
+from dsforge.translate.build_env import BuildFacts, build_problems, job_ops
+from dsforge.units import MiB, format_bytes
 
 # A CPU rank's own footprint before the model: Python, torch, DeepSpeed and Megatron-Core
 # imported, gloo groups formed. Measured: 32 tiny ranks of recipes/70b_pp4.yaml --tiny

@@ -3,11 +3,11 @@
 The launcher runs in a new session (its own process group), so every rank it spawns can be
 ended by signalling the group: on Ctrl-C or SIGHUP, on a wall-clock timeout, when a stop
 request's grace runs out, or when dsforge exits. A SIGKILLed dsforge cannot do it: the ranks
-then end the group themselves (launch/owner.py). DeepSpeed's launcher itself ends all ranks
+then end the group themselves (job/owner.py). DeepSpeed's launcher itself ends all ranks
 when one of them fails.
 
 SIGTERM and SIGUSR1 (a scheduler's preemption, a time limit's warning) ask the ranks to save a
-checkpoint and stop (runtime/preempt.py): dsforge passes the signal to each rank of this host
+checkpoint and stop (runtime/guard/preempt.py): dsforge passes the signal to each rank of this host
 by pid (RUN_DIR/ranks/rankNNNNN.pid), never to the launcher, which would SIGKILL its ranks 30 s
 after a SIGTERM, whatever they are writing. The ranks agree among themselves, so ranks on other
 hosts stop too. Only when `stop_grace_s` runs out, or a second signal comes, is the group
@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from dsforge.launch.diagnose import started_ranks
-from dsforge.runtime.preempt import STOP_SIGNALS
+from dsforge.job.run_dir import RunDir
+from dsforge.job.pids import started_ranks
+from dsforge.job.signals import STOP_SIGNALS
 
 # How long ranks get to exit after the group is signalled before it is killed.
 GRACE_S = 10.0
@@ -212,7 +213,7 @@ def _save_and_stop_srun(proc: subprocess.Popen, run_dir: Path, signum: int, grac
 def _ranks_started_since(run_dir: Path, since: float) -> int:
     """Pid files written by this job's ranks (a resumed run's directory holds older ones)."""
     count = 0
-    for path in (Path(run_dir) / "ranks").glob("rank*.pid"):
+    for _, path in RunDir(run_dir).pid_files():
         try:
             count += path.stat().st_mtime >= since - 1.0  # 1 s: coarse file-system clocks
         except OSError:
@@ -230,7 +231,7 @@ def _signal_pid(pid: int, sig: int) -> None:
 def signal_ranks(run_dir: Path, pgid: int, sig: int, skip: set[int] = frozenset()) -> set[int]:
     """Send `sig` to every rank of this host that wrote its pid file (launch/diagnose.py) and
     is a rank of this job: in process group `pgid`, running the rank program, and the child of
-    a rank's supervisor (runtime/supervise.py), which would pass the signal on a second time.
+    a rank's supervisor (runtime/guard/supervise.py), which would pass the signal on a second time.
     Returns the pids signalled (not those in `skip`)."""
     host, sent = socket.gethostname(), set()
     for where in started_ranks(run_dir).values():

@@ -2,7 +2,7 @@
 
 The launcher's whole output (DeepSpeed's INFO lines, each rank's command line, warnings,
 tracebacks) is written to the job log in the run directory. The terminal gets only the
-lines ranks mark for it (dsforge/console.py): messages, a progress bar drawn here from the
+lines ranks mark for it (dsforge/job/console.py): messages, a progress bar drawn here from the
 reporting rank's step events, and the summary. `verbose` also echoes every other line.
 """
 
@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Any, TextIO
 
-from dsforge.console import parse
+from dsforge.job.console import parse
 
 # "dsforge: rank 3 failed building ...": every rank of a job may say the same thing.
 _RANK_LINE = re.compile(r"dsforge: rank (\d+) (.*)")

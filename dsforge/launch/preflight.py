@@ -19,8 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from dsforge.launch import probe as probe_module
-from dsforge.launch.hostfile import Hostfile
 from dsforge.problems import Problem, errors
+from dsforge.recipe.hostfile import Hostfile
 from dsforge.versions import PACKAGES, RANKS_ONLY, package_versions
 
 # One ssh round trip per host: its package versions and what it has for the job, its build
@@ -106,7 +106,7 @@ def version_problems(host: str, remote: dict, reference: dict) -> list[Problem]:
 def _builds(fit) -> bool:
     """Whether the job's ranks build a DeepSpeed op on any device (then the hosts' build
     tools are probed)."""
-    from dsforge.launch.build_env import job_ops
+    from dsforge.translate.build_env import job_ops
 
     return fit is not None and any(job_ops(fit[0], device) for device in ("cuda", "cpu"))
 
@@ -125,7 +125,7 @@ def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
               python: str = sys.executable, fit=None) -> list[Problem]:
     """Every problem with the hosts of `hostfile` (no errors: ready to launch). With `fit`
     = (resolved recipe, --device), each host's slots must also fit its GPUs or memory, the
-    host must be able to build the DeepSpeed ops its ranks build (launch/build_env.py), and
+    host must be able to build the DeepSpeed ops its ranks build (translate/build_env.py), and
     its ranks' device must run the recipe's kernels (K1, translate/kernels.py)."""
     hosts = list(hostfile.hostnames)
     local = package_versions()

@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping
 
+from dsforge.job.slurm_env import expand_counts
 from dsforge.problems import Problem
 
 # srun is sent this on a stop request: it passes SIGUSR1 to its tasks, but answers SIGTERM
@@ -38,7 +39,7 @@ STOP_SIGNAL_TO_SRUN = "SIGUSR1"
 # MASTER_PORT when `dsforge run` is not on the allocation's first node (salloc from a login
 # node), so it cannot pick a free port there: one of PORT_SPAN ports from the job id.
 PORT_BASE, PORT_SPAN = 20000, 20000
-_COUNTS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,17 +78,6 @@ def outside_allocation_problem(recipe: str) -> Problem:
                            "with srun in the job that runs it",
                    fix=f"write a batch script with `dsforge sbatch {recipe} --out job.sh` and "
                        "submit it (`sbatch job.sh`), or run inside `salloc`")
-
-
-def expand_counts(text: str) -> tuple[int, ...]:
-    """Slurm's per-node counts, "2(x3),1" -> (2, 2, 2, 1); ValueError when not that form."""
-    counts: list[int] = []
-    for item in text.split(","):
-        match = _COUNTS.match(item.strip())
-        if not match:
-            raise ValueError(f"{text!r} is not a Slurm count list such as 8(x2),4")
-        counts += [int(match[1])] * int(match[2] or 1)
-    return tuple(counts)
 
 
 def _int(environ: Mapping[str, str], *names: str) -> int | None:
@@ -181,18 +171,6 @@ def srun_command(*, nodes: int, per_node: int, cpus_per_task: int | None,
     if cpus_per_task:
         command.append(f"--cpus-per-task={cpus_per_task}")
     return command + rank_program
-
-
-def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """What a rank started by srun adds to its environment: the variables DeepSpeed's
-    launcher would have set, from Slurm's. LOCAL_SIZE is this node's task count."""
-    node = int(environ.get("SLURM_NODEID", 0))
-    per_node = expand_counts(environ.get("SLURM_STEP_TASKS_PER_NODE")
-                             or environ.get("SLURM_TASKS_PER_NODE", "1"))
-    return {"RANK": environ["SLURM_PROCID"],
-            "WORLD_SIZE": environ.get("SLURM_STEP_NUM_TASKS") or environ["SLURM_NTASKS"],
-            "LOCAL_RANK": environ["SLURM_LOCALID"],
-            "LOCAL_SIZE": str(per_node[min(node, len(per_node) - 1)])}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The correctness half of `dsforge run --tiny`: the layout's losses against one rank's.
 
-dsforge initialises every layout identically (runtime/init.py) and feeds step t the same
-samples whatever the layout (runtime/data.py), so the tiny model on the recipe's layout and
+dsforge initialises every layout identically (runtime/build/init.py) and feeds step t the same
+samples whatever the layout (runtime/loop/data.py), so the tiny model on the recipe's layout and
 the same tiny model on a single rank must follow the same loss trajectory up to the order of
 floating-point reductions. A larger difference means the layout computes something else.
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from dsforge.metrics_file import read_metrics
+
+from dsforge.job.run_dir import RunDir
+from dsforge.job.metrics_file import read_metrics
 
 # Largest per-step loss difference accepted (absolute, on losses of ~5 at tiny size). fp32:
 # different reduction orders move losses by ~1e-5 (tests/distributed/test_equivalence.py
@@ -37,7 +39,7 @@ class LossCheck:
 
 def losses(run_dir: Path) -> dict[tuple[str, int], float]:
     """Training losses by ("loss", step) and validation losses by ("val_loss", step)."""
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return {}
     steps, evals = read_metrics(path)

@@ -15,22 +15,23 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
-from dsforge.launch.build_env import BUILD_RULES, build_problems, job_ops
+from dsforge.job.owner import current_owner
+from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir
+from dsforge.job.signals import EXIT_RESUMABLE
+from dsforge.job.word import JobSpec
+from dsforge.launch.commands import Placement, launch_command, runner_env
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.fit import Machine, device_for, fit_problems, rank_memory_bytes
-from dsforge.launch.job import JobSpec, Placement, launch_command, runner_env
 from dsforge.launch.local import STOP_GRACE_S, free_port, run_job
 from dsforge.launch.output import JobView
-from dsforge.launch.owner import current_owner
 from dsforge.launch.probe import build_facts, probe
-from dsforge.launch.run_dir import JOB_LOG, claim, existing_run_dir, new_run_dir
 from dsforge.launch.smoke import compare_losses
 from dsforge.lock import JOB_DIR_ENV, Lock
 from dsforge.problems import Problem, RecipeError, errors
 from dsforge.recipe import Resolved
 from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.tiny import reference_resolved, tiny_resolved
-from dsforge.runtime.preempt import EXIT_RESUMABLE
+from dsforge.translate.build_env import BUILD_RULES, build_problems, job_ops
 from dsforge.translate.kernels import device_problems, liger_installed
 from dsforge.units import GiB
 
@@ -150,7 +151,7 @@ def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joini
     this recipe can continue from, to resume). Unless joining another node's run or only
     printing commands, the returned lock makes this process its owner: keep it until exit.
     Raises RunDirError or CheckpointError."""
-    from dsforge.runtime.checkpoint import check_resumable
+    from dsforge.ckpt.trust import check_resumable
 
     if not (resume or joining):
         run_dir = new_run_dir(run_dir, resolved.recipe.name, create=create,
@@ -182,7 +183,7 @@ def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: 
     for name in dropped:
         say(f"  note: {name} is forwarded inside the job, not exported by DeepSpeed's runner "
             "(its value is not shell-safe)")
-    log = run_dir / JOB_LOG
+    log = RunDir(run_dir).job_log
     say(f"dsforge: starting {ranks} rank{'s' if ranks > 1 else ''}; run directory {run_dir}, "
         f"engine logs in {log}")
     view = JobView(verbose=verbose)
@@ -232,7 +233,7 @@ def check_tiny_layout(tiny: Resolved, run_dir: Path, *, env: dict[str, str],
                       timeout: float | None, verbose: bool, say: Say) -> int:
     """Train the same tiny model on one rank and compare losses; 1 if they disagree."""
     reference = reference_resolved(tiny)
-    ref_dir = run_dir / "reference"
+    ref_dir = RunDir(run_dir).reference
     ref_dir.mkdir()
     job = JobSpec(recipe_yaml=dump_recipe(reference.recipe), run_dir=str(ref_dir.resolve()),
                   device="cpu", backend="gloo", env=env, owner=current_owner())

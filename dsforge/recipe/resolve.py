@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from dsforge.launch.hostfile import Hostfile, active_hosts, read_hostfile
 from dsforge.problems import Problem, RecipeError, errors
+from dsforge.recipe.hostfile import Hostfile, active_hosts, read_hostfile
 from dsforge.recipe.layout import Topology, batch_sizes, data_parallel_size
 from dsforge.recipe.loader import load_recipe
 from dsforge.recipe.schema import MAX_WORLD, Recipe

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from dsforge.estimate.hardware import GPU_KEYS
+from dsforge.hardware import GPU_KEYS
 from dsforge.problems import Checks, Problem, did_you_mean
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -43,7 +43,7 @@ MAX_WORLD = 1 << 18  # ranks, and any one parallel degree
 MAX_BATCH = 1 << 24  # sequences per step (global_batch), per microbatch, microbatches
 MAX_STEPS = 10**9
 # numpy's legacy seeding takes 0 <= seed < 2**32; the data order multiplies the seed by about
-# 2**20 and torch generators take seeds below 2**64 (runtime/data.py).
+# 2**20 and torch generators take seeds below 2**64 (runtime/loop/data.py).
 SEED_LIMIT = 1 << 32
 MAX_NAME = 100
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
@@ -87,6 +87,15 @@ class MoEConfig:
         c.raise_if_any()
 
 
+# Megatron pads the vocabulary so every tensor-parallel shard is a multiple of 128 (rule T4).
+VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    multiple = VOCAB_DIVISIBLE_BY * tp
+    return -(-vocab_size // multiple) * multiple
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A Llama-style decoder: RMSNorm, SwiGLU MLP, rotary embeddings, optional GQA and MoE."""
@@ -107,7 +116,7 @@ class ModelConfig:
     init_std: float = 0.02
     moe: MoEConfig | None = None
     # A Hugging Face Llama (dense) or Mixtral (MoE) folder whose weights the model starts from
-    # instead of drawn ones (dsforge/hf/folder.py checks it, rules I1-I5); None = drawn.
+    # instead of drawn ones (dsforge/recipe/init_from.py checks it, rules I1-I5); None = drawn.
     init_from: str | None = None
     # RMSNorm, SwiGLU, rotary embedding and the output layer's cross-entropy: torch's plain
     # operations, or Liger Kernel's fused Triton kernels (GPU only); auto picks per device.
@@ -543,7 +552,7 @@ def profile_steps(text: str) -> tuple[int, int] | None:
 class ClusterConfig:
     nodes: int = 1
     gpus_per_node: int
-    gpu: str | None = None  # a key of dsforge.estimate.hardware.GPUS
+    gpu: str | None = None  # a key of dsforge.hardware.GPUS
 
     def __post_init__(self) -> None:
         c = Checks()

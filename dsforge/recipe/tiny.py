@@ -22,11 +22,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
-from dsforge.estimate.params import padded_vocab_size
 from dsforge.recipe.layout import Topology
 from dsforge.recipe.loader import apply_overrides, build_recipe, parse_overrides
 from dsforge.recipe.resolve import Resolved, resolve
-from dsforge.recipe.schema import ModelConfig, Recipe
+from dsforge.recipe.schema import ModelConfig, Recipe, padded_vocab_size
 
 TINY_STEPS = 4
 TINY_HEAD_DIM = 8

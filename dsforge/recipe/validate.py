@@ -25,7 +25,7 @@ from dsforge.problems import Problem, RecipeError
 from dsforge.recipe.layout import BatchSizes, Topology, batch_sizes, data_parallel_size, derive_batch
 from dsforge.recipe.schema import TORCH_ADAM_IMPLS, ParallelConfig, Recipe, TrainConfig, divisors
 from dsforge.recipe.extras import missing_extras
-from dsforge.hf.folder import init_from_problems
+from dsforge.recipe.init_from import init_from_problems
 from dsforge.recipe.validate_data import DATA_RULES
 
 
@@ -515,7 +515,7 @@ def optional_packages(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
 
 
 def hugging_face_start(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
-    """I1-I5: the model.init_from folder holds the recipe's model (dsforge/hf/folder.py)."""
+    """I1-I5: the model.init_from folder holds the recipe's model (dsforge/recipe/init_from.py)."""
     yield from init_from_problems(recipe.model)
 
 

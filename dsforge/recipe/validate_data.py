@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
-from dsforge.problems import Problem
 from dsforge.data.cache import default_cache_dir
+from dsforge.problems import Problem
 from dsforge.recipe.schema import SYNTHETIC, DataConfig, Recipe, split_parts, split_shares
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def token_file(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
 
 def _token_file_parts(recipe: Recipe, windows: int) -> Iterator[Problem]:
     """D11 / D10 for a flat token file: the split cuts its windows of seq_len + 1 tokens
-    (runtime/data.py); training needs some, evaluation some held out."""
+    (runtime/loop/data.py); training needs some, evaluation some held out."""
     from dsforge.data.indexed import split_ranges
 
     d, t = recipe.data, recipe.train

@@ -1,9 +1,9 @@
 """The program each rank runs: `python -m dsforge.runtime.rank --job WORD`.
 
-WORD (dsforge/launch/job.py) holds the resolved recipe, the run directory, the options and
+WORD (dsforge/job/word.py) holds the resolved recipe, the run directory, the options and
 the forwarded environment. Every rank writes the recipe to RUN_DIR/recipe.yaml on its own node,
 re-resolves it against WORLD_SIZE (pure and deterministic, so all ranks agree) and trains. The
-order in which parallelism is applied is written once, in dsforge/runtime/engine.py's
+order in which parallelism is applied is written once, in dsforge/runtime/build/engine.py's
 `build_rank`; the training loop is trainer.py's `train_loop`.
 """
 
@@ -21,18 +21,18 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsforge.console import RankConsole
-from dsforge.launch.diagnose import write_pid
-from dsforge.launch.env import check_names
-from dsforge.launch.job import JobSpec
-from dsforge.launch.owner import owner_alive, watch_owner
-from dsforge.launch.run_dir import RECIPE
-from dsforge.runtime import failure
-from dsforge.runtime.preempt import StopRequest, Stopped
-from dsforge.runtime.build_locks import clear_stale_locks
-from dsforge.runtime.supervise import run_supervised
+from dsforge.job import failure
+from dsforge.job.console import RankConsole
+from dsforge.job.owner import owner_alive, watch_owner
+from dsforge.job.pids import write_pid
+from dsforge.job.run_dir import RunDir
+from dsforge.job.word import JobSpec, check_names
 from dsforge.recipe import resolve_file
-from dsforge.runtime.watchdog import Watchdog
+from dsforge.runtime.build.build_locks import clear_stale_locks
+from dsforge.runtime.guard.preempt import Stopped, StopRequest
+from dsforge.runtime.guard.record import record_for
+from dsforge.runtime.guard.supervise import run_supervised
+from dsforge.runtime.guard.watchdog import Watchdog
 
 if TYPE_CHECKING:  # torch is imported after the owner watch starts (run_rank)
     import torch
@@ -183,7 +183,7 @@ def signal_the_job(owner: str, request: StopRequest | None = None, wait_s: float
 def main(argv=None) -> None:
     job = JobSpec.decode(parse_args(argv).job)
     if job.slurm:
-        from dsforge.launch.slurm import rank_env
+        from dsforge.job.slurm_env import rank_env
 
         os.environ.update(rank_env(os.environ))
     run_supervised(lambda: run_rank(job), run_dir=Path(job.run_dir),
@@ -230,7 +230,7 @@ def _report_failure(job: JobSpec, rank: int, step: int, exc: Exception,
     """The failure record, one line for the user, the whole traceback for the log (stderr,
     which `dsforge run` writes to RUN_DIR/job.log)."""
     detail = traceback.format_exc()
-    record = failure.record_for(exc, rank=rank, step=step, detail=detail)
+    record = record_for(exc, rank=rank, step=step, detail=detail)
     failure.write(Path(job.run_dir), record)
     console.say(f"dsforge: {record.headline()}")
     print(f"dsforge: {record.headline()}\n{detail}", file=sys.stderr, flush=True)
@@ -238,11 +238,11 @@ def _report_failure(job: JobSpec, rank: int, step: int, exc: Exception,
 
 def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
            stop_request: StopRequest) -> Stopped | None:
-    from dsforge.runtime.heartbeat import Heartbeat
-    from dsforge.runtime.preempt import Stopper, TimeBudget
-    from dsforge.runtime.trainer import Trainer, train_loop
-
     import torch
+
+    from dsforge.job.heartbeat import Heartbeat
+    from dsforge.runtime.guard.preempt import Stopper, TimeBudget
+    from dsforge.runtime.loop.trainer import Trainer, train_loop
 
     threads = threads_per_rank()
     if threads is not None:
@@ -283,8 +283,8 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
 
 def _readable_arch_list(resolved, device: str, rank: int, console: RankConsole) -> None:
     """Before DeepSpeed builds an op on this rank: a TORCH_CUDA_ARCH_LIST it can parse
-    ("9.0a" -> "9.0", launch/build_env.py), said once by rank 0."""
-    from dsforge.launch.build_env import arch_list_for_rank
+    ("9.0a" -> "9.0", translate/build_env.py), said once by rank 0."""
+    from dsforge.translate.build_env import arch_list_for_rank
 
     mapped, line = arch_list_for_rank(resolved, device, os.environ)
     os.environ.update(mapped)
@@ -295,7 +295,7 @@ def _readable_arch_list(resolved, device: str, rank: int, console: RankConsole) 
 def _write_recipe(run_dir: Path, text: str, rank: int) -> Path:
     """RUN_DIR/recipe.yaml on this node (ranks of one node write the same text, atomically)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / RECIPE
+    path = RunDir(run_dir).recipe
     partial = run_dir / f".recipe.yaml.rank{rank}"
     partial.write_text(text)
     os.replace(partial, path)

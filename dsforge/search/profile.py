@@ -25,12 +25,12 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsforge.estimate.hardware import GPU, GPU_KEYS, gpu_by_key
+from dsforge.estimate.memory_fixes import HEADROOM
+from dsforge.hardware import GPU, GPU_KEYS, gpu_by_key
 from dsforge.problems import Checks, Problem, RecipeError, did_you_mean
 from dsforge.recipe.loader import build_dataclass, read_yaml
 
-
-DEFAULT_MEMORY_HEADROOM = 0.10
+DEFAULT_MEMORY_HEADROOM = HEADROOM
 PREDICTION_ERROR = 0.127
 
 

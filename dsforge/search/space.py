@@ -35,7 +35,7 @@ class Space:
     gpus: int
     gpus_per_node: int
     global_batch: int  # target, sequences per optimizer step
-    gpu: str | None = None  # a key of dsforge.estimate.hardware.GPUS
+    gpu: str | None = None  # a key of dsforge.hardware.GPUS
 
     @property
     def node_slots(self) -> tuple[int, ...] | None:

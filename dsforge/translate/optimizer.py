@@ -8,7 +8,7 @@
   - GPU ranks: torch's fused AdamW (`torch.optim.AdamW(fused=True)`): one kernel for all
     parameters, shipped with torch, so nothing is compiled at run time. DeepSpeed's FusedAdam
     computes the same update but is JIT-built on the first step, which fails on images whose
-    TORCH_CUDA_ARCH_LIST DeepSpeed cannot parse ("9.0a", launch/build_env.py).
+    TORCH_CUDA_ARCH_LIST DeepSpeed cannot parse ("9.0a", translate/build_env.py).
   - CPU ranks: torch's for-loop AdamW (torch's own default on CPU; bit-for-bit what every CPU
     test, study and checkpoint so far was made with).
 Every torch implementation goes to DeepSpeed through its config (`torch_adam`), not as a client
@@ -55,7 +55,7 @@ def optimizer_section(*, train: TrainConfig, zero: ZeroConfig, device: str) -> d
 
 def ops_built_at_run_time(*, train: TrainConfig, zero: ZeroConfig, device: str) -> tuple[str, ...]:
     """The DeepSpeed ops the ranks compile on first use (unless DeepSpeed was installed with
-    them prebuilt): what launch/build_env.py checks the machines for before any rank starts."""
+    them prebuilt): what translate/build_env.py checks the machines for before any rank starts."""
     if adam_impl(train=train, zero=zero, device=device) != "deepspeed":
         return ()
     return (CPU_ADAM,) if zero.offload_optimizer == "cpu" else (FUSED_ADAM,)

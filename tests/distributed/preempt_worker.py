@@ -23,7 +23,7 @@ import torch
 
 
 def main() -> None:
-    from dsforge.runtime.preempt import StopRequest
+    from dsforge.runtime.guard.preempt import StopRequest
 
     warnings.filterwarnings("ignore")
     spec = json.loads(Path(sys.argv[1]).read_text())
@@ -49,8 +49,8 @@ def _run_leg(leg: dict, spec: dict, rank: int, request):
     from megatron.core import parallel_state
 
     from dsforge.recipe import resolve_file
-    from dsforge.runtime.preempt import Stopper, TimeBudget
-    from dsforge.runtime.trainer import Trainer, train_loop
+    from dsforge.runtime.guard.preempt import Stopper, TimeBudget
+    from dsforge.runtime.loop.trainer import Trainer, train_loop
 
     started = time.time()
     resolved = resolve_file(spec["recipe"], leg["overrides"], world_size=int(os.environ["WORLD_SIZE"]))

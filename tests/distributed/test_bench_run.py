@@ -16,7 +16,7 @@ from dsforge import lock
 from tests.conftest import REPO
 from tests.distributed.test_run import dsforge
 
-# ZeRO-3, so a measured cell's tensor census (runtime/tensor_census.py) meets ZeRO-3's
+# ZeRO-3, so a measured cell's tensor census (runtime/loop/tensor_census.py) meets ZeRO-3's
 # partitioned parameters; the --tiny test's cell is ZeRO-0, plan --measure's are ZeRO-1 and 2.
 STUDY = f"""
 name: drill

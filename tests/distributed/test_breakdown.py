@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from dsforge.metrics_file import PHASES
+from dsforge.job.metrics_file import PHASES
 from tests.conftest import REPO
 from tests.distributed.harness import run_world
 

@@ -20,9 +20,10 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
+from dsforge.ckpt import trust
 from dsforge.cli import main
-from dsforge.metrics_file import read_metrics
-from dsforge.runtime import checkpoint
+from dsforge.job.metrics_file import read_metrics
+from dsforge.runtime.checkpoint import save_load as checkpoint
 from tests.conftest import REPO
 from tests.distributed.test_run import _job_processes, dsforge
 
@@ -193,7 +194,7 @@ def test_group_writable_checkpoint_of_a_shared_group_is_refused(resumed_runs, tm
     shard = run_dir / "checkpoints" / FINAL / "mp_rank_00_model_states.pt"
     if os.getuid() == 0:
         os.chown(shard, 0, 4242)  # a group with no entry: never the user's private group
-    elif checkpoint._private_group(os.getgid(), os.getuid()):
+    elif trust._private_group(os.getgid(), os.getuid()):
         pytest.skip("needs root to give the file a group other than your private one")
     os.chmod(shard, 0o664)
     result = _refused_resume(run_dir)

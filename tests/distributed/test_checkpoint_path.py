@@ -31,7 +31,7 @@ import time
 import pytest
 import torch
 
-from dsforge.metrics_file import read_metrics
+from dsforge.job.metrics_file import read_metrics
 from tests.conftest import REPO
 from tests.distributed.test_run import _job_processes, dsforge
 from tests.hf_check import TOKENS, TOLERANCE, transformers_logits

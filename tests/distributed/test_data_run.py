@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dsforge.metrics_file import read_metrics
+from dsforge.job.metrics_file import read_metrics
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(400)

@@ -1,13 +1,13 @@
 """What `dsforge run` says when a rank dies building an op or runs out of memory, end to end
 through DeepSpeed's launcher: one line with the cause and the fix, the traceback only in the
-job log (runtime/failure.py, runtime/build_failure.py, launch/diagnose.py)."""
+job log (job/failure.py, runtime/guard/build_failure.py, launch/diagnose.py)."""
 
 from __future__ import annotations
 
 import json
 import time
 
-from dsforge.runtime import failure
+from dsforge.job import failure
 from tests.distributed.test_run import QUICK, TINY, _job_processes, dsforge
 
 TRACEBACK = "Traceback (most recent call last)"

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from dsforge.hf.export import export
 from dsforge.recipe import load_recipe
-from dsforge.runtime.data import SyntheticTokens
+from dsforge.runtime.loop.data import SyntheticTokens
 from tests.conftest import REPO
 from tests.distributed.harness import run_world
 
@@ -49,7 +49,7 @@ def _folder(path):
 
 
 def _batch(seed: int, seq_len: int) -> torch.Tensor:
-    """The first step's global batch: synthetic samples 0 .. BATCH - 1 (runtime/data.py)."""
+    """The first step's global batch: synthetic samples 0 .. BATCH - 1 (runtime/loop/data.py)."""
     source = SyntheticTokens(seq_len=seq_len, vocab_size=256, seed=seed)
     return torch.stack([source.sample(i) for i in range(BATCH)])
 

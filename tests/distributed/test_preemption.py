@@ -30,9 +30,9 @@ import time
 
 import pytest
 
+from dsforge.ckpt.retention import complete_checkpoints
+from dsforge.ckpt.trust import read_latest
 from dsforge.launch.local import free_port
-from dsforge.runtime.checkpoint import read_latest
-from dsforge.runtime.retention import complete_checkpoints
 from tests.conftest import REPO
 from tests.distributed.harness import _wait
 from tests.distributed.test_checkpoint import TEXT, _losses, _val_losses

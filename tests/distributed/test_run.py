@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
 from dsforge.lock import job_processes
+from tests.conftest import REPO
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
 QUICK = ["--set", "train.steps=6", "--set", "train.timing_warmup=1"]
@@ -115,7 +115,7 @@ def test_a_hung_rank_is_named_and_the_job_ends(tmp_path):
     assert result.returncode != 0
     assert "stuck: step 3 made no progress" in result.stderr
     assert "inject_fault" in result.stderr  # the Python stack of the stuck rank
-    from dsforge.runtime import failure
+    from dsforge.job import failure
 
     assert failure.first(run_dir).kind == "hang"
     assert "rank 0: step 3, last progress" in result.stderr  # the launcher's summary

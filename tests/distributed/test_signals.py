@@ -12,12 +12,13 @@ import time
 
 import pytest
 
-from dsforge.launch.job import JobSpec, Placement, launch_command
+from dsforge.job.word import JobSpec
+from dsforge.launch.commands import Placement, launch_command
 from dsforge.launch.local import free_port
+from dsforge.lock import job_processes
 from dsforge.recipe import resolve_file
 from dsforge.recipe.loader import dump_recipe
 from tests.conftest import REPO
-from dsforge.lock import job_processes
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
 FOREVER = ["--set", "train.steps=100000"]
@@ -109,7 +110,7 @@ def test_the_leftover_check_sees_a_real_orphan(tmp_path):
 
 
 def _rank_pid(run_dir, rank: int) -> int:
-    from dsforge.launch.diagnose import started_ranks
+    from dsforge.job.pids import started_ranks
 
     return int(started_ranks(run_dir)[rank].split()[1])
 

@@ -37,7 +37,7 @@ def _run_case(case: dict, spec: dict) -> None:
     from megatron.core import parallel_state
 
     from dsforge.recipe import resolve_file
-    from dsforge.runtime.trainer import Trainer, train_loop
+    from dsforge.runtime.loop.trainer import Trainer, train_loop
 
     recipe = case.get("recipe") or spec["recipe"]
     resolved = resolve_file(recipe, case["overrides"], world_size=int(os.environ["WORLD_SIZE"]))

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsforge.metrics_file import read_metrics
+from dsforge.job.metrics_file import read_metrics
 from tests.conftest import REPO
 
 STEPS = 30

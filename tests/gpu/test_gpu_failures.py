@@ -1,5 +1,5 @@
 """On a GPU: a real CUDA out-of-memory and a real DeepSpeed op build failure are recorded the
-way `dsforge run` reports them (runtime/failure.py, runtime/oom.py, launch/diagnose.py). CPU
+way `dsforge run` reports them (job/failure.py, runtime/guard/oom.py, launch/diagnose.py). CPU
 tests cover the same paths with injected faults and DeepSpeed's CPU-side builder code; what
 only a GPU has is torch's allocator message and statistics and DeepSpeed's CUDA jit_load."""
 
@@ -10,9 +10,10 @@ import traceback
 import pytest
 import torch
 
+from dsforge.job import failure
 from dsforge.launch.diagnose import memory_advice
 from dsforge.recipe import resolve_file
-from dsforge.runtime import failure
+from dsforge.runtime.guard.record import record_for
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -22,7 +23,7 @@ def _record(action) -> failure.Failure:
     try:
         action()
     except Exception as exc:
-        return failure.record_for(exc, rank=0, step=0, detail=traceback.format_exc())
+        return record_for(exc, rank=0, step=0, detail=traceback.format_exc())
     raise AssertionError("expected a failure")
 
 

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from dsforge.metrics_file import read_metrics
+from dsforge.job.metrics_file import read_metrics
 from dsforge.recipe.loader import load_recipe
 from dsforge.translate.optimizer import ops_built_at_run_time
 
@@ -37,7 +37,7 @@ def test_default_run_builds_nothing(gpu_runs):
     run.losses()  # it ran
     recipe = load_recipe(run.run_dir / "recipe.yaml")
     assert ops_built_at_run_time(train=recipe.train, zero=recipe.zero, device="cuda") == ()
-    # what the engine was built with (runtime/manifest.py), not what the recipe asks
+    # what the engine was built with (runtime/loop/manifest.py), not what the recipe asks
     used = json.loads((run.run_dir / "manifest.json").read_text())["implementations"]
     assert used["optimizer"][-1] == "AdamW" and used["optimizer_fused"], used
     built = sorted(p.relative_to(run.extensions_dir) for p in run.extensions_dir.rglob("*"))

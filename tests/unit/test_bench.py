@@ -24,9 +24,10 @@ from dsforge.bench.run import bench_study, cell_dir, classify, one_line, run_cel
 from dsforge.bench.store import Row, Store
 from dsforge.bench.study import check_study, expand, load_study, study_identity
 from dsforge.cli import main
-from dsforge.launch.job import JobSpec
+from dsforge.job import failure
+from dsforge.job.run_dir import RunDir
+from dsforge.job.word import JobSpec
 from dsforge.problems import RecipeError
-from dsforge.runtime import failure
 from tests.conftest import REPO
 
 STUDIES = sorted((REPO / "recipes" / "bench").glob("*.yaml"))
@@ -118,7 +119,7 @@ def test_the_earliest_failure_record_is_the_cause(tmp_path):
     failure.write(tmp_path, failure.Failure(rank=0, step=2, kind="exception", message="peer gone",
                                             time=200.0))
     failure.write(tmp_path, failure.Failure(rank=3, step=2, kind="hang", message="stuck", time=100.0))
-    (failure.directory(tmp_path) / "rank00009.partial").write_text("{half")  # never read
+    (RunDir(tmp_path).failures / "rank00009.partial").write_text("{half")  # never read
     assert classify(1, tmp_path) == ("timeout", "rank 3 stuck at step 2: stuck")
 
 
@@ -438,7 +439,7 @@ def test_a_rank_killed_by_sigkill_is_oom(tmp_path, code):
     ("killed by SIGSEGV", 245, "crashed"),
 ])
 def test_a_rank_its_supervisor_saw_killed(tmp_path, message, code, expected):
-    """runtime/supervise.py records a rank that died of a signal as kind 'killed'."""
+    """runtime/guard/supervise.py records a rank that died of a signal as kind 'killed'."""
     failure.write(tmp_path, failure.Failure(rank=1, step=3, kind="killed", message=message))
     assert classify(code, tmp_path) == (expected, f"rank 1 died at step 3: {message}")
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dsforge.bench.store import Row, Store
 from dsforge.bench.report import write_report
+from dsforge.bench.store import Row, Store
 from dsforge.cli import main
-from dsforge.metrics_file import PHASES, median_breakdown
-from dsforge.runtime import breakdown, phase_hooks
-from dsforge.runtime.breakdown import Marked, StepClock, StepTimings
-from dsforge.runtime.metrics import MetricsWriter, format_breakdown, make_record
-from dsforge.runtime.profiler import StepProfiler, trace_path
-from dsforge.runtime.timers import PhaseTimers, bubble_share, optimizer_phase, schedule_phase
+from dsforge.job.metrics_file import PHASES, median_breakdown
+from dsforge.runtime.loop import breakdown, phase_hooks
+from dsforge.runtime.loop.breakdown import Marked, StepClock, StepTimings
+from dsforge.runtime.loop.metrics import MetricsWriter, format_breakdown, make_record
+from dsforge.runtime.loop.profiler import StepProfiler, trace_path
+from dsforge.runtime.loop.timers import PhaseTimers, bubble_share, optimizer_phase, schedule_phase
 from tests.conftest import REPO
 
 
@@ -155,7 +155,7 @@ def test_the_breakdown_is_on_unless_the_environment_says_otherwise():
 
 def test_the_engine_hook_points_exist_in_the_pinned_versions():
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero import stage_1_and_2, stage3
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     from megatron.core.tensor_parallel.random import CheckpointFunction

@@ -1,4 +1,4 @@
-"""What DeepSpeed needs to build an op at run time (launch/build_env.py, launch/probe.py), on
+"""What DeepSpeed needs to build an op at run time (translate/build_env.py, launch/probe.py), on
 simulated hosts: fake nvidia-smi, nvcc, ninja and c++ scripts on a PATH of their own.
 
 The mapped architecture lists are fed to DeepSpeed's own parser and torch's, so these tests fail
@@ -15,13 +15,13 @@ from click.testing import CliRunner
 from dsforge import cli
 from dsforge.launch import preflight as preflight_module
 from dsforge.launch import probe
-from dsforge.launch.build_env import (AVOID, CUDA_OPS, TORCH_ARCH_NAMES, BuildFacts,
-                                      arch_list_for_rank, build_problems, deepspeed_reads,
-                                      map_arch_list, rank_env)
 from dsforge.launch.fit import Gpu, Machine, fit_problems
-from dsforge.units import GiB
 from dsforge.recipe import resolve_file
+from dsforge.translate.build_env import (AVOID, CUDA_OPS, TORCH_ARCH_NAMES, BuildFacts,
+                                         arch_list_for_rank, build_problems, deepspeed_reads,
+                                         map_arch_list, rank_env)
 from dsforge.translate.optimizer import CPU_ADAM, FUSED_ADAM
+from dsforge.units import GiB
 from tests.conftest import REPO
 
 TINY = str(REPO / "recipes" / "tiny.yaml")

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsforge.runtime import checkpoint
-from dsforge.runtime.checkpoint import (CheckpointError, check_complete, check_resumable,
-                                        check_safe_to_load, latest_complete)
+from dsforge.ckpt import trust
+from dsforge.ckpt.trust import (CheckpointError, check_complete, check_resumable,
+                                check_safe_to_load, latest_complete)
+from dsforge.runtime.checkpoint import save_load as checkpoint
 
 RECIPE = {"name": "t", "model": {"num_layers": 2}, "parallel": {"tp": 1}, "zero": {"stage": 1},
           "train": {"steps": 6}, "data": {"source": "synthetic"}, "cluster": None}
@@ -173,11 +174,11 @@ def test_world_writable_latest_is_refused(tmp_path):
 def test_group_writable_files_are_refused_unless_the_group_is_yours_alone(tmp_path, monkeypatch):
     root = _checkpoint(tmp_path)
     os.chmod(root / "step00000003" / "mp_rank_00_model_states.pt", 0o664)
-    monkeypatch.setattr(checkpoint, "_private_group", lambda gid, uid: False)
+    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: False)
     error = _refused(tmp_path)
     assert error.problem.rule == "CK2" and "writable by group" in str(error)
     assert "chmod -R g-w" in str(error)
-    monkeypatch.setattr(checkpoint, "_private_group", lambda gid, uid: True)
+    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: True)
     check_resumable(tmp_path, RECIPE, 2)
 
 
@@ -196,19 +197,19 @@ class _Account:
 def test_private_group(monkeypatch, group_members, others_primary_gid, gid, private):
     alice = _Account("alice", 1000, 1000)
     bob = _Account("bob", 1001, others_primary_gid)
-    monkeypatch.setattr(checkpoint.pwd, "getpwuid", lambda uid: {1000: alice, 1001: bob}[uid])
-    monkeypatch.setattr(checkpoint.pwd, "getpwall", lambda: [alice, bob])
-    monkeypatch.setattr(checkpoint.grp, "getgrgid", lambda g: _Account("g", 0, g, group_members))
-    checkpoint._private_group.cache_clear()
+    monkeypatch.setattr(trust.pwd, "getpwuid", lambda uid: {1000: alice, 1001: bob}[uid])
+    monkeypatch.setattr(trust.pwd, "getpwall", lambda: [alice, bob])
+    monkeypatch.setattr(trust.grp, "getgrgid", lambda g: _Account("g", 0, g, group_members))
+    trust._private_group.cache_clear()
     try:
-        assert checkpoint._private_group(gid, 1000) is private
+        assert trust._private_group(gid, 1000) is private
     finally:
-        checkpoint._private_group.cache_clear()
+        trust._private_group.cache_clear()
 
 
 def test_an_unknown_group_is_not_private():
-    checkpoint._private_group.cache_clear()
-    assert not checkpoint._private_group(987654, os.getuid())
+    trust._private_group.cache_clear()
+    assert not trust._private_group(987654, os.getuid())
 
 
 def test_a_symlink_is_called_a_symlink(tmp_path):

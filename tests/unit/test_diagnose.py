@@ -1,13 +1,14 @@
 """What a failed job's report says (launch/diagnose.py), and H6: nothing DeepSpeed's runner
-pastes into a remote shell may be shell syntax (launch/job.py)."""
+pastes into a remote shell may be shell syntax (job/word.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsforge.launch.diagnose import describe_code, explain, failure_report, launcher_exit_codes, write_pid
-from dsforge.launch.job import Placement, remote_shell_problems
-from dsforge.runtime import failure
+from dsforge.job import failure
+from dsforge.job.pids import write_pid
+from dsforge.launch.commands import Placement, remote_shell_problems
+from dsforge.launch.diagnose import describe_code, explain, failure_report, launcher_exit_codes
 
 
 def test_exit_codes_name_their_signal():

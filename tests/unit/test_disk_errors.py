@@ -8,9 +8,10 @@ import types
 import pytest
 import torch
 
-from dsforge.runtime import checkpoint
-from dsforge.runtime.heartbeat import Heartbeat
-from dsforge.runtime.trainer import Trainer
+from dsforge.ckpt.trust import CheckpointError
+from dsforge.job.heartbeat import Heartbeat
+from dsforge.runtime.checkpoint import save_load as checkpoint
+from dsforge.runtime.loop.trainer import Trainer
 
 
 def test_a_failed_checkpoint_write_names_the_directory(tmp_path, monkeypatch):
@@ -21,8 +22,8 @@ def test_a_failed_checkpoint_write_names_the_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     trainer = types.SimpleNamespace(run_dir=tmp_path, engine=None, resolved=types.SimpleNamespace(
         recipe=types.SimpleNamespace(), layout=types.SimpleNamespace(world_size=1)))
-    monkeypatch.setattr("dsforge.runtime.trainer.asdict", lambda _: {})
-    with pytest.raises(checkpoint.CheckpointError) as caught:
+    monkeypatch.setattr("dsforge.runtime.loop.trainer.asdict", lambda _: {})
+    with pytest.raises(CheckpointError) as caught:
         Trainer.save_checkpoint(trainer, 4)
     text = str(caught.value)
     assert str(tmp_path / "checkpoints") in text and "disk full" in text and "step 4" in text

@@ -8,12 +8,13 @@ import pytest
 
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
 from dsforge.estimate.flops import flops_per_token, mfu
-from dsforge.estimate.hardware import gpu_by_key, gpu_for_device_name
 from dsforge.estimate.memory import (REDUCE_BUCKET_SIZE, SUB_GROUP_SIZE, estimate_memory,
                                      model_states, reduce_bucket_elements, stage_layers,
                                      stage_params)
-from dsforge.estimate.params import count_params, padded_vocab_size
+from dsforge.estimate.params import count_params
+from dsforge.hardware import gpu_by_key, gpu_for_device_name
 from dsforge.recipe import Topology, resolve
+from dsforge.recipe.schema import padded_vocab_size
 from tests.conftest import make_recipe
 
 GiB = 1024**3

@@ -1,4 +1,4 @@
-"""A rank's failure classified (runtime/failure.py, runtime/build_failure.py): a build with the
+"""A rank's failure classified (job/failure.py, runtime/guard/build_failure.py): a build with the
 op, the variable and the fix; an out-of-memory with what the rank measured; anything else as
 an exception. Real DeepSpeed and torch code raises wherever it can on a CPU."""
 
@@ -9,9 +9,11 @@ import traceback
 import pytest
 import torch
 
-from dsforge.runtime import failure, oom
-from dsforge.launch.build_env import deepspeed_reads, map_arch_list
-from dsforge.runtime.build_failure import BuildCause, Evidence, Frame, Raised, diagnose
+from dsforge.job import failure
+from dsforge.runtime.guard import oom
+from dsforge.runtime.guard.build_failure import BuildCause, Evidence, Frame, Raised, diagnose
+from dsforge.runtime.guard.record import record_for
+from dsforge.translate.build_env import deepspeed_reads, map_arch_list
 
 SITE = "/usr/lib/python3.11/site-packages"
 BUILDER = Frame(f"{SITE}/deepspeed/ops/op_builder/builder.py", "jit_load", "fused_adam")
@@ -23,7 +25,7 @@ def _record(exc: BaseException, step: int = 0) -> failure.Failure:
     try:
         raise exc
     except BaseException as raised:
-        return failure.record_for(raised, rank=0, step=step, detail=traceback.format_exc())
+        return record_for(raised, rank=0, step=step, detail=traceback.format_exc())
 
 
 def _evidence(*raised: tuple[str, str], frames=()) -> Evidence:
@@ -40,7 +42,7 @@ def test_deepspeeds_own_builder_on_the_h200s_arch_list(monkeypatch, tmp_path):
     try:
         FusedAdamBuilder().jit_load(verbose=False)
     except ValueError as exc:
-        record = failure.record_for(exc, rank=3, step=-1, detail=traceback.format_exc())
+        record = record_for(exc, rank=3, step=-1, detail=traceback.format_exc())
     assert (record.kind, record.what) == ("build", "DeepSpeed's fused_adam op")
     assert record.message == "ValueError: invalid literal for int() with base 10: '0a'"
     assert record.headline() == (
@@ -65,7 +67,7 @@ def test_deepspeeds_builder_without_an_arch_list_or_a_gpu(monkeypatch):
 
 
 def _evidence_of(exc: BaseException) -> Evidence:
-    from dsforge.runtime.build_failure import evidence
+    from dsforge.runtime.guard.build_failure import evidence
 
     return evidence(exc)
 
@@ -91,7 +93,7 @@ def test_a_compiler_error_from_torchs_extension_loader(tmp_path, monkeypatch):
     ("sm_100a", "10.0"), ("10.0f", "10.0"), ("9.0", "9.0"), ("8.0;8.0a", "8.0"),
 ])
 def test_arch_lists_deepspeed_can_read(value, readable):
-    """The fix a build failure names is launch/build_env.py's mapping (one rule for both)."""
+    """The fix a build failure names is translate/build_env.py's mapping (one rule for both)."""
     assert map_arch_list(value).mapped == readable and deepspeed_reads(readable)
     assert deepspeed_reads(value) == (value == readable)
 
@@ -209,11 +211,11 @@ def test_measured_figures_in_words_and_what_the_rank_needed():
     memory = {"source": "cuda max_memory_allocated", "peak": 133 * gib, "allocated": 131 * gib,
               "reserved": 138 * gib, "capacity": int(140.4 * gib), "device": "NVIDIA H200",
               "requested": 4 * gib}
-    assert oom.measured_text(memory) == (
+    assert failure.measured_text(memory) == (
         "measured peak 133.0 GiB (cuda max_memory_allocated, 138.0 GiB reserved) of 140.4 GiB "
         "(NVIDIA H200); 4.0 GiB more requested")
-    assert oom.needed_bytes(memory) == 135 * gib  # what it held plus what it asked for
-    assert oom.needed_bytes({**memory, "requested": None}) == 133 * gib  # its peak
+    assert failure.needed_bytes(memory) == 135 * gib  # what it held plus what it asked for
+    assert failure.needed_bytes({**memory, "requested": None}) == 133 * gib  # its peak
     assert oom.requested_bytes("Tried to allocate 20.00 MiB. GPU 0") == 20 * 2**20
 
 

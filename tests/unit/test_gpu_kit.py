@@ -253,7 +253,7 @@ def test_kempnerforge_formula_equals_dsforges_for_llama_and_differs_when_heads_x
 
 
 def test_table_from_fake_inputs(tmp_path):
-    from dsforge.metrics_file import PHASES
+    from dsforge.job.metrics_file import PHASES
 
     steps = kit_plan.steps(kit_plan.select(["all"]), kit.Context(gpu="h200", python="PY", work=tmp_path))
     records = kit_results.write_fake_inputs(steps, tmp_path, "h200")

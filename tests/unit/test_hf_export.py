@@ -24,13 +24,13 @@ import torch
 from click.testing import CliRunner
 
 from dsforge.cli import main
-from dsforge.estimate.params import padded_vocab_size
 from dsforge.hf import names as hfnames
 from dsforge.hf.config import export_problems, exportable, hf_config
 from dsforge.hf.export import ExportRefused, export
 from dsforge.hf.names import from_hf, global_shapes, model_config, pieces, to_hf
 from dsforge.hf.shards import Entry, parse_size, plan_shards, write_shards
 from dsforge.recipe import Topology, resolve
+from dsforge.recipe.schema import padded_vocab_size
 from tests.conftest import EOD, REPO, make_recipe
 from tests.hf_check import TOLERANCE, transformers_logits
 
@@ -442,7 +442,7 @@ def test_transformers_loads_every_tensor_and_gives_dsforges_logits(built, name, 
 # ----------------------------------------------------------------------------- the child
 
 def _child(folder: Path) -> None:
-    from dsforge.runtime.init import init_layout_invariant
+    from dsforge.runtime.build.init import init_layout_invariant
     from tests.hf_check import build_chunk, logits, single_process
 
     single_process(folder / "store")

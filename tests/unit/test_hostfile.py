@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dsforge.launch.env import check_names
-from dsforge.launch.hostfile import parse_hostfile, read_hostfile
+from dsforge.job.word import check_names
 from dsforge.problems import RecipeError, print_problems
+from dsforge.recipe.hostfile import parse_hostfile, read_hostfile
 from tests.conftest import HOSTFILES, rule_ids
 
 

@@ -7,11 +7,11 @@ import shlex
 
 import pytest
 
-from dsforge.launch.hostfile import active_hosts, parse_hostfile
-from dsforge.launch.job import (JobSpec, Placement, forwarded_env, launch_command,
-                                plain_deepspeed_command, runner_env)
+from dsforge.job.word import JobSpec, forwarded_env
+from dsforge.launch.commands import Placement, launch_command, plain_deepspeed_command, runner_env
 from dsforge.launch.preflight import ssh_command, version_problems
 from dsforge.problems import RecipeError
+from dsforge.recipe.hostfile import active_hosts, parse_hostfile
 
 NASTY = "$(touch /tmp/pwned) `id` 'single' \"double\" ; | & \\ \n newline"
 

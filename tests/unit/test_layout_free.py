@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from dsforge.ckpt.format import COMPLETE, FORMAT_VERSION, STATE_DIR, STATE_FILE, Piece, piece_key
+from dsforge.ckpt.names import ParamSpec, shard, unshard
 from dsforge.ckpt.reader import StateError, open_state
-from dsforge.runtime.checkpoint import CheckpointError, check_resumable
-from dsforge.runtime.names import ParamSpec, shard, unshard
+from dsforge.ckpt.trust import CheckpointError, check_resumable
 from tests.unit.test_checkpoint_trust import RECIPE, _checkpoint
 
 
@@ -133,7 +133,7 @@ def test_a_model_change_is_still_refused_with_the_list(tmp_path):
 
 
 def test_a_new_vocabulary_padding_keeps_the_rows_and_says_so():
-    from dsforge.runtime.layout_free import _fit
+    from dsforge.runtime.checkpoint.layout_free import _fit
 
     saved = torch.arange(384 * 2, dtype=torch.float32).view(384, 2)  # padded for tp 1 (V = 300)
     notes: list[str] = []
@@ -148,10 +148,10 @@ def test_a_new_vocabulary_padding_keeps_the_rows_and_says_so():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_resumed_adam_state_is_the_one_torch_would_have_made(fused):
-    """The layout-free resume writes Adam's state itself (runtime/zero_state.py): the step's
+    """The layout-free resume writes Adam's state itself (runtime/checkpoint/zero_state.py): the step's
     dtype and device must be torch's own for that optimizer (fused: float32 on the parameter's
     device, which its kernel reads; a CPU step would fault there on a GPU)."""
-    from dsforge.runtime.zero_state import _new_state
+    from dsforge.runtime.checkpoint.zero_state import _new_state
 
     weight = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=fused, foreach=False)

@@ -1,4 +1,4 @@
-"""The changes predicted to make a recipe fit after an out-of-memory (search/memory_fixes.py):
+"""The changes predicted to make a recipe fit after an out-of-memory (estimate/memory_fixes.py):
 each valid, each under the limit, the global batch kept, and exactly what its --set
 overrides give when applied to the recipe."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from dsforge.estimate.memory_fixes import HEADROOM, estimate, fit_limit, memory_fixes, zero_at_stage
 from dsforge.recipe import resolve_file
-from dsforge.search.memory_fixes import HEADROOM, estimate, fit_limit, memory_fixes, zero_at_stage
 from dsforge.recipe.schema import ZeroConfig
 from tests.conftest import REPO
 

@@ -1,4 +1,4 @@
-"""The quiet terminal: ranks mark their lines (console.py), `dsforge run` shows only those
+"""The quiet terminal: ranks mark their lines (job/console.py), `dsforge run` shows only those
 (launch/output.py) and keeps everything in the job log (launch/local.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import sys
 
-from dsforge.console import MARK, RankConsole, parse
+from dsforge.job.console import MARK, RankConsole, parse
 from dsforge.launch.local import run_job
 from dsforge.launch.output import JobView
 

@@ -51,7 +51,7 @@ def test_megatron_dataset_internals_dsforge_relies_on():
 
 
 def test_deepspeed_optimizer_state_internals_dsforge_relies_on():
-    """dsforge/runtime/zero_state.py reads and writes the optimizer state where each ZeRO stage
+    """dsforge/runtime/checkpoint/zero_state.py reads and writes the optimizer state where each ZeRO stage
     keeps it (layout-free checkpoints): these attributes and their meaning must not move."""
     import dataclasses
     import importlib
@@ -83,7 +83,7 @@ def test_deepspeed_optimizer_state_internals_dsforge_relies_on():
 
 
 def test_megatron_numbers_experts_as_dsforge_names_them():
-    """runtime/names.py: global expert id = expert-parallel rank x local experts + local id."""
+    """ckpt/names.py: global expert id = expert-parallel rank x local experts + local id."""
     import inspect
 
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -103,7 +103,7 @@ def _source(function) -> str:
 
 
 def test_deepspeed_reduces_zero2_gradients_of_a_backward_it_did_not_start():
-    """dsforge/runtime/step.py `per_backward_reduction`: under Megatron-Core's schedule each
+    """dsforge/runtime/loop/step.py `per_backward_reduction`: under Megatron-Core's schedule each
     chunk's backward starts at DeepSpeed's output hook (the engine's backward prologue) and
     ends in its torch-style post-backward hook (the epilogue: ZeRO-2's reduce-scatter); step()
     of the unmanaged accumulation then only finalises the partition. Each piece must stay."""
@@ -146,7 +146,7 @@ def test_deepspeed_reduces_zero2_gradients_of_a_backward_it_did_not_start():
 
 
 def test_zero3_under_a_pipeline_schedule_relies_on_these_internals():
-    """dsforge/runtime/step.py `_accumulate_from_zero` and engine.py
+    """dsforge/runtime/loop/step.py `_accumulate_from_zero` and engine.py
     `_count_replicated_grads_once_per_stage`: ZeRO-3 copies a backward's gradient partition
     only while `micro_step_id` is 0 and adds into `grad_partitions_flat_buffer` otherwise;
     it counts a replicated parameter's norm where `model_parallel_rank` is 0 and takes that rank

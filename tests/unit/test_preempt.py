@@ -15,16 +15,17 @@ import time
 
 import pytest
 
+from dsforge.ckpt import retention
+from dsforge.ckpt.format import COMPLETE, LATEST
+from dsforge.ckpt.trust import tag_for
+from dsforge.job.console import MARK
+from dsforge.job.pids import write_pid
 from dsforge.launch import local
-from dsforge.launch.diagnose import write_pid
 from dsforge.launch.output import JobView
-from dsforge.console import MARK
 from dsforge.problems import RecipeError
 from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe, parse_yaml
 from dsforge.recipe.schema import time_limit_seconds
-from dsforge.runtime import retention
-from dsforge.runtime.checkpoint import COMPLETE, LATEST, tag_for
-from dsforge.runtime.preempt import Stopped, Stopper, StopRequest, TimeBudget
+from dsforge.runtime.guard.preempt import Stopped, Stopper, StopRequest, TimeBudget
 from tests.conftest import REPO, rule_ids
 from tests.unit.test_runtime_pieces import _RecordingTrainer
 
@@ -96,7 +97,7 @@ def test_the_first_stop_signal_asks_the_second_kills():
     """In a process of its own: the handler sets the request; a second signal is deadly."""
     code = textwrap.dedent("""
         import os, signal, time
-        from dsforge.runtime.preempt import StopRequest
+        from dsforge.runtime.guard.preempt import StopRequest
         request = StopRequest()
         request.install()
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -291,7 +292,7 @@ class _Trainer(_RecordingTrainer):
 
 @pytest.mark.parametrize("stop_after, saves", [(3, [3]), (4, [3, 4]), (6, [3, 6])])
 def test_train_loop_stops_where_the_ranks_agree_with_one_save(stop_after, saves):
-    from dsforge.runtime.trainer import train_loop
+    from dsforge.runtime.loop.trainer import train_loop
 
     trainer = _Trainer(steps=7, every=3, start_step=0, eval_every=2)
     stopper = _StopAfter(stop_after)
@@ -303,7 +304,7 @@ def test_train_loop_stops_where_the_ranks_agree_with_one_save(stop_after, saves)
 
 
 def test_train_loop_does_not_agree_after_the_last_step():
-    from dsforge.runtime.trainer import train_loop
+    from dsforge.runtime.loop.trainer import train_loop
 
     trainer = _Trainer(steps=3, every=0, start_step=0)
     stopper = _StopAfter(3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsforge.estimate.memory import estimate_memory
-from dsforge.estimate.hardware import gpu_by_key
+from dsforge.hardware import gpu_by_key
 from dsforge.recipe import load_recipe, resolve_file
 from tests.conftest import RECIPES
 

@@ -1,4 +1,4 @@
-"""Run directories (launch/run_dir.py): where they go, and a clear exit 2 when one cannot be
+"""Run directories (job/run_dir.py): where they go, and a clear exit 2 when one cannot be
 written, before any rank starts."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from dsforge import cli
-from dsforge.launch.run_dir import RunDirError, new_run_dir, runs_root
+from dsforge.job.run_dir import RunDirError, new_run_dir, runs_root
 from tests.conftest import REPO
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dsforge import tokenizer
-from dsforge.runtime import data as data_mod
-from dsforge.runtime.metrics import MetricsWriter, make_record
+from dsforge.runtime.loop import data as data_mod
+from dsforge.runtime.loop.metrics import MetricsWriter, make_record
 from dsforge.runtime.rank import parse_fault
 from tests.conftest import REPO
 
@@ -118,7 +118,7 @@ def test_cpu_backend_fails_loudly_when_a_patch_target_disappears():
     script = (
         "import megatron.core.transformer.moe.moe_utils as m\n"
         "del m.maybe_move_tensor_to_cpu\n"
-        "from dsforge.runtime import cpu_backend\n"
+        "from dsforge.runtime.build import cpu_backend\n"
         "try:\n"
         "    cpu_backend.activate()\n"
         "except cpu_backend.CpuBackendError as e:\n"
@@ -130,7 +130,7 @@ def test_cpu_backend_fails_loudly_when_a_patch_target_disappears():
 def test_cpu_backend_redirects_cuda_devices():
     script = (
         "import torch\n"
-        "from dsforge.runtime import cpu_backend\n"
+        "from dsforge.runtime.build import cpu_backend\n"
         "cpu_backend.activate()\n"
         "a = torch.empty(2, device=torch.cuda.current_device())\n"
         "b = torch.zeros(2, device='cuda').cuda()\n"
@@ -155,7 +155,7 @@ def test_overhead_periods_skip_warmup_steps():
 def test_heartbeat_file_follows_the_beats_off_the_hot_path(tmp_path):
     import time
 
-    from dsforge.runtime.heartbeat import Heartbeat, read_all
+    from dsforge.job.heartbeat import Heartbeat, read_all
 
     heartbeat = Heartbeat(tmp_path, rank=3, write_every_s=0.05)
     heartbeat.beat(7)
@@ -184,7 +184,7 @@ def test_ranks_share_the_cpus_unless_the_user_chose():
 def test_tensor_census_sorts_live_storage_by_owner():
     from types import SimpleNamespace
 
-    from dsforge.runtime.tensor_census import live_tensor_bytes
+    from dsforge.runtime.loop.tensor_census import live_tensor_bytes
 
     model = torch.nn.Linear(64, 32, bias=False)  # 2048 fp32 weights: 8 KiB
     optimizer = torch.optim.AdamW(model.parameters())
@@ -203,7 +203,7 @@ def test_tensor_census_sorts_live_storage_by_owner():
 def test_the_census_inside_a_pipelined_step_runs_when_its_last_backward_ends():
     """The hook counts backward passes; on the last one the census runs after every gradient
     of that pass and before what the prologue queued (DeepSpeed's epilogue)."""
-    from dsforge.runtime.step import _census_at_last_backward
+    from dsforge.runtime.loop.step import _census_at_last_backward
 
     calls = []
     weight = torch.ones(3, requires_grad=True)
@@ -225,7 +225,7 @@ def test_tensor_census_counts_zero_gradient_partitions_and_the_reduce_bucket():
     gather each backward's gradients in a reduce bucket (stage 1/2: a list of buffers)."""
     from types import SimpleNamespace
 
-    from dsforge.runtime.tensor_census import live_tensor_bytes
+    from dsforge.runtime.loop.tensor_census import live_tensor_bytes
 
     model = torch.nn.Linear(64, 32, bias=False)
     flat = torch.zeros(1024)  # this rank's gradient partition: 4 KiB
@@ -244,7 +244,7 @@ def test_the_census_counts_the_optimizers_own_gradient_as_step_grads():
     model parameter the optimizer steps directly keeps its gradient under grads."""
     from types import SimpleNamespace
 
-    from dsforge.runtime.tensor_census import live_tensor_bytes
+    from dsforge.runtime.loop.tensor_census import live_tensor_bytes
 
     model = torch.nn.Linear(64, 32, bias=False)
     model.weight.grad = torch.zeros(32, 64)  # 8 KiB
@@ -263,7 +263,7 @@ def test_the_optimizer_census_runs_inside_each_torch_step_and_is_removed_after()
     """ZeRO-3 steps the torch optimizer once per sub-group: the census runs each time."""
     from types import SimpleNamespace
 
-    from dsforge.runtime.step import _stepping
+    from dsforge.runtime.loop.step import _stepping
 
     weight = torch.nn.Parameter(torch.ones(4))
     adam = torch.optim.AdamW([weight])
@@ -306,7 +306,7 @@ class _RecordingTrainer:
 
 
 def test_train_loop_resumes_saves_every_n_and_runs_the_rank_hooks():
-    from dsforge.runtime.trainer import train_loop
+    from dsforge.runtime.loop.trainer import train_loop
 
     trainer = _RecordingTrainer(steps=7, every=3, start_step=2)
     drill = object()
@@ -322,7 +322,7 @@ def test_train_loop_resumes_saves_every_n_and_runs_the_rank_hooks():
 
 
 def test_train_loop_evaluates_every_n_steps_and_after_the_last_before_saving():
-    from dsforge.runtime.trainer import train_loop
+    from dsforge.runtime.loop.trainer import train_loop
 
     trainer = _RecordingTrainer(steps=5, every=2, start_step=0, eval_every=2)
     hook = lambda step: None

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from dsforge.job.slurm_env import expand_counts, rank_env
 from dsforge.launch import slurm
 
 BATCH = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "16",
@@ -15,10 +16,10 @@ BATCH = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "16",
 
 
 def test_expand_counts():
-    assert slurm.expand_counts("2(x3),1") == (2, 2, 2, 1)
-    assert slurm.expand_counts("8") == (8,)
+    assert expand_counts("2(x3),1") == (2, 2, 2, 1)
+    assert expand_counts("8") == (8,)
     with pytest.raises(ValueError):
-        slurm.expand_counts("8x2")
+        expand_counts("8x2")
 
 
 def test_allocation_from_a_batch_jobs_variables():
@@ -58,7 +59,7 @@ def test_plan_and_srun_command():
 def test_rank_env_from_a_tasks_variables():
     task = {"SLURM_PROCID": "9", "SLURM_STEP_NUM_TASKS": "16", "SLURM_NTASKS": "99",
             "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}
-    assert slurm.rank_env(task) == {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1",
+    assert rank_env(task) == {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1",
                                     "LOCAL_SIZE": "8"}
 
 

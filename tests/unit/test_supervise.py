@@ -1,4 +1,4 @@
-"""The rank supervisor (runtime/supervise.py): it ends as its rank ends, and records a rank
+"""The rank supervisor (runtime/guard/supervise.py): it ends as its rank ends, and records a rank
 that a signal killed as a failure only when the signal was not a request to stop."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from dsforge.runtime import failure
+from dsforge.job import failure
 
 SCRIPT = """
 import os, signal, sys, time
 from pathlib import Path
-from dsforge.runtime.supervise import run_supervised
+from dsforge.runtime.guard.supervise import run_supervised
 how = sys.argv[2]
 def rank():
     if how == "exit3":

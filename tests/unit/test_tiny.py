@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from dsforge.estimate.params import padded_vocab_size
 from dsforge.launch.smoke import compare_losses
 from dsforge.recipe import RecipeError, resolve_file
+from dsforge.recipe.schema import padded_vocab_size
 from dsforge.recipe.tiny import TINY_STEPS, reference_resolved, tiny_resolved
 from tests.conftest import REPO
 

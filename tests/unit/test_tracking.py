@@ -1,4 +1,4 @@
-"""Experiment tracking (dsforge.runtime.tracking) and rule X1 (dsforge.recipe.extras).
+"""Experiment tracking (dsforge.runtime.loop.tracking) and rule X1 (dsforge.recipe.extras).
 
 What the tracker writes is read back with each tool's own reader: TensorBoard's
 EventAccumulator, and W&B's transaction log (run-ID.wandb, the file `wandb sync` uploads)
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from dsforge.job.run_dir import RunDir
 from dsforge.recipe.extras import missing_extras
-from dsforge.runtime.metrics import StepRecord
-from dsforge.runtime.tracking import (TENSORBOARD_DIR, WANDB_DIR, WANDB_ID_FILE, Tracker, open_tracker,
-                                       step_scalars)
+from dsforge.runtime.loop.metrics import StepRecord
+from dsforge.runtime.loop.tracking import WANDB_ID_FILE, Tracker, open_tracker, step_scalars
 from tests.conftest import REPO, make_recipe
 
 TB_REASON = "needs the tensorboard package: pip install 'dsforge[tensorboard]' (the test extra has it)"
@@ -77,7 +77,7 @@ def test_tensorboard_events_hold_the_train_and_val_scalars(tmp_path):
         tracker.log_step(r)
     tracker.log_eval(2, 2.5)
     tracker.close()
-    scalars = tensorboard_scalars(tmp_path / TENSORBOARD_DIR)
+    scalars = tensorboard_scalars(RunDir(tmp_path).tensorboard)
     assert scalars["train/loss"] == [(0, 5.0), (1, 4.0), (2, 3.0)]  # the warmup step too
     assert scalars["val/loss"] == [(2, 2.5)]
     assert scalars["train/loss_scale"] == [(1, 1024.0), (2, 2048.0)]
@@ -98,7 +98,7 @@ def test_tensorboard_on_resume_shows_the_steps_trained_again_once(tmp_path):
     for step in range(2, 5):
         again.log_step(record(step, 20.0 + step))
     again.close()
-    assert tensorboard_scalars(tmp_path / TENSORBOARD_DIR)["train/loss"] == [
+    assert tensorboard_scalars(RunDir(tmp_path).tensorboard)["train/loss"] == [
         (0, 10.0), (1, 11.0), (2, 22.0), (3, 23.0), (4, 24.0)]
 
 
@@ -169,7 +169,8 @@ NO_OP_SCRIPT = """
 import json, sys
 from pathlib import Path
 from types import SimpleNamespace
-from dsforge.runtime.tracking import open_tracker
+from dsforge.job.run_dir import RunDir
+from dsforge.runtime.loop.tracking import open_tracker
 from tests.conftest import make_recipe
 
 tracker = open_tracker(make_recipe(), Path(sys.argv[1]))
@@ -300,7 +301,7 @@ def wandb_records(path: Path):
 def read_offline_run(run_dir: Path) -> dict:
     """Each offline run's id, config, history rows and final summary, in start order."""
     runs = []
-    for log in sorted(run_dir.glob(f"{WANDB_DIR}/offline-run-*/run-*.wandb")):
+    for log in sorted(RunDir(run_dir).wandb.glob("offline-run-*/run-*.wandb")):
         run = {"history": [], "summary": {}, "metrics": {}}
         for r in wandb_records(log):
             kind = r.WhichOneof("record_type")
@@ -338,7 +339,7 @@ def test_wandb_offline_run_holds_the_logged_values_and_leaves_no_process(wandb_s
     assert_no_new_children(before)
 
     [run] = read_offline_run(run_dir)
-    assert run["id"] == (run_dir / WANDB_DIR / WANDB_ID_FILE).read_text().strip()
+    assert run["id"] == (RunDir(run_dir).wandb / WANDB_ID_FILE).read_text().strip()
     assert (run["project"], run["name"]) == ("tests", recipe.name)
     assert run["config"]["train"]["seq_len"] == recipe.train.seq_len
     assert run["metrics"]["*"] == "step"  # every chart's x axis is the training step
@@ -382,7 +383,8 @@ def test_wandb_online_without_a_login_is_told_and_leaves_nothing(wandb_sandbox, 
 ON_A_TERMINAL_SCRIPT = """
 import json, sys
 from pathlib import Path
-from dsforge.runtime.tracking import open_tracker
+from dsforge.job.run_dir import RunDir
+from dsforge.runtime.loop.tracking import open_tracker
 from tests.conftest import make_recipe
 
 told = []

@@ -7,14 +7,13 @@ import warnings
 
 import pytest
 
-from dsforge.recipe import load_recipe, resolve, topology_for, validate
 from dsforge.problems import errors
+from dsforge.recipe import Topology, load_recipe, resolve, topology_for, validate
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.groups import rank_groups
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         parallel_state_kwargs, transformer_config_kwargs)
 from dsforge.translate.optimizer import ops_built_at_run_time
-from dsforge.recipe import Topology
 from tests.conftest import RECIPES, make_recipe
 
 
@@ -36,7 +35,7 @@ def deepspeed_comm(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import deepspeed
-    from dsforge.runtime.cpu_backend import skip_deepspeed_shm_allreduce
+    from dsforge.runtime.build.cpu_backend import skip_deepspeed_shm_allreduce
 
     skip_deepspeed_shm_allreduce()  # a CPU-only op this test has no use for
     store = tmp_path_factory.mktemp("dist") / "store"
@@ -270,7 +269,7 @@ def test_deepspeed_steps_torch_fused_adamw_at_every_stage(deepspeed_comm, monkey
     import deepspeed
     import torch
 
-    from dsforge.runtime.manifest import implementations, optimizer_chain
+    from dsforge.runtime.loop.manifest import implementations, optimizer_chain
 
     resolved = resolve(make_recipe(f"zero.stage={stage}", f"train.precision={precision}",
                                    "parallel.dp=1", "train.global_batch=1"), Topology(world_size=1))

@@ -1,0 +1,80 @@
+"""dsforge's own lines from inside the ranks, told apart from the engines' logs.
+
+Ranks share stdout and stderr with DeepSpeed, Megatron-Core and torch, and over pdsh every
+line comes back prefixed with "host: ". So a rank marks each line meant for the user's
+terminal with MARK and a JSON payload; the `dsforge run` that started the job writes the
+whole stream to the run directory's log and shows only the marked lines (launch/output.py).
+A rank started by a plain `deepspeed ... -m dsforge run` has no such reader and prints
+ordinary text instead (`marked=False`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+MARK = "@dsforge "
+
+
+def parse(line: str) -> dict[str, Any] | None:
+    """The payload of a marked line (after any "host: " prefix), or None."""
+    at = line.find(MARK)
+    if at < 0:
+        return None
+    try:
+        payload = json.loads(line[at + len(MARK):])
+    except ValueError:
+        return None
+    return payload if isinstance(payload, dict) and "kind" in payload else None
+
+
+class RankConsole:
+    """What one rank shows the user: messages, the progress of the run, its summary."""
+
+    def __init__(self, marked: bool = True):
+        self.marked = marked
+        self._bar = None
+
+    def say(self, text: str) -> None:
+        if self.marked:
+            self._emit(kind="line", text=text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def progress(self, *, name: str, step: int, steps: int, postfix: str) -> None:
+        """Step `step` (1-based) of `steps` is done."""
+        if self.marked:
+            self._emit(kind="progress", name=name, step=step, steps=steps, postfix=postfix)
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=steps, initial=step - 1, desc=name, unit="step",
+                             dynamic_ncols=True)
+        self._bar.update(1)
+        self._bar.set_postfix_str(postfix)
+
+    def done(self, rank: int) -> None:
+        """This rank finished its part of the job."""
+        if self.marked:
+            self._emit(kind="done", rank=rank)
+
+    def stopped(self, rank: int, steps_done: int, reason: str) -> None:
+        """This rank stopped early with the checkpoint of `steps_done` (runtime/guard/preempt.py)."""
+        if self.marked:
+            self._emit(kind="stopped", rank=rank, step=steps_done, reason=reason)
+        elif rank == 0:
+            print(f"dsforge: stopped after step {steps_done} ({reason}) with a checkpoint; "
+                  "continue with --resume", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    @staticmethod
+    def _emit(**payload: Any) -> None:
+        # One write per line: ranks share the stream, and a line must not be split by another.
+        sys.stdout.write(MARK + json.dumps(payload) + "\n")
+        sys.stdout.flush()

@@ -1,0 +1,108 @@
+"""One structured record per failing rank: RUN_DIR/failures/rankNNNNN.json.
+
+A rank that fails writes what happened (rank, step, kind, message, traceback) before it
+exits; `dsforge run` prints the first one and `dsforge bench` classifies a cell by it, so
+neither has to read meaning into the text a rank printed. Kinds: "exception", "build" (it died
+building a DeepSpeed op, a Triton kernel or a torch.compile graph: `what`, `cause` and `fix`
+say which, why and what to change, runtime/guard/build_failure.py), "oom" (an out-of-memory error
+the rank caught; `memory` holds what it measured), "hang" (its watchdog ended a step that made
+no progress), "killed" (ended by a signal without a word; written by its supervisor,
+runtime/guard/supervise.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dsforge.job.run_dir import RunDir
+from dsforge.units import format_bytes
+
+KINDS = ("exception", "build", "oom", "hang", "killed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    rank: int
+    step: int
+    kind: str
+    message: str
+    detail: str = ""  # traceback or stacks
+    time: float = 0.0
+    what: str = ""  # build: what was being built, e.g. "DeepSpeed's fused_adam op"
+    cause: str = ""  # build: why, naming the variable involved
+    fix: str = ""  # build: what to change
+    # oom, bytes: peak (and its source), capacity of the device (CPU: the host's memory over
+    # its ranks), allocated and reserved (CUDA), requested (the allocation that failed)
+    memory: dict[str, Any] | None = None
+
+    def innermost_call(self) -> str:
+        """The last `File "...", line N, in f` of the detail: where the rank was."""
+        frames = [line.strip() for line in self.detail.splitlines() if line.strip().startswith("File ")]
+        return frames[-1] if frames else "(no stack recorded)"
+
+    def headline(self) -> str:
+        """One line: who, when, what happened; a build's cause and fix; an out-of-memory's
+        measured figures (the whole exception is in the detail)."""
+        when = f"at step {self.step}" if self.step >= 0 else "before its first step"
+        if self.kind == "build" and self.what:
+            return f"rank {self.rank} failed building {self.what} {when}: {self.cause}. Fix: {self.fix}"
+        if self.kind == "oom" and self.memory:
+            return f"rank {self.rank} ran out of memory {when}: {measured_text(self.memory)}"
+        what = {"hang": "stuck", "oom": "out of memory", "killed": "died"}.get(self.kind, "failed")
+        return f"rank {self.rank} {what} {when}: {self.message}"
+
+    @property
+    def explained(self) -> bool:
+        """Whether the headline says all a user needs (the traceback helps only developers)."""
+        return (self.kind == "build" and bool(self.what)) or (self.kind == "oom" and bool(self.memory))
+
+
+def write(run_dir: Path, failure: Failure) -> None:
+    """Best effort and atomic: a failing rank must still exit if its disk is full."""
+    try:
+        path = RunDir(run_dir).failure(failure.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(asdict(failure) | {"time": failure.time or time.time()}))
+        os.replace(partial, path)
+    except OSError:
+        pass
+
+
+def read_all(run_dir: Path) -> list[Failure]:
+    """Every complete record, the likely cause first: ranks killed from outside (their peers
+    then fail on the broken connection, possibly before the kill is recorded), then the
+    rest, earliest first."""
+    failures = []
+    for _, path in RunDir(run_dir).failure_files():
+        try:
+            failures.append(Failure(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return sorted(failures, key=lambda f: (f.kind != "killed", f.time))
+
+
+def first(run_dir: Path) -> Failure | None:
+    """The likely cause (see read_all)."""
+    failures = read_all(run_dir)
+    return failures[0] if failures else None
+
+
+def needed_bytes(memory: dict[str, Any]) -> int:
+    """What the rank needed when it failed: its peak, or what it held plus what it asked for."""
+    held = memory.get("allocated", memory["peak"]) + (memory.get("requested") or 0)
+    return max(memory["peak"], held)
+
+
+def measured_text(memory: dict[str, Any]) -> str:
+    """e.g. "measured peak 137.2 GiB (cuda max_memory_allocated, 138.9 GiB reserved) of
+    139.8 GiB (NVIDIA H200); 2.0 GiB more requested"."""
+    reserved = f", {format_bytes(memory['reserved'])} reserved" if memory.get("reserved") else ""
+    requested = f"; {format_bytes(memory['requested'])} more requested" if memory.get("requested") else ""
+    return (f"measured peak {format_bytes(memory['peak'])} ({memory['source']}{reserved}) of "
+            f"{format_bytes(memory['capacity'])} ({memory['device']}){requested}")

@@ -1,0 +1,113 @@
+"""The launcher's command lines around the job word (job/word.py).
+
+DeepSpeed's pdsh runner pastes its arguments and `export NAME=value` lines into a remote shell
+without quoting (rules H2-H4). dsforge therefore hands each rank one argument, `--job`, that
+holds the resolved recipe, the run directory, the options and the environment to forward, as
+URL-safe base64 (letters, digits, '-', '_', '='): nothing from the hostfile, recipe, arguments
+or environment reaches a remote shell as shell syntax. The DeepSpeed runner itself is started
+without the environment variables it would export unquoted, unless their values are plain.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from dsforge.job.word import JobSpec
+from dsforge.problems import Problem
+
+# Prefixes DeepSpeed's runner exports itself (runner.EXPORT_ENVS + the CUDA accelerator's).
+DEEPSPEED_EXPORTS = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
+_PLAIN = re.compile(r"^[A-Za-z0-9_./:=,+@%-]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where the ranks go: this machine (world_size) or a hostfile (DeepSpeed's runner)."""
+
+    world_size: int
+    hostfile: str | None = None
+    launcher: str = "pdsh"
+    include: str = ""
+    exclude: str = ""
+    master_addr: str | None = None
+    master_port: int = 29500
+    node_rank: int | None = None  # with --no-ssh: which node this process starts
+
+
+def runner_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The DeepSpeed runner's environment: without variables it would export unquoted whose
+    values are not plain (they reach the ranks through the job word instead), and with its
+    .deepspeed_env file lookup pointed at nothing."""
+    dropped = [k for k, v in environ.items() if k.startswith(DEEPSPEED_EXPORTS) and not _PLAIN.match(v)]
+    env = {k: v for k, v in environ.items() if k not in dropped}
+    env["DS_ENV_FILE"] = "/nonexistent/dsforge-forwards-env-in-the-job-word"
+    return env, dropped
+
+
+# A host name or an IPv4/IPv6 address, nothing a shell would read as syntax.
+_ADDRESS = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|[0-9A-Fa-f:.]+)$")
+
+
+def remote_shell_problems(placement: Placement, *, cwd: str, python: str) -> list[Problem]:
+    """H6: what DeepSpeed's multi-node runners paste into a remote shell unquoted, beyond the
+    job word: the working directory (`cd CWD;`, and PYTHONPATH), the Python executable and
+    --master-addr. Each must be plain, or dsforge refuses to launch."""
+    problems = []
+    if placement.master_addr is not None and not _ADDRESS.match(placement.master_addr):
+        problems.append(Problem(rule="H6", fields={"--master-addr": placement.master_addr},
+                                message="not a host name or IP address",
+                                fix="give the first node's host name or address, e.g. 10.0.0.1"))
+    if placement.hostfile is None:
+        return problems  # no remote shell: the local launcher passes arguments as a list
+    for name, value in (("working directory", cwd), ("Python executable", python)):
+        if not _PLAIN.match(value):
+            problems.append(Problem(
+                rule="H6", fields={name: value},
+                message="DeepSpeed's runner pastes it unquoted into every node's shell, where "
+                        "characters outside letters, digits and _./:=,+@%- would run as commands",
+                fix="start dsforge from a directory and with a Python whose paths are plain"))
+    return problems
+
+
+def launch_command(placement: Placement, job: JobSpec) -> list[str]:
+    """`python -m deepspeed.launcher.runner ... --module dsforge.runtime.rank --job WORD`."""
+    command = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+    if placement.hostfile is None:
+        command += ["--num_gpus", str(placement.world_size)]
+    else:
+        command += ["--hostfile", placement.hostfile, "--launcher", placement.launcher]
+        command += ["--include", placement.include] if placement.include else []
+        command += ["--exclude", placement.exclude] if placement.exclude else []
+        if placement.node_rank is not None:
+            command += ["--no_ssh", "--node_rank", str(placement.node_rank)]
+        else:
+            # dsforge's preflight has checked every host; DeepSpeed's own check tries only the
+            # first one, with plain ssh options.
+            command += ["--no_ssh_check"]
+    if placement.master_addr:
+        command += ["--master_addr", placement.master_addr]
+    command += ["--master_port", str(placement.master_port)]
+    return command + ["--module", "dsforge.runtime.rank", "--job", job.encode()]
+
+
+def plain_deepspeed_command(placement: Placement, recipe: Path, run_dir: Path,
+                            overrides: tuple[str, ...]) -> str:
+    """The same job as a `deepspeed` command a user can paste: DeepSpeed starts `dsforge run`
+    on every rank, which then acts as the rank program."""
+    words = ["deepspeed"]
+    if placement.hostfile:
+        words += ["--hostfile", placement.hostfile, "--launcher", placement.launcher]
+        words += ["--include", placement.include] if placement.include else []
+        words += ["--exclude", placement.exclude] if placement.exclude else []
+    else:
+        words += ["--num_gpus", str(placement.world_size)]
+    words += ["--master_port", str(placement.master_port), "--module", "dsforge", "run", str(recipe),
+              "--run-dir", str(run_dir)]
+    for item in overrides:
+        words += ["--set", item]
+    return shlex.join(words)

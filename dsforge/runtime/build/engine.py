@@ -1,0 +1,204 @@
+"""Build a rank: Megatron-Core's parallel state, the model chunks and DeepSpeed's engine.
+
+`build_rank` is the one place parallelism is applied inside a rank; its docstring gives the
+order. The rest of this module is the glue it uses between Megatron-Core and DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsforge.recipe import Resolved
+from dsforge.runtime.build.grads import sum_sequence_parallel_grads
+from dsforge.runtime.build.init import init_from_hugging_face, init_layout_invariant
+from dsforge.runtime.build.kernels import loadable
+from dsforge.runtime.build.model import build_model_chunks
+from dsforge.runtime.build.moe_glue import deepspeed_sees_megatron_moe, register_experts
+from dsforge.translate.deepspeed_config import deepspeed_config
+from dsforge.translate.kernels import KernelChoice, choose_kernels, liger_installed
+from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
+                                        parallel_state_kwargs, transformer_config_kwargs)
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What `build_rank` makes: this rank's model chunks (one per virtual pipeline stage) and
+    the DeepSpeed engine around them (`engine.module.chunks` are the same modules)."""
+
+    chunks: list[nn.Module]
+    engine: Any  # deepspeed.DeepSpeedEngine
+    kernels: KernelChoice  # what the model's norms, SwiGLU and loss run on
+
+
+def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
+               timeout_s: float) -> RankParts:
+    """Apply parallelism inside this rank, in this order (each step needs the ones before):
+
+      1. the CPU backend (cpu_backend.py) when `device` is the CPU, before anything touches
+         torch.cuda or DeepSpeed's comm layer;
+      2. torch.distributed and DeepSpeed's comm layer on `backend` (nccl / gloo), collectives
+         timing out after `timeout_s`;
+      3. Megatron-Core parallel state from the translated kwargs, model-parallel RNG seeded;
+      4. model chunks built (one per virtual stage) from the TransformerConfig translated for
+         this device and its kernels (translate/kernels.py), then initialised
+         layout-invariantly (model.py, init.py): drawn, or read from the Hugging Face folder
+         model.init_from names;
+      5. gradient hooks: sequence-parallel parameters summed over TP, expert parameters named
+         and their groups registered with DeepSpeed (grads.py, moe_glue.py);
+      6. deepspeed.initialize on a container of the chunks with the DeepSpeed config translated
+         for this device and `MegatronMPU`, so DeepSpeed reduces gradients over Megatron's
+         data-parallel group and computes the gradient norm over the tensor x pipeline group.
+    """
+    recipe, layout = resolved.recipe, resolved.layout
+    if device.type == "cpu":
+        from dsforge.runtime.build import cpu_backend
+
+        cpu_backend.activate()
+    init_distributed(backend, timeout_s)
+    init_parallel_state(parallel_state_kwargs(layout), recipe.train.seed, timeout_s)
+    kernels = loadable(choose_kernels(recipe.model, device=device.type,
+                                      liger_available=liger_installed()), recipe.model.kernels)
+    config = build_transformer_config(transformer_config_kwargs(
+        model=recipe.model, train=recipe.train, layout=layout, device=device.type,
+        kernels=kernels.impl))
+    gpt_kwargs = gpt_model_kwargs(model=recipe.model, layout=layout)
+    chunks = build_model_chunks(config, gpt_kwargs, device, kernels=kernels.impl,
+                                sdpa_backend=recipe.model.sdpa_backend)
+    if recipe.model.init_from:
+        init_from_hugging_face(chunks, folder=recipe.model.init_from, model=recipe.model,
+                               padded_vocab=gpt_kwargs["vocab_size"])
+    else:
+        init_layout_invariant(chunks, seed=recipe.train.seed, std=recipe.model.init_std,
+                              num_layers=recipe.model.num_layers)
+    container = ModelChunks(chunks)
+    has_experts = attach_gradient_hooks(container)
+    ds_config = deepspeed_config(model=recipe.model, train=recipe.train, zero=recipe.zero,
+                                 layout=layout, device=device.type)
+    engine = initialize_deepspeed(container, ds_config, has_experts)
+    return RankParts(chunks=chunks, engine=engine, kernels=kernels)
+
+
+class MegatronMPU:
+    """The `mpu` interface DeepSpeed asks for, answered from megatron.core.parallel_state.
+
+    DeepSpeed counts a replicated (non tensor-parallel) parameter's gradient norm only where
+    the *tensor*-parallel rank is 0, then all-reduces over the model-parallel group; that group
+    must span tp x pp so every pipeline stage's parameters are counted exactly once.
+    """
+
+    def __init__(self):
+        from megatron.core import parallel_state
+
+        self._ps = parallel_state
+
+    def get_data_parallel_group(self):
+        return self._ps.get_data_parallel_group()
+
+    def get_data_parallel_rank(self):
+        return self._ps.get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self):
+        return self._ps.get_data_parallel_world_size()
+
+    def get_model_parallel_group(self):
+        return self._ps.get_model_parallel_group()
+
+    def get_model_parallel_rank(self):
+        return torch.distributed.get_rank(group=self.get_model_parallel_group())
+
+    def get_model_parallel_world_size(self):
+        return torch.distributed.get_world_size(group=self.get_model_parallel_group())
+
+    def get_tensor_model_parallel_rank(self):
+        return self._ps.get_tensor_model_parallel_rank()
+
+    def get_tensor_model_parallel_world_size(self):
+        return self._ps.get_tensor_model_parallel_world_size()
+
+    def get_tensor_model_parallel_group(self):
+        return self._ps.get_tensor_model_parallel_group()
+
+
+class ModelChunks(nn.Module):
+    """The rank's model chunks as one module for DeepSpeed; forward runs the only chunk."""
+
+    def __init__(self, chunks: list[nn.Module]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+    def forward(self, *args, **kwargs):
+        assert len(self.chunks) == 1, "forward() is for the unpipelined path"
+        return self.chunks[0](*args, **kwargs)
+
+
+def init_distributed(backend: str, timeout_s: float) -> None:
+    """torch.distributed + DeepSpeed comm from the launcher's env (RANK, WORLD_SIZE, ...)."""
+    import deepspeed
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend, timeout=timeout,
+                                             rank=int(os.environ["RANK"]),
+                                             world_size=int(os.environ["WORLD_SIZE"]))
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+
+
+def init_parallel_state(parallel_kwargs: dict[str, Any], seed: int, timeout_s: float) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        **parallel_kwargs, distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        create_gloo_process_groups=False)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def attach_gradient_hooks(container: ModelChunks) -> bool:
+    """Sequence-parallel gradients summed over TP; expert parameters registered for DeepSpeed.
+    Returns whether the model has experts."""
+    sum_sequence_parallel_grads(container)
+    return register_experts(container)
+
+
+def initialize_deepspeed(container: ModelChunks, ds_config: dict[str, Any], has_experts: bool):
+    import deepspeed
+
+    with deepspeed_sees_megatron_moe() if has_experts else contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(model=container,
+                                               model_parameters=list(container.parameters()),
+                                               config=ds_config, mpu=MegatronMPU())
+    _clip_fp32_with_a_correct_norm(engine, has_experts)
+    _count_replicated_grads_once_per_stage(engine)
+    return engine
+
+
+def _count_replicated_grads_once_per_stage(engine) -> None:
+    """ZeRO-3 counts a replicated parameter's gradient in the norm only where
+    `model_parallel_rank` is 0, and takes that rank from mpu.get_model_parallel_rank(): the rank
+    in the tensor x pipeline group. Every pipeline stage but the first then leaves out its
+    layer norms (measured, pp2: norm 1.649099 instead of 1.649160, and the clip coefficient
+    follows). Stages 1 and 2 ask for the *tensor*-parallel rank, which is what is meant: a
+    replicated parameter is a copy across tp, never across pp. (The mpu's own answer stays the
+    tp x pp rank: DeepSpeed names its checkpoint files by it.)"""
+    if engine.zero_optimization_stage() == 3:
+        engine.optimizer.model_parallel_rank = MegatronMPU().get_tensor_model_parallel_rank()
+
+
+def _clip_fp32_with_a_correct_norm(engine, has_experts: bool) -> None:
+    """ZeRO 0 in fp32 clips with DeepSpeed's clip_grad_norm_, whose norm is wrong with
+    pipeline stages or experts and is then dropped; use dsforge's norm and keep it."""
+    from dsforge.runtime.build.grads import clip_grads_
+
+    def clip_and_record():
+        engine._global_grad_norm = clip_grads_(engine.module.parameters(),
+                                               engine.gradient_clipping(), has_experts)
+
+    engine.clip_fp32_gradients = clip_and_record

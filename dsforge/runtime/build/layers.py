@@ -1,0 +1,81 @@
+"""Two modules dsforge plugs into Megatron-Core's local layer spec.
+
+- RMSNorm that works with sequence parallelism: the local spec's torch norm refuses it. The
+  weight is marked `sequence_parallel`, so its gradient is summed over the tensor-parallel
+  group (each TP rank only saw its slice of the sequence; runtime/build/grads.py).
+- Core attention on torch's scaled_dot_product_attention: flash/memory-efficient kernels on
+  GPU (no s x s matrix), a fused kernel on CPU; causal, with grouped KV heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # Megatron's marker: the gradient is summed over the TP group (runtime/build/grads.py).
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class SDPAttention(nn.Module):
+    """Megatron DotProductAttention's interface on F.scaled_dot_product_attention.
+
+    `sdpa_backend` (model.sdpa_backend) restricts torch to one kernel; "auto" leaves the
+    choice to torch. Grouped KV heads go to SDPA as they are (`enable_gqa`), not repeated
+    into copies of every query head's size, where a kernel takes them so: flash and math (and
+    auto, which then picks flash for 16-bit inputs on a GPU); fp32 on a GPU, the memory-efficient
+    and the cuDNN kernel get the heads repeated (a grouped fp32 call on a GPU would fall back
+    to the math kernel and its s x s matrix)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
+                 sdpa_backend: str = "auto"):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.backends = sdpa_backends(sdpa_backend)
+        self.native_gqa = sdpa_backend in GQA_SDPA_BACKENDS
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        # Megatron passes [seq, batch, heads, head_dim]; SDPA wants [batch, heads, seq, head_dim].
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        grouped = k.shape[1] != q.shape[1]
+        native = self.native_gqa and (q.device.type == "cpu" or q.dtype != torch.float32)
+        if grouped and not native:  # share each KV head by repeating it
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        with self._kernel():
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=grouped and native)
+        seq, batch = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _kernel(self):
+        return contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends)
+
+
+GQA_SDPA_BACKENDS = ("auto", "flash", "math")
+
+
+def sdpa_backends(name: str) -> list[SDPBackend] | None:
+    """model.sdpa_backend -> the backends torch may use (None: torch's own choice)."""
+    return None if name == "auto" else [_SDPA_BACKENDS[name]]
+
+
+_SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}

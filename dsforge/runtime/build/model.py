@@ -1,0 +1,91 @@
+"""Build the GPT/MoE model chunks of this rank with Megatron-Core's GPTModel.
+
+One chunk per virtual pipeline stage (vpp of them; 1 without interleaving). The layer spec is
+Megatron-Core's local spec with dsforge's RMSNorm (sequence-parallel aware) and SDPA core
+attention; MoE layers come from the same spec when the recipe has `model.moe`. With
+`kernels="liger"` the norms, every MLP's SwiGLU (dense, and each expert's) and the loss are
+Liger Kernel's (runtime/build/kernels.py; the TransformerConfig has use_te_activation_func on,
+translate/megatron.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsforge.runtime.build.layers import RMSNorm, SDPAttention
+
+
+def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: str = "auto"):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                    normalization="RMSNorm")
+    spec.submodules.input_layernorm = norm_class(kernels)
+    spec.submodules.pre_mlp_layernorm = norm_class(kernels)
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=SDPAttention, params={"sdpa_backend": sdpa_backend})
+    if kernels == "liger":
+        from dsforge.runtime.build.kernels import LigerSwiGLU
+
+        for mlp in _mlp_submodules(spec.submodules.mlp):
+            mlp.activation_func = LigerSwiGLU
+    return spec
+
+
+def _mlp_submodules(mlp_spec) -> list:
+    """The MLPSubmodules of a layer's MLP: the dense MLP's, or an MoE layer's experts' and
+    shared experts'."""
+    sub = mlp_spec.submodules
+    if hasattr(sub, "experts"):
+        return [s.submodules for s in (sub.experts, sub.shared_experts) if s is not None]
+    return [sub]
+
+
+def norm_class(kernels: str) -> type:
+    if kernels == "liger":
+        from dsforge.runtime.build.kernels import LigerRMSNorm
+
+        return LigerRMSNorm
+    return RMSNorm
+
+
+def block_spec(config, vp_stage: int, pp_rank: int, kernels: str, sdpa_backend: str):
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(config.num_moe_experts, kernels, sdpa_backend)] * layers,
+        layer_norm=norm_class(kernels))
+
+
+def build_model_chunks(config, gpt_kwargs: dict[str, Any], device: torch.device,
+                       kernels: str = "torch", sdpa_backend: str = "auto") -> list[torch.nn.Module]:
+    from megatron.core import parallel_state as ps
+
+    model_class = _gpt_model_class(kernels)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    chunks = []
+    for vp_stage in range(vpp):
+        chunk = model_class(
+            config=config, transformer_layer_spec=block_spec(config, vp_stage, pp_rank, kernels,
+                                                              sdpa_backend),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage, **gpt_kwargs)
+        chunks.append(chunk.to(device))
+    return chunks
+
+
+def _gpt_model_class(kernels: str) -> type:
+    if kernels == "liger":
+        from dsforge.runtime.build.kernels import liger_loss_gpt_model
+
+        return liger_loss_gpt_model()
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel

@@ -1,0 +1,146 @@
+"""A rank's side of the layout-free checkpoint state (format: dsforge/ckpt/format.py).
+
+`write_state` runs on every rank during a save and needs no collective: each rank writes the
+pieces of optimizer state it owns (its ZeRO partition of its tensor-parallel shards) under the
+parameters' global names. `load_state` runs on every rank of a job whose layout differs from
+the checkpoint's: for each of its parameters it reads the full tensor (one at a time), cuts
+this rank's shard out of it and puts it where the ZeRO stage keeps it, then restores the
+step counters, the learning-rate schedule and the loss scaler.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsforge.ckpt.format import (FORMAT_VERSION, STATE_DIR, STATE_FILE, STATES, Piece, piece_key,
+                                 rank_file)
+from dsforge.ckpt.names import ParamSpec, param_specs, shard
+from dsforge.ckpt.reader import StateError, StateReader
+from dsforge.files import write_atomic
+from dsforge.runtime.checkpoint.zero_state import optimizer_view
+
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def write_state(engine, chunks, checkpoint_dir: Path, *, rank: int, world_size: int,
+                step: int, padded_vocab_size: int) -> None:
+    from safetensors.torch import save_file
+
+    directory = checkpoint_dir / STATE_DIR
+    directory.mkdir(exist_ok=True)
+    view = optimizer_view(engine)
+    tensors, pieces = {}, []
+    for param, spec in param_specs(chunks):
+        if not spec.split and spec.tp_rank != 0:
+            continue  # replicated over tensor-parallel ranks: rank 0 of them writes it
+        for start, states in view.fragments(param):
+            for state, tensor in states.items():
+                piece = _piece(spec, param, state, start, tensor.numel())
+                tensors[piece.key] = tensor.detach().float().contiguous().cpu()
+                pieces.append(piece.to_json())
+    save_file(tensors, str(directory / rank_file(rank)), metadata={"pieces": json.dumps(pieces)})
+    if rank == 0:
+        write_atomic(directory / STATE_FILE, json.dumps(_engine_state(
+            engine, view, step=step, world_size=world_size,
+            padded_vocab_size=padded_vocab_size), indent=2))
+
+
+def _piece(spec: ParamSpec, param, state: str, start: int, numel: int) -> Piece:
+    split = spec.split
+    return Piece(key=piece_key(state, spec.global_name, spec.tp_rank if split else 0, start),
+                 name=spec.global_name, state=state, full_shape=spec.full_shape,
+                 tp_dim=spec.tp_dim if split else None, stride=spec.stride if split else 1,
+                 tp_rank=spec.tp_rank if split else 0, tp_size=spec.tp_size if split else 1,
+                 local_shape=tuple(getattr(param, "ds_shape", param.shape)), start=start,
+                 numel=numel)
+
+
+def _engine_state(engine, view, *, step: int, world_size: int,
+                  padded_vocab_size: int) -> dict[str, Any]:
+    groups = engine.optimizer.param_groups
+    return {
+        "format": FORMAT_VERSION, "step": step, "ranks": world_size,
+        "padded_vocab_size": padded_vocab_size,
+        "adam_step": view.adam_step(),
+        "param_group": {k: v for k, v in groups[0].items() if k != "params" and _plain(v)},
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scaler": _scalars(getattr(engine.optimizer, "loss_scaler", None)),
+    }
+
+
+def _plain(value) -> bool:
+    return isinstance(value, (int, float, bool, str, type(None))) or (
+        isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value))
+
+
+def _scalars(obj) -> dict[str, Any] | None:
+    """A loss scaler's numbers (its whole state: scale, hysteresis, iteration counters)."""
+    if obj is None:
+        return None
+    return {k: v for k, v in vars(obj).items() if isinstance(v, (int, float, bool))}
+
+
+def load_state(engine, chunks, reader: StateReader) -> list[str]:
+    """Install the checkpoint's state into this rank's engine; returns notes for the user
+    (e.g. a vocabulary padding that changed with the tensor-parallel size)."""
+    view = optimizer_view(engine)
+    state = reader.state
+    view.prepare(state["adam_step"] or 0)
+    notes: list[str] = []
+    moments = reader.has_state("exp_avg")
+    with torch.no_grad():
+        _install_all(view, chunks, reader, moments, notes)
+    view.finish()
+    _restore_engine(engine, state)
+    return sorted(set(notes))
+
+
+def _install_all(view, chunks, reader: StateReader, moments: bool, notes: list[str]) -> None:
+    """One parameter and one state at a time: the peak is the largest full tensor plus its
+    shard, not the model."""
+    for param, spec in param_specs(chunks):
+        for key in STATES:
+            if key != "fp32" and not moments:
+                continue  # saved before the first step: Adam's moments stay zero (prepare)
+            full = _fit(reader.full(spec.global_name, key), spec, notes)
+            view.install(param, key, shard(full, spec))
+            del full
+
+
+def _fit(full: torch.Tensor, spec: ParamSpec, notes: list[str]) -> torch.Tensor:
+    """The saved tensor in this layout's shape. Only the vocabulary padding may differ (it is
+    a multiple of 128 x tp): rows are dropped or zero rows added past the padded size."""
+    if tuple(full.shape) == spec.full_shape:
+        return full
+    if spec.global_name not in _VOCAB or full.shape[1:] != spec.full_shape[1:]:
+        raise StateError(f"{spec.global_name} is {tuple(full.shape)} in the checkpoint but "
+                         f"{spec.full_shape} in this model")
+    rows = spec.full_shape[0]
+    notes.append(f"the padded vocabulary changes from {full.shape[0]} to {rows} rows with the "
+                 "tensor-parallel size; padded logits take part in the softmax, so the loss is "
+                 "not exactly the same function")
+    if full.shape[0] > rows:
+        return full[:rows].clone()
+    return torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))])
+
+
+def _restore_engine(engine, state: dict[str, Any]) -> None:
+    for group in engine.optimizer.param_groups:
+        for key, value in state["param_group"].items():
+            if key in group:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.global_steps = state["global_steps"]
+    engine.global_samples = state["global_samples"]
+    engine.skipped_steps = state["skipped_steps"]
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for key, value in (state["loss_scaler"] or {}).items():
+        if scaler is not None and hasattr(scaler, key):
+            setattr(scaler, key, value)

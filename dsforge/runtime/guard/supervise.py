@@ -1,0 +1,122 @@
+"""Each rank process is two: a small supervisor and the rank it forks.
+
+Only a process's parent learns how it ended. DeepSpeed's launcher is the rank's parent and
+logs one exit code for the whole node, so a rank killed from outside (SIGKILL, the kernel's
+out-of-memory killer, a segfault in a kernel) would die without a word while its peers report
+"connection reset". The supervisor forks before torch is imported (cheap: no threads, no
+engines), waits for the rank, records how it ended when it ended by a signal without writing
+its own failure record (job/failure.py, kind "killed"), and ends the same way so the
+launcher sees the same exit status. Signals sent to it (SIGINT, SIGHUP; SIGTERM and SIGUSR1,
+which ask the rank to save a checkpoint and stop, runtime/guard/preempt.py; SIGUSR2 for stacks) are
+passed on, so whoever signals the process it started reaches the rank; the rank dies with its
+supervisor (PR_SET_PDEATHSIG). Under srun they are not passed on: Slurm signals every process
+of a task (srun's forwarding and `scancel --signal` go through its process tracking), so the
+rank has them already, and a second stop request would end it at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Callable
+
+from dsforge.job import failure
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+STOP_REQUESTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+# Signals that end a rank as a failure of its own. SIGINT, SIGTERM and SIGHUP are requests to
+# stop: DeepSpeed's launcher sends SIGTERM to every rank of a node once one of them failed,
+# and dsforge stops jobs with them; recording those would hide the rank that failed first.
+FAILURES = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE,
+            signal.SIGILL)
+_PR_SET_PDEATHSIG = 1
+
+
+def run_supervised(run: Callable[[], None], *, run_dir: Path, rank: int,
+                   forward: bool = True) -> None:
+    """Run `run` (which never returns) in a forked child and end as it ends. `forward`:
+    pass FORWARDED signals on to the child; else only survive them (the child gets its own)."""
+    supervisor = os.getpid()
+    child = os.fork()
+    if child == 0:
+        _die_with_parent(supervisor)
+        run()
+        os._exit(0)
+    state = _Child(child)
+    for sig in FORWARDED:
+        signal.signal(sig, (lambda signum, _frame: state.forward(signum)) if forward
+                      else (lambda _signum, _frame: None))
+    status = state.wait()
+    if state.ended_by is not None:  # stopped from outside, then asked to stop: ended for it
+        _end_like(state.ended_by)
+    if os.WIFSIGNALED(status):
+        if os.WTERMSIG(status) in FAILURES:
+            _record_kill(run_dir, rank, os.WTERMSIG(status))
+        _end_like(os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _die_with_parent(supervisor: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the owner watch still ends orphans
+        pass
+    if os.getppid() != supervisor:  # the supervisor died before prctl took effect
+        os._exit(1)
+
+
+class _Child:
+    """The rank process as its supervisor sees it: running, or stopped from outside (SIGSTOP,
+    SIGTSTP). A stop request to a stopped rank cannot be a request to save (the rank would
+    wake, find its peers gone and report their failure as its own), so the rank is ended at
+    once and its supervisor ends by the requested signal, recording nothing: the job's report
+    then names it as a rank that stopped without reporting an error."""
+
+    def __init__(self, pid: int):
+        self.pid, self.stopped, self.ended_by = pid, False, None
+
+    def forward(self, signum: int) -> None:
+        try:
+            if self.stopped and signum in STOP_REQUESTS:
+                self.ended_by = signum
+                os.kill(self.pid, signal.SIGKILL)
+                return
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> int:
+        while True:
+            try:
+                _, status = os.waitpid(self.pid, os.WUNTRACED | os.WCONTINUED)
+            except InterruptedError:  # a forwarded signal arrived
+                continue
+            if os.WIFSTOPPED(status) or os.WIFCONTINUED(status):
+                self.stopped = os.WIFSTOPPED(status)
+                continue
+            return status
+
+
+def _record_kill(run_dir: Path, rank: int, signum: int) -> None:
+    """A failure record, unless the rank wrote its own before dying (then that one is right)."""
+    if any(f.rank == rank for f in failure.read_all(run_dir)):
+        return
+    from dsforge.job.heartbeat import read_all
+
+    beat = read_all(run_dir).get(rank)
+    name = signal.Signals(signum).name
+    hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if signum == signal.SIGKILL else ""
+    failure.write(run_dir, failure.Failure(rank=rank, step=beat[0] if beat else -1, kind="killed",
+                                           message=f"killed by {name}{hint}"))
+
+
+def _end_like(signum: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if signum != signal.SIGKILL:  # SIGKILL's action cannot be set, and is already the default
+        signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # the signal was ignored or blocked

@@ -1,0 +1,179 @@
+"""Training and validation samples, addressed by global sample id.
+
+Step t of a run consumes global samples [t*G, (t+1)*G) (G = global batch). Data-parallel
+rank r takes, for microbatch k, the micro_batch samples starting at (k*dp + r)*micro_batch,
+so any layout sees the same samples per step as a single process does, and resuming at step
+t needs no state beyond t. Each sample is seq_len + 1 tokens: inputs and shifted labels.
+An evaluation reads validation batches 0 .. eval_iters - 1 the same way: the same held-out
+samples every time, so successive validation losses are comparable.
+
+- synthetic: tokens drawn from a generator seeded by (seed, stream, sample id); validation is
+  a second stream.
+- indexed (Megatron dataset prefixes, one or a weighted blend): Megatron-Core's GPTDataset and
+  BlendedDataset (dsforge/data/samples.py), split into train/validation/test by documents.
+- a flat token file: a flat array of uint16/uint32 ids read through a memory map, cut into
+  windows of seq_len + 1 (consecutive windows share one token); the split cuts the windows
+  into contiguous train/validation/test ranges, each visited in a seeded random order that
+  is reshuffled every epoch.
+Nothing scans a corpus at start-up: the recipe's validation checks token ids from the
+dataset's record or a sample of the file, and every microbatch is checked as it is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from dsforge.recipe import Resolved
+
+TRAIN, VALIDATION = 0, 1
+
+
+class Source(Protocol):
+    what: str  # names the samples in errors
+
+    def sample(self, index: int) -> torch.Tensor: ...
+
+
+class SyntheticTokens:
+    def __init__(self, *, seq_len: int, vocab_size: int, seed: int, stream: int = TRAIN):
+        self.seq_len, self.vocab_size, self.seed, self.stream = seq_len, vocab_size, seed, stream
+        self.what = "synthetic " + ("training" if stream == TRAIN else "validation") + " samples"
+
+    def sample(self, index: int) -> torch.Tensor:
+        if self.stream == TRAIN:  # the seeds training has always used
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+            return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=generator)
+        # torch's CPU generator keeps 32 bits of a seed; numpy's takes the whole key.
+        rng = np.random.default_rng([self.seed, self.stream, index])
+        return torch.from_numpy(rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int64))
+
+
+class TokenFile:
+    """The windows [first, last) of a flat token file, in a seeded order per epoch."""
+
+    def __init__(self, path: str | Path, *, seq_len: int, seed: int, dtype: str,
+                 windows: range, stream: int):
+        self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+        self.seq_len, self.seed, self.stream, self.windows = seq_len, seed, stream, windows
+        self.what = f"{path} ({'training' if stream == TRAIN else 'validation'} windows)"
+        self._epoch, self._order = -1, None
+
+    def sample(self, index: int) -> torch.Tensor:
+        epoch, position = divmod(index, len(self.windows))
+        if epoch != self._epoch:
+            key = [self.seed, epoch] if self.stream == TRAIN else [self.seed, epoch, self.stream]
+            rng = np.random.default_rng(key)
+            self._epoch, self._order = epoch, rng.permutation(len(self.windows))
+        start = self.windows[int(self._order[position])] * self.seq_len
+        window = self.tokens[start:start + self.seq_len + 1].astype(np.int64)
+        return torch.from_numpy(window)
+
+
+def split_ranges(count: int, split: str) -> list[range]:
+    """[0, count) cut into train/validation/test ranges exactly as Megatron-Core cuts a
+    dataset's sequences (dsforge/data/indexed.py, the one place of that rule)."""
+    from dsforge.data.indexed import split_ranges as megatron_ranges
+
+    return [range(*bounds) if bounds else range(0) for bounds in megatron_ranges(split, count)]
+
+
+@dataclass(frozen=True)
+class Sources:
+    train: Source
+    validation: Source | None  # None: evaluation not asked for
+    note: str | None = None  # what opening them did, for the user (indexed datasets)
+
+
+def open_sources(resolved: Resolved) -> Sources:
+    """The training source, and the validation source when train.eval_every > 0."""
+    recipe = resolved.recipe
+    data, train = recipe.data, recipe.train
+    evaluate = train.eval_every > 0
+    if data.kind == "synthetic":
+        common = dict(seq_len=train.seq_len, vocab_size=recipe.model.vocab_size, seed=train.seed)
+        return Sources(SyntheticTokens(**common),
+                       SyntheticTokens(**common, stream=VALIDATION) if evaluate else None)
+    if data.kind == "token_file":
+        return _token_file_sources(resolved, evaluate)
+    return _indexed_sources(resolved, evaluate)
+
+
+def _token_file_sources(resolved: Resolved, evaluate: bool) -> Sources:
+    data, train = resolved.recipe.data, resolved.recipe.train
+    count = (len(np.memmap(data.source, dtype=np.dtype(data.token_dtype), mode="r")) - 1) // train.seq_len
+    ranges = split_ranges(count, data.split)
+    if not ranges[TRAIN] or (evaluate and not ranges[VALIDATION]):
+        part = "training" if not ranges[TRAIN] else "validation"
+        raise ValueError(f"data.source={data.source!r}: the split {data.split!r} leaves the "
+                         f"{part} part of its {count} windows of seq_len {train.seq_len} empty; "
+                         "use a longer file, a shorter seq_len or another data.split")
+    common = dict(seq_len=train.seq_len, seed=train.seed, dtype=data.token_dtype)
+    validation = TokenFile(data.source, **common, windows=ranges[VALIDATION], stream=VALIDATION)
+    return Sources(TokenFile(data.source, **common, windows=ranges[TRAIN], stream=TRAIN),
+                   validation if evaluate else None)
+
+
+def _indexed_sources(resolved: Resolved, evaluate: bool) -> Sources:
+    from dsforge.data.cache import default_cache_dir
+    from dsforge.data.indexed import inspect_dataset
+    from dsforge.data.samples import MegatronSamples, build_splits
+
+    recipe, layout = resolved.recipe, resolved.layout
+    data, train = recipe.data, recipe.train
+    parts = [(part.path, part.weight) for part in data.blend]
+    identity = inspect_dataset(parts[0][0]).identity
+    cache = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
+    splits = build_splits(
+        parts, split=data.split, seq_len=train.seq_len, seed=train.seed,
+        train_samples=train.steps * layout.global_batch,
+        validation_samples=train.eval_iters * layout.global_batch if evaluate else None,
+        identity=identity, cache_dir=cache)
+    if evaluate and splits.validation is None:
+        raise ValueError(f"data.split={data.split!r} gives the validation set no documents; "
+                         "give validation a share, or set train.eval_every: 0")
+    validation = MegatronSamples(splits.validation, what="validation samples") if evaluate else None
+    note = (f"data: {len(parts)} dataset{'s' if len(parts) > 1 else ''}, "
+            f"{len(splits.train):,} training samples"
+            + (f", {len(splits.validation):,} validation samples" if evaluate else "")
+            + f"; indices {'built' if splits.built else 'read from the cache'} in "
+              f"{splits.seconds:.1f} s ({cache})")
+    return Sources(MegatronSamples(splits.train, what="training samples"), validation, note)
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    tokens: torch.Tensor  # [micro_batch, seq_len] inputs
+    labels: torch.Tensor  # [micro_batch, seq_len] next tokens
+    position_ids: torch.Tensor
+
+
+def microbatches(source: Source, *, step: int, global_batch: int, micro_batch: int,
+                 grad_accum: int, dp: int, dp_rank: int, vocab_size: int) -> list[Microbatch]:
+    """The grad_accum microbatches data-parallel rank `dp_rank` trains on at `step` (or
+    evaluates for validation batch `step`)."""
+    batches = []
+    for k in range(grad_accum):
+        first = step * global_batch + (k * dp + dp_rank) * micro_batch
+        rows = torch.stack([source.sample(first + i) for i in range(micro_batch)])
+        _check_ids(rows, source, first, vocab_size)
+        seq_len = rows.shape[1] - 1
+        positions = torch.arange(seq_len).unsqueeze(0).expand(micro_batch, -1)
+        batches.append(Microbatch(tokens=rows[:, :-1].contiguous(), labels=rows[:, 1:].contiguous(),
+                                  position_ids=positions))
+    return batches
+
+
+def _check_ids(rows: torch.Tensor, source: Source, first: int, vocab_size: int) -> None:
+    """An id beyond the embedding table fails deep inside the model (a CUDA device assert on a
+    GPU); the cost of this check is one max over a few thousand ids."""
+    largest = int(rows.max())
+    if largest >= vocab_size or int(rows.min()) < 0:
+        raise ValueError(f"{source.what}: samples {first}..{first + len(rows) - 1} hold token id "
+                         f"{largest if largest >= vocab_size else int(rows.min())}, outside the "
+                         f"model's vocabulary (0..{vocab_size - 1}): set model.vocab_size to the "
+                         "tokenizer's vocabulary, or check data.source / data.token_dtype")

@@ -1,0 +1,388 @@
+"""A rank's training: the parts from engine.build_rank, the data, steps with metrics, and
+`train_loop`, the loop both `dsforge run`'s ranks and the distributed tests' worker run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dsforge.ckpt.trust import CheckpointError, latest_complete
+from dsforge.estimate.flops import flops_per_token
+from dsforge.files import write_atomic
+from dsforge.hardware import gpu_for_device_name
+from dsforge.job.console import RankConsole
+from dsforge.job.metrics_file import median_breakdown
+from dsforge.job.run_dir import RunDir
+from dsforge.recipe import Resolved
+from dsforge.runtime.build.engine import build_rank
+from dsforge.runtime.checkpoint import save_load as checkpoint
+from dsforge.runtime.guard.preempt import Stopped, Stopper
+from dsforge.runtime.loop import breakdown
+from dsforge.runtime.loop import data as data_mod
+from dsforge.runtime.loop import step as step_mod
+from dsforge.runtime.loop.metrics import (MetricsWriter, format_breakdown, format_summary,
+                                          make_record)
+from dsforge.runtime.loop.phase_hooks import marking
+from dsforge.runtime.loop.profiler import open_profiler
+from dsforge.runtime.loop.timers import median_bubble
+from dsforge.runtime.loop.tracking import open_tracker
+from dsforge.units import MiB
+
+
+class Trainer:
+    def __init__(self, resolved: Resolved, *, device: torch.device, backend: str, run_dir: Path,
+                 collective_timeout_s: float, resume: bool = False, measure: bool = False,
+                 console: RankConsole | None = None):
+        self.resolved, self.device, self.run_dir = resolved, device, run_dir
+        self.measure = measure
+        self.censuses: dict[str, dict[str, int]] = {}  # point of the step -> live tensor bytes
+        self.console = console or RankConsole(marked=False)
+        recipe = resolved.recipe
+        # Before the process group exists: dataset indices are built once per node under a
+        # file lock, in a private world (dsforge/data/samples.py).
+        self.sources = data_mod.open_sources(resolved)
+        if self.sources.note and int(os.environ.get("RANK", 0)) == 0:
+            self.console.say(f"dsforge: {self.sources.note}")
+        parts = build_rank(resolved, device=device, backend=backend, timeout_s=collective_timeout_s)
+        self.chunks, self.engine, self.kernels = parts.chunks, parts.engine, parts.kernels
+        # The step breakdown (runtime/loop/breakdown.py), in every run unless DSFORGE_BREAKDOWN=off;
+        # None turns it off for the steps that follow (the overhead benchmark alternates).
+        marks = breakdown.mode()
+        self.clock = None if marks == "off" else breakdown.StepClock(device, gathers=marks == "gathers")
+        self.timings = breakdown.StepTimings()
+        self._breakdown_warned = False
+        self.flops = flops_per_token(recipe.model, recipe.train.seq_len,
+                                     recipe.train.activation_checkpointing)
+        gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        self.peak_flops = gpu.peak_bf16_flops if gpu else None  # None: MFU not available
+        self.start_step = self._resume() if resume else 0
+        self.profiler = open_profiler(recipe.tracking.profile_range, run_dir=run_dir,
+                                      start_step=self.start_step, device=device,
+                                      say=self.console.say)
+        self.reporter = self._is_reporter()
+        self.metrics = MetricsWriter(RunDir(run_dir).metrics) if self.reporter else None
+        if self.reporter and resume:
+            self.metrics.keep_steps_before(self.start_step)
+        self.tracker = open_tracker(recipe, run_dir, resumed_at=self.start_step if resume else None,
+                                    warn=lambda text: self.console.say(f"dsforge: warning: {text}")) \
+            if self.reporter else None
+        if self.reporter:
+            self._write_manifest()
+
+    def _resume(self) -> int:
+        root = RunDir(self.run_dir).checkpoints
+        record = latest_complete(root)
+        if record is None:
+            raise CheckpointError(f"no complete checkpoint under {root}")
+        rank = torch.distributed.get_rank()
+        return checkpoint.load(self.engine, root, record["tag"], rank,
+                               recipe=asdict(self.resolved.recipe),
+                               world_size=self.resolved.layout.world_size,
+                               say=self.console.say if rank == 0 else None)
+
+    def save_checkpoint(self, steps_done: int, fault=None) -> None:
+        root = RunDir(self.run_dir).checkpoints
+        try:
+            checkpoint.save(self.engine, root, step=steps_done, recipe=asdict(self.resolved.recipe),
+                            world_size=self.resolved.layout.world_size,
+                            rank=torch.distributed.get_rank(), fault=fault)
+        except (OSError, RuntimeError) as exc:
+            # torch's serializer reports a full disk as "basic_ios::clear", without a path.
+            raise CheckpointError(
+                f"could not write the checkpoint of step {steps_done} under {root}: {exc}. Is the "
+                f"disk full? (df -h {root}); the previous complete checkpoint stays the latest"
+            ) from exc
+
+    def _is_reporter(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_data_parallel_rank() == 0)
+
+    def _batches(self, source, index: int) -> list[data_mod.Microbatch]:
+        from megatron.core import parallel_state as ps
+
+        layout = self.resolved.layout
+        return data_mod.microbatches(source, step=index, global_batch=layout.global_batch,
+                                     micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
+                                     dp=layout.dp, dp_rank=ps.get_data_parallel_rank(),
+                                     vocab_size=self.resolved.recipe.model.vocab_size)
+
+    def _mean_over_replicas(self, loss: torch.Tensor) -> float:
+        """The mean of a loss over the data-parallel replicas (one host sync)."""
+        from megatron.core import parallel_state as ps
+
+        torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+        return loss.item() / self.resolved.layout.dp
+
+    def train_step(self, step: int) -> None:
+        with self.profiler.step(step) if self.profiler else contextlib.nullcontext():
+            self._train_step(step)
+
+    def _train_step(self, step: int) -> None:
+        clock = self.clock or breakdown.OFF
+        start = time.perf_counter()  # the step's time includes making its batches
+        clock.start()
+        with clock.phase("data"):
+            batches = self._batches(self.sources.train, step)
+        data_time = time.perf_counter() - start
+        lr = self.engine.get_lr()[0]  # the rate this step's update uses
+        census = self._census_inside_step if self._takes_census(step) else None
+        with marking(self.clock, self.engine, self.chunks) if self.clock else contextlib.nullcontext():
+            loss = self._forward_backward_update(batches, census, clock)
+        marked = clock.stop()
+        if marked is None and self.clock is not None:
+            self._warn_breakdown(f"step breakdown: step {step} not measured: {self.clock.problem}")
+        if loss is not None:
+            loss = self._mean_over_replicas(loss)  # its .item() waits for the device
+        elapsed = time.perf_counter() - start
+        ended_at = time.time()
+        reading = self.timings.add(step, marked, elapsed) if marked is not None else None
+        if self.timings.problem:
+            self._warn_breakdown(self.timings.problem)
+        if self.reporter:
+            self._report(step, loss, lr, elapsed, ended_at, data_time,
+                         reading.phases if reading else None)
+
+    def _warn_breakdown(self, problem: str) -> None:
+        """Once per run: what went wrong measuring a step (a measurement bug, not training's):
+        marks that do not pair up, or phases adding up to more than the step."""
+        if not self._breakdown_warned:
+            self._breakdown_warned = True
+            self.console.say(f"dsforge: warning: {problem} (rank {torch.distributed.get_rank()})")
+
+    def _forward_backward_update(self, batches, census, clock) -> torch.Tensor | None:
+        layout, train = self.resolved.layout, self.resolved.recipe.train
+        if layout.pp == 1:
+            return step_mod.step_unpipelined(self.engine, batches, self.device, census=census,
+                                             clock=clock)
+        return step_mod.step_pipelined(self.engine, self.chunks, batches, seq_len=train.seq_len,
+                                       micro_batch=layout.micro_batch, device=self.device,
+                                       census=census, clock=clock)
+
+    def evaluate(self, step: int, before_batch: Callable[[int], None] | None = None) -> None:
+        """The validation loss after `step`: train.eval_iters global batches of held-out samples
+        through forward passes only, on every rank (pipeline ranks run the forward-only
+        schedule together). Changes no state training reads: no gradients, no update, no
+        random numbers (eval mode), so training losses are the same with or without it."""
+        layout, train = self.resolved.layout, self.resolved.recipe.train
+        losses = []
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            for index in range(train.eval_iters):
+                if before_batch is not None:
+                    before_batch(step)
+                batches = self._batches(self.sources.validation, index)
+                if layout.pp == 1:
+                    loss = step_mod.eval_unpipelined(self.engine, batches, self.device)
+                else:
+                    loss = step_mod.eval_pipelined(self.chunks, batches, seq_len=train.seq_len,
+                                                   micro_batch=layout.micro_batch, device=self.device)
+                if loss is not None:
+                    losses.append(loss)
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+        if not losses:
+            return
+        val_loss = self._mean_over_replicas(torch.stack(losses).mean())
+        if self.reporter:
+            self.metrics.write_eval(step, val_loss)
+            self.tracker.log_eval(step, val_loss)
+            self.console.progress(name=self.resolved.recipe.name, step=step + 1,
+                                  steps=train.steps, postfix=self._postfix())
+
+    def _report(self, step: int, loss: float, lr: float, elapsed: float, ended_at: float,
+                data_time: float, phases: dict[str, float] | None) -> None:
+        recipe, layout = self.resolved.recipe, self.resolved.layout
+        record = make_record(
+            step=step, warmup=step < recipe.train.timing_warmup, loss=loss,
+            grad_norm=self.engine.get_global_grad_norm(), lr=lr,
+            step_time_s=elapsed, tokens_per_step=layout.global_batch * recipe.train.seq_len,
+            world_size=layout.world_size, flops_per_token=self.flops.model,
+            hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
+            device=self.device, ended_at=ended_at, loss_scale=self._loss_scale(),
+            data_time_s=data_time, breakdown_s=phases)
+        self.metrics.write(record)
+        self.tracker.log_step(record)
+        self.console.progress(name=recipe.name, step=step + 1, steps=recipe.train.steps,
+                              postfix=self._postfix())
+
+    def _loss_scale(self) -> float | None:
+        """fp16's dynamic loss scale (DeepSpeed's optimizer wrapper holds it); None otherwise."""
+        if self.resolved.recipe.train.precision != "fp16":
+            return None
+        scale = getattr(self.engine.optimizer, "cur_scale", None)
+        return None if scale is None else float(scale)
+
+    def _postfix(self) -> str:
+        return _postfix(self.metrics.records[-1], self.metrics.last_eval())
+
+    def _write_manifest(self) -> None:
+        from dsforge.runtime.loop.manifest import environment_manifest, implementations
+
+        used = implementations(self.engine.optimizer, kernels=self.kernels.impl,
+                               kernels_why=self.kernels.why,
+                               sdpa_backend=self.resolved.recipe.model.sdpa_backend)
+        manifest = environment_manifest(self.device, asdict(self.resolved.layout), used)
+        write_atomic(RunDir(self.run_dir).manifest, json.dumps(manifest, indent=2) + "\n")
+
+    def finish(self) -> None:
+        self._write_rank_summary()
+        if not self.reporter:
+            return
+        self.console.close()
+        self.tracker.close()
+        summary = self.metrics.summary()
+        write_atomic(RunDir(self.run_dir).summary, json.dumps(summary, indent=2) + "\n")
+        self.console.say(format_summary(summary))
+        if summary["median_breakdown_s"] is not None:
+            self.console.say(format_breakdown(summary))
+
+    def _write_rank_summary(self) -> None:
+        """RUN_DIR/ranks/rankNNNNN.json: what only this rank knows (its memory, its bubble)."""
+        from megatron.core import parallel_state as ps
+
+        from dsforge.runtime.guard.oom import peak_memory
+
+        memory, source = peak_memory(self.device)
+        if self.profiler is not None:
+            self.profiler.close()  # a run stopped before the last traced step
+        readings = self._timed_readings()
+        summary = {"rank": torch.distributed.get_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+                   "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": ps.get_data_parallel_rank(),
+                   "peak_memory_bytes": memory, "memory_source": source,
+                   "bubble_share": median_bubble(readings),
+                   "breakdown_s": median_breakdown(r.phases for r in readings),
+                   "tensor_bytes": self._tensor_census(),
+                   **{f"tensor_bytes_{point}": census for point, census in self.censuses.items()}}
+        path = RunDir(self.run_dir).rank_summary(summary["rank"])
+        path.parent.mkdir(exist_ok=True)
+        write_atomic(path, json.dumps(summary) + "\n")
+
+    def _timed_readings(self) -> list[breakdown.Reading]:
+        """This rank's step breakdowns after the warmup steps (all of them if every step was
+        one), once the device has finished the last step."""
+        self.timings.finish()
+        warmup = self.resolved.recipe.train.timing_warmup
+        readings = self.timings.readings
+        if self.timings.problem:  # readings made late (a rank without the loss) included
+            self._warn_breakdown(self.timings.problem)
+        return [r for step, r in readings.items() if step >= warmup] or list(readings.values())
+
+    def _takes_census(self, step: int) -> bool:
+        """With `measure`, the census inside a step runs on the last step left out of the
+        timings (walking every live object takes longer than a tiny step), else the first."""
+        return self.measure and step == max(self.start_step, self.resolved.recipe.train.timing_warmup - 1)
+
+    def _census_inside_step(self, point: str) -> None:
+        from dsforge.runtime.loop.tensor_census import live_tensor_bytes
+
+        census = live_tensor_bytes(self.engine, self.device)
+        # A point may repeat (ZeRO-3 steps the optimizer once per sub-group): keep its largest.
+        if census["total"] >= self.censuses.get(point, {}).get("total", -1):
+            self.censuses[point] = census
+
+    def _tensor_census(self) -> dict[str, int] | None:
+        """Live model-state tensors after training, for `dsforge bench` (tensor_census.py)."""
+        if not self.measure:
+            return None
+        from dsforge.runtime.loop.tensor_census import live_tensor_bytes
+
+        return live_tensor_bytes(self.engine, self.device)
+
+
+def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = None,
+               after_steps: Callable[[], None] | None = None,
+               save_fault: Callable[[int, int], None] | None = None,
+               stopper: Stopper | None = None) -> Stopped | None:
+    """Steps trainer.start_step .. train.steps - 1 with a checkpoint every
+    train.checkpoint_every steps, then the summaries (`Trainer.finish`). Returns None, or
+    with a `stopper` (runtime/guard/preempt.py) `Stopped` when the ranks agreed after a step to stop
+    early (a signal, train.time_limit): that step's checkpoint is then saved.
+
+    runtime/rank.py adds what only a launched rank needs: `before_step(step)` arms its
+    watchdog, beats its heartbeat and runs the fault drill (also before each validation
+    batch, so a long evaluation is not taken for a hang); `after_steps()` disarms the
+    watchdog; `save_fault(rank, steps_done)` is the drill that dies while saving; `stopper`
+    agrees on stopping once per step (one all-reduce). tests/distributed/worker.py runs the
+    same loop without them.
+    """
+    train = trainer.resolved.recipe.train
+    every = train.checkpoint_every
+    timed = stopper.note if stopper is not None else None
+    stopped = None
+    for step in range(trainer.start_step, train.steps):
+        if before_step is not None:
+            before_step(step)
+        _timed(timed, "step", trainer.train_step, step)
+        if eval_due(train, step):  # before the save: a resumed run has this step's eval
+            _timed(timed, "eval", trainer.evaluate, step, before_batch=before_step)
+        saved = every and (step + 1) % every == 0
+        if saved:
+            _timed(timed, "save", save_and_prune, trainer, step + 1, save_fault)
+        if stopper is not None and step + 1 < train.steps:
+            stopped = stopper.agree(step + 1, next_evaluates=eval_due(train, step + 1))
+            if stopped is not None:
+                if not saved:
+                    save_and_prune(trainer, step + 1, save_fault)
+                break
+    if after_steps is not None:
+        after_steps()
+    if stopped is None:
+        trainer.finish()
+    else:
+        _finish_stopped(trainer)
+    return stopped
+
+
+def _finish_stopped(trainer: Trainer) -> None:
+    """Trainer.finish for a run that stops early: the same files, without the closing summary
+    line (`dsforge run` says that the job stopped and how to continue)."""
+    trainer._write_rank_summary()
+    if trainer.reporter:
+        trainer.console.close()
+        trainer.tracker.close()
+        summary = trainer.metrics.summary()
+        write_atomic(RunDir(trainer.run_dir).summary, json.dumps(summary, indent=2) + "\n")
+
+
+def save_and_prune(trainer: Trainer, steps_done: int, fault=None) -> None:
+    """The checkpoint of `steps_done` steps; then, with train.keep_last, rank 0 deletes the
+    complete checkpoints beyond the newest keep_last (ckpt/retention.py)."""
+    trainer.save_checkpoint(steps_done, fault=fault)
+    keep_last = trainer.resolved.recipe.train.keep_last
+    if keep_last and torch.distributed.get_rank() == 0:
+        from dsforge.ckpt.retention import prune
+
+        prune(RunDir(trainer.run_dir).checkpoints, keep_last,
+              warn=lambda text: trainer.console.say(f"dsforge: warning: {text}"))
+
+
+def _timed(note: Callable[[str, float], None] | None, kind: str, function, *args, **kwargs):
+    start = time.perf_counter()
+    result = function(*args, **kwargs)
+    if note is not None:
+        note(kind, time.perf_counter() - start)
+    return result
+
+
+def eval_due(train, step: int) -> bool:
+    """Evaluate after every train.eval_every steps and after the last step."""
+    return train.eval_every > 0 and ((step + 1) % train.eval_every == 0 or step + 1 == train.steps)
+
+
+def _postfix(r, last_eval: tuple[int, float] | None) -> str:
+    mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
+    norm = f"{r.grad_norm:.3f}" if r.grad_norm is not None else "n/a"
+    val = f" | val {last_eval[1]:.4f}" if last_eval is not None else ""
+    return (f"loss {r.loss:.4f}{val} | gnorm {norm} | lr {r.lr:.2e} | {r.step_time_s * 1e3:.0f} ms | "
+            f"{r.tokens_per_s:,.0f} tok/s | MFU {mfu} | mem {r.peak_memory_bytes / MiB:,.0f} MiB")
