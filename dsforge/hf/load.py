@@ -6,7 +6,7 @@ its own parameters, for that parameter's global tensor (runtime/build/init.py), 
 (names.by_source: q/k/v for linear_qkv, gate/up for linear_fc1), from the file the index names
 (safetensors' safe_open memory-maps it and reads a tensor's bytes on request), so a rank's
 peak is its largest full parameter, never the model. The folder was checked before any rank
-started (folder.py, rules I1-I5); the reads here only fail on a folder changed since.
+started (recipe/init_from.py, rules I1-I5); the reads here only fail on a folder changed since.
 
 The vocabulary rows Megatron pads (to a multiple of 128 x tp) are zeros (names._assemble), not
 drawn as a fresh model's would be. Megatron's softmax includes the padded output rows, so
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dsforge.recipe.init_from import INDEX, SINGLE, read_tensors
+from dsforge.hf.folder import INDEX, SINGLE, read_tensors
 from dsforge.hf.names import by_source, global_tensor
 from dsforge.recipe.schema import ModelConfig
 

@@ -3,7 +3,8 @@
 A new run gets a new, empty directory: --run-dir, or RUNS_ROOT/NAME-YYYYMMDD-HHMMSS where
 RUNS_ROOT is $DSFORGE_RUNS or ./runs (relative to where dsforge is started). Resuming, and the
 nodes after the first with --no-ssh, use the directory that exists. What is in it is
-`RunDir`'s members (docs/runs.md lists them); no other module spells one of their names.
+`RunDir`'s members (listed in docs/launch.md, "Run directories"); no other module spells one of
+their names.
 Beside it, NAME.lock: held (flock) by the dsforge that owns the directory while it runs.
 """
 

@@ -1,9 +1,7 @@
 """`model.init_from`: is a Hugging Face folder the recipe's model? (rules I1-I5, no torch).
 
-Checked by the recipe's validation, before any rank starts. Nothing here loads a weight:
-config.json is JSON, and a safetensors file starts with an 8-byte little-endian header length
-and a JSON header naming every tensor's dtype, shape and offsets, so the folder's tensors are
-checked against the recipe's model from their headers alone.
+Checked by the recipe's validation, before any rank starts. Nothing here loads a weight: the
+folder's config.json and tensors are read from their headers alone (hf/folder.py).
 - I1: the folder exists and holds a config.json that is a JSON object;
 - I2: its architecture is the recipe's: LlamaForCausalLM for a dense model, MixtralForCausalLM
   for a model whose every layer is MoE (Mixtral has experts in every layer and no biases);
@@ -20,23 +18,19 @@ The name map itself is hf/names.py; reading the tensors is hf/load.py.
 
 from __future__ import annotations
 
-import json
 import math
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from dsforge.hf.folder import (CONFIG, FIELD, LLAMA_ARCH, MIXTRAL_ARCH, FolderError, Tensor,
+                               architecture_of, folder_problem, read_config, read_tensors,
+                               some_names)
 from dsforge.problems import Problem
 
 if TYPE_CHECKING:
     from dsforge.recipe.schema import ModelConfig
 
-CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
-LLAMA_ARCH, MIXTRAL_ARCH = "LlamaForCausalLM", "MixtralForCausalLM"
-FIELD = "model.init_from"
 _FLOATS = {"F32", "F16", "BF16", "F64"}
-_MAX_HEADER = 100 << 20  # bytes; safetensors itself refuses headers over 100 MB
 # What transformers assumes for a field config.json leaves out (LlamaConfig / MixtralConfig
 # defaults in transformers 4 and 5). Shape fields have no default here: they must be written.
 _DEFAULTS = {
@@ -45,21 +39,6 @@ _DEFAULTS = {
     MIXTRAL_ARCH: {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False,
                    "hidden_act": "silu"},
 }
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor of the folder, from its file's header."""
-
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-
-
-class FolderError(ValueError):
-    def __init__(self, problem: Problem):
-        self.problem = problem
-        super().__init__(str(problem))
 
 
 def init_from_problems(model: ModelConfig) -> list[Problem]:
@@ -85,48 +64,17 @@ def init_from_problems(model: ModelConfig) -> list[Problem]:
     return found
 
 
-def read_config(folder: Path) -> dict[str, Any]:
-    """config.json of `folder` (FolderError I1 when there is none that reads as an object)."""
-    if not folder.is_dir():
-        what = "does not exist" if not folder.exists() else "is not a directory"
-        raise FolderError(_problem("I1", folder, f"{what}; model.init_from names a Hugging Face "
-                                   "model folder (config.json and safetensors weights)",
-                                   "give the path of such a folder (relative paths are read "
-                                   "from the recipe's directory), or remove model.init_from"))
-    path = folder / CONFIG
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FolderError(_problem("I1", folder, f"has no {CONFIG}, so it is not a Hugging Face "
-                                   "model folder", "name the folder that holds config.json and "
-                                   "the *.safetensors files")) from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise FolderError(_problem("I1", folder, f"its {CONFIG} cannot be read as JSON ({exc})",
-                                   "use an intact model folder")) from None
-    if not isinstance(config, dict):
-        raise FolderError(_problem("I1", folder, f"its {CONFIG} is not a JSON object",
-                                   "use an intact model folder"))
-    return config
-
-
-def architecture_of(config: dict[str, Any]) -> str | None:
-    names = config.get("architectures")
-    if isinstance(names, list) and names and isinstance(names[0], str):
-        return names[0]
-    return {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH}.get(config.get("model_type"))
-
-
 def _architecture(model: ModelConfig, arch: str | None, folder: Path) -> Iterator[Problem]:
     if arch not in (LLAMA_ARCH, MIXTRAL_ARCH):
-        yield _problem("I2", folder, f"holds a {arch or 'model of no named architecture'}; "
+        yield folder_problem("I2", folder, f"holds a {arch or 'model of no named architecture'}; "
                        f"dsforge starts from {LLAMA_ARCH} (dense) or {MIXTRAL_ARCH} (MoE) folders",
                        "use a Llama or Mixtral folder, or remove model.init_from")
     elif model.moe is None and arch == MIXTRAL_ARCH:
-        yield _problem("I2", folder, f"holds a {MIXTRAL_ARCH} (MoE), the recipe's model is dense",
+        yield folder_problem("I2", folder, f"holds a {MIXTRAL_ARCH} (MoE), the recipe's model is dense",
                        "add model.moe (num_experts, top_k, ffn_hidden_size from its config.json; "
                        "frequency: 1), or use a Llama folder")
     elif model.moe is not None and arch == LLAMA_ARCH:
-        yield _problem("I2", folder, f"holds a {LLAMA_ARCH} (dense), the recipe's model is MoE",
+        yield folder_problem("I2", folder, f"holds a {LLAMA_ARCH} (dense), the recipe's model is MoE",
                        "remove model.moe, or use a Mixtral folder")
     elif model.moe is not None and model.moe.frequency != 1:
         yield Problem(rule="I2", fields={FIELD: str(folder), "model.moe.frequency": model.moe.frequency},
@@ -264,79 +212,6 @@ def _unsupported(model: ModelConfig, config: dict[str, Any], arch: str) -> Itera
                       fix="use a folder of a model dsforge computes, or remove model.init_from")
 
 
-def read_tensors(folder: Path) -> dict[str, Tensor]:
-    """Every tensor of the folder's safetensors weights, from the headers (FolderError I5)."""
-    index, single = folder / INDEX, folder / SINGLE
-    if index.is_file():
-        files = _weight_map(index, folder)
-    elif single.is_file():
-        files = None
-    else:
-        raise FolderError(_no_safetensors(folder))
-    tensors: dict[str, Tensor] = {}
-    for file in sorted(set(files.values())) if files is not None else [SINGLE]:
-        for name, tensor in _header(folder / file, folder).items():
-            if files is None or files.get(name) == file:
-                tensors[name] = tensor
-    if files is not None:
-        absent = sorted(set(files) - set(tensors))
-        if absent:
-            raise FolderError(_problem("I5", folder, f"{INDEX} names {len(absent)} tensors its "
-                                       f"files do not hold ({_some(absent)})",
-                                       "use an intact model folder (download it again)"))
-    return tensors
-
-
-def _no_safetensors(folder: Path) -> Problem:
-    pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-    if pickles:
-        return _problem(
-            "I5", folder, f"holds PyTorch pickles ({_some(pickles)}) and no safetensors; dsforge "
-            "reads safetensors only and never unpickles (loading a pickle can run code)",
-            "convert the folder once, where you trust its files: python -c \"from transformers "
-            "import AutoModelForCausalLM as M; M.from_pretrained('IN').save_pretrained('OUT')\" "
-            "(writes safetensors), then set model.init_from: OUT")
-    return _problem("I5", folder, f"holds no weights ({SINGLE}, or {INDEX} and its shards)",
-                    "name the folder that holds the *.safetensors files")
-
-
-def _weight_map(index: Path, folder: Path) -> dict[str, str]:
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-        files = data["weight_map"]
-        if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
-            raise ValueError("weight_map is not a mapping of tensor names to file names")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        raise FolderError(_problem("I5", folder, f"its {INDEX} cannot be read ({exc!r})",
-                                   "use an intact model folder")) from None
-    outside = sorted({f for f in files.values() if Path(f).name != f})
-    if outside:
-        raise FolderError(_problem("I5", folder, f"its {INDEX} names files outside the folder "
-                                   f"({_some(outside)})", "use an intact model folder"))
-    missing = sorted({f for f in files.values() if not (folder / f).is_file()})
-    if missing:
-        raise FolderError(_problem("I5", folder, f"its {INDEX} names files that are not there "
-                                   f"({_some(missing)})",
-                                   "download the missing shards, or use an intact folder"))
-    return files
-
-
-def _header(path: Path, folder: Path) -> dict[str, Tensor]:
-    try:
-        with path.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > _MAX_HEADER:
-                raise ValueError(f"a header of {length} bytes")
-            header = json.loads(f.read(length).decode("utf-8"))
-        return {name: Tensor(path.name, str(entry["dtype"]), tuple(int(n) for n in entry["shape"]))
-                for name, entry in header.items() if name != "__metadata__"}
-    except (OSError, struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError,
-            AttributeError) as exc:
-        raise FolderError(_problem("I5", folder, f"{path.name} is not a safetensors file "
-                                   f"({type(exc).__name__}: {exc})",
-                                   "use an intact model folder (download it again)")) from None
-
-
 def _tensor_problems(model: ModelConfig, tensors: dict[str, Tensor], folder: Path) -> list[Problem]:
     """I5: the tensors the name map needs, each present, floating point and of its shape."""
     from dsforge.hf.names import pieces  # torch: imported only for recipes with init_from
@@ -351,20 +226,14 @@ def _tensor_problems(model: ModelConfig, tensors: dict[str, Tensor], folder: Pat
                          f"model needs {list(piece.shape)}")
     found = []
     if missing:
-        found.append(_problem("I5", folder, f"its weights lack {len(missing)} tensors the "
-                              f"recipe's model needs ({_some(missing)})",
+        found.append(folder_problem("I5", folder, f"its weights lack {len(missing)} tensors the "
+                              f"recipe's model needs ({some_names(missing)})",
                               "use a folder saved by transformers' save_pretrained (Mixtral "
                               "with the hub's block_sparse_moe names), or an intact one"))
     if wrong:
-        found.append(_problem("I5", folder, f"its weights do not match its {CONFIG}: "
+        found.append(folder_problem("I5", folder, f"its weights do not match its {CONFIG}: "
                               + "; ".join(wrong[:3]) + ("; ..." if len(wrong) > 3 else ""),
                               "use an intact model folder"))
     return found
 
 
-def _some(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _problem(rule: str, folder: Path | str, message: str, fix: str) -> Problem:
-    return Problem(rule=rule, fields={FIELD: str(folder)}, message=message, fix=fix)
