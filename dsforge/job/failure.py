@@ -13,12 +13,12 @@ runtime/guard/supervise.py).
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dsforge.files import write_atomic
 from dsforge.job.run_dir import RunDir
 from dsforge.units import format_bytes
 
@@ -67,9 +67,7 @@ def write(run_dir: Path, failure: Failure) -> None:
     try:
         path = RunDir(run_dir).failure(failure.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(asdict(failure) | {"time": failure.time or time.time()}))
-        os.replace(partial, path)
+        write_atomic(path, json.dumps(asdict(failure) | {"time": failure.time or time.time()}))
     except OSError:
         pass
 
