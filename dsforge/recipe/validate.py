@@ -4,46 +4,29 @@
 warnings) instead of stopping at the first. Rule ids match docs/validation.md, which says
 where each rule comes from (DeepSpeed, Megatron-Core, KempnerForge, torchtitan). Rules local
 to one section are checked when the section is built (schema.py); the rules that read the
-files the data section names live in validate_data.py.
+files the data section names live in data_rules/.
 
 Every problem names recipe fields the user can change. Quantities dsforge derives (dp, the
 microbatches per step, the expert tensor-parallel size when parallel.etp is left out) appear
 in the message with where they come from, never as a field, and a fix suggests values of the
 fields themselves, each checked by running the rules again with that one value changed: it
-clears the problem, breaks no rule that holds now, and leaves no problem naming that field.
+clears the problem, breaks no rule that holds now, and leaves no problem naming that field
+(fixes.py finds and writes them).
 """
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import functools
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Iterator
 
-from dsforge.problems import Problem, RecipeError
-from dsforge.recipe.layout import BatchSizes, Topology, batch_sizes, data_parallel_size, derive_batch
-from dsforge.recipe.schema import TORCH_ADAM_IMPLS, ParallelConfig, Recipe, TrainConfig, divisors
+from dsforge.problems import Problem
+from dsforge.recipe.data_rules import DATA_RULES
 from dsforge.recipe.extras import missing_extras
+from dsforge.recipe.fixes import (Context, Rule, batch_fields, batch_fix, divisors_that_work,
+                                  microbatch_rule, multiples_that_work, use)
 from dsforge.recipe.init_from import init_from_problems
-from dsforge.recipe.validate_data import DATA_RULES
-
-
-@dataclass(frozen=True)
-class _Context:
-    topology: Topology | None
-    dp: int | None  # None when the world size is unknown or does not divide
-    batch: BatchSizes | None  # None when dp is unknown or the batch does not divide
-    # Rule ids the recipe breaks now; None while checking a suggested value (which must not
-    # look for suggestions of its own).
-    failing: frozenset[str] | None
-
-    def working(self, recipe: Recipe, rule: str, path: str, values: Iterable[Any]) -> list[Any]:
-        """_working, for the rules of validate_data.py (which cannot import this module)."""
-        return _working(recipe, self, rule, path, values)
-
-
-Rule = Callable[[Recipe, _Context], Iterator[Problem]]
+from dsforge.recipe.layout import Topology, batch_sizes, data_parallel_size
+from dsforge.recipe.schema import TORCH_ADAM_IMPLS, Recipe
 
 
 def validate(recipe: Recipe, topology: Topology | None) -> list[Problem]:
@@ -57,90 +40,12 @@ def validate(recipe: Recipe, topology: Topology | None) -> list[Problem]:
 
 def _run(recipe: Recipe, topology: Topology | None, failing: frozenset[str] | None) -> list[Problem]:
     dp = data_parallel_size(recipe, topology.world_size) if topology else None
-    ctx = _Context(topology=topology, dp=dp, batch=batch_sizes(recipe, dp) if dp else None,
-                   failing=failing)
+    ctx = Context(topology=topology, dp=dp, batch=batch_sizes(recipe, dp) if dp else None,
+                  failing=failing, check=functools.partial(_run, topology=topology, failing=None))
     return [problem for rule in RULES for problem in rule(recipe, ctx)]
 
 
-def _with(recipe: Recipe, path: str, value: Any) -> Recipe | None:
-    """The recipe with one field (dotted path, e.g. "model.moe.top_k") changed; None when the
-    field's own section rejects the value."""
-    *sections, name = path.split(".")
-
-    def put(obj: Any, keys: list[str]) -> Any:
-        if not keys:
-            return dataclasses.replace(obj, **{name: value})
-        return dataclasses.replace(obj, **{keys[0]: put(getattr(obj, keys[0]), keys[1:])})
-
-    try:
-        return put(recipe, sections)
-    except RecipeError:
-        return None
-
-
-def _working(recipe: Recipe, ctx: _Context, rule: str, path: str, values: Iterable[int]) -> list[int]:
-    """The values of `path` with which `rule` holds, no rule breaks that holds now, and no
-    problem names `path` (which would have the user change it again)."""
-    if ctx.failing is None:
-        return []
-    found = []
-    for value in values:
-        candidate = _with(recipe, path, value)
-        if candidate is None:
-            continue
-        now = _run(candidate, ctx.topology, failing=None)
-        if ({p.rule for p in now} <= ctx.failing - {rule}
-                and not any(path in p.fields for p in now)):
-            found.append(value)
-    return found
-
-
-def _use(options: dict[str, str], otherwise: str) -> str:
-    """'use a in {..}, or b in {..}' for the options that have values, else `otherwise`."""
-    shown = [f"{path} in {values}" for path, values in options.items() if values]
-    return "use " + ", or ".join(shown) if shown else otherwise
-
-
-def _choices(values: list[int], limit: int = 12) -> str:
-    """'{1, 2, 4}'; '' when there are none."""
-    if not values:
-        return ""
-    shown = ", ".join(map(str, values[:limit]))
-    return "{" + shown + (", ..." if len(values) > limit else "") + "}"
-
-
-def _around(values: list[int], current: int, count: int = 4) -> str:
-    """Up to `count` of the ascending `values` nearest `current`: one below it, the rest above;
-    '' when there are none."""
-    if not values:
-        return ""
-    start = max(0, min(bisect.bisect_left(values, current) - 1, len(values) - count))
-    shown = ", ".join(map(str, values[start:start + count]))
-    more = ", ..." if start + count < len(values) else ""
-    return "{" + ("..., " if start else "") + shown + more + "}"
-
-
-def _multiples(step: int, current: int) -> list[int]:
-    return _near(range(step, 2 * current + 4 * step, step), (current,))
-
-
-_NEAR = 256  # candidate values tried for a suggestion: enough for _around, bounded for any input
-
-
-def _near(values: range, anchors: Iterable[int]) -> list[int]:
-    """`values` when there are few, else those near each anchor (a few below, more above):
-    suggestions show the valid values nearest the current one (_around), and a range that
-    grows with the value (global_batch 10**7) must not be tried whole."""
-    if len(values) <= _NEAR:
-        return list(values)
-    picked: set[int] = set()
-    for anchor in anchors:
-        at = max(0, min(len(values), (anchor - values.start) // values.step))
-        picked.update(values[max(0, at - _NEAR // 8): at + _NEAR // 2])
-    return sorted(picked)
-
-
-def _world_field(ctx: _Context) -> str:
+def _world_field(ctx: Context) -> str:
     """Where the world size came from (--world-size, the hostfile, the cluster section)."""
     return ctx.topology.source or "world size"
 
@@ -150,7 +55,7 @@ def _etp_field(recipe: Recipe) -> str:
     return "parallel.etp" if recipe.parallel.etp is not None else "parallel.tp"
 
 
-def _dp_origin(recipe: Recipe, ctx: _Context) -> str:
+def _dp_origin(recipe: Recipe, ctx: Context) -> str:
     """How dp came about, e.g. "dp 4 = world size 8 / (tp 2 x pp 1)"."""
     p = recipe.parallel
     if p.dp != -1:
@@ -159,7 +64,7 @@ def _dp_origin(recipe: Recipe, ctx: _Context) -> str:
             f"(tp {p.tp} x pp {p.pp})")
 
 
-def parallel_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def parallel_arithmetic(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """P1/P2: world = dp x tp x pp x cp (EP is carved out of dp and does not multiply)."""
     if ctx.topology is None or ctx.dp is not None:
         return
@@ -170,8 +75,8 @@ def parallel_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
         yield Problem(rule="P2", fields=fields,
                       message=f"{world} ranks do not divide into groups of tp x pp x cp = "
                               f"{model_parallel} model-parallel ranks",
-                      fix=_use(_model_parallel_options(recipe, ctx, "P2"),
-                               "change parallel.tp or parallel.pp")
+                      fix=use(_model_parallel_options(recipe, ctx, "P2"),
+                              "change parallel.tp or parallel.pp")
                           + f", or a world size that is a multiple of {model_parallel}")
     elif world % model_parallel == 0:
         yield Problem(rule="P1", fields={**fields, "parallel.dp": p.dp},
@@ -181,17 +86,17 @@ def parallel_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
         yield Problem(rule="P1", fields={**fields, "parallel.dp": p.dp},
                       message=f"dp x tp x pp x cp = {p.dp * model_parallel}, not the world size, "
                               f"and no dp fits: {world} is not a multiple of tp x pp = {model_parallel}",
-                      fix=_use(_model_parallel_options(recipe, ctx, "P1"),
-                               "change parallel.tp, parallel.pp or parallel.dp"))
+                      fix=use(_model_parallel_options(recipe, ctx, "P1"),
+                              "change parallel.tp, parallel.pp or parallel.dp"))
 
 
-def _model_parallel_options(recipe: Recipe, ctx: _Context, rule: str) -> dict[str, str]:
+def _model_parallel_options(recipe: Recipe, ctx: Context, rule: str) -> dict[str, str]:
     world = ctx.topology.world_size
-    return {path: _choices(_working(recipe, ctx, rule, path, divisors(world)))
+    return {path: divisors_that_work(recipe, ctx, rule, path, world)
             for path in ("parallel.tp", "parallel.pp")}
 
 
-def tensor_parallel_in_node(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def tensor_parallel_in_node(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """P4: a TP group spanning nodes puts per-layer all-reduces on the inter-node network."""
     top, tp = ctx.topology, recipe.parallel.tp
     if top is None or top.node_slots is None or tp == 1 or ctx.dp is None:
@@ -199,87 +104,26 @@ def tensor_parallel_in_node(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     # A TP group (ranks g*tp .. g*tp+tp-1) spans nodes when a node boundary falls inside it.
     spanning = top.groups_spanning_nodes(tp)
     if spanning:
-        tps = _working(recipe, ctx, "P4", "parallel.tp", divisors(tp))
+        tps = divisors_that_work(recipe, ctx, "P4", "parallel.tp", tp)
         yield Problem(rule="P4", severity="warning",
                       fields={"parallel.tp": tp, "GPUs per node": min(top.node_slots)},
                       message=f"{spanning} tensor-parallel group(s) span nodes; every layer "
                               "then all-reduces over the inter-node network",
-                      fix=_use({"parallel.tp": _choices(tps)}, "keep tp <= GPUs per node")
+                      fix=use({"parallel.tp": tps}, "keep tp <= GPUs per node")
                           + " (pp or dp can span nodes)")
 
 
-_BATCH_FIELDS = ("global_batch", "micro_batch", "grad_accum")
-
-
-def _batch_fields(train: TrainConfig) -> dict[str, int]:
-    """The batch fields the recipe sets (the others are derived)."""
-    return {f"train.{name}": getattr(train, name) for name in _BATCH_FIELDS
-            if getattr(train, name) is not None}
-
-
-def _microbatch_rule(parallel: ParallelConfig, microbatches: int) -> str | None:
-    """L6/L4, or None when a pipeline can run this many microbatches per step."""
-    return _pipeline_microbatch_rule(parallel.pp, parallel.vpp, microbatches)
-
-
-def _pipeline_microbatch_rule(pp: int, vpp: int, microbatches: int) -> str | None:
-    if pp == 1:
-        return None
-    if microbatches < pp:
-        return "L6"
-    # Megatron-Core groups microbatches per virtual stage in groups of pp; a remainder group
-    # smaller than pp raises at the first step.
-    return "L4" if vpp > 1 and microbatches % pp else None
-
-
-def _batch_fix(recipe: Recipe, ctx: _Context) -> str:
-    """Values of the batch fields the recipe sets (global_batch when it sets none), one changed
-    at a time, with which the batch and pipeline-microbatch rules hold (the only rules that
-    depend on them)."""
-    t, p = recipe.train, recipe.parallel
-    return _batch_fix_for(t.global_batch, t.micro_batch, t.grad_accum, ctx.dp, p.pp, p.vpp)
-
-
-# Depends on these six numbers only: a search rejects many recipes that differ in nothing else.
-@functools.lru_cache(maxsize=4096)
-def _batch_fix_for(global_batch: int | None, micro_batch: int | None, grad_accum: int | None,
-                   dp: int, pp: int, vpp: int) -> str:
-    given = {"global_batch": global_batch, "micro_batch": micro_batch, "grad_accum": grad_accum}
-    options = {}
-    for name in [n for n in _BATCH_FIELDS if given[n] is not None] or ["global_batch"]:
-        fits = []
-        for value in _batch_candidates(name, given, dp, pp):
-            sizes = derive_batch(**{**given, name: value}, dp=dp)
-            if sizes is not None and _pipeline_microbatch_rule(pp, vpp, sizes.grad_accum) is None:
-                fits.append(value)
-        options[f"train.{name}"] = _around(fits, given[name] or 1)
-    return _use(options, "change train.global_batch, micro_batch or grad_accum")
-
-
-def _batch_candidates(name: str, given: dict[str, int | None], dp: int, pp: int) -> list[int]:
-    """Values of train.`name` to try, near its current value and near the smallest batch a
-    pipeline of pp stages runs (pp microbatches)."""
-    current = given[name] or 1
-    if name == "global_batch":  # a multiple of dp, up to well past the current sizes
-        pipeline = pp * (given["micro_batch"] or 1) * (given["grad_accum"] or 1)
-        most = 4 * max((given["global_batch"] or 1) // dp, pipeline) + 4
-        return _near(range(dp, dp * most + 1, dp), (current, pipeline * dp))
-    if given["global_batch"] is not None:
-        return _near(range(1, given["global_batch"] // dp + 1), (current, pp))
-    return _near(range(1, 4 * max(current, pp) + 1), (current, pp))
-
-
-def batch_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def batch_arithmetic(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """B1/B2: global_batch = micro_batch x grad_accum x dp, exactly."""
     if ctx.dp is None or ctx.batch is not None:
         return
     t, dp = recipe.train, ctx.dp
-    fields, origin = _batch_fields(t), _dp_origin(recipe, ctx)
+    fields, origin = batch_fields(t), _dp_origin(recipe, ctx)
     if t.micro_batch is not None and t.global_batch % (t.micro_batch * dp) == 0:
         yield Problem(rule="B1", fields=fields,
                       message=f"micro_batch x grad_accum x dp = {t.micro_batch} x {t.grad_accum} "
                               f"x {dp} is not global_batch ({origin})",
-                      fix=_batch_fix(recipe, ctx) + "; or leave one of them out, it is derived")
+                      fix=batch_fix(recipe, ctx) + "; or leave one of them out, it is derived")
         return
     # global_batch is divided by whichever of micro_batch and grad_accum the recipe gives.
     name = "grad_accum" if t.micro_batch is None else "micro_batch"
@@ -287,37 +131,37 @@ def batch_arithmetic(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     yield Problem(rule="B2", fields=fields,
                   message=f"global_batch is not a positive multiple of {name} x dp = {value} x {dp} "
                           f"({origin})",
-                  fix=_batch_fix(recipe, ctx))
+                  fix=batch_fix(recipe, ctx))
 
 
-def pipeline_layers(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def pipeline_layers(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """L1/L2: every (virtual) pipeline stage gets the same whole number of layers."""
     p, layers = recipe.parallel, recipe.model.num_layers
     if layers % (p.pp * p.vpp) == 0:
         return
     rule = "L1" if p.vpp == 1 else "L2"
-    options = {path: _choices(_working(recipe, ctx, rule, path, divisors(layers)))
+    options = {path: divisors_that_work(recipe, ctx, rule, path, layers)
                for path in (["parallel.vpp"] if p.vpp > 1 else []) + ["parallel.pp"]}
     stages = p.pp * p.vpp
-    options["model.num_layers"] = _around(
-        _working(recipe, ctx, rule, "model.num_layers", _multiples(stages, layers)), layers)
+    options["model.num_layers"] = multiples_that_work(recipe, ctx, rule, "model.num_layers",
+                                                      stages, layers)
     fields = {"model.num_layers": layers, "parallel.pp": p.pp}
     if p.vpp == 1:
         yield Problem(rule="L1", fields=fields, message=f"num_layers is not divisible by pp={p.pp}",
-                      fix=_use(options, "change parallel.pp or model.num_layers"))
+                      fix=use(options, "change parallel.pp or model.num_layers"))
         return
     yield Problem(rule="L2", fields={**fields, "parallel.vpp": p.vpp},
                   message=f"num_layers is not divisible by pp*vpp={stages}",
-                  fix=_use(options, "change parallel.vpp, parallel.pp or model.num_layers"))
+                  fix=use(options, "change parallel.vpp, parallel.pp or model.num_layers"))
 
 
-def pipeline_microbatches(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def pipeline_microbatches(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """L6: fewer microbatches than stages hangs (torchtitan #775); L4: interleaved grouping."""
     p, t = recipe.parallel, recipe.train
-    rule = _microbatch_rule(p, ctx.batch.grad_accum) if ctx.batch else None
+    rule = microbatch_rule(p.pp, p.vpp, ctx.batch.grad_accum) if ctx.batch else None
     if rule is None:
         return
-    m, fields = ctx.batch.grad_accum, {**_batch_fields(t), "parallel.pp": p.pp}
+    m, fields = ctx.batch.grad_accum, {**batch_fields(t), "parallel.pp": p.pp}
     if t.grad_accum is not None:
         runs = f"train.grad_accum = {m} microbatches per step"
     else:
@@ -326,15 +170,15 @@ def pipeline_microbatches(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     if rule == "L6":
         yield Problem(rule="L6", fields=fields,
                       message=f"fewer microbatches than pipeline stages: {runs}",
-                      fix=_batch_fix(recipe, ctx))
+                      fix=batch_fix(recipe, ctx))
         return
     yield Problem(rule="L4", fields={**fields, "parallel.vpp": p.vpp},
                   message="the interleaved schedule needs the microbatches per step to be a "
                           f"multiple of pp: {runs}",
-                  fix=_batch_fix(recipe, ctx))
+                  fix=batch_fix(recipe, ctx))
 
 
-def pipeline_embeddings(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def pipeline_embeddings(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """L5: tied embeddings across pipeline stages need an embedding-group gradient sync."""
     if recipe.model.tie_embeddings and recipe.parallel.pp > 1:
         yield Problem(rule="L5", fields={"model.tie_embeddings": True, "parallel.pp": recipe.parallel.pp},
@@ -343,48 +187,49 @@ def pipeline_embeddings(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                       fix="set model.tie_embeddings: false, or parallel.pp: 1")
 
 
-def tensor_parallel_shapes(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def tensor_parallel_shapes(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """T1: heads, query groups and MLP widths split evenly across the tensor-parallel group."""
     m, tp = recipe.model, recipe.parallel.tp
     if m.num_attention_heads % tp:
         yield Problem(rule="T1", fields={"model.num_attention_heads": m.num_attention_heads,
                                          "parallel.tp": tp},
                       message="attention heads must divide evenly across tp",
-                      fix=_use({"parallel.tp": _tp_choices(recipe, ctx)}, "change parallel.tp"))
+                      fix=use({"parallel.tp": _tp_choices(recipe, ctx)}, "change parallel.tp"))
     groups = m.num_kv_heads  # unset: one per head, which the rule above covers
     if groups is not None and groups % tp and tp % groups:
         yield Problem(rule="T1", fields={"model.num_kv_heads": groups, "parallel.tp": tp},
                       message="the number of KV heads (query groups) must be a multiple or a "
                               "divisor of tp",
-                      fix=_use({"parallel.tp": _tp_choices(recipe, ctx)}, "change parallel.tp"))
+                      fix=use({"parallel.tp": _tp_choices(recipe, ctx)}, "change parallel.tp"))
     if m.ffn_hidden_size % tp:
-        widths = _working(recipe, ctx, "T1", "model.ffn_hidden_size", _multiples(tp, m.ffn_hidden_size))
+        widths = multiples_that_work(recipe, ctx, "T1", "model.ffn_hidden_size", tp,
+                                     m.ffn_hidden_size)
         yield Problem(rule="T1", fields={"model.ffn_hidden_size": m.ffn_hidden_size, "parallel.tp": tp},
                       message="the MLP width must divide evenly across tp",
-                      fix=_use({"model.ffn_hidden_size": _around(widths, m.ffn_hidden_size),
-                                "parallel.tp": _tp_choices(recipe, ctx)}, f"use a multiple of {tp}"))
+                      fix=use({"model.ffn_hidden_size": widths,
+                               "parallel.tp": _tp_choices(recipe, ctx)}, f"use a multiple of {tp}"))
     etp = recipe.parallel.expert_tp
     if m.moe is not None and m.moe.ffn_hidden_size % etp:
         yield from _expert_width(recipe, ctx, etp)
 
 
-def _tp_choices(recipe: Recipe, ctx: _Context) -> str:
-    candidates = divisors(ctx.topology.world_size if ctx.topology else recipe.model.num_attention_heads)
-    return _choices(_working(recipe, ctx, "T1", "parallel.tp", candidates))
+def _tp_choices(recipe: Recipe, ctx: Context) -> str:
+    of = ctx.topology.world_size if ctx.topology else recipe.model.num_attention_heads
+    return divisors_that_work(recipe, ctx, "T1", "parallel.tp", of)
 
 
-def _expert_width(recipe: Recipe, ctx: _Context, etp: int) -> Iterator[Problem]:
+def _expert_width(recipe: Recipe, ctx: Context, etp: int) -> Iterator[Problem]:
     width, field = recipe.model.moe.ffn_hidden_size, _etp_field(recipe)
-    widths = _working(recipe, ctx, "T1", "model.moe.ffn_hidden_size", _multiples(etp, width))
-    etps = _working(recipe, ctx, "T1", "parallel.etp", divisors(width))
+    widths = multiples_that_work(recipe, ctx, "T1", "model.moe.ffn_hidden_size", etp, width)
+    etps = divisors_that_work(recipe, ctx, "T1", "parallel.etp", width)
     unset = "" if recipe.parallel.etp is not None else " (parallel.etp is unset, so expert tp = tp)"
     yield Problem(rule="T1", fields={"model.moe.ffn_hidden_size": width, field: etp},
                   message=f"the expert MLP width must divide evenly across expert tp{unset}",
-                  fix=_use({"model.moe.ffn_hidden_size": _around(widths, width),
-                            "parallel.etp": _choices(etps)}, f"use a multiple of {etp}"))
+                  fix=use({"model.moe.ffn_hidden_size": widths, "parallel.etp": etps},
+                          f"use a multiple of {etp}"))
 
 
-def sequence_length(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def sequence_length(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """T6: training sequences must fit the model's position range."""
     t, m = recipe.train, recipe.model
     if t.seq_len > m.max_seq_len:
@@ -393,7 +238,7 @@ def sequence_length(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                       fix=f"use train.seq_len <= {m.max_seq_len}, or raise model.max_seq_len")
 
 
-def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def expert_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """E1/E3/E4/E6/E7/E8 and the expert grid: etp x ep x edp x pp must tile the world."""
     m, p = recipe.model, recipe.parallel
     if m.moe is None:
@@ -405,7 +250,7 @@ def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
     if m.moe.num_experts % p.ep:
         yield Problem(rule="E1", fields={"model.moe.num_experts": m.moe.num_experts, "parallel.ep": p.ep},
                       message="experts must divide evenly across expert-parallel ranks",
-                      fix=_use({"parallel.ep": _ep_choices(recipe, ctx)}, "change parallel.ep"))
+                      fix=use({"parallel.ep": _ep_choices(recipe, ctx)}, "change parallel.ep"))
     if p.tp > 1 and not p.sequence_parallel:
         yield Problem(rule="E3", fields={"parallel.tp": p.tp, "parallel.sequence_parallel": False},
                       message="MoE with tensor parallelism requires sequence parallelism "
@@ -421,9 +266,9 @@ def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                       message="Megatron-Core 0.16 adds the expert bias in place onto the output "
                               "of its expert all-reduce, which without expert parallelism is the "
                               "input returned as is; autograd refuses it at the first step",
-                      fix=_use({"parallel.ep": _choices(_working(recipe, ctx, "E8", "parallel.ep",
-                                                                 divisors(m.moe.num_experts)))},
-                               "use parallel.ep >= 2") + ", or set model.bias: false")
+                      fix=use({"parallel.ep": divisors_that_work(recipe, ctx, "E8", "parallel.ep",
+                                                                 m.moe.num_experts)},
+                              "use parallel.ep >= 2") + ", or set model.bias: false")
     if p.ep > 1 and recipe.zero.stage == 3:
         yield Problem(rule="E6", fields={"parallel.ep": p.ep, "zero.stage": 3},
                       message="DeepSpeed's ZeRO-3 partitions every parameter over the data-parallel "
@@ -442,24 +287,24 @@ def expert_parallel(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
         yield from _expert_grid(recipe, ctx)
 
 
-def _ep_choices(recipe: Recipe, ctx: _Context) -> str:
-    return _choices(_working(recipe, ctx, "E1", "parallel.ep", divisors(recipe.model.moe.num_experts)))
+def _ep_choices(recipe: Recipe, ctx: Context) -> str:
+    return divisors_that_work(recipe, ctx, "E1", "parallel.ep", recipe.model.moe.num_experts)
 
 
-def _expert_grid(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def _expert_grid(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     p, world = recipe.parallel, ctx.topology.world_size
     grid = p.expert_tp * p.ep * p.pp
     if world % grid:
         yield Problem(rule="E1", fields={_world_field(ctx): world, _etp_field(recipe): p.expert_tp,
                                          "parallel.ep": p.ep, "parallel.pp": p.pp},
                       message=f"the expert grid etp x ep x pp = {grid} does not divide the world",
-                      fix=_use({"parallel.ep": _ep_choices(recipe, ctx),
-                                "parallel.etp": _choices(_working(recipe, ctx, "E1", "parallel.etp",
-                                                                  divisors(world)))},
-                               "change parallel.ep or parallel.etp"))
+                      fix=use({"parallel.ep": _ep_choices(recipe, ctx),
+                               "parallel.etp": divisors_that_work(recipe, ctx, "E1",
+                                                                  "parallel.etp", world)},
+                              "change parallel.ep or parallel.etp"))
 
 
-def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def zero_with_pipeline(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """Z2: with pp > 1 every ZeRO stage is accepted, but not ZeRO-2 with optimizer offload
     under the interleaved schedule, nor fp16 (each: DeepSpeed would be wrong, or raise, under
     Megatron-Core's schedule; docs/runtime.md)."""
@@ -485,7 +330,7 @@ def zero_with_pipeline(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                           "none, or zero.stage: 1")
 
 
-def optimizer_offload(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def optimizer_offload(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """O1: optimizer offload steps with DeepSpeed's CPU Adam, not a torch AdamW
     (translate/optimizer.py says why)."""
     if recipe.zero.offload_optimizer == "cpu" and recipe.train.adam_impl in TORCH_ADAM_IMPLS:
@@ -498,7 +343,7 @@ def optimizer_offload(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                           "zero.offload_optimizer: none")
 
 
-def profile_within_run(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def profile_within_run(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """R4: the steps tracking.profile traces are steps of the run."""
     steps, traced = recipe.train.steps, recipe.tracking.profile_range
     if traced is not None and traced[1] >= steps:
@@ -509,12 +354,12 @@ def profile_within_run(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
                       fix=f'use tracking.profile: "{first}:{steps - 1}" or fewer steps')
 
 
-def optional_packages(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def optional_packages(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """X1 (recipe/extras.py): TensorBoard and W&B tracking need their packages."""
     yield from missing_extras(recipe)
 
 
-def hugging_face_start(recipe: Recipe, ctx: _Context) -> Iterator[Problem]:
+def hugging_face_start(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """I1-I5: the model.init_from folder holds the recipe's model (dsforge/recipe/init_from.py)."""
     yield from init_from_problems(recipe.model)
 

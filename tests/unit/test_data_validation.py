@@ -21,7 +21,7 @@ from dsforge.cli import main
 from dsforge.data.indexed import megatron_indexed_dataset, split_ranges
 from dsforge.data.prepare import prepare
 from dsforge.recipe import Topology, validate
-from dsforge.recipe import validate_data
+from dsforge.recipe.data_rules import datasets as dataset_rules
 from dsforge.problems import RecipeError
 from tests.conftest import REPO, make_recipe
 
@@ -409,8 +409,8 @@ def test_a_100_gb_corpus_validates_in_seconds_from_its_index(tmp_path):
 def test_validation_reads_a_dataset_once_and_again_when_it_changes(data, tmp_path, monkeypatch):
     prefix = _copy(data.wiki, tmp_path)
     opened = []
-    real = validate_data._open_files
-    monkeypatch.setattr(validate_data, "_open_files", lambda p: opened.append(p) or real(p))
+    real = dataset_rules._open_files
+    monkeypatch.setattr(dataset_rules, "_open_files", lambda p: opened.append(p) or real(p))
     for _ in range(3):
         problems(f"data.source={prefix}", "model.vocab_size=256")  # D12: validated twice
     assert opened == [prefix]
