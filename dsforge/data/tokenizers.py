@@ -10,8 +10,11 @@
 Every tokenizer encodes with the tokenizer's own special tokens (add_special_tokens=True, a
 BOS where its post-processor adds one), as Megatron-LM's and GPT-NeoX's preprocessing tools do;
 the end-of-document token is appended by prepare.py, not here. The EOD is `eod_token` when
-given, else the folder's tokenizer_config.json / special_tokens_map.json `eos_token`, else the
-first special token named like one (EOD_NAMES).
+given, else the tokenizer's own eos where a config beside it names one (tokenizer_config.json /
+special_tokens_map.json `eos_token`, else config.json / generation_config.json `eos_token_id`;
+a transformers tokenizer's `eos_token`), else the first token named like one (EOD_NAMES: the
+names of the common tokenizer families, Megatron-LM's `<eod>` and GPT-NeoX's `<|endoftext|>`).
+`<|im_end|>` ends a chat turn, so it is the EOD only where a config names it the eos.
 
 Worker processes rebuild a tokenizer from its `TokenizerSpec` (a name and an EOD token: small
 and picklable), as Megatron-LM's preprocess_data.py builds one per worker in its initializer.
@@ -34,7 +37,15 @@ from dsforge.data.identity import TokenizerIdentity, is_record
 BYTES = "bytes"
 BYTES_EOD = byte_level.VOCAB_SIZE  # 256: the first id after the bytes
 ARGUMENT = "--tokenizer"
-EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+# Tokens that end a document by their name alone, first found first: GPT-2/GPT-NeoX/Qwen,
+# Llama 3, Llama 2/Mistral/T5, Gemma, others; Megatron-LM's own (its GPT2 tokenizer's `eod`).
+EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<eod>",
+             "<|eod|>")
+# Ends a chat turn (ChatML), not a document: the EOD only where a config names it the eos_token.
+EOS_ONLY_NAMES = ("<|im_end|>",)
+# Special tokens that never end a document (unknown, padding, masks, beginnings): left out of
+# the candidates a refusal suggests.
+_NEVER_EOD = ("unk", "pad", "mask", "cls", "bos", "begin", "start", "<s>")
 # Files of a model folder that define its tokenization (hashed into the identity).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
@@ -106,7 +117,8 @@ class JsonTokenizer:
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         specials = {token.content: int(index) for index, token in
                     self._tokenizer.get_added_tokens_decoder().items() if token.special}
-        eod_token = _eod_token(spec, vocab, specials, config_dir)
+        configured = _configured_eos(config_dir, vocab) if config_dir else None
+        eod_token = _eod_token(spec, vocab, specials, configured, configs_read=bool(config_dir))
         self.identity = TokenizerIdentity(
             kind="tokenizers", name=spec.name, path=str(Path(spec.name).resolve()),
             vocab_size=max(vocab.values()) + 1, eod_id=vocab[eod_token], eod_token=eod_token,
@@ -140,8 +152,8 @@ class TransformersTokenizer:
                             "give a tokenizer.json") from None
         vocab = self._tokenizer.get_vocab()
         specials = dict(zip(self._tokenizer.all_special_tokens, self._tokenizer.all_special_ids))
-        eod_token = spec.eod_token or self._tokenizer.eos_token
-        eod_token = _eod_token(TokenizerSpec(spec.name, eod_token), vocab, specials, None)
+        configured = self._tokenizer.eos_token or _configured_eos(folder, vocab)
+        eod_token = _eod_token(spec, vocab, specials, configured)
         self.identity = TokenizerIdentity(
             kind="transformers", name=spec.name, path=str(folder.resolve()),
             vocab_size=max(max(vocab.values()) + 1, len(self._tokenizer)),
@@ -153,36 +165,77 @@ class TransformersTokenizer:
 
 
 def _eod_token(spec: TokenizerSpec, vocab: dict[str, int], specials: dict[str, int],
-               config_dir: Path | None) -> str:
+               configured: str | None, *, configs_read: bool = True) -> str:
+    """--eod-token, else the eos a config names (`configured`), else the first of EOD_NAMES the
+    tokenizer has; a refusal that names the candidate when there is one. `configs_read`: False
+    for a tokenizer file not named tokenizer.json, whose folder's configs are not read."""
     if spec.eod_token is not None:
         if spec.eod_token not in vocab:
             raise DataError("--eod-token", spec.eod_token, f"is not a token of {spec.name} "
                             f"(its special tokens: {', '.join(specials) or 'none'})",
                             "give one of its special tokens")
         return spec.eod_token
-    configured = _configured_eos(config_dir) if config_dir else None
     if configured in vocab:
         return configured
     for name in EOD_NAMES:
         if name in specials or name in vocab:
             return name
-    raise DataError(ARGUMENT, spec.name, "has no end-of-document token (no eos_token in a "
-                    f"tokenizer_config.json beside it, none of {', '.join(EOD_NAMES)}; its "
-                    f"special tokens: {', '.join(specials) or 'none'})",
-                    "pass --eod-token with the token that ends a document")
+    candidates = [token for token in specials if _may_end_documents(token)]
+    if len(candidates) == 1:
+        fix = (f"pass --eod-token {_quoted(candidates[0])} if that token ends a document (it is "
+               "the one special token that could), or the token that does")
+    elif candidates:
+        fix = f"pass --eod-token with the token that ends a document, one of {', '.join(candidates)}"
+    else:
+        fix = ("pass --eod-token with the token that ends a document (this tokenizer has no "
+               "special token that could: add one, e.g. <|endoftext|>, when training it)")
+    configs = ("no eos_token in a config beside it (tokenizer_config.json, "
+               "special_tokens_map.json, config.json, generation_config.json)" if configs_read
+               else "no config read (only a file named tokenizer.json or a model folder has "
+               "its folder's configs read)")
+    raise DataError(ARGUMENT, spec.name, f"has no end-of-document token: {configs} and none of "
+                    f"{', '.join(EOD_NAMES)} (the first found would be picked; "
+                    f"{', '.join(EOS_ONLY_NAMES)} only where a config names it the eos_token); "
+                    f"its special tokens: {', '.join(specials) or 'none'}", fix)
 
 
-def _configured_eos(folder: Path) -> str | None:
+def _may_end_documents(token: str) -> bool:
+    lowered = token.lower()
+    return not any(word in lowered for word in _NEVER_EOD)
+
+
+def _quoted(token: str) -> str:
+    """A token as a shell word: '<|im_end|>' (a token with a quote in it is rare)."""
+    return "'" + token.replace("'", "'\\''") + "'"
+
+
+def _configured_eos(folder: Path, vocab: dict[str, int]) -> str | None:
+    """The eos a model folder's configs name: tokenizer_config.json's or special_tokens_map.json's
+    eos_token (a string or {"content": ...}), else config.json's or generation_config.json's
+    eos_token_id (an id or a list of them, the first taken) as its token."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        try:
-            value = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token")
-        except (OSError, ValueError, AttributeError):
-            continue
+        value = _config_value(folder / name, "eos_token")
         if isinstance(value, dict):  # {"content": "</s>", "lstrip": false, ...}
             value = value.get("content")
         if isinstance(value, str):
             return value
+    tokens = None
+    for name in ("config.json", "generation_config.json"):
+        value = _config_value(folder / name, "eos_token_id")
+        if isinstance(value, list) and value:
+            value = value[0]
+        if isinstance(value, int) and not isinstance(value, bool):
+            tokens = tokens or {index: token for token, index in vocab.items()}
+            if value in tokens:
+                return tokens[value]
     return None
+
+
+def _config_value(file: Path, key: str):
+    try:
+        return json.loads(file.read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _not_a_tokenizer(name: str, file: Path, exc: Exception) -> DataError:

@@ -455,3 +455,93 @@ def test_prepare_main_reports_an_interruption_with_exit_130(tmp_path, monkeypatc
     code = prepare_main([str(TEMPEST)], tokenizer="bytes", output=tmp_path / "t", workers=0)
     assert code == 130 and "stopped by SIGINT" in capsys.readouterr().err
     assert leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------- the EOD token
+
+def _special_tokenizer(path: Path, specials: list[str]) -> Path:
+    """A word-level tokenizer.json whose special tokens are `specials` (and nothing named like
+    an EOD unless listed)."""
+    pytest.importorskip("tokenizers", reason="needs the tokenizers package")
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    words.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("name", ["<eod>", "<|eod|>"])
+def test_megatron_and_neox_eod_names_are_recognised(name, tmp_path):
+    """Issue 25 item 1: Megatron-LM's `<eod>` (and `<|eod|>`) end a document without --eod-token."""
+    path = _special_tokenizer(tmp_path / "t.json", ["[UNK]", name])
+    identity = load_tokenizer(str(path)).identity
+    assert identity.eod_token == name and identity.eod_id == 3
+    result = prepare([str(write_jsonl(tmp_path / "d.jsonl", ["a b", "b"]))], tokenizer=str(path),
+                     output=tmp_path / "p", workers=0)
+    assert documents(result.prefix) == [[1, 2, 3], [2, 3]]
+
+
+def test_the_existing_eod_names_keep_their_order(tmp_path):
+    path = _special_tokenizer(tmp_path / "t.json", ["<eod>", "</s>", "<|endoftext|>"])
+    assert load_tokenizer(str(path)).identity.eod_token == "<|endoftext|>"
+
+
+def test_im_end_is_the_eod_only_where_it_is_the_tokenizers_eos(tmp_path):
+    """<|im_end|> ends a chat turn: the EOD only where a config names it the eos_token; a bare
+    tokenizer.json with it is refused, and the refusal names it as the one candidate."""
+    bare = _special_tokenizer(tmp_path / "bare.json", ["[UNK]", "<|im_start|>", "<|im_end|>"])
+    with pytest.raises(DataError) as refused:
+        load_tokenizer(str(bare))
+    message = str(refused.value)
+    assert refused.value.argument == "--tokenizer" and str(bare) in message
+    assert "<eod>" in message and "<|im_end|>" in message
+    assert "--eod-token '<|im_end|>'" in refused.value.fix  # the one candidate, ready to copy
+
+    folder = tmp_path / "chat"
+    _special_tokenizer(folder / "tokenizer.json", ["[UNK]", "<|im_start|>", "<|im_end|>",
+                                                     "<|endoftext|>"])
+    assert load_tokenizer(str(folder)).identity.eod_token == "<|endoftext|>"  # no config yet
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "<|im_end|>", "special": True, "__type": "AddedToken"}}))
+    assert load_tokenizer(str(folder)).identity.eod_token == "<|im_end|>"
+    assert load_tokenizer(str(folder / "tokenizer.json")).identity.eod_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"tokenizer_config.json": {"eos_token": "<end>"}}, "<end>"),
+    ({"tokenizer_config.json": {"eos_token": {"content": "<end>"}}}, "<end>"),
+    ({"special_tokens_map.json": {"eos_token": "<end>"}}, "<end>"),
+    ({"tokenizer_config.json": {"eos_token": None}, "config.json": {"eos_token_id": 3}}, "<end>"),
+    ({"generation_config.json": {"eos_token_id": [3, 4]}}, "<end>"),
+])
+def test_the_tokenizers_own_eos_token_is_the_eod_wherever_a_config_names_it(config, expected,
+                                                                            tmp_path):
+    """Any name, as long as a config calls it the eos: tokenizer_config.json or
+    special_tokens_map.json's eos_token (a string or {"content": ...}), else config.json or
+    generation_config.json's eos_token_id (the first of a list)."""
+    folder = tmp_path / "model"
+    _special_tokenizer(folder / "tokenizer.json", ["[UNK]", "<end>", "<other>"])
+    for name, content in config.items():
+        (folder / name).write_text(json.dumps(content))
+    assert load_tokenizer(str(folder)).identity.eod_token == expected
+
+
+@pytest.mark.parametrize("specials, fix", [
+    (["[UNK]", "<sep>", "[PAD]"], "--eod-token '<sep>'"),
+    (["[UNK]", "<x>", "<y>"], "one of <x>, <y>"),
+    (["[UNK]", "[PAD]"], "has no special token"),
+])
+def test_the_refusal_says_which_token_would_be_picked(specials, fix, tmp_path):
+    """The message lists the names looked for, in order, and the special tokens found; the
+    fix names the candidate when there is exactly one (unknown, padding, mask and beginning
+    tokens never end a document), else the candidates."""
+    path = _special_tokenizer(tmp_path / "t.json", specials)
+    result = CliRunner().invoke(main, ["data", "prepare", str(TEMPEST), "--tokenizer", str(path),
+                                       "--output", str(tmp_path / "p")])
+    assert result.exit_code == 2, result.output
+    assert f"--tokenizer='{path}'" in result.output and "Fix:" in result.output
+    assert fix in result.output.split("Fix:")[1]
+    assert "<|endoftext|>, <|end_of_text|>, </s>, <eos>, <|eos|>, [EOS], <eod>, <|eod|>" in result.output
