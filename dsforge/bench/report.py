@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dsforge.bench.run import CENSUS_POINTS, largest_census
-from dsforge.bench.store import BenchError, Row, Store
+from dsforge.bench.store import Row, Store, unusable
 from dsforge.hardware import gpu_for_device_name
 from dsforge.job.metrics_file import PHASES, median_breakdown
 from dsforge.units import GiB, MiB
@@ -86,9 +86,10 @@ def _max_bubble(ok: list[Row]) -> float | None:
 
 
 def write_report(store_path: Path, out_dir: Path, peak_tflops: float | None = None) -> Path:
-    """OUT_DIR/report.md and a plot per study; BenchError (naming the path) for a file that is
-    not a results database or an OUT_DIR that cannot be written."""
-    store = Store(store_path)
+    """OUT_DIR/report.md and a plot per study; BenchError (naming RESULTS or --out, the path,
+    and a fix) for a file that is not a results database or an OUT_DIR that cannot be written.
+    The database is only read."""
+    store = Store(store_path, argument="RESULTS", read_only=True)
     try:
         rows = store.rows()
     finally:
@@ -96,8 +97,8 @@ def write_report(store_path: Path, out_dir: Path, peak_tflops: float | None = No
     try:
         return _write(rows, out_dir, peak_tflops)
     except OSError as exc:
-        raise BenchError(f"{out_dir}: cannot write the report: {exc.strerror or exc}"
-                         + (f" ({exc.filename})" if exc.filename else "")) from None
+        raise unusable("--out", out_dir, "cannot write the report", exc, folder=True,
+                       elsewhere="give another --out") from None
 
 
 def _write(rows: list[Row], out_dir: Path, peak_tflops: float | None) -> Path:

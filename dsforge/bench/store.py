@@ -4,16 +4,21 @@ Each row is committed in its own transaction (WAL journal, synchronous=FULL), so
 the bench loses at most the cell in flight, and a re-run finds every finished row. While
 another process holds the write lock, a write waits up to DB_TIMEOUT_S and then raises
 StoreLocked (the bench keeps each result in its cell directory first, bench/run.py). A file
-that is not a results database, or one that cannot be created or written, is a StoreError
-naming the path.
+that is not a results database, or one that cannot be created or written, is a StoreError in
+the form of every dsforge refusal: what the user named and its value (OUT/results.db or
+RESULTS, the path), what is wrong, and `Fix:` (a file or folder in the way, a read-only file
+system, permissions and a full disk each have their own).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import sqlite3
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +32,21 @@ EXIT_TRY_AGAIN = 75
 
 
 class BenchError(Exception):
-    """A results database or output directory that cannot be used; the message names it."""
+    """A results database or output directory that cannot be used, as every dsforge refusal:
+    `argument` what the user named (RESULTS, --out, OUT/results.db), `value` its path,
+    `message` what is wrong, `fix` what to do. A message alone (its text names the path) gets
+    GENERIC_FIX."""
 
     exit_code = EXIT_INVALID
+    GENERIC_FIX = ("check that the path is a folder this user can write, on a writable file "
+                   "system with free space, or give another --out")
+
+    def __init__(self, message: str, *, argument: str | None = None, value=None,
+                 fix: str | None = None):
+        self.argument, self.value, self.message = argument, value, message
+        self.fix = self.GENERIC_FIX if fix is None else fix
+        text = f"{argument}={str(value)!r}: {message}" if argument else message
+        super().__init__(f"{text}. Fix: {self.fix}" if self.fix else text)
 
 
 class StoreError(BenchError):
@@ -40,6 +57,71 @@ class StoreLocked(StoreError):
     """Another process held the database's lock for longer than the timeout."""
 
     exit_code = EXIT_TRY_AGAIN
+
+
+def unusable(argument: str, path: Path, doing: str, exc: BaseException, *, elsewhere: str,
+             writable_elsewhere: str | None = None, folder: bool = False, reading: bool = False,
+             cls: type[BenchError] = BenchError) -> BenchError:
+    """`path` (a file, or with `folder` a folder, that the user named as `argument`) cannot be
+    used: `doing` failed with `exc` (an OSError or sqlite's error). The fix follows the cause:
+    a file or folder in the way, a read-only file system, permissions (to read, with
+    `reading`), a full disk; else `elsewhere` (e.g. "give another --out") with what to check.
+    `writable_elsewhere`: the fix for a read-only file system [`elsewhere` on a writable one]."""
+    detail = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+    if isinstance(exc, OSError) and exc.filename and Path(exc.filename) != path:
+        detail += f" ({exc.filename})"
+    code = exc.errno if isinstance(exc, OSError) else None
+    blocker = None if reading else _in_the_way(path, folder=folder)
+    if blocker is None and code == errno.EISDIR and exc.filename:  # a folder where a file goes
+        blocker = Path(exc.filename)
+    existing = _nearest_existing(path)
+    if blocker is not None:
+        reason = f"{'a folder' if blocker.is_dir() else 'a file'} is in the way: {blocker}"
+        fix = f"move {blocker} away, or {elsewhere}"
+    elif reading and not os.access(existing, os.R_OK):
+        reason = f"this user may not read {existing}"
+        fix = f"make {existing} readable for this user (chmod u+r), or {elsewhere}"
+    elif code == errno.EROFS or _read_only_fs(existing):
+        reason = None if code == errno.EROFS else f"{existing} is on a read-only file system"
+        fix = writable_elsewhere or f"{elsewhere} on a writable file system"
+    elif code in (errno.EACCES, errno.EPERM) or (code is None and not os.access(existing, os.W_OK)):
+        reason = f"this user may not write {existing}"
+        fix = f"make {existing} writable for this user (chmod u+w), or {elsewhere}"
+    elif code in (errno.ENOSPC, errno.EDQUOT):
+        reason = f"the file system of {existing} is full"
+        fix = f"free space there, or {elsewhere}"
+    else:
+        reason = None
+        fix = (f"check that {existing} can be {'read' if reading else 'written'} (permissions"
+               f"{'' if reading else ', free space'}), or {elsewhere}")
+    return cls(f"{doing}: {detail}" + (f"; {reason}" if reason else ""), argument=argument,
+               value=path, fix=fix)
+
+
+def _nearest_existing(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return candidate
+    return Path("/")
+
+
+def _in_the_way(path: Path, *, folder: bool) -> Path | None:
+    """What blocks creating `path`: a file where one of its folders should be, or at `path`
+    a folder where a file should be (or a file where a folder should be)."""
+    for parent in reversed(path.parents):
+        if os.path.lexists(parent) and not parent.is_dir():
+            return parent
+    if os.path.lexists(path) and path.is_dir() != folder:
+        return path
+    return None
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS results (
@@ -83,15 +165,35 @@ _COLUMNS = "study, cell, repeat, axes, status, reason, seconds, recipe, manifest
 
 
 class Store:
-    def __init__(self, path: str | Path, *, timeout_s: float | None = None):
+    """`argument`: what the user named the database as, for refusals (bench: OUT/results.db;
+    report: RESULTS). `read_only` (report): opened without writing anything, and a database
+    without dsforge's results table is refused."""
+
+    def __init__(self, path: str | Path, *, timeout_s: float | None = None,
+                 argument: str = "OUT/results.db", read_only: bool = False):
         self.path = Path(path)
         self.timeout_s = DB_TIMEOUT_S if timeout_s is None else timeout_s
-        with self._errors("cannot create"):
+        self.argument, self.read_only = argument, read_only
+        # A reader of a WAL database writes its -shm file beside it (sqlite's WAL mode).
+        self._elsewhere = ("copy it (and its -wal file) to a folder this user can write and "
+                           "name the copy" if read_only else "give another --out")
+        if read_only:
+            uri = f"file:{urllib.parse.quote(str(self.path.resolve()))}?mode=ro"
+            with self._errors("cannot open"):
+                self.db = sqlite3.connect(uri, uri=True, timeout=self.timeout_s)
+            try:
+                with self._errors("cannot read"):
+                    self.db.execute("SELECT study FROM results LIMIT 0")
+            except StoreError:
+                self.db.close()
+                raise
+            return
+        with self._errors("cannot create the results database"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._errors("cannot open"):
+        with self._errors("cannot open the results database"):
             self.db = sqlite3.connect(self.path, timeout=self.timeout_s)
         try:
-            with self._errors("cannot open"):
+            with self._errors("cannot open the results database"):
                 self.db.execute("PRAGMA journal_mode=WAL")
                 self.db.execute("PRAGMA synchronous=FULL")
                 with self.db:
@@ -108,7 +210,7 @@ class Store:
         return row.status if row else None
 
     def get(self, study: str, cell: str, repeat: int) -> Row | None:
-        with self._errors("cannot read"):
+        with self._errors("cannot read the results database"):
             found = self.db.execute(f"SELECT {_COLUMNS} FROM results WHERE study=? AND cell=? "
                                     "AND repeat=?", (study, cell, repeat)).fetchone()
         return _row(found) if found else None
@@ -122,7 +224,7 @@ class Store:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                with self._errors("cannot write to"), self.db:  # one transaction per row
+                with self._errors("cannot write to the results database"), self.db:  # one transaction per row
                     self.db.execute("INSERT OR REPLACE INTO results VALUES "
                                     "(?,?,?,?,?,?,?,?,?,?,?,?)", values)
                 return
@@ -135,7 +237,7 @@ class Store:
         query, args = f"SELECT {_COLUMNS} FROM results", ()
         if study:
             query, args = query + " WHERE study=?", (study,)
-        with self._errors("cannot read"):
+        with self._errors("cannot read the results database"):
             return [_row(r) for r in self.db.execute(query + " ORDER BY rowid", args).fetchall()]
 
     @contextlib.contextmanager
@@ -146,14 +248,27 @@ class Store:
         except sqlite3.OperationalError as exc:
             if "locked" in str(exc) or "busy" in str(exc):
                 raise StoreLocked(f"{self.path}: another process held the database's lock for "
-                                  f"more than {self.timeout_s:g}s ({exc})") from None
-            raise StoreError(f"{self.path}: {doing} the results database: {exc}") from None
+                                  f"more than {self.timeout_s:g}s ({exc})", fix="") from None
+            if str(exc).startswith("no such table"):  # a SQLite file of another program
+                raise self._not_ours("it has no results table") from None
+            raise self._unusable(doing, exc) from None
         except sqlite3.DatabaseError as exc:
-            raise StoreError(f"{self.path}: not a usable results database ({exc}); move it "
-                             "away or choose another --out") from None
+            raise self._not_ours(f"sqlite: {exc}") from None
         except OSError as exc:
-            raise StoreError(f"{self.path}: {doing} the results database: "
-                             f"{exc.strerror or exc}") from None
+            raise self._unusable(doing, exc) from None
+
+    def _unusable(self, doing: str, exc: BaseException) -> StoreError:
+        return unusable(self.argument, self.path, doing, exc, elsewhere=self._elsewhere,
+                        writable_elsewhere="copy it (and its -wal file) to a writable file system "
+                        "and name the copy" if self.read_only else None,
+                        reading=self.read_only, cls=StoreError)
+
+    def _not_ours(self, why: str) -> StoreError:
+        fix = ("name the results.db that dsforge bench wrote (OUT/results.db)" if self.read_only
+               else "move it away (dsforge bench keeps its results in OUT/results.db) or give "
+               "another --out")
+        return StoreError(f"is not a usable results database ({why})", argument=self.argument,
+                          value=self.path, fix=fix)
 
 
 def _row(r: tuple) -> Row:
