@@ -1,0 +1,1 @@
+"""Helpers shared by several unit test files (not collected: no test_ names here)."""

@@ -1,0 +1,28 @@
+"""A Trainer stand-in for train_loop (dsforge.runtime.loop.trainer): test_trainer.py drives the
+loop with it, test_preempt.py subclasses it for the stop agreement."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+
+class RecordingTrainer:
+    """What train_loop uses of a Trainer, recording the calls."""
+
+    def __init__(self, *, steps: int, every: int, start_step: int, eval_every: int = 0):
+        train = SimpleNamespace(steps=steps, checkpoint_every=every, eval_every=eval_every,
+                                keep_last=0)
+        self.resolved = SimpleNamespace(recipe=SimpleNamespace(train=train))
+        self.start_step, self.calls = start_step, []
+
+    def train_step(self, step):
+        self.calls.append(("step", step))
+
+    def save_checkpoint(self, steps_done, fault=None):
+        self.calls.append(("save", steps_done, fault))
+
+    def evaluate(self, step, before_batch=None):
+        self.calls.append(("eval", step, before_batch))
+
+    def finish(self):
+        self.calls.append(("finish",))

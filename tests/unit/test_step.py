@@ -1,0 +1,50 @@
+"""Where a step takes its census (dsforge.runtime.loop.step): at the end of the last backward,
+and inside each torch optimizer step.
+
+Both tests drive step.py's private helpers (_census_at_last_backward, _stepping) directly: the
+public step_pipelined / step_unpipelined need a DeepSpeed engine (and, pipelined, Megatron's
+schedule) to reach them; tests/distributed runs those."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from dsforge.runtime.loop.step import _census_at_last_backward, _stepping
+
+
+def test_the_census_inside_a_pipelined_step_runs_when_its_last_backward_ends():
+    """The hook counts backward passes; on the last one the census runs after every gradient
+    of that pass and before what the prologue queued (DeepSpeed's epilogue)."""
+    calls = []
+    weight = torch.ones(3, requires_grad=True)
+
+    def prologue():
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: calls.append("epilogue"))
+
+    hook = _census_at_last_backward(lambda point: calls.append((point, weight.grad.sum().item())),
+                                    prologue, backwards=2)
+    for _ in range(2):
+        out = weight * 2
+        out.register_hook(lambda grad: hook())  # where DeepSpeed's output hook would run
+        out.sum().backward()
+    assert calls == ["epilogue", ("backward", 12.0), "epilogue"]
+
+
+def test_the_optimizer_census_runs_inside_each_torch_step_and_is_removed_after():
+    """ZeRO-3 steps the torch optimizer once per sub-group: the census runs each time."""
+    weight = torch.nn.Parameter(torch.ones(4))
+    adam = torch.optim.AdamW([weight])
+
+    def step():
+        for _ in range(2):
+            weight.grad = torch.ones(4)
+            adam.step()
+
+    calls = []
+    engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=adam), step=step)
+    _stepping(engine, calls.append)
+    assert calls == ["optimizer", "optimizer"]
+    _stepping(engine, None)
+    assert calls == ["optimizer", "optimizer"]  # the hook is gone
