@@ -19,8 +19,8 @@ from dsforge.estimate.params import count_params
 from dsforge.hardware import gpu_by_key
 from dsforge.problems import errors
 from dsforge.recipe.resolve import Resolved
-from dsforge.recipe.schema import padded_vocab_size
 from dsforge.recipe.validate import validate
+from dsforge.schema import padded_vocab_size
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.groups import rank_groups

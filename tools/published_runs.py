@@ -35,7 +35,7 @@ from dsforge.recipe.layout import Topology
 from dsforge.recipe.loader import build_recipe
 from dsforge.recipe.presets import PRESETS
 from dsforge.recipe.resolve import resolve
-from dsforge.recipe.schema import ModelConfig, divisors
+from dsforge.schema import ModelConfig, divisors
 from dsforge.search.profile import default_profile
 from dsforge.search.search import Ranked, evaluate
 from dsforge.search.space import MAX_VPP, Candidate

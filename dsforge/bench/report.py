@@ -3,7 +3,10 @@
 The report states the FLOPs formula and the peak used, lists every cell with its status, and
 puts measured figures next to the planner's predictions (memory per GPU, pipeline bubble).
 Where the cells' runs measured a step breakdown (docs/breakdown.md), a table and a stacked
-bar per cell show where the step goes.
+bar per cell show where the step goes. The study's plot (its data: `figure_data`) puts each
+cell's MFU on its throughput bar, and beside the measured memory peak the planner's parts at
+the moment its estimate peaks (the last backward or the optimizer step), which add up to the
+predicted peak of the table, marked, with the other moment's total dashed.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from dsforge.bench.run import CENSUS_POINTS, largest_census
@@ -133,7 +137,7 @@ def _study_section(study: str, cells: list[dict], out_dir: Path, peak_tflops: fl
     lines += _table(cells, peak_tflops)
     lines += _memory_split(cells)
     lines += _breakdown_table(cells)
-    for plot in _plots(study, cells, out_dir):
+    for plot in _plots(study, cells, out_dir, peak_tflops):
         lines += ["", f"![{plot.stem}]({plot.name})"]
     return lines + [""]
 
@@ -253,7 +257,68 @@ def _utilisation(c: dict, peak_tflops: float | None) -> tuple[str, str]:
     return show(c["mfu"]), show(c["hfu"])
 
 
-def _plots(study: str, cells: list[dict], out_dir: Path) -> list[Path]:
+# The planner's two moments (estimate/memory.py MemoryEstimate), each a stack of its parts in
+# this order, and one colour per part, the same in every report.
+MOMENTS = {"backward": ("params", "grads", "bucket", "optimizer", "activations", "buffers"),
+           "optimizer step": ("params", "step_grads", "step_bucket", "optimizer", "step_buffers")}
+PART_COLORS = {"params": "#c44e52", "grads": "#dd8452", "bucket": "#ccb974",
+               "optimizer": "#8c613c", "activations": "#da8bc3", "buffers": "#937860",
+               "step_grads": "#f0b27a", "step_bucket": "#e5d8a0", "step_buffers": "#64b5cd"}
+
+
+@dataclass(frozen=True)
+class ThroughputBar:
+    label: str
+    tokens_per_s: float
+    mfu: str  # as the table shows it: "35.3%" or "n/a"
+
+
+@dataclass(frozen=True)
+class MemoryBar:
+    """One cell's bars in the memory plot, GiB: the measured peak, and the planner's parts at
+    the moment its estimate peaks, which add up to `predicted_peak` (the table's mem GiB
+    (pred.)); `other_moment` is the total of the moment that does not."""
+    label: str
+    measured: float
+    moment: str | None  # "backward" or "optimizer step"; None without a prediction
+    stack: tuple[tuple[str, float], ...]  # (part, GiB) from the bottom
+    predicted_peak: float | None
+    other_moment: tuple[str, float] | None
+
+
+@dataclass(frozen=True)
+class FigureData:
+    """What the study's plot draws (tested as data, not pixels)."""
+    throughput: tuple[ThroughputBar, ...]
+    memory: tuple[MemoryBar, ...]
+    memory_source: str | None
+
+
+def figure_data(cells: list[dict], peak_tflops: float | None = None) -> FigureData:
+    ok = [c for c in cells if "step_time_median" in c]
+    labels = [", ".join(f"{k}={v}" for k, v in c["axes"].items()) for c in ok]
+    throughput = tuple(ThroughputBar(label, c["tokens_per_s"], _utilisation(c, peak_tflops)[0])
+                       for c, label in zip(ok, labels))
+    memory = tuple(_memory_bar(c, label) for c, label in zip(ok, labels))
+    return FigureData(throughput, memory, ok[0]["memory_source"] if ok else None)
+
+
+def _memory_bar(cell: dict, label: str) -> MemoryBar:
+    measured = cell["peak_memory_bytes"] / GiB
+    memory = (cell["prediction"] or {}).get("memory_bytes")
+    if not memory:
+        return MemoryBar(label, measured, None, (), None, None)
+    totals = {moment: sum(memory.get(part, 0) for part in parts) for moment, parts in MOMENTS.items()}
+    # Rows stored before the planner had an optimizer-step moment lack "peak" and step parts.
+    peak = memory.get("peak") if memory.get("peak") in MOMENTS else max(totals, key=totals.get)
+    stack = tuple((part, memory.get(part, 0) / GiB) for part in MOMENTS[peak])
+    other = next(m for m in MOMENTS if m != peak)
+    has_other = any(part in memory for part in MOMENTS[other] if part not in MOMENTS[peak])
+    return MemoryBar(label, measured, peak, stack, memory["total"] / GiB,
+                     (other, totals[other] / GiB) if has_other else None)
+
+
+def _plots(study: str, cells: list[dict], out_dir: Path, peak_tflops: float | None = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -262,26 +327,58 @@ def _plots(study: str, cells: list[dict], out_dir: Path) -> list[Path]:
     ok = [c for c in cells if "step_time_median" in c]
     if not ok:
         return []
-    labels = [", ".join(f"{k}={v}" for k, v in c["axes"].items()) for c in ok]
+    data = figure_data(ok, peak_tflops)
+    fig = _figure(study, ok, data, plt)
+    path = out_dir / f"{study}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends outside the axes included
+    plt.close(fig)
+    return [path] + _breakdown_plot(study, ok, [b.label for b in data.throughput], out_dir, plt)
+
+
+def _figure(study: str, ok: list[dict], data: FigureData, plt):
+    """Throughput with each bar's MFU on it; memory: the measured peak beside the planner's
+    parts at its peak moment, the predicted peak marked; legends outside the axes."""
     pipelined = any(c["bubble"] is not None or (c["prediction"] or {}).get("bubble_share_of_step")
                     for c in ok)
-    fig, axes = plt.subplots(3 if pipelined else 2, 1, figsize=(max(6, 1.2 * len(ok)), 10 if pipelined else 7))
+    fig, axes = plt.subplots(3 if pipelined else 2, 1,
+                             figsize=(max(6, 1.4 * len(ok)) + 3, 10 if pipelined else 7.5))
     throughput, memory = axes[0], axes[1]
-    x = range(len(ok))
-    throughput.bar(x, [c["tokens_per_s"] for c in ok], color="#4c72b0")
+    x = list(range(len(ok)))
+    bars = throughput.bar(x, [b.tokens_per_s for b in data.throughput], color="#4c72b0")
+    throughput.bar_label(bars, labels=[f"MFU {b.mfu}" for b in data.throughput], padding=2,
+                         fontsize=8)
+    throughput.set_ylim(0, 1.12 * max(b.tokens_per_s for b in data.throughput))
     throughput.set_ylabel("tokens/s")
-    throughput.set_title(f"{study}: throughput")
+    throughput.set_title(f"{study}: throughput (MFU on each bar)")
     width = 0.4
-    memory.bar([i - width / 2 for i in x], [c["peak_memory_bytes"] / GiB for c in ok], width,
-               label=f"measured ({ok[0]['memory_source']})", color="#55a868")
-    bottom = [0.0] * len(ok)
-    for part, color in zip(MEMORY_PARTS, ("#c44e52", "#dd8452", "#ccb974", "#8c613c", "#da8bc3", "#937860")):
-        heights = [(c["prediction"] or {}).get("memory_bytes", {}).get(part, 0) / GiB for c in ok]
-        memory.bar([i + width / 2 for i in x], heights, width, bottom=bottom, color=color,
-                   label=f"predicted: {part}")
-        bottom = [b + h for b, h in zip(bottom, heights)]
+    memory.bar([i - width / 2 for i in x], [b.measured for b in data.memory], width,
+               label=f"measured peak ({data.memory_source})", color="#55a868")
+    drawn: set[str] = set()
+    for i, bar in zip(x, data.memory):
+        bottom = 0.0
+        for part, height in bar.stack:
+            if height <= 0:
+                continue
+            memory.bar(i + width / 2, height, width, bottom=bottom, color=PART_COLORS[part],
+                       label=None if part in drawn else f"predicted: {part}")
+            drawn.add(part)
+            bottom += height
+        if bar.predicted_peak is None:
+            continue
+        memory.hlines(bar.predicted_peak, i, i + width, colors="black", linewidth=2,
+                      label=None if "peak" in drawn else "predicted peak", gid="predicted peak")
+        drawn.add("peak")
+        memory.annotate(f"{bar.predicted_peak:.2f}\n({bar.moment})", (i + width / 2, bar.predicted_peak),
+                        xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=7)
+        if bar.other_moment:
+            memory.hlines(bar.other_moment[1], i, i + width, colors="black", linestyles="dashed",
+                          linewidth=1, label=None if "other" in drawn else "predicted, other moment")
+            drawn.add("other")
     memory.set_ylabel("GiB per GPU")
-    memory.legend(fontsize=8)
+    memory.set_title("memory: measured peak | predicted parts at the predicted peak's moment")
+    memory.set_ylim(0, 1.15 * max([b.measured for b in data.memory]
+                                  + [b.predicted_peak or 0 for b in data.memory]))
+    memory.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if pipelined:  # no bubble panel for studies without pipeline cells
         bubble = axes[2]
         bubble.bar([i - width / 2 for i in x], [c["bubble"] or 0 for c in ok], width, label="measured",
@@ -290,15 +387,12 @@ def _plots(study: str, cells: list[dict], out_dir: Path) -> list[Path]:
                    [(c["prediction"] or {}).get("bubble_share_of_step", 0) for c in ok],
                    width, label="theoretical (p-1)/(vm+p-1)", color="#ccb974")
         bubble.set_ylabel("bubble share of step")
-        bubble.legend(fontsize=8)
+        bubble.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     for axis in axes:
-        axis.set_xticks(list(x))
-        axis.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+        axis.set_xticks(x)
+        axis.set_xticklabels([b.label for b in data.throughput], rotation=20, ha="right", fontsize=8)
     fig.tight_layout()
-    path = out_dir / f"{study}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path] + _breakdown_plot(study, ok, labels, out_dir, plt)
+    return fig
 
 
 # One colour per phase, the same in every report.

@@ -26,7 +26,7 @@ from typing import Any
 from dsforge.ckpt.format import COMPLETE, LATEST, STATE_DIR, rng_file
 from dsforge.job.run_dir import RunDir
 from dsforge.problems import Problem, shorten
-from dsforge.recipe.schema import Recipe
+from dsforge.schema import Recipe
 
 # Recipe fields a resumed run may change. Everything else must match, train.steps included:
 # it is the horizon of the learning-rate schedule that the checkpoint restores.

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsforge.estimate.params import count_params, layer_matmul_params, stage_layers
-from dsforge.recipe.schema import ModelConfig
+from dsforge.schema import ModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -66,7 +66,7 @@ from dataclasses import dataclass, fields
 
 from dsforge.estimate.params import attention_params, mlp_params, router_params, stage_layers
 from dsforge.recipe.resolve import Layout
-from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig, padded_vocab_size
+from dsforge.schema import ModelConfig, TrainConfig, ZeroConfig, padded_vocab_size
 
 # DeepSpeed's default zero_optimization.reduce_bucket_size (elements): the most dsforge asks for.
 REDUCE_BUCKET_SIZE = 500_000_000

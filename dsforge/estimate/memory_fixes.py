@@ -18,7 +18,7 @@ from typing import Iterator
 from dsforge.estimate.memory import MemoryEstimate, estimate_memory
 from dsforge.problems import RecipeError
 from dsforge.recipe.resolve import Resolved, resolve
-from dsforge.recipe.schema import Recipe, ZeroConfig, divisors
+from dsforge.schema import Recipe, ZeroConfig, divisors
 
 CHECKPOINTING = ("none", "selective", "full")  # least recompute first
 SHOWN = 3  # fixes named at most

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsforge.recipe.schema import ModelConfig
+from dsforge.schema import ModelConfig
 
 
 def attention_params(m: ModelConfig, with_bias: bool = True) -> int:

@@ -26,7 +26,7 @@ import torch
 
 from dsforge.hf.folder import INDEX, SINGLE, read_tensors
 from dsforge.hf.names import by_source, global_tensor
-from dsforge.recipe.schema import ModelConfig
+from dsforge.schema import ModelConfig
 
 
 class HFWeights:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping
 
 import torch
 
-from dsforge.recipe.schema import ModelConfig, MoEConfig
+from dsforge.schema import ModelConfig, MoEConfig
 
 Part = Literal["whole", "vocab", "q", "k", "v", "gate", "up"]
 LLAMA, MIXTRAL = "llama", "mixtral"

@@ -338,7 +338,7 @@ def plan_job(world: int, environ: Mapping[str, str], *, cpu_only: bool,
 def slurm_time_seconds(text: str) -> int:
     """Seconds of Slurm's --time: minutes as a bare number, else MM:SS, HH:MM:SS, D-HH,
     D-HH:MM or D-HH:MM:SS (ValueError otherwise)."""
-    from dsforge.recipe.schema import time_limit_seconds
+    from dsforge.schema import time_limit_seconds
 
     text = text.strip()
     if text.isascii() and text.isdigit():

@@ -1,11 +1,11 @@
-"""The recipe: schema, strict loading, resolution against a world, validation."""
+"""The recipe: strict loading, resolution against a world, validation (dataclasses: schema.py)."""
 
-from dsforge.recipe.loader import load_recipe
 from dsforge.problems import Problem, RecipeError
 from dsforge.recipe.layout import Topology
+from dsforge.recipe.loader import load_recipe
 from dsforge.recipe.resolve import Layout, Resolved, resolve, resolve_file, topology_for
-from dsforge.recipe.schema import Recipe
 from dsforge.recipe.validate import validate
+from dsforge.schema import Recipe
 
 __all__ = ["Layout", "Problem", "Recipe", "RecipeError", "Resolved", "Topology", "load_recipe",
            "resolve", "resolve_file", "topology_for", "validate"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 
 from dsforge.problems import Problem
-from dsforge.recipe.schema import Recipe
+from dsforge.schema import Recipe
 
 # recipe field -> (the package it needs, the dsforge extra that installs it, what uses it)
 _NEEDS = {

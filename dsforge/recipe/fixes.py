@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from dsforge.problems import Problem, RecipeError
 from dsforge.recipe.layout import BatchSizes, Topology, derive_batch
-from dsforge.recipe.schema import Recipe, TrainConfig, divisors, split_parts
+from dsforge.schema import Recipe, TrainConfig, divisors, split_parts
 
 
 @dataclass(frozen=True)

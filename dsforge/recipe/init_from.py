@@ -28,7 +28,7 @@ from dsforge.hf.folder import (CONFIG, FIELD, LLAMA_ARCH, MIXTRAL_ARCH, FolderEr
 from dsforge.problems import Problem
 
 if TYPE_CHECKING:
-    from dsforge.recipe.schema import ModelConfig
+    from dsforge.schema import ModelConfig
 
 _FLOATS = {"F32", "F16", "BF16", "F64"}
 # What transformers assumes for a field config.json leaves out (LlamaConfig / MixtralConfig

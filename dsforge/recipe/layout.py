@@ -11,7 +11,7 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-from dsforge.recipe.schema import Recipe
+from dsforge.schema import Recipe
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,10 +21,10 @@ from typing import Any, Hashable, Iterable, Literal, Union
 
 import yaml
 
-from dsforge.recipe.presets import PRESETS, apply_preset
-from dsforge.problems import Problem, RecipeError, did_you_mean, read_text, shorten
 from dsforge.data.tokenizers import BYTES as BYTES_TOKENIZER
-from dsforge.recipe.schema import SYNTHETIC, Recipe, name_problems
+from dsforge.problems import Problem, RecipeError, did_you_mean, read_text, shorten
+from dsforge.recipe.presets import PRESETS, apply_preset
+from dsforge.schema import SYNTHETIC, Recipe, name_problems
 
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 

@@ -19,8 +19,8 @@ from dsforge.problems import Problem, RecipeError, errors
 from dsforge.recipe.hostfile import Hostfile, active_hosts, read_hostfile
 from dsforge.recipe.layout import Topology, batch_sizes, data_parallel_size
 from dsforge.recipe.loader import load_recipe
-from dsforge.recipe.schema import MAX_WORLD, Recipe
 from dsforge.recipe.validate import validate
+from dsforge.schema import MAX_WORLD, Recipe
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,7 +25,7 @@ from typing import Iterable
 from dsforge.recipe.layout import Topology
 from dsforge.recipe.loader import apply_overrides, build_recipe, parse_overrides
 from dsforge.recipe.resolve import Resolved, resolve
-from dsforge.recipe.schema import ModelConfig, Recipe, padded_vocab_size
+from dsforge.schema import ModelConfig, Recipe, padded_vocab_size
 
 TINY_STEPS = 4
 TINY_HEAD_DIM = 8

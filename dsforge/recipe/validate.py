@@ -26,7 +26,7 @@ from dsforge.recipe.fixes import (Context, Rule, batch_fields, batch_fix, diviso
                                   microbatch_rule, multiples_that_work, use)
 from dsforge.recipe.init_from import init_from_problems
 from dsforge.recipe.layout import Topology, batch_sizes, data_parallel_size
-from dsforge.recipe.schema import TORCH_ADAM_IMPLS, Recipe
+from dsforge.schema import TORCH_ADAM_IMPLS, Recipe
 
 
 def validate(recipe: Recipe, topology: Topology | None) -> list[Problem]:

@@ -20,7 +20,7 @@ from dsforge.files import write_atomic
 from dsforge.problems import EXIT_INVALID, Problem, RecipeError, did_you_mean, print_problems
 from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe
 from dsforge.recipe.presets import PRESETS
-from dsforge.recipe.schema import Recipe
+from dsforge.schema import Recipe
 from dsforge.search.explain import format_duration, zero_pipeline_note
 from dsforge.search.explorer import write_explorer
 from dsforge.search.measure import measure_top, render_trials, verdict

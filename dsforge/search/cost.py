@@ -16,7 +16,7 @@ from dsforge.estimate.bubble import bubble_fraction
 from dsforge.estimate.flops import pipeline_rank_flops
 from dsforge.estimate.memory import largest_stage_params
 from dsforge.recipe.resolve import Layout, Resolved
-from dsforge.recipe.schema import ModelConfig
+from dsforge.schema import ModelConfig
 from dsforge.search.profile import ClusterProfile
 
 GB = 1e9

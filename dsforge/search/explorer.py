@@ -23,7 +23,7 @@ from dsforge.files import write_atomic
 from dsforge.problems import RecipeError
 from dsforge.recipe.loader import build_dataclass
 from dsforge.recipe.presets import apply_preset
-from dsforge.recipe.schema import ModelConfig, Recipe
+from dsforge.schema import ModelConfig, Recipe
 from dsforge.search.search import Ranked, SearchResult, search
 from dsforge.translate.groups import rank_groups
 

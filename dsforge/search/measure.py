@@ -22,7 +22,7 @@ from dsforge.bench.store import FAILED, Store
 from dsforge.bench.study import Cell, Measure, Study, make_cell, timing
 from dsforge.lock import Busy
 from dsforge.recipe.loader import dump_recipe
-from dsforge.recipe.schema import Recipe
+from dsforge.schema import Recipe
 from dsforge.search.search import Ranked, SearchResult
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.memory import MemoryEstimate, estimate_memory
 from dsforge.recipe.resolve import Resolved
-from dsforge.recipe.schema import Recipe
+from dsforge.schema import Recipe
 from dsforge.search.cost import StepTime, step_time
 from dsforge.search.explain import with_reasons
 from dsforge.search.profile import ClusterProfile

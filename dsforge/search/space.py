@@ -23,7 +23,7 @@ from typing import Iterator
 
 from dsforge.problems import RecipeError
 from dsforge.recipe.resolve import Resolved, Topology, resolve
-from dsforge.recipe.schema import ClusterConfig, Recipe, divisors
+from dsforge.schema import ClusterConfig, Recipe, divisors
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 MAX_VPP = 8

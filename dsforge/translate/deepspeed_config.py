@@ -11,7 +11,7 @@ from typing import Any
 
 from dsforge.estimate.memory import SUB_GROUP_SIZE, reduce_bucket_elements
 from dsforge.recipe.resolve import Layout
-from dsforge.recipe.schema import ModelConfig, TrainConfig, ZeroConfig
+from dsforge.schema import ModelConfig, TrainConfig, ZeroConfig
 from dsforge.translate.device import check_device
 from dsforge.translate.optimizer import optimizer_section
 

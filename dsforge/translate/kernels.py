@@ -25,7 +25,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from dsforge.problems import Problem
-from dsforge.recipe.schema import ModelConfig
+from dsforge.schema import ModelConfig
 
 LIGER_PACKAGE = "liger_kernel"
 # Attention backends torch's CPU SDPA has (flash: its own CPU flash kernel).

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsforge.recipe.resolve import Layout
-from dsforge.recipe.schema import ModelConfig, TrainConfig, padded_vocab_size
+from dsforge.schema import ModelConfig, TrainConfig, padded_vocab_size
 from dsforge.translate.device import check_device
 
 # Megatron-Core's rank order: tp varies fastest, so TP groups are consecutive ranks (inside a

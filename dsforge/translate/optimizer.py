@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsforge.recipe.schema import TORCH_ADAM_IMPLS, TrainConfig, ZeroConfig
+from dsforge.schema import TORCH_ADAM_IMPLS, TrainConfig, ZeroConfig
 
 # DeepSpeed op builder names (deepspeed/ops/op_builder/*.py NAME).
 FUSED_ADAM = "fused_adam"

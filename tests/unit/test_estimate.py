@@ -14,7 +14,7 @@ from dsforge.estimate.memory import (REDUCE_BUCKET_SIZE, SUB_GROUP_SIZE, estimat
 from dsforge.estimate.params import count_params
 from dsforge.hardware import gpu_by_key, gpu_for_device_name
 from dsforge.recipe import Topology, resolve
-from dsforge.recipe.schema import padded_vocab_size
+from dsforge.schema import padded_vocab_size
 from tests.conftest import make_recipe
 
 GiB = 1024**3

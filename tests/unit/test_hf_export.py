@@ -30,7 +30,7 @@ from dsforge.hf.export import ExportRefused, export
 from dsforge.hf.names import from_hf, global_shapes, model_config, pieces, to_hf
 from dsforge.hf.shards import Entry, parse_size, plan_shards, write_shards
 from dsforge.recipe import Topology, resolve
-from dsforge.recipe.schema import padded_vocab_size
+from dsforge.schema import padded_vocab_size
 from tests.conftest import EOD, REPO, make_recipe
 from tests.hf_check import TOLERANCE, transformers_logits
 

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from dsforge.hf.load import HFWeights
 from dsforge.hf.names import to_hf
 from dsforge.recipe import load_recipe, validate
-from dsforge.recipe.schema import padded_vocab_size
+from dsforge.schema import padded_vocab_size
 from tests.conftest import make_recipe
 
 VOCAB = 250  # padded to 256 by Megatron: the padding rows are exercised

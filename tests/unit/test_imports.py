@@ -1,7 +1,9 @@
-"""dsforge's modules import one another in one direction: no import cycles, lazy ones included.
+"""dsforge's modules import one another in one direction: no import cycles, lazy ones included,
+and every import between packages goes down the layers of docs/architecture.md.
 
 A function-level `import` that only dodges a cycle still couples the two modules both ways,
-so every `import dsforge...` / `from dsforge... import` counts, at any nesting level.
+so every `import dsforge...` / `from dsforge... import` counts, at any nesting level. Importing
+`dsforge.a.b` runs `dsforge/a/__init__.py` first, so it counts as importing `dsforge.a` too.
 """
 
 from __future__ import annotations
@@ -56,7 +58,17 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 target = _target(name, modules)
                 if target and target != module:
                     found.add(target)
+                    found |= _packages_entered(target, module, modules)
     return found
+
+
+def _packages_entered(target: str, importer: str, modules: dict[str, Path]) -> set[str]:
+    """The packages whose `__init__` importing `target` runs: those enclosing it but not the
+    importer (Python has entered those already), below the top-level `dsforge`."""
+    parts = target.split(".")
+    enclosing = {".".join(parts[:n]) for n in range(2, len(parts))}
+    return {name for name in enclosing
+            if name in modules and not (importer == name or importer.startswith(name + "."))}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -142,7 +154,13 @@ def test_the_graph_sees_lazy_and_from_imports(tmp_path):
                     "import json\n")
     assert _imports("dsforge.m", path, _modules()) == {
         "dsforge.recipe.loader", "dsforge.search.explain", "dsforge.problems",
-        "dsforge.translate.groups", "dsforge.cli", "dsforge.estimate.bubble"}
+        "dsforge.translate.groups", "dsforge.cli", "dsforge.estimate.bubble",
+        # the packages those imports enter, whose __init__ runs first
+        "dsforge.recipe", "dsforge.search", "dsforge.translate", "dsforge.estimate"}
+    inner = tmp_path / "inner.py"  # a module of dsforge.recipe: its package is entered already
+    inner.write_text("from dsforge.recipe.loader import load_recipe\nfrom dsforge.search import explain\n")
+    assert _imports("dsforge.recipe.inner", inner, _modules()) == {
+        "dsforge.recipe.loader", "dsforge.search.explain", "dsforge.search"}
     assert "dsforge.recipe.loader" in import_graph()["dsforge.search.command"]
 
 
@@ -157,3 +175,72 @@ def test_no_import_cycles():
     graph = import_graph()
     found = tangles(graph)
     assert not found, "import cycles:\n" + "\n".join(_shown(c, graph) for c in found)
+
+
+# The packages from the top down (docs/architecture.md). A module imports only its own package
+# and packages of lower layers; the packages of one layer are siblings that import neither.
+LAYERS = (
+    ("dsforge.__main__",),
+    ("dsforge.cli",),
+    ("dsforge.plan",),
+    ("dsforge.search",),
+    ("dsforge.bench",),
+    ("dsforge.launch", "dsforge.runtime"),
+    ("dsforge.translate",),
+    ("dsforge.estimate",),
+    ("dsforge.recipe",),
+    ("dsforge.hf",),
+    ("dsforge.ckpt",),
+    ("dsforge.data",),
+    ("dsforge.schema", "dsforge.job", "dsforge.tokenizer"),
+    ("dsforge.hardware",),
+    ("dsforge.problems", "dsforge.files", "dsforge.units", "dsforge.lock", "dsforge.versions"),
+)
+# Inside a rank the same rule, from the top down: rank.py, then the sub-packages of runtime/.
+RUNTIME_LAYERS = (("dsforge.runtime",), ("dsforge.runtime.rank",), ("dsforge.runtime.loop",),
+                  ("dsforge.runtime.checkpoint",), ("dsforge.runtime.build",),
+                  ("dsforge.runtime.guard",))
+
+
+def _layer_of(module: str, layers) -> tuple[int, str] | None:
+    """(layer index, the unit of `layers` that holds `module`), or None outside them all."""
+    for index, layer in enumerate(layers):
+        for unit in layer:
+            if module == unit or module.startswith(unit + "."):
+                return index, unit
+    return None
+
+
+def downward_problems(graph: dict[str, set[str]], layers) -> list[str]:
+    """Each import from one unit of `layers` to another that does not go down a layer."""
+    problems = []
+    for module, targets in sorted(graph.items()):
+        here = _layer_of(module, layers)
+        for target in sorted(targets):
+            there = _layer_of(target, layers)
+            if here is None or there is None or here[1] == there[1] or there[0] > here[0]:
+                continue
+            way = "across its layer" if there[0] == here[0] else "up"
+            problems.append(f"{module} imports {target}: {way}, from {here[1]} to {there[1]}")
+    return problems
+
+
+def test_every_module_has_a_layer():
+    graph = import_graph()
+    assert [m for m in graph if m != "dsforge" and _layer_of(m, LAYERS) is None] == []
+    runtime = [m for m in graph if m.startswith("dsforge.runtime")]
+    assert [m for m in runtime if _layer_of(m, RUNTIME_LAYERS) is None] == []
+
+
+def test_imports_go_down_the_layers():
+    graph = import_graph()
+    problems = downward_problems(graph, LAYERS) + downward_problems(graph, RUNTIME_LAYERS[1:])
+    assert not problems, "imports against the layers:\n" + "\n".join(problems)
+
+
+def test_the_layer_check_sees_upward_and_sideways_imports():
+    layers = (("a",), ("b", "c"), ("d",))
+    graph = {"a.x": {"b.y", "d"}, "b.y": {"c.z", "b.w"}, "d": {"a.x"}, "c.z": set(), "b.w": set()}
+    assert downward_problems(graph, layers) == [
+        "b.y imports c.z: across its layer, from b to c", "d imports a.x: up, from d to a"]
+

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from dsforge.problems import errors
 from dsforge.recipe import Topology, resolve, validate
-from dsforge.recipe.schema import ModelConfig
+from dsforge.schema import ModelConfig
 from dsforge.translate.kernels import choose_kernels, device_problems
 from tests.conftest import REPO, make_recipe
 

@@ -8,7 +8,7 @@ import pytest
 
 from dsforge.estimate.memory_fixes import HEADROOM, estimate, fit_limit, memory_fixes, zero_at_stage
 from dsforge.recipe import resolve_file
-from dsforge.recipe.schema import ZeroConfig
+from dsforge.schema import ZeroConfig
 from tests.conftest import REPO
 
 GiB = 2**30

@@ -24,8 +24,8 @@ from dsforge.launch import local
 from dsforge.launch.output import JobView
 from dsforge.problems import RecipeError
 from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe, parse_yaml
-from dsforge.recipe.schema import time_limit_seconds
 from dsforge.runtime.guard.preempt import Stopped, Stopper, StopRequest, TimeBudget
+from dsforge.schema import time_limit_seconds
 from tests.conftest import REPO, rule_ids
 from tests.unit.test_runtime_pieces import _RecordingTrainer
 

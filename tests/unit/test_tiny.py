@@ -8,8 +8,8 @@ import pytest
 
 from dsforge.launch.smoke import compare_losses
 from dsforge.recipe import RecipeError, resolve_file
-from dsforge.recipe.schema import padded_vocab_size
 from dsforge.recipe.tiny import TINY_STEPS, reference_resolved, tiny_resolved
+from dsforge.schema import padded_vocab_size
 from tests.conftest import REPO
 
 SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))

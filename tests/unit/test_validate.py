@@ -11,8 +11,8 @@ import yaml
 
 from dsforge.problems import RecipeError, errors
 from dsforge.recipe import Topology, resolve, resolve_file, validate
-from dsforge.recipe.schema import (ClusterConfig, DataConfig, ModelConfig, MoEConfig, ParallelConfig,
-                                   TrainConfig, ZeroConfig)
+from dsforge.schema import (ClusterConfig, DataConfig, ModelConfig, MoEConfig, ParallelConfig,
+                            TrainConfig, ZeroConfig)
 from tests.conftest import BASE, REPO, make_recipe, rule_ids
 
 MOE = ("model.preset=tiny-moe",)

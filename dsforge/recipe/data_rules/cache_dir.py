@@ -11,7 +11,7 @@ from dsforge.data.cache import default_cache_dir
 from dsforge.problems import Problem
 from dsforge.recipe.data_rules.kind import data_kind
 from dsforge.recipe.fixes import Context
-from dsforge.recipe.schema import Recipe
+from dsforge.schema import Recipe
 
 
 def cache_dir(recipe: Recipe, ctx: Context) -> Iterator[Problem]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from dsforge.problems import Problem
 from dsforge.recipe.data_rules.kind import data_kind, file_stat, has_dataset_files, prefix_of_file
 from dsforge.recipe.fixes import Context
-from dsforge.recipe.schema import DataConfig, Recipe
+from dsforge.schema import DataConfig, Recipe
 
 if TYPE_CHECKING:
     from dsforge.data.errors import DataError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dsforge.recipe.schema import DataConfig
+from dsforge.schema import DataConfig
 
 
 def data_kind(data: DataConfig) -> str:

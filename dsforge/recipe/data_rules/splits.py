@@ -15,7 +15,7 @@ from typing import Iterator
 from dsforge.problems import Problem
 from dsforge.recipe.data_rules.datasets import Dataset, Opened, opened_datasets
 from dsforge.recipe.fixes import Context, batch_fields, largest_that_work, split_fix, use
-from dsforge.recipe.schema import Recipe, split_shares
+from dsforge.schema import Recipe, split_shares
 
 TRAIN, VALIDATION = 0, 1  # indices of the parts in split_ranges
 

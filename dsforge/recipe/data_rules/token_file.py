@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from dsforge.problems import Problem
 from dsforge.recipe.data_rules.kind import data_kind
 from dsforge.recipe.fixes import Context
-from dsforge.recipe.schema import Recipe, split_shares
+from dsforge.schema import Recipe, split_shares
 
 
 def token_file(recipe: Recipe, ctx: Context) -> Iterator[Problem]:

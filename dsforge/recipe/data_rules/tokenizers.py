@@ -15,7 +15,7 @@ from dsforge.problems import Problem
 from dsforge.recipe.data_rules.datasets import Dataset, opened_datasets
 from dsforge.recipe.data_rules.kind import data_kind, file_stat
 from dsforge.recipe.fixes import Context
-from dsforge.recipe.schema import SYNTHETIC, Recipe
+from dsforge.schema import SYNTHETIC, Recipe
 
 if TYPE_CHECKING:
     from dsforge.data.errors import DataError
