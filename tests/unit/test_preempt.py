@@ -27,7 +27,7 @@ from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe, parse_
 from dsforge.runtime.guard.preempt import Stopped, Stopper, StopRequest, TimeBudget
 from dsforge.schema import time_limit_seconds
 from tests.conftest import REPO, rule_ids
-from tests.unit.test_runtime_pieces import _RecordingTrainer
+from tests.unit.helpers.recording_trainer import RecordingTrainer
 
 TINY = REPO / "recipes" / "tiny.yaml"
 
@@ -283,7 +283,7 @@ class _StopAfter:
         return Stopped(steps_done, "SIGTERM") if steps_done == self.steps_done else None
 
 
-class _Trainer(_RecordingTrainer):
+class _Trainer(RecordingTrainer):
     reporter = False
 
     def _write_rank_summary(self):
