@@ -90,8 +90,8 @@ def _read_only_below(monkeypatch, root: pathlib.Path) -> None:
     monkeypatch.setattr(pathlib.Path, "mkdir", refuse)
 
 
-def _store_branches(tmp_path) -> list[tuple[str, str, int, str]]:
-    """(case, message, exit code, where) for every branch of Store._errors."""
+def _store_branches(tmp_path) -> list[tuple[str, str, int, str, str]]:
+    """(case, message, exit code, where, value) for every branch of Store._errors."""
     raised = {"not a database": sqlite3.DatabaseError("file is not a database"),
               "another program's file": sqlite3.OperationalError("no such table: results"),
               "sqlite cannot open": sqlite3.OperationalError("unable to open database file"),
