@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
-import os
-import shlex
 import sys
-import time
 from pathlib import Path
 
 import click
 
-from dsforge.problems import EXIT_INVALID, errors, print_problems
-from dsforge.recipe.hostfile import active_hosts, read_hostfile
-
-# Run-directory locks this process holds until it exits (launch/run_dir.claim).
-_HELD: list = []
-from dsforge.recipe import RecipeError, Resolved, resolve_file
+from dsforge.bench.command import bench_main, report_main
+from dsforge.launch.entry import (RunOptions, check_hosts, deepspeed_argv, launch,
+                                  launched_rank_job, warn)
+from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
+from dsforge.launch.sbatch import write_batch_script
+from dsforge.problems import EXIT_INVALID
 
 
 def _recipe_options(command):
@@ -31,34 +28,24 @@ def _recipe_options(command):
     return click.argument("recipe", type=click.Path(dir_okay=False))(command)
 
 
-def resolve_or_exit(recipe_path: str, overrides: tuple[str, ...], world_size: int | None,
-                    hostfile: str | None, include: str = "", exclude: str = "") -> Resolved:
-    """Load, validate and resolve; on any error print every problem and exit 2."""
-    if world_size is not None and hostfile is not None:
-        raise click.UsageError("give either --world-size or --hostfile, not both")
+def _or_exit(command, *args, **kwargs):
+    """What `command` returns; its refusals printed (exit 2), bad options click's usage error."""
     try:
-        return resolve_file(recipe_path, overrides, world_size=world_size, hostfile=hostfile,
-                            include=include, exclude=exclude)
-    except RecipeError as exc:
-        print_problems(recipe_path, exc.problems)
+        return command(*args, **kwargs)
+    except Refused as refused:
+        refused.report()
         sys.exit(EXIT_INVALID)
+    except BadOptions as exc:
+        raise click.UsageError(str(exc)) from None
 
 
-def _print_warnings(problems) -> None:
-    for warning in problems:
-        click.echo(f"  warning: {warning}", err=True)
+_say = functools.partial(click.echo, err=True)  # one of dsforge's own lines, on stderr
+_show = functools.partial(click.echo, nl=False)  # text for stdout, as it is
 
 
 def entry(argv: list[str] | None = None) -> None:
-    """Console entry point. DeepSpeed's launcher puts `--local_rank=N` before the module's own
-    arguments (`python -m dsforge --local_rank=0 run ...`); move it behind the subcommand."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    local = [a for a in args if a.startswith("--local_rank")]
-    if local and "run" in args:
-        args = [a for a in args if not a.startswith("--local_rank")]
-        value = local[0].split("=", 1)[1] if "=" in local[0] else args.pop(args.index(local[0]) + 1)
-        args.insert(args.index("run") + 1, f"--local_rank={value}")
-    main(args=args, prog_name="dsforge")
+    """Console entry point, also for the ranks DeepSpeed's launcher starts as `-m dsforge`."""
+    main(args=deepspeed_argv(sys.argv[1:] if argv is None else argv), prog_name="dsforge")
 
 
 @click.group()
@@ -71,9 +58,8 @@ def main() -> None:
 @_recipe_options
 def validate(recipe, world_size, hostfile, overrides):
     """Check RECIPE against every rule; exit 0 if valid, 2 with all problems otherwise."""
-    resolved = resolve_or_exit(recipe, overrides, world_size, hostfile)
-    for warning in resolved.warnings:
-        click.echo(f"  warning: {warning}", err=True)
+    resolved = _or_exit(resolve_or_refuse, recipe, overrides, world_size, hostfile)
+    warn(resolved.warnings, _say)
     lay = resolved.layout
     click.echo(f"{recipe}: valid for world size {lay.world_size} (dp {lay.dp} x tp {lay.tp} x "
                f"pp {lay.pp}, grad_accum {lay.grad_accum})")
@@ -120,24 +106,19 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
     is estimated and the fastest that fit are ranked, with the reasons.
     """
     if search:
-        from dsforge.search.command import run_search_command
-
         if world_size or hostfile or device != "auto":
             raise click.UsageError("with --search, give the cluster as --gpus N [--gpus-per-node G] "
                                    "(the search plans for GPUs; --device does not apply)")
-
-        run_search_command(recipe, overrides=overrides, as_json=as_json, top=top, **search_options)
-        return
+        from dsforge.search.command import run_search_command
+        return run_search_command(recipe, overrides=overrides, as_json=as_json, top=top,
+                                  **search_options)
     given = [f"--{name.replace('_', '-')}" for name in _SEARCH_ONLY if search_options.get(name)]
     if given:
         raise click.UsageError(f"{', '.join(given)} only apply with --search")
     from dsforge.plan import build_plan, render_plan
-
-    resolved = resolve_or_exit(recipe, overrides, world_size, hostfile)
-    result = build_plan(resolved, device=device)
-    click.echo(json.dumps(result, indent=2) if as_json else render_plan(result), nl=not as_json)
-    if as_json:
-        click.echo()
+    result = build_plan(_or_exit(resolve_or_refuse, recipe, overrides, world_size, hostfile),
+                        device=device)
+    click.echo(json.dumps(result, indent=2) if as_json else render_plan(result))
 
 
 @main.command()
@@ -180,126 +161,15 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
               help="Write a torch profiler trace of steps A to B (0-based) of rank 0 to "
                    "RUN_DIR/profile; the same as --set tracking.profile=\"A:B\".")
 @click.option("--local_rank", type=int, default=None, hidden=True)
-def run(recipe, world_size, hostfile, overrides, run_dir, device, backend, step_timeout, timeout,
-        resume, launcher, include, exclude, node_rank, master_addr, master_port, dry_run, tiny,
-        skip_fit_check, verbose, profile_steps, local_rank, stop_grace):
+def run(**options):
     """Train RECIPE: validate, check that it fits this machine, then start the ranks with
     DeepSpeed's launcher, here or on the hosts of --hostfile. Also runs as the script
     `deepspeed ... -m dsforge run` starts."""
-    if profile_steps is not None:
-        # Quoted: YAML would read an unquoted 3:5 as the base-60 integer 185.
-        overrides = (*overrides, f"tracking.profile={json.dumps(profile_steps)}")
-    from dsforge.job.owner import current_owner
-    from dsforge.job.word import JobSpec
-    from dsforge.launch import start
-    from dsforge.launch.commands import (Placement, launch_command, plain_deepspeed_command,
-                                         remote_shell_problems)
-    from dsforge.launch.local import free_port
-    from dsforge.recipe.loader import dump_recipe
-
-    if local_rank is not None:  # started by DeepSpeed's launcher: be a rank
-        _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_timeout, resume)
-    resolved = resolve_or_exit(recipe, overrides, world_size, hostfile, include, exclude)
-    try:
-        if tiny:
-            if device == "cuda" or backend == "nccl":
-                raise click.UsageError("--tiny runs on CPU ranks (gloo); leave out --device "
-                                       "and --backend")
-            resolved = start.shrink_to_tiny(recipe, resolved, overrides, _say)
-            device, backend = "cpu", "gloo"
-        _print_warnings(resolved.warnings)
-        command_words = start.command_words(recipe, overrides, world_size)
-        if launcher == "slurm":
-            _check_slurm_options(hostfile, include, exclude, node_rank)
-            slurm_plan = start.plan_slurm(recipe, resolved, device=device, master_addr=master_addr,
-                                          master_port=master_port, say=_say)
-        if not skip_fit_check:
-            _check_this_machine(command_words, resolved, device, tiny, hostfile=hostfile,
-                                node_rank=node_rank, launcher=launcher)
-    except start.Refused as refused:
-        _exit_refused(refused)
-    if launcher == "slurm":
-        _run_in_slurm(slurm_plan, recipe, resolved, overrides, run_dir=run_dir, device=device,
-                      backend=backend, step_timeout=step_timeout, resume=resume, dry_run=dry_run,
-                      timeout=timeout, verbose=verbose, stop_grace=stop_grace, tiny=tiny)
-    placement = Placement(world_size=resolved.layout.world_size, hostfile=hostfile,
-                          launcher=launcher, include=include, exclude=exclude,
-                          master_addr=master_addr, master_port=master_port or free_port(),
-                          node_rank=node_rank)
-    _exit_if_problems("launch", remote_shell_problems(placement, cwd=os.getcwd(),
-                                                      python=sys.executable))
-    # With --no-ssh every node starts its own dsforge; nodes after the first join the run
-    # directory the first one made (it may already hold their peers' files).
-    joining = node_rank is not None and node_rank > 0
-    run_dir = _own_run_dir_or_exit(run_dir, resolved, resume=resume, joining=joining,
-                                   create=not dry_run, peers_may_join=node_rank is not None)
-    job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
-                  device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
-                  env=_forwarded_env(), owner=current_owner())
-    command = launch_command(placement, job)
-    if hostfile and node_rank is None and launcher in ("pdsh", "openmpi", "mvapich") and not dry_run:
-        _preflight_or_exit(recipe, hostfile, include, exclude, placement.master_port,
-                           fit=None if skip_fit_check else (resolved, device))
-    if dry_run:
-        click.echo(shlex.join(command))
-        click.echo("# the same job as a plain deepspeed command:\n"
-                   + plain_deepspeed_command(placement, Path(recipe), run_dir, overrides))
-        return
-    ranks = _ranks_started_here(resolved, hostfile, include, exclude, node_rank)
-    code = start.launch_and_watch(command, run_dir, ranks, timeout=timeout, verbose=verbose,
-                                  say=_say, stop_grace=stop_grace)
-    if code == 0 and tiny:
-        code = start.check_tiny_layout(resolved, run_dir, env=_forwarded_env(), timeout=timeout,
-                                       verbose=verbose, say=_say)
-    sys.exit(code)
-
-
-def _check_this_machine(command: list[str], resolved: Resolved, device: str, tiny: bool, *,
-                        hostfile, node_rank, launcher) -> None:
-    """Ranks that start here are checked here: a local job whole (memory fit too), this node's
-    ranks under Slurm or --no-ssh (kernels and builds); a hostfile's hosts are the preflight's."""
-    from dsforge.launch import start
-
-    if launcher == "slurm" or node_rank is not None:
-        _print_warnings(start.check_this_node(command, resolved, device))
-    elif hostfile is None:
-        _print_warnings(start.check_fit(command, resolved, device, tiny))
-
-
-def _check_slurm_options(hostfile, include, exclude, node_rank) -> None:
-    given = [name for name, value in (("--hostfile", hostfile), ("--include", include),
-                                      ("--exclude", exclude), ("--no-ssh", node_rank))
-             if value not in (None, "")]
-    if given:
-        raise click.UsageError(f"--launcher slurm takes its nodes from the Slurm allocation; "
-                               f"leave out {', '.join(given)}")
-
-
-def _run_in_slurm(plan, recipe, resolved, overrides, *, run_dir, device, backend, step_timeout,
-                  resume, dry_run, timeout, verbose, stop_grace, tiny) -> None:
-    """`dsforge run --launcher slurm`: one srun for every rank of the job (launch/slurm.py)."""
-    from dsforge.job.owner import current_owner
-    from dsforge.job.word import JobSpec
-    from dsforge.launch import start
-    from dsforge.recipe.loader import dump_recipe
-
-    run_dir = _own_run_dir_or_exit(run_dir, resolved, resume=resume, joining=False,
-                                   create=not dry_run, peers_may_join=False)
-    job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
-                  device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
-                  env=_forwarded_env(), owner=current_owner(), slurm=True)
-    command = plan.command([sys.executable, "-u", "-m", "dsforge.runtime.rank",
-                            "--job", job.encode()])
-    if dry_run:
-        click.echo(" ".join(f"{k}={v}" for k, v in plan.env().items()) + " " + shlex.join(command))
-        sys.exit(0)
-    code = start.launch_and_watch(command, run_dir, resolved.layout.world_size, timeout=timeout,
-                                  verbose=verbose, say=_say, stop_grace=stop_grace,
-                                  extra_env=plan.env(), srun=True)
-    if code == 0 and tiny:
-        code = start.check_tiny_layout(resolved, run_dir, env=_forwarded_env(), timeout=timeout,
-                                       verbose=verbose, say=_say)
-    sys.exit(code)
+    options = RunOptions.gather(**options)
+    if options.local_rank is not None:  # started by DeepSpeed's launcher: be a rank
+        from dsforge.runtime.rank import run_rank
+        run_rank(_or_exit(launched_rank_job, options))
+    sys.exit(_or_exit(launch, options, say=_say, show=_show))
 
 
 @main.command()
@@ -323,92 +193,11 @@ def _run_in_slurm(plan, recipe, resolved, overrides, *, run_dir, device, backend
               help="Write the script here (it must not exist) instead of printing it.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
               help="Override a recipe field (passed to dsforge run in the script). Repeatable.")
-def sbatch(recipe, nodes, gpus_per_node, time_limit, partition, account, signal_grace, run_dir,
-           out, overrides):
+def sbatch(recipe, **options):
     """Write a Slurm batch script for RECIPE: #SBATCH lines, a trap that passes Slurm's
     warning signal to `dsforge run --launcher slurm`, and a requeue when the ranks stopped
     with a checkpoint (exit 75); the requeued job resumes. Exit status: 0 written, 2 refused."""
-    from dsforge.job.run_dir import runs_root
-    from dsforge.launch import slurm
-
-    resolved = resolve_or_exit(recipe, overrides, None, None)
-    cluster = resolved.recipe.cluster
-    nodes = nodes or (cluster.nodes if cluster else 1)
-    if gpus_per_node is None:
-        gpus_per_node = cluster.gpus_per_node if cluster else resolved.layout.world_size // nodes
-    world = nodes * gpus_per_node if gpus_per_node else resolved.layout.world_size
-    run_args = [a for item in overrides for a in ("--set", item)]
-    if world != resolved.layout.world_size:
-        resolved = resolve_or_exit(recipe, overrides, world, None)
-        run_args += ["--world-size", str(world)]
-    _exit_if_problems("dsforge sbatch", slurm.batch_problems(
-        world=world, nodes=nodes, gpus_per_node=gpus_per_node, time=time_limit,
-        signal_grace_s=signal_grace))
-    limit = slurm.derived_time_limit(time_limit, signal_grace, resolved.recipe.train.time_limit)
-    run_args += ["--set", f"train.time_limit={limit}"] if limit else []
-    name = resolved.recipe.name
-    run_dir = (run_dir or runs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
-    run_dir.parent.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there
-    job = slurm.BatchJob(
-        recipe=str(Path(recipe).absolute()), run_dir=str(run_dir), job_name=f"dsforge-{name}",
-        nodes=nodes, tasks_per_node=world // nodes, gpus_per_node=gpus_per_node,
-        time=time_limit, partition=partition, account=account, signal_grace_s=signal_grace,
-        output=f"{run_dir}.slurm-%j.out", workdir=os.getcwd(), run_args=tuple(run_args),
-        dsforge=slurm.dsforge_words())
-    script = slurm.sbatch_script(job, command_line=shlex.join(["dsforge", "sbatch", *sys.argv[2:]]))
-    if out is None:
-        click.echo(script, nl=False)
-        return
-    try:
-        with open(out, "x") as f:
-            f.write(script)
-    except FileExistsError:
-        raise click.UsageError(f"{out} exists; remove it or give another --out") from None
-    out.chmod(0o755)
-    _say(f"dsforge: wrote {out} ({nodes} node{'s' if nodes > 1 else ''} x {world // nodes} "
-         f"ranks, run directory {run_dir}); submit it with: sbatch {out}")
-
-
-def _say(line: str) -> None:
-    click.echo(line, err=True)
-
-
-def _exit_refused(refused) -> None:
-    print_problems(refused.source, refused.problems)
-    if refused.advice:
-        click.echo(refused.advice, err=True)
-    sys.exit(EXIT_INVALID)
-
-
-def _exit_if_problems(source: str, problems) -> None:
-    if problems:
-        print_problems(source, tuple(problems))
-        sys.exit(EXIT_INVALID)
-
-
-def _ranks_started_here(resolved: Resolved, hostfile, include, exclude, node_rank) -> int:
-    """How many ranks this dsforge starts (and must hear completion from): all of them, or
-    with --no-ssh only its node's."""
-    if node_rank is None:
-        return resolved.layout.world_size
-    return active_hosts(read_hostfile(hostfile), include, exclude).node_slots[node_rank]
-
-
-def _preflight_or_exit(recipe: str, hostfile: str, include: str, exclude: str, port: int,
-                       timeout_s: float = 10.0, fit: tuple[Resolved, str] | None = None) -> None:
-    """Every host reachable with the same versions and the master port free; with `fit`
-    (the resolved job and --device), each host's slots and memory checked against the job."""
-    from dsforge.launch.preflight import preflight
-
-    hosts = active_hosts(read_hostfile(hostfile), include, exclude)
-    problems = preflight(hosts, master_port=port, timeout_s=timeout_s, fit=fit)
-    if errors(problems):
-        print_problems(f"preflight of {hostfile}", tuple(problems))
-        sys.exit(EXIT_INVALID)
-    _print_warnings(problems)
-    click.echo(f"dsforge: preflight ok: {len(hosts.hosts)} hosts reachable, same versions, "
-               f"port {port} free on {hosts.hostnames[0]}"
-               + (", the job fits every host" if fit else ""), err=True)
+    _or_exit(write_batch_script, recipe, say=_say, show=_show, **options)
 
 
 @main.command()
@@ -417,62 +206,11 @@ def _preflight_or_exit(recipe: str, hostfile: str, include: str, exclude: str, p
 @click.option("--include", default="", help="DeepSpeed --include filter.")
 @click.option("--exclude", default="", help="DeepSpeed --exclude filter.")
 @click.option("--ssh-timeout", type=float, default=10.0, show_default=True)
-def preflight(recipe, world_size, hostfile, overrides, master_port, include, exclude, ssh_timeout):
+def preflight(recipe, **options):
     """Check RECIPE and the hosts of --hostfile before a multi-node run: hostfile, world size,
     SSH to every host (in parallel), the master port, the same package versions everywhere,
     and that the job fits each host and can build there what its ranks build."""
-    if hostfile is None:
-        raise click.UsageError("preflight needs --hostfile")
-    resolved = resolve_or_exit(recipe, overrides, world_size, hostfile, include, exclude)
-    for warning in resolved.warnings:
-        click.echo(f"  warning: {warning}", err=True)
-    _preflight_or_exit(recipe, hostfile, include, exclude, master_port, ssh_timeout,
-                       fit=(resolved, "auto"))
-
-
-def _forwarded_env() -> dict[str, str]:
-    from dsforge.job.word import forwarded_env
-
-    try:
-        return forwarded_env(os.environ)
-    except RecipeError as exc:
-        print_problems("environment", exc.problems)
-        sys.exit(EXIT_INVALID)
-
-
-def _run_as_launched_rank(recipe, overrides, run_dir, device, backend, step_timeout, resume):
-    """`deepspeed [--hostfile H] -m dsforge run RECIPE`: every rank resolves the recipe
-    against WORLD_SIZE itself and trains; the run directory must be the same on every rank."""
-    from dsforge.job.run_dir import runs_root
-    from dsforge.job.word import JobSpec
-    from dsforge.recipe.loader import dump_recipe
-    from dsforge.runtime.rank import run_rank
-
-    world = int(os.environ["WORLD_SIZE"])
-    resolved = resolve_or_exit(recipe, overrides, world, None)
-    if run_dir is None:
-        run_dir = runs_root() / (f"{resolved.recipe.name}-{os.environ.get('MASTER_ADDR', 'local')}"
-                                 f"-{os.environ.get('MASTER_PORT', '0')}")
-    run_rank(JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir.resolve()),
-                     device=device, backend=backend, step_timeout_s=step_timeout, resume=resume,
-                     marked_output=False))
-
-
-def _own_run_dir_or_exit(run_dir: Path | None, resolved: Resolved, *, resume: bool,
-                         joining: bool, create: bool, peers_may_join: bool) -> Path:
-    from dsforge.ckpt.trust import CheckpointError
-    from dsforge.job.run_dir import RunDirError
-    from dsforge.launch.start import own_run_dir
-
-    try:
-        run_dir, lock = own_run_dir(run_dir, resolved, resume=resume, joining=joining,
-                                    create=create, say=_say, peers_may_join=peers_may_join)
-    except RunDirError as exc:
-        raise click.UsageError(str(exc)) from None
-    except CheckpointError as exc:
-        raise click.UsageError(f"cannot resume: {exc}") from None
-    _HELD.append(lock)  # owned until this process exits
-    return run_dir
+    _or_exit(check_hosts, recipe, say=_say, **options)
 
 
 @main.group()
@@ -501,7 +239,6 @@ def data_prepare(inputs, **options):
     Megatron indexed dataset PREFIX.bin/.idx, the format Megatron-LM's and GPT-NeoX's tools
     read and write. Exit status: 0 written, 2 bad input (nothing written), 130/143 stopped."""
     from dsforge.data.prepare import prepare_main
-
     sys.exit(prepare_main(inputs, **options))
 
 
@@ -514,7 +251,6 @@ def data_inspect(prefix, scan):
     the tokenizer recorded beside it. Reads the index only, unless --scan. Exit status: 0, or 2
     for a prefix that cannot be opened."""
     from dsforge.data.indexed import inspect_main
-
     sys.exit(inspect_main(prefix, scan=scan))
 
 
@@ -531,26 +267,7 @@ def bench(study, out, retry_failed, tiny):
     OUT/results.db; finished cells are skipped when the study is run again. Exit status: 0
     every cell has a result, 2 invalid study or unusable OUT, 75 cells busy or the database
     locked (run again later), 130/143 stopped by Ctrl-C/SIGTERM (docs/bench.md)."""
-    from dsforge.bench.run import bench_study
-    from dsforge.bench.study import check_study, load_study
-
-    try:
-        parsed, recipe_path = load_study(study)
-    except RecipeError as exc:
-        print_problems(study, exc.problems)
-        sys.exit(EXIT_INVALID)
-    problems = check_study(parsed, recipe_path)
-    if problems:  # before any cell runs
-        print_problems(study, problems)
-        sys.exit(EXIT_INVALID)
-    if tiny:  # never mixed with the study's real results
-        parsed = dataclasses.replace(parsed, name=f"{parsed.name}-tiny")
-    out = out or Path("benchmarks") / parsed.name
-    code = bench_study(parsed, recipe_path, out, retry_failed=retry_failed, tiny=tiny,
-                       log=lambda line: click.echo(line, err=True))
-    if code != EXIT_INVALID:
-        click.echo(f"results: {out / 'results.db'}; report: dsforge report {out / 'results.db'}")
-    sys.exit(code)
+    sys.exit(bench_main(study, out, retry_failed=retry_failed, tiny=tiny))
 
 
 @main.command()
@@ -561,15 +278,7 @@ def bench(study, out, retry_failed, tiny):
               help="Peak dense TFLOP/s per GPU for MFU, instead of the device table's.")
 def report(results, out, peak_tflops):
     """Write a markdown report with PNG plots from a bench results database."""
-    from dsforge.bench.report import write_report
-    from dsforge.bench.store import BenchError
-
-    try:
-        path = write_report(results, out or results.parent, peak_tflops=peak_tflops)
-    except BenchError as exc:  # not a results database, or OUT not writable
-        click.echo(f"dsforge report: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    click.echo(f"report: {path}")
+    sys.exit(report_main(results, out, peak_tflops=peak_tflops))
 
 
 @main.command()
@@ -586,5 +295,4 @@ def export(checkpoint, out, dtype, max_shard_size):
     models whose every layer is MoE (docs/export.md). RUN_DIR means its latest complete
     checkpoint. Exit status: 0 written, 2 refused (nothing written)."""
     from dsforge.hf.export import export_main
-
     sys.exit(export_main(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size))

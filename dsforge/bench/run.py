@@ -35,10 +35,8 @@ from dsforge.bench.study import Cell, Study, expand, study_identity
 from dsforge.files import write_atomic
 from dsforge.job import failure
 from dsforge.job.metrics_file import median_breakdown, read_metrics
-from dsforge.job.owner import current_owner
 from dsforge.job.run_dir import RunDir
-from dsforge.job.word import JobSpec
-from dsforge.launch.commands import Placement, launch_command
+from dsforge.launch.commands import Placement, job_spec, launch_command
 from dsforge.launch.diagnose import explain
 from dsforge.launch.local import free_port, run_job
 from dsforge.problems import RecipeError, errors
@@ -212,9 +210,8 @@ def _launch(study: Study, resolved: Resolved, run_dir: Path, device: str) -> int
     its local processes carry the run directory (job word and DSFORGE_JOB_DIR) so the next
     owner of the cell can tell whether it still runs (dsforge/lock.py)."""
     run_dir = run_dir.resolve()
-    job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir),
-                  device=device, step_timeout_s=study.measure.step_timeout_s, measure=True,
-                  owner=current_owner())
+    job = job_spec(resolved, run_dir, device=device, step_timeout_s=study.measure.step_timeout_s,
+                   measure=True)
     placement = Placement(world_size=resolved.layout.world_size, hostfile=study.hostfile,
                           master_port=free_port())
     return run_job(launch_command(placement, job), timeout_s=study.measure.timeout_s,

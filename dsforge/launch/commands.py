@@ -1,4 +1,5 @@
-"""The launcher's command lines around the job word (job/word.py).
+"""The job word's one constructor (`job_spec`, every job dsforge starts is made by it) and the
+launcher's command lines around the word (job/word.py).
 
 DeepSpeed's pdsh runner pastes its arguments and `export NAME=value` lines into a remote shell
 without quoting (rules H2-H4). dsforge therefore hands each rank one argument, `--job`, that
@@ -17,8 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from dsforge.job.owner import current_owner
 from dsforge.job.word import JobSpec
 from dsforge.problems import Problem
+from dsforge.recipe import Resolved
+from dsforge.recipe.loader import dump_recipe
 
 # Prefixes DeepSpeed's runner exports itself (runner.EXPORT_ENVS + the CUDA accelerator's).
 DEEPSPEED_EXPORTS = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
@@ -37,6 +41,15 @@ class Placement:
     master_addr: str | None = None
     master_port: int = 29500
     node_rank: int | None = None  # with --no-ssh: which node this process starts
+
+
+def job_spec(resolved: Resolved, run_dir: Path, *, owned: bool = True, **options) -> JobSpec:
+    """The job word for `resolved` trained in `run_dir`, with JobSpec's `options` (device,
+    backend, step_timeout_s, resume, env, ...). `owned`: its ranks end themselves when this
+    process is gone (job/owner.py); not for ranks a plain `deepspeed` command started."""
+    return JobSpec(recipe_yaml=dump_recipe(resolved.recipe),
+                   run_dir=str(Path(run_dir).resolve()),
+                   owner=current_owner() if owned else "", **options)
 
 
 def runner_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:

@@ -3,8 +3,8 @@
 In order: shrink to tiny size (`--tiny`), refuse what does not fit this machine, own the run
 directory, launch with dsforge's lines on the terminal (everything else in RUN_DIR/job.log),
 decide success from every rank's completion, and after a `--tiny` run compare its losses with
-a single rank's. Refusals raise `Refused` with the problems to print; the click command in
-cli.py turns them into exit code 2. `say` prints one of dsforge's own lines.
+a single rank's. Refusals raise `Refused` (launch/refusal.py) with the problems to print;
+launch/entry.py puts these steps in order. `say` prints one of dsforge's own lines.
 """
 
 from __future__ import annotations
@@ -15,21 +15,19 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
-from dsforge.job.owner import current_owner
 from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir
 from dsforge.job.signals import EXIT_RESUMABLE
-from dsforge.job.word import JobSpec
-from dsforge.launch.commands import Placement, launch_command, runner_env
+from dsforge.launch.commands import Placement, job_spec, launch_command, runner_env
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.fit import Machine, device_for, fit_problems, rank_memory_bytes
 from dsforge.launch.local import STOP_GRACE_S, free_port, run_job
 from dsforge.launch.output import JobView
 from dsforge.launch.probe import build_facts, probe
+from dsforge.launch.refusal import Refused
 from dsforge.launch.smoke import compare_losses
 from dsforge.lock import JOB_DIR_ENV, Lock
 from dsforge.problems import Problem, RecipeError, errors
 from dsforge.recipe import Resolved
-from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.tiny import reference_resolved, tiny_resolved
 from dsforge.translate.build_env import BUILD_RULES, build_problems, job_ops
 from dsforge.translate.kernels import device_problems, liger_installed
@@ -39,14 +37,6 @@ Say = Callable[[str], None]
 # Exit codes of a job dsforge stopped at once on request: Ctrl-C, SIGHUP, SIGUSR1, SIGTERM
 # (128 + signal; SIGTERM and SIGUSR1 only after a second signal or when the grace ran out).
 STOPPED_CODES = (130, 129, 138, 143)
-
-
-class Refused(Exception):
-    """The job must not start: `problems` to print under `source`, then `advice`."""
-
-    def __init__(self, source: str, problems, advice: str = ""):
-        super().__init__(source)
-        self.source, self.problems, self.advice = source, tuple(problems), advice
 
 
 def command_words(recipe: str, overrides: tuple[str, ...], world_size: int | None) -> list[str]:
@@ -235,8 +225,7 @@ def check_tiny_layout(tiny: Resolved, run_dir: Path, *, env: dict[str, str],
     reference = reference_resolved(tiny)
     ref_dir = RunDir(run_dir).reference
     ref_dir.mkdir()
-    job = JobSpec(recipe_yaml=dump_recipe(reference.recipe), run_dir=str(ref_dir.resolve()),
-                  device="cpu", backend="gloo", env=env, owner=current_owner())
+    job = job_spec(reference, ref_dir, device="cpu", backend="gloo", env=env)
     command = launch_command(Placement(world_size=1, master_port=free_port()), job)
     say("dsforge: checking the layout against a single-rank run of the same tiny model")
     code = launch_and_watch(command, ref_dir, 1, timeout=timeout, verbose=verbose, say=say)

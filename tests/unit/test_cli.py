@@ -1,8 +1,10 @@
-"""The dsforge command: exit codes, problem lists, plan output (text and JSON)."""
+"""The dsforge command: exit codes, problem lists, plan output (text and JSON), the command
+lines `run --dry-run` prints for each launcher."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,6 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from dsforge.cli import main
+from dsforge.job.word import JobSpec
+from dsforge.launch.entry import RunOptions, deepspeed_argv
 from tests.conftest import REPO
 
 EXAMPLE = str(REPO / "recipes" / "70b_pp4.yaml")
@@ -133,3 +137,59 @@ def test_ranks_started_here_are_refused_kernels_this_machine_cannot_run(tmp_path
     assert result.exit_code == 2, result.output
     assert "[K1] model.sdpa_backend='cudnn'" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_deepspeeds_local_rank_moves_behind_run():
+    assert deepspeed_argv(["--local_rank=3", "run", "r.yaml", "--set", "a.b=1"]) == [
+        "run", "--local_rank=3", "r.yaml", "--set", "a.b=1"]
+    assert deepspeed_argv(["validate", "r.yaml"]) == ["validate", "r.yaml"]
+
+
+def test_run_options_fold_the_profile_into_the_overrides():
+    options = RunOptions.gather(recipe="r.yaml", overrides=("train.steps=9",), profile_steps="3:5")
+    assert options.overrides == ("train.steps=9", 'tracking.profile="3:5"')
+    assert RunOptions.gather(recipe="r.yaml").overrides == ()
+
+
+def _job_word(output: str) -> JobSpec:
+    words = output.split()
+    return JobSpec.decode(words[words.index("--job") + 1])
+
+
+def test_dry_run_prints_the_launchers_command_and_the_plain_deepspeed_one(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run("run", str(REPO / "recipes" / "tiny.yaml"), "--dry-run", "--run-dir", str(run_dir),
+                 "--master-port", "29555", "--step-timeout", "7", "--set", "train.steps=3")
+    assert result.exit_code == 0, result.output
+    launcher, comment, plain = result.output.splitlines()
+    assert "-m deepspeed.launcher.runner --num_gpus 2 --master_port 29555" in launcher
+    assert comment == "# the same job as a plain deepspeed command:"
+    assert plain.startswith("deepspeed --num_gpus 2 --master_port 29555 --module dsforge run")
+    job = _job_word(launcher)
+    assert (job.run_dir, job.step_timeout_s, job.slurm) == (str(run_dir.resolve()), 7.0, False)
+    assert job.owner and job.marked_output and "steps: 3" in job.recipe_yaml
+    assert not run_dir.exists()
+
+
+def test_slurm_dry_run_prints_one_srun_for_every_rank(tmp_path, monkeypatch):
+    for name in [n for n in os.environ if n.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    for name, value in {"SLURM_JOB_ID": "123", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2",
+                        "SLURM_JOB_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(name, value)
+    result = run("run", str(REPO / "recipes" / "tiny.yaml"), "--launcher", "slurm", "--dry-run",
+                 "--device", "cpu", "--master-addr", "node-a", "--master-port", "29555",
+                 "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    srun = result.output.splitlines()[-1]
+    assert srun.startswith("MASTER_ADDR=node-a MASTER_PORT=29555 srun --nodes=1 --ntasks=2 ")
+    assert _job_word(srun).slurm and _job_word(srun).device == "cpu"
+    assert "Slurm job 123: 1 node, 2 tasks: 1 x 2 ranks with srun" in result.output
+
+
+def test_slurm_takes_its_nodes_from_the_allocation():
+    result = run("run", str(REPO / "recipes" / "tiny.yaml"), "--launcher", "slurm",
+                 "--include", "node-a")
+    assert result.exit_code == 2
+    assert "--launcher slurm takes its nodes from the Slurm allocation; leave out --include" \
+        in result.output

@@ -1,0 +1,283 @@
+"""`dsforge run` from its options to an exit code: `launch(RunOptions)`, for every launcher.
+
+In order: resolve the recipe against the world, shrink it (`--tiny`), plan the srun
+(`--launcher slurm`), check that what starts here fits here, own the run directory, encode the
+job word, check the hosts (a pdsh, openmpi or mvapich run over a hostfile), then print the
+command lines (`--dry-run`) or start the ranks and watch them: DeepSpeed's launcher on this
+machine, over a hostfile, or on this node only (`--no-ssh`), or one srun in a Slurm allocation.
+The steps themselves are launch/start.py's. What stops the job raises Refused or BadOptions
+(launch/refusal.py); cli.py prints them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsforge.job.run_dir import RunDirError, runs_root
+from dsforge.job.word import JobSpec, forwarded_env
+from dsforge.launch import start
+from dsforge.launch.commands import (Placement, job_spec, launch_command, plain_deepspeed_command,
+                                     remote_shell_problems)
+from dsforge.launch.local import STOP_GRACE_S, free_port
+from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
+from dsforge.launch.slurm import SlurmPlan
+from dsforge.lock import Lock
+from dsforge.problems import Problem, RecipeError, errors
+from dsforge.recipe import Resolved
+from dsforge.recipe.hostfile import active_hosts, read_hostfile
+
+Say = start.Say
+# Run-directory locks this process holds until it exits (job/run_dir.claim).
+_HELD: list[Lock | None] = []
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """The options of `dsforge run`, gathered once from its command line (cli.py)."""
+
+    recipe: str
+    world_size: int | None = None
+    hostfile: str | None = None
+    overrides: tuple[str, ...] = ()
+    run_dir: Path | None = None
+    device: str = "auto"
+    backend: str = "auto"
+    step_timeout: float = 300.0  # seconds a step may take
+    timeout: float | None = None  # seconds for the whole job
+    stop_grace: float = STOP_GRACE_S  # seconds to save and exit after a stop request
+    resume: bool = False
+    launcher: str = "pdsh"
+    include: str = ""
+    exclude: str = ""
+    node_rank: int | None = None  # --no-ssh
+    master_addr: str | None = None
+    master_port: int | None = None
+    dry_run: bool = False
+    tiny: bool = False
+    skip_fit_check: bool = False
+    verbose: bool = False
+    local_rank: int | None = None  # set by DeepSpeed's launcher: this process is a rank
+
+    @classmethod
+    def gather(cls, *, overrides=(), profile_steps: str | None = None, **options) -> RunOptions:
+        """From click's parameters; `--profile A:B` is the override tracking.profile="A:B"."""
+        if profile_steps is not None:
+            # Quoted: YAML would read an unquoted 3:5 as the base-60 integer 185.
+            overrides = (*overrides, f"tracking.profile={json.dumps(profile_steps)}")
+        return cls(overrides=tuple(overrides), **options)
+
+    def job(self, resolved: Resolved, run_dir: Path, **fields) -> JobSpec:
+        """The job word with these options; `fields`: job_spec's others (launch/commands.py)."""
+        return job_spec(resolved, run_dir, device=self.device, backend=self.backend,
+                        step_timeout_s=self.step_timeout, resume=self.resume, **fields)
+
+
+@dataclass(frozen=True)
+class _Start:
+    """How this process starts the ranks, and what `--dry-run` prints instead."""
+
+    command: list[str]
+    shown: str
+    srun_env: dict[str, str] | None = None  # srun's MASTER_ADDR and MASTER_PORT
+
+
+def deepspeed_argv(args: list[str]) -> list[str]:
+    """dsforge's arguments as DeepSpeed's launcher gives them to the module it starts, which
+    puts `--local_rank=N` first (`python -m dsforge --local_rank=0 run ...`): moved behind `run`."""
+    args = list(args)
+    local = [a for a in args if a.startswith("--local_rank")]
+    if local and "run" in args:
+        args = [a for a in args if not a.startswith("--local_rank")]
+        value = local[0].split("=", 1)[1] if "=" in local[0] else args.pop(args.index(local[0]) + 1)
+        args.insert(args.index("run") + 1, f"--local_rank={value}")
+    return args
+
+
+def launched_rank_job(options: RunOptions) -> JobSpec:
+    """The job of a rank that a plain `deepspeed [--hostfile H] -m dsforge run RECIPE` started:
+    the recipe resolved against WORLD_SIZE on every rank, which must all get the same run
+    directory; the ranks print to the terminal themselves and watch no owner."""
+    resolved = resolve_or_refuse(options.recipe, options.overrides, int(os.environ["WORLD_SIZE"]),
+                                 None)
+    run_dir = options.run_dir or runs_root() / (
+        f"{resolved.recipe.name}-{os.environ.get('MASTER_ADDR', 'local')}"
+        f"-{os.environ.get('MASTER_PORT', '0')}")
+    return options.job(resolved, run_dir, owned=False, marked_output=False)
+
+
+def launch(options: RunOptions, *, say: Say, show: Say) -> int:
+    """Run the job and return `dsforge run`'s exit code; `show` prints `--dry-run`'s lines."""
+    options, resolved, slurm_plan = _checked(options, say)
+    if slurm_plan is not None:
+        run_dir, how = _srun_start(options, resolved, slurm_plan, say)
+    else:
+        run_dir, how = _deepspeed_start(options, resolved, say)
+    if options.dry_run:
+        show(how.shown)
+        return 0
+    code = start.launch_and_watch(how.command, run_dir, _ranks_started_here(options, resolved),
+                                  timeout=options.timeout, verbose=options.verbose, say=say,
+                                  stop_grace=options.stop_grace, extra_env=how.srun_env,
+                                  srun=how.srun_env is not None)
+    if code == 0 and options.tiny:
+        code = start.check_tiny_layout(resolved, run_dir, env=checked_env(),
+                                       timeout=options.timeout, verbose=options.verbose, say=say)
+    return code
+
+
+def _checked(options: RunOptions, say: Say) -> tuple[RunOptions, Resolved, SlurmPlan | None]:
+    """The resolved job (at tiny size with `--tiny`, which also moves it to CPU ranks), the
+    srun plan with `--launcher slurm`, and this machine's checks passed."""
+    resolved = resolve_or_refuse(options.recipe, options.overrides, options.world_size,
+                                 options.hostfile, options.include, options.exclude)
+    if options.tiny:
+        if options.device == "cuda" or options.backend == "nccl":
+            raise BadOptions("--tiny runs on CPU ranks (gloo); leave out --device and --backend")
+        resolved = start.shrink_to_tiny(options.recipe, resolved, options.overrides, say)
+        options = dataclasses.replace(options, device="cpu", backend="gloo")
+    warn(resolved.warnings, say)
+    command = start.command_words(options.recipe, options.overrides, options.world_size)
+    slurm_plan = None
+    if options.launcher == "slurm":
+        _check_slurm_options(options)
+        slurm_plan = start.plan_slurm(options.recipe, resolved, device=options.device,
+                                      master_addr=options.master_addr,
+                                      master_port=options.master_port, say=say)
+    if not options.skip_fit_check:
+        _check_this_machine(command, resolved, options, say)
+    return options, resolved, slurm_plan
+
+
+def _check_slurm_options(options: RunOptions) -> None:
+    """Under Slurm the nodes are the allocation's: no hostfile, filters or --no-ssh."""
+    given = [name for name, value in (("--hostfile", options.hostfile),
+                                      ("--include", options.include),
+                                      ("--exclude", options.exclude),
+                                      ("--no-ssh", options.node_rank))
+             if value not in (None, "")]
+    if given:
+        raise BadOptions(f"--launcher slurm takes its nodes from the Slurm allocation; "
+                         f"leave out {', '.join(given)}")
+
+
+def _check_this_machine(command: list[str], resolved: Resolved, options: RunOptions,
+                        say: Say) -> None:
+    """Ranks that start here are checked here: a local job whole (memory fit too), this node's
+    ranks under Slurm or --no-ssh (kernels and builds); a hostfile's hosts are the preflight's."""
+    if options.launcher == "slurm" or options.node_rank is not None:
+        warn(start.check_this_node(command, resolved, options.device), say)
+    elif options.hostfile is None:
+        warn(start.check_fit(command, resolved, options.device, options.tiny), say)
+
+
+def _srun_start(options: RunOptions, resolved: Resolved, plan: SlurmPlan,
+                say: Say) -> tuple[Path, _Start]:
+    """`--launcher slurm`: one srun for every rank of the job (launch/slurm.py)."""
+    run_dir = _own_run_dir(options, resolved, say, joining=False, peers_may_join=False)
+    job = options.job(resolved, run_dir, env=checked_env(), slurm=True)
+    command = plan.command([sys.executable, "-u", "-m", "dsforge.runtime.rank",
+                            "--job", job.encode()])
+    env = plan.env()
+    shown = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command) + "\n"
+    return run_dir, _Start(command, shown, srun_env=env)
+
+
+def _deepspeed_start(options: RunOptions, resolved: Resolved, say: Say) -> tuple[Path, _Start]:
+    """DeepSpeed's launcher: this machine, a hostfile's hosts, or with --no-ssh this node."""
+    placement = Placement(world_size=resolved.layout.world_size, hostfile=options.hostfile,
+                          launcher=options.launcher, include=options.include,
+                          exclude=options.exclude, master_addr=options.master_addr,
+                          master_port=options.master_port or free_port(),
+                          node_rank=options.node_rank)
+    problems = remote_shell_problems(placement, cwd=os.getcwd(), python=sys.executable)
+    if problems:
+        raise Refused("launch", problems)
+    # With --no-ssh every node starts its own dsforge; nodes after the first join the run
+    # directory the first one made (it may already hold their peers' files).
+    run_dir = _own_run_dir(options, resolved, say,
+                           joining=options.node_rank is not None and options.node_rank > 0,
+                           peers_may_join=options.node_rank is not None)
+    command = launch_command(placement, options.job(resolved, run_dir, env=checked_env()))
+    if (options.hostfile and options.node_rank is None and not options.dry_run
+            and options.launcher in ("pdsh", "openmpi", "mvapich")):
+        preflight_or_refuse(options.hostfile, options.include, options.exclude,
+                            placement.master_port, say=say,
+                            fit=None if options.skip_fit_check else (resolved, options.device))
+    shown = (shlex.join(command) + "\n# the same job as a plain deepspeed command:\n"
+             + plain_deepspeed_command(placement, Path(options.recipe), run_dir,
+                                       options.overrides) + "\n")
+    return run_dir, _Start(command, shown)
+
+
+def _own_run_dir(options: RunOptions, resolved: Resolved, say: Say, *, joining: bool,
+                 peers_may_join: bool) -> Path:
+    """The run directory, owned by this process until it exits (launch/start.own_run_dir)."""
+    from dsforge.ckpt.trust import CheckpointError
+
+    try:
+        run_dir, lock = start.own_run_dir(options.run_dir, resolved, resume=options.resume,
+                                          joining=joining, create=not options.dry_run, say=say,
+                                          peers_may_join=peers_may_join)
+    except RunDirError as exc:
+        raise BadOptions(str(exc)) from None
+    except CheckpointError as exc:
+        raise BadOptions(f"cannot resume: {exc}") from None
+    _HELD.append(lock)
+    return run_dir
+
+
+def _ranks_started_here(options: RunOptions, resolved: Resolved) -> int:
+    """How many ranks this dsforge starts (and must hear completion from): all of them, or
+    with --no-ssh only its node's."""
+    if options.node_rank is None:
+        return resolved.layout.world_size
+    hosts = active_hosts(read_hostfile(options.hostfile), options.include, options.exclude)
+    return hosts.node_slots[options.node_rank]
+
+
+def checked_env() -> dict[str, str]:
+    """The environment forwarded to every rank (job/word.py); Refused for a name a shell
+    would misread (rule H4)."""
+    try:
+        return forwarded_env(os.environ)
+    except RecipeError as exc:
+        raise Refused("environment", exc.problems) from None
+
+
+def warn(problems: list[Problem], say: Say) -> None:
+    """Each warning on its own indented line."""
+    for warning in problems:
+        say(f"  warning: {warning}")
+
+
+def preflight_or_refuse(hostfile: str, include: str, exclude: str, port: int, *, say: Say,
+                        timeout_s: float = 10.0, fit: tuple[Resolved, str] | None = None) -> None:
+    """Every host reachable with the same versions and the master port free; with `fit`
+    (the resolved job and --device), each host's slots and memory checked against the job."""
+    from dsforge.launch.preflight import preflight
+
+    hosts = active_hosts(read_hostfile(hostfile), include, exclude)
+    problems = preflight(hosts, master_port=port, timeout_s=timeout_s, fit=fit)
+    if errors(problems):
+        raise Refused(f"preflight of {hostfile}", problems)
+    warn(problems, say)
+    say(f"dsforge: preflight ok: {len(hosts.hosts)} hosts reachable, same versions, "
+        f"port {port} free on {hosts.hostnames[0]}" + (", the job fits every host" if fit else ""))
+
+
+def check_hosts(recipe: str, *, overrides: tuple[str, ...], world_size: int | None,
+                hostfile: str | None, include: str, exclude: str, master_port: int,
+                ssh_timeout: float, say: Say) -> None:
+    """`dsforge preflight`: the recipe, then the hosts of its hostfile and the job on each."""
+    if hostfile is None:
+        raise BadOptions("preflight needs --hostfile")
+    resolved = resolve_or_refuse(recipe, overrides, world_size, hostfile, include, exclude)
+    warn(resolved.warnings, say)
+    preflight_or_refuse(hostfile, include, exclude, master_port, say=say, timeout_s=ssh_timeout,
+                        fit=(resolved, "auto"))

@@ -1,0 +1,41 @@
+"""What stops a command before anything starts, as exceptions cli.py turns into exit code 2:
+`Refused` reports its problems (and advice) on stderr, `BadOptions` becomes click's usage
+error (the usage line, then the message). Light on purpose: `dsforge validate` imports it.
+"""
+
+from __future__ import annotations
+
+import click
+
+from dsforge.problems import RecipeError, print_problems
+from dsforge.recipe import Resolved, resolve_file
+
+
+class Refused(Exception):
+    """The job must not start: `problems` to print under `source`, then `advice`."""
+
+    def __init__(self, source: str, problems, advice: str = ""):
+        super().__init__(source)
+        self.source, self.problems, self.advice = source, tuple(problems), advice
+
+    def report(self) -> None:
+        """The problems under their source, then the advice, on stderr."""
+        print_problems(self.source, self.problems)
+        if self.advice:
+            click.echo(self.advice, err=True)
+
+
+class BadOptions(Exception):
+    """Command-line options that do not go together, or name something unusable."""
+
+
+def resolve_or_refuse(recipe: str, overrides: tuple[str, ...], world_size: int | None,
+                      hostfile: str | None, include: str = "", exclude: str = "") -> Resolved:
+    """Load, validate and resolve RECIPE; Refused with every problem found."""
+    if world_size is not None and hostfile is not None:
+        raise BadOptions("give either --world-size or --hostfile, not both")
+    try:
+        return resolve_file(recipe, overrides, world_size=world_size, hostfile=hostfile,
+                            include=include, exclude=exclude)
+    except RecipeError as exc:
+        raise Refused(recipe, exc.problems) from None

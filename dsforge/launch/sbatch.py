@@ -1,0 +1,60 @@
+"""`dsforge sbatch`: a Slurm batch script for a recipe (launch/slurm.py writes its text),
+printed or written to a new file. Refusals raise Refused or BadOptions (launch/refusal.py)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from dsforge.job.run_dir import runs_root
+from dsforge.launch import slurm
+from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
+from dsforge.launch.start import Say
+
+
+def write_batch_script(recipe: str, *, nodes: int | None, gpus_per_node: int | None,
+                       time_limit: str | None, partition: str | None, account: str | None,
+                       signal_grace: int, run_dir: Path | None, out: Path | None,
+                       overrides: tuple[str, ...], say: Say, show: Say) -> None:
+    """The script for RECIPE on `nodes` x `gpus_per_node` (the recipe's cluster, else its world
+    on one node), shown, or written to `out` (which must not exist) and made executable."""
+    resolved = resolve_or_refuse(recipe, overrides, None, None)
+    cluster = resolved.recipe.cluster
+    nodes = nodes or (cluster.nodes if cluster else 1)
+    if gpus_per_node is None:
+        gpus_per_node = cluster.gpus_per_node if cluster else resolved.layout.world_size // nodes
+    world = nodes * gpus_per_node if gpus_per_node else resolved.layout.world_size
+    run_args = [a for item in overrides for a in ("--set", item)]
+    if world != resolved.layout.world_size:
+        resolved = resolve_or_refuse(recipe, overrides, world, None)
+        run_args += ["--world-size", str(world)]
+    problems = slurm.batch_problems(world=world, nodes=nodes, gpus_per_node=gpus_per_node,
+                                    time=time_limit, signal_grace_s=signal_grace)
+    if problems:
+        raise Refused("dsforge sbatch", problems)
+    limit = slurm.derived_time_limit(time_limit, signal_grace, resolved.recipe.train.time_limit)
+    run_args += ["--set", f"train.time_limit={limit}"] if limit else []
+    name = resolved.recipe.name
+    run_dir = (run_dir or runs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    run_dir.parent.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there
+    job = slurm.BatchJob(
+        recipe=str(Path(recipe).absolute()), run_dir=str(run_dir), job_name=f"dsforge-{name}",
+        nodes=nodes, tasks_per_node=world // nodes, gpus_per_node=gpus_per_node,
+        time=time_limit, partition=partition, account=account, signal_grace_s=signal_grace,
+        output=f"{run_dir}.slurm-%j.out", workdir=os.getcwd(), run_args=tuple(run_args),
+        dsforge=slurm.dsforge_words())
+    script = slurm.sbatch_script(job, command_line=shlex.join(["dsforge", "sbatch", *sys.argv[2:]]))
+    if out is None:
+        show(script)
+        return
+    try:
+        with open(out, "x") as f:
+            f.write(script)
+    except FileExistsError:
+        raise BadOptions(f"{out} exists; remove it or give another --out") from None
+    out.chmod(0o755)
+    say(f"dsforge: wrote {out} ({nodes} node{'s' if nodes > 1 else ''} x {world // nodes} "
+        f"ranks, run directory {run_dir}); submit it with: sbatch {out}")
