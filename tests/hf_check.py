@@ -30,8 +30,9 @@ def single_process(store: Path) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from dsforge.runtime.build import cpu_backend
+    from dsforge.runtime.build import cpu_backend, megatron_fixes
 
+    megatron_fixes.apply()
     cpu_backend.activate()
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0,
                                          world_size=1)

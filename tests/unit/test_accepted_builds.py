@@ -26,7 +26,7 @@ import torch.distributed as dist
 from dsforge.recipe import Resolved, Topology, resolve, resolve_file
 from dsforge.recipe.loader import build_recipe, dump_recipe, parse_yaml
 from dsforge.recipe.tiny import tiny_resolved
-from dsforge.runtime.build import cpu_backend
+from dsforge.runtime.build import cpu_backend, megatron_fixes
 from dsforge.runtime.build.model import build_model_chunks
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         transformer_config_kwargs)
@@ -126,6 +126,7 @@ def _init_one_rank_world(folder: Path) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    megatron_fixes.apply()
     if not torch.cuda.is_available():
         cpu_backend.activate()
     dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=0, world_size=1)

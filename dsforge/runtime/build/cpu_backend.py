@@ -8,8 +8,8 @@ is the CPU). Megatron-Core assumes CUDA in four ways (../shared/reference/cpu-ba
      so Megatron's RNG tracker forks and restores the generator CPU ops actually use;
   3. CUDA streams and events in the MoE dispatcher -> no-op stand-ins;
   4. MoE split sizes that stay tensors on CPU (gloo's all_to_all wants lists), uneven
-     all-gather / reduce-scatter of routed tokens (gloo supports equal sizes only) and the
-     `te_general_gemm` name that is missing without Transformer Engine.
+     all-gather / reduce-scatter of routed tokens (gloo supports equal sizes only).
+Megatron-Core's bugs that show on every device are in megatron_fixes.py, not here.
 It also keeps DeepSpeed from building its CPU shared-memory all-reduce (see skip_deepspeed_shm_allreduce).
 Every patch names the attribute it replaces and fails loudly (CpuBackendError) when an
 upgrade removes it, so a Megatron-Core change cannot silently bypass the backend.
@@ -72,9 +72,9 @@ class _Stream:
 _CURRENT_STREAM = _Stream()
 
 
-def _replace(module_name: str, attribute: str, value: Any, must_exist: bool = True) -> None:
+def _replace(module_name: str, attribute: str, value: Any) -> None:
     module = importlib.import_module(module_name)
-    if must_exist and not hasattr(module, attribute):
+    if not hasattr(module, attribute):
         raise CpuBackendError(
             f"{module_name}.{attribute} no longer exists: the installed megatron-core/torch "
             "changed what dsforge's CPU backend redirects. Update dsforge/runtime/build/cpu_backend.py.")
@@ -151,8 +151,6 @@ def _patch_megatron() -> None:
              _gloo_uneven_gather(mappings._gather_along_first_dim))
     _replace(mappings.__name__, "_reduce_scatter_along_first_dim",
              _gloo_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim))
-    if not hasattr(importlib.import_module(moe_utils), "te_general_gemm"):
-        _replace(moe_utils, "te_general_gemm", None, must_exist=False)  # package bug without TE
 
 
 def skip_deepspeed_shm_allreduce() -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dsforge.recipe import Resolved
+from dsforge.runtime.build import megatron_fixes
 from dsforge.runtime.build.grads import sum_sequence_parallel_grads
 from dsforge.runtime.build.init import init_from_hugging_face, init_layout_invariant
 from dsforge.runtime.build.kernels import loadable
@@ -41,8 +42,9 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
                timeout_s: float) -> RankParts:
     """Apply parallelism inside this rank, in this order (each step needs the ones before):
 
-      1. the CPU backend (cpu_backend.py) when `device` is the CPU, before anything touches
-         torch.cuda or DeepSpeed's comm layer;
+      1. Megatron-Core's own bugs worked around (megatron_fixes.py), and the CPU backend
+         (cpu_backend.py) when `device` is the CPU, before anything touches torch.cuda or
+         DeepSpeed's comm layer;
       2. torch.distributed and DeepSpeed's comm layer on `backend` (nccl / gloo), collectives
          timing out after `timeout_s`;
       3. Megatron-Core parallel state from the translated kwargs, model-parallel RNG seeded;
@@ -57,6 +59,7 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
          data-parallel group and computes the gradient norm over the tensor x pipeline group.
     """
     recipe, layout = resolved.recipe, resolved.layout
+    megatron_fixes.apply()
     if device.type == "cpu":
         from dsforge.runtime.build import cpu_backend
 
