@@ -64,7 +64,11 @@ GiB = 2**30
 H200_OOM = {"source": "cuda max_memory_allocated", "peak": 133 * GiB, "allocated": 131 * GiB,
             "reserved": 138 * GiB, "capacity": int(140.4 * GiB), "device": "NVIDIA H200",
             "requested": 4 * GiB}
-NO_CHECKPOINTING = ["train.activation_checkpointing=none", "train.micro_batch=2", "train.grad_accum=4"]
+# recipes/7b_1gpu.yaml in its 2026-11-26 layout (ZeRO-3, full checkpointing), then without
+# checkpointing at micro-batch 2, the layout that does not fit an H200.
+ZERO3_FULL = ["zero.stage=3", "train.activation_checkpointing=full"]
+NO_CHECKPOINTING = ["zero.stage=3", "train.activation_checkpointing=none", "train.micro_batch=2",
+                    "train.grad_accum=4"]
 TRACE = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\nValueError: boom\n'
 
 
@@ -118,7 +122,7 @@ def test_an_out_of_memory_against_the_prediction_with_the_fixes_that_fit(tmp_pat
 
 def test_an_out_of_memory_the_model_does_not_explain(tmp_path):
     """Predicted to fit: the memory went to another process or the allocator's fragments."""
-    run_dir = _run_dir_of(tmp_path, "7b_1gpu.yaml")  # as shipped: 106.9 GiB
+    run_dir = _run_dir_of(tmp_path, "7b_1gpu.yaml", ZERO3_FULL)  # 106.9 GiB
     memory = {**H200_OOM, "peak": 100 * GiB, "allocated": 100 * GiB, "requested": 2 * GiB}
     advice = explain(failure.Failure(rank=0, step=3, kind="oom", message="m", memory=memory), run_dir)
     assert advice.endswith("the memory model predicts 106.9 GiB (at the optimizer step), which fits: "
@@ -154,7 +158,7 @@ def test_bench_reasons_carry_the_cause_and_the_prediction(tmp_path):
 
 
 def test_one_allocation_larger_than_the_device(tmp_path):
-    run_dir = _run_dir_of(tmp_path, "7b_1gpu.yaml")
+    run_dir = _run_dir_of(tmp_path, "7b_1gpu.yaml", ZERO3_FULL)
     memory = {**H200_OOM, "peak": GiB, "allocated": GiB, "requested": 280 * GiB}
     advice = explain(failure.Failure(rank=0, step=0, kind="oom", message="m", memory=memory), run_dir)
     assert advice.endswith("the memory model predicts 106.9 GiB (at the optimizer step), but the "
