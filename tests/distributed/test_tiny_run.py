@@ -18,8 +18,8 @@ import pytest
 from tests.conftest import REPO
 from tests.distributed.test_run import _job_processes
 
-# 7b_1gpu (one rank, ZeRO-3, bf16) is opt-in: one-rank jobs run as every --tiny run's
-# reference, 13b_8gpu_zero3's being one rank of ZeRO-3 in bf16.
+# 7b_1gpu (one rank, ZeRO-0, bf16) is opt-in: one-rank jobs already run as every --tiny
+# run's reference.
 IN_CI = {
     "13b_8gpu_zero3": 300,  # ZeRO-3 over 8 data-parallel ranks, bf16, full AC
     "moe_8gpu_ep8": 300,  # 8 experts on 8 expert-parallel ranks
