@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dsforge.bench.run import CENSUS_POINTS, largest_census
 from dsforge.bench.store import Row, Store, unusable
+from dsforge.files import write_atomic
 from dsforge.hardware import gpu_for_device_name
 from dsforge.job.metrics_file import PHASES, median_breakdown
 from dsforge.units import GiB, MiB
@@ -118,7 +119,7 @@ def _write(rows: list[Row], out_dir: Path, peak_tflops: float | None) -> Path:
             parts += [f"{superseded} earlier cell(s) of {study}, measured for an earlier version "
                       "of its base recipe, are kept in the database and not shown.", ""]
     path = out_dir / "report.md"
-    path.write_text("\n".join(parts) + "\n")
+    write_atomic(path, "\n".join(parts) + "\n")
     return path
 
 

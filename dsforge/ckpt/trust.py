@@ -176,7 +176,7 @@ def _kind(info: os.stat_result) -> str:
 def check_safe_to_load(root: Path, tag: str) -> None:
     """Refuse checkpoints written by another user, holding symbolic links, or writable by
     others (CK2), before anything is unpickled. Group-writable files are refused unless the
-    group is the user's private group (see _private_group)."""
+    group is the user's private group (see private_group)."""
     uid = os.getuid()
     pointer = root / LATEST
     latest = [pointer] if pointer.is_symlink() or pointer.exists() else []
@@ -192,14 +192,14 @@ def check_safe_to_load(root: Path, tag: str) -> None:
         if info.st_mode & stat.S_IWOTH:
             raise _refuse("CK2", path, "is writable by every user; anyone could have replaced it",
                           f"chmod -R o-w {root} if you trust its contents")
-        if info.st_mode & stat.S_IWGRP and not _private_group(info.st_gid, uid):
+        if info.st_mode & stat.S_IWGRP and not private_group(info.st_gid, uid):
             raise _refuse("CK2", path, f"is writable by group {_group_name(info.st_gid)}, which "
                           "is not your private group: its other members could have replaced it",
                           f"chmod -R g-w {root} if you trust its contents")
 
 
 @lru_cache(maxsize=None)
-def _private_group(gid: int, uid: int) -> bool:
+def private_group(gid: int, uid: int) -> bool:
     """Whether only user `uid` belongs to group `gid`: it is the user's primary group, lists
     no other member, and is no other account's primary group (the user-private-group scheme,
     where umask 002 makes files group-writable). Unknown groups or users are not private."""

@@ -31,7 +31,7 @@ import torch
 
 from dsforge.ckpt.format import COMPLETE, LATEST
 from dsforge.ckpt.trust import CheckpointError, check_complete, read_latest, read_marker
-from dsforge.files import fsync_directory
+from dsforge.files import fsync_directory, write_atomic
 from dsforge.hf.config import TORCH_DTYPES, export_problems, generation_config, hf_config
 from dsforge.hf.names import architecture, global_shapes, model_config, pieces, to_hf
 from dsforge.hf.shards import Entry, parse_size, write_shards
@@ -106,10 +106,10 @@ def _write(folder: Path, reader, model, recipe: dict[str, Any], *, dtype: str, s
     tokenizer = tokenizer_files(recipe, folder)
     notes.extend(tokenizer.notes)
     ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id}
-    (folder / "config.json").write_text(
-        json.dumps(hf_config(model, dtype=dtype, **ids), indent=2) + "\n")
-    (folder / "generation_config.json").write_text(
-        json.dumps(generation_config(**ids), indent=2) + "\n")
+    write_atomic(folder / "config.json",
+                 json.dumps(hf_config(model, dtype=dtype, **ids), indent=2) + "\n")
+    write_atomic(folder / "generation_config.json",
+                 json.dumps(generation_config(**ids), indent=2) + "\n")
     padded = reader.padded_vocab_size
     entries = [Entry(p.hf_name, p.shape, DTYPES[dtype]) for p in pieces(model, padded)]
     tensors = ((piece.hf_name, tensor) for piece, tensor in

@@ -58,9 +58,9 @@ class HFWeights:
                            f"{'Mixtral' if self.model.moe else 'Llama'} holds it")
         parts = self._parts[name]
         return global_tensor(self.model, self.padded_vocab, parts,
-                             {p.hf_name: self._read(p.hf_name) for p in parts})
+                             {p.hf_name: self.read_tensor(p.hf_name) for p in parts})
 
-    def _read(self, hf_name: str) -> torch.Tensor:
+    def read_tensor(self, hf_name: str) -> torch.Tensor:
         file = self._files.get(hf_name)
         if file is None:
             raise KeyError(f"{self.folder} holds no tensor {hf_name} (in {SINGLE} or the files "

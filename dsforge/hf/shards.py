@@ -22,6 +22,8 @@ from typing import Iterator
 
 import torch
 
+from dsforge.files import write_atomic
+
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -98,7 +100,7 @@ def write_shards(folder: Path, entries: list[Entry], tensors: Iterator[tuple[str
     if len(shards) > 1:
         weight_map = {entry.name: name for name, shard in zip(names, shards) for entry in shard}
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
-        (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        write_atomic(folder / INDEX, json.dumps(index, indent=2) + "\n")
         names.append(INDEX)
     return names
 

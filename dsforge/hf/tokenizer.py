@@ -24,6 +24,7 @@ from typing import Any, Mapping
 from dsforge.data.errors import DataError
 from dsforge.data.identity import TokenizerIdentity, read_record
 from dsforge.data.tokenizers import BYTES, BYTES_EOD, TOKENIZER_FILES, load_tokenizer
+from dsforge.files import write_atomic
 
 
 @dataclass
@@ -81,7 +82,7 @@ def _copy(path: Path, identity: TokenizerIdentity, folder: Path) -> list[str]:
         shutil.copyfile(path, folder / "tokenizer.json")
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": identity.eod_token,
                   "clean_up_tokenization_spaces": False}
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_atomic(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
         return ["tokenizer.json", "tokenizer_config.json"]
     source = path if path.is_dir() else path.parent
     written = [name for name in TOKENIZER_FILES if (source / name).is_file()]

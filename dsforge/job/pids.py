@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dsforge.files import write_atomic
 from dsforge.job.run_dir import RunDir
 
 
 def write_pid(run_dir: Path, rank: int, host: str, pid: int) -> None:
     path = RunDir(run_dir).pid_file(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{host} {pid}\n")
+    write_atomic(path, f"{host} {pid}\n")
 
 
 def started_ranks(run_dir: Path) -> dict[int, str]:

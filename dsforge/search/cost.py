@@ -47,7 +47,7 @@ class StepTime:
         return {**asdict(self), "total": self.total}
 
 
-def _saturation(x: float) -> float:
+def gemm_saturation(x: float) -> float:
     return x / (x + _GEMM_KNEE)
 
 
@@ -66,8 +66,8 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
     m, t = recipe.model, recipe.train
     half = 2 if t.precision != "fp32" else 4
     microbatch_tokens = lay.micro_batch * t.seq_len
-    efficiency = (profile.compute_efficiency * _saturation(m.hidden_size / lay.tp)
-                  * _saturation(microbatch_tokens))
+    efficiency = (profile.compute_efficiency * gemm_saturation(m.hidden_size / lay.tp)
+                  * gemm_saturation(microbatch_tokens))
     flop_rate = profile.gpu.peak_bf16_flops * efficiency
     # The pipeline runs at the pace of its busiest rank (the last: it adds the output layer).
     busiest = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)
@@ -132,7 +132,7 @@ def _tp_layer_seconds(m: ModelConfig, lay: Layout, checkpointing: str, activatio
 
 
 @functools.lru_cache(maxsize=4096)
-def _boundary_counts(stride: int, pp: int, vpp: int, gpus_per_node: int) -> frozenset[tuple[int, int]]:
+def boundary_counts(stride: int, pp: int, vpp: int, gpus_per_node: int) -> frozenset[tuple[int, int]]:
     """For each pipeline rank of each pipeline group: (intra-node, inter-node) stage
     boundaries it sends across per microbatch, summed over its v model chunks.
 
@@ -174,7 +174,7 @@ def pipeline_send_seconds(lay: Layout, profile: ClusterProfile, message: float) 
     intra_s = message / (profile.intra_node_gbps * GB) + profile.p2p_latency_s
     inter_s = message / (profile.inter_node_gbps * GB) + profile.p2p_latency_s
     stride = lay.world_size // lay.pp
-    counts = _boundary_counts(stride, lay.pp, lay.vpp, profile.gpus_per_node)
+    counts = boundary_counts(stride, lay.pp, lay.vpp, profile.gpus_per_node)
     return max(intra * intra_s + inter * inter_s for intra, inter in counts)
 
 

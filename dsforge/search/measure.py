@@ -20,6 +20,7 @@ from typing import Callable
 from dsforge.bench.run import run_cell
 from dsforge.bench.store import FAILED, Store
 from dsforge.bench.study import Cell, Measure, Study, make_cell, timing
+from dsforge.files import write_atomic
 from dsforge.lock import Busy
 from dsforge.recipe.loader import dump_recipe
 from dsforge.schema import Recipe
@@ -56,7 +57,7 @@ def measure_top(base: Recipe, result: SearchResult, top: int, out_dir: Path, mea
                 log: Callable[[str], None] = print) -> list[Trial]:
     out_dir.mkdir(parents=True, exist_ok=True)
     recipe_path = out_dir / "base.yaml"
-    recipe_path.write_text(dump_recipe(base))
+    write_atomic(recipe_path, dump_recipe(base))
     shown = result.ranked[:top]
     study = Study(name=f"search-{base.model.preset or base.name}", recipe=str(recipe_path),
                   world_size=result.space.gpus, axes={"candidate": list(range(1, len(shown) + 1))},

@@ -194,7 +194,7 @@ def test_group_writable_checkpoint_of_a_shared_group_is_refused(resumed_runs, tm
     shard = run_dir / "checkpoints" / FINAL / "mp_rank_00_model_states.pt"
     if os.getuid() == 0:
         os.chown(shard, 0, 4242)  # a group with no entry: never the user's private group
-    elif trust._private_group(os.getgid(), os.getuid()):
+    elif trust.private_group(os.getgid(), os.getuid()):
         pytest.skip("needs root to give the file a group other than your private one")
     os.chmod(shard, 0o664)
     result = _refused_resume(run_dir)

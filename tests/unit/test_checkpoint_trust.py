@@ -174,11 +174,11 @@ def test_world_writable_latest_is_refused(tmp_path):
 def test_group_writable_files_are_refused_unless_the_group_is_yours_alone(tmp_path, monkeypatch):
     root = _checkpoint(tmp_path)
     os.chmod(root / "step00000003" / "mp_rank_00_model_states.pt", 0o664)
-    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: False)
+    monkeypatch.setattr(trust, "private_group", lambda gid, uid: False)
     error = _refused(tmp_path)
     assert error.problem.rule == "CK2" and "writable by group" in str(error)
     assert "chmod -R g-w" in str(error)
-    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: True)
+    monkeypatch.setattr(trust, "private_group", lambda gid, uid: True)
     check_resumable(tmp_path, RECIPE, 2)
 
 
@@ -200,16 +200,16 @@ def test_private_group(monkeypatch, group_members, others_primary_gid, gid, priv
     monkeypatch.setattr(trust.pwd, "getpwuid", lambda uid: {1000: alice, 1001: bob}[uid])
     monkeypatch.setattr(trust.pwd, "getpwall", lambda: [alice, bob])
     monkeypatch.setattr(trust.grp, "getgrgid", lambda g: _Account("g", 0, g, group_members))
-    trust._private_group.cache_clear()
+    trust.private_group.cache_clear()
     try:
-        assert trust._private_group(gid, 1000) is private
+        assert trust.private_group(gid, 1000) is private
     finally:
-        trust._private_group.cache_clear()
+        trust.private_group.cache_clear()
 
 
 def test_an_unknown_group_is_not_private():
-    trust._private_group.cache_clear()
-    assert not trust._private_group(987654, os.getuid())
+    trust.private_group.cache_clear()
+    assert not trust.private_group(987654, os.getuid())
 
 
 def test_a_symlink_is_called_a_symlink(tmp_path):
@@ -261,7 +261,7 @@ def test_save_records_every_file_and_its_size(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Engine.module, "chunks", [], raising=False)
     monkeypatch.setattr(checkpoint, "write_state", write_state)
-    monkeypatch.setattr(checkpoint, "_padded_vocab", lambda chunks: 128)
+    monkeypatch.setattr(checkpoint, "padded_vocab_of", lambda chunks: 128)
     root = tmp_path / "checkpoints"
     checkpoint.save(Engine(), root, step=3, recipe=RECIPE, world_size=1, rank=0)
     record = latest_complete(root)

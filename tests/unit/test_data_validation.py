@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from dsforge.cli import main
 from dsforge.data.indexed import megatron_indexed_dataset, split_ranges
 from dsforge.data.prepare import prepare
+from dsforge.problems import RecipeError
 from dsforge.recipe import Topology, validate
 from dsforge.recipe.data_rules import datasets as dataset_rules
-from dsforge.problems import RecipeError
 from tests.conftest import REPO, make_recipe
 
 BYTES_VOCAB = "model.vocab_size=257"  # the bytes tokenizer's 256 bytes and its EOD
@@ -122,8 +122,7 @@ def test_split_ranges_are_megatrons_own(tmp_path):
     with a dataset class that records the indices it is given."""
     from megatron.core.datasets.blended_megatron_dataset_builder import \
         BlendedMegatronDatasetBuilder as Builder
-    from megatron.core.datasets.blended_megatron_dataset_config import \
-        BlendedMegatronDatasetConfig
+    from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     class Recorder:
@@ -409,8 +408,8 @@ def test_a_100_gb_corpus_validates_in_seconds_from_its_index(tmp_path):
 def test_validation_reads_a_dataset_once_and_again_when_it_changes(data, tmp_path, monkeypatch):
     prefix = _copy(data.wiki, tmp_path)
     opened = []
-    real = dataset_rules._open_files
-    monkeypatch.setattr(dataset_rules, "_open_files", lambda p: opened.append(p) or real(p))
+    real = dataset_rules.open_files
+    monkeypatch.setattr(dataset_rules, "open_files", lambda p: opened.append(p) or real(p))
     for _ in range(3):
         problems(f"data.source={prefix}", "model.vocab_size=256")  # D12: validated twice
     assert opened == [prefix]

@@ -246,8 +246,8 @@ def test_a_global_tensor_reads_only_its_own_pieces(folders, monkeypatch):
     model = make_recipe(*DENSE).model
     read = []
     weights = HFWeights(folders["llama"], model, 256)
-    original = weights._read
-    monkeypatch.setattr(weights, "_read", lambda n: read.append(n) or original(n))
+    original = weights.read_tensor
+    monkeypatch.setattr(weights, "read_tensor", lambda n: read.append(n) or original(n))
     with weights:
         qkv = weights.full("decoder.layers.1.self_attention.linear_qkv.weight")
     assert qkv.shape == ((4 + 2 * 2) * 8, 64)

@@ -133,17 +133,17 @@ def test_a_model_change_is_still_refused_with_the_list(tmp_path):
 
 
 def test_a_new_vocabulary_padding_keeps_the_rows_and_says_so():
-    from dsforge.runtime.checkpoint.layout_free import _fit
+    from dsforge.runtime.checkpoint.layout_free import fit_to_layout
 
     saved = torch.arange(384 * 2, dtype=torch.float32).view(384, 2)  # padded for tp 1 (V = 300)
     notes: list[str] = []
-    grown = _fit(saved, ParamSpec("output_layer.weight", (512, 2), 0, 1, 0, 2, False), notes)
+    grown = fit_to_layout(saved, ParamSpec("output_layer.weight", (512, 2), 0, 1, 0, 2, False), notes)
     assert torch.equal(grown[:384], saved) and not grown[384:].any()
-    shrunk = _fit(grown, ParamSpec("embedding.word_embeddings.weight", (384, 2), 0, 1, 0, 1, False), notes)
+    shrunk = fit_to_layout(grown, ParamSpec("embedding.word_embeddings.weight", (384, 2), 0, 1, 0, 1, False), notes)
     assert torch.equal(shrunk, saved)
     assert "from 384 to 512 rows" in notes[0]
     with pytest.raises(StateError, match="decoder.final_layernorm.weight is"):
-        _fit(torch.ones(4), ParamSpec("decoder.final_layernorm.weight", (8,), None, 1, 0, 1, False), [])
+        fit_to_layout(torch.ones(4), ParamSpec("decoder.final_layernorm.weight", (8,), None, 1, 0, 1, False), [])
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -151,12 +151,12 @@ def test_a_resumed_adam_state_is_the_one_torch_would_have_made(fused):
     """The layout-free resume writes Adam's state itself (runtime/checkpoint/zero_state.py): the step's
     dtype and device must be torch's own for that optimizer (fused: float32 on the parameter's
     device, which its kernel reads; a CPU step would fault there on a GPU)."""
-    from dsforge.runtime.checkpoint.zero_state import _new_state
+    from dsforge.runtime.checkpoint.zero_state import new_adam_state
 
     weight = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=fused, foreach=False)
     weight.grad = torch.ones(4)
     optimizer.step()
     made = optimizer.state[weight]["step"]
-    ours = _new_state(weight.detach(), optimizer, 7)["step"]
+    ours = new_adam_state(weight.detach(), optimizer, 7)["step"]
     assert (ours.dtype, ours.device, float(ours)) == (made.dtype, made.device, 7.0)

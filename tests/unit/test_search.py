@@ -13,15 +13,15 @@ from click.testing import CliRunner
 
 from dsforge.cli import main
 from dsforge.estimate.flops import flops_per_token
+from dsforge.problems import RecipeError
 from dsforge.recipe import load_recipe, resolve
 from dsforge.recipe.loader import build_recipe
 from dsforge.search.command import SearchRequest, base_recipe, search_space, write_recipe
-from dsforge.search.cost import _saturation, step_time
+from dsforge.search.cost import gemm_saturation, step_time
 from dsforge.search.explain import reason
 from dsforge.search.profile import ClusterProfile, ProfileFile, default_profile, load_profile
 from dsforge.search.search import evaluate, search
 from dsforge.search.space import Candidate, Space
-from dsforge.problems import RecipeError
 from tests.conftest import REPO
 
 
@@ -103,7 +103,7 @@ def test_step_time_by_hand_on_one_gpu():
         _base().train, global_batch=4, micro_batch=2)), 1, profile)
     m = r.resolved.recipe.model
     tokens = 4 * 4096
-    efficiency = 0.60 * _saturation(m.hidden_size) * _saturation(2 * 4096)
+    efficiency = 0.60 * gemm_saturation(m.hidden_size) * gemm_saturation(2 * 4096)
     expected = tokens * flops_per_token(m, 4096).hardware / (989e12 * efficiency)
     assert r.time.compute == pytest.approx(expected)
     assert r.time.tp_comm == r.time.dp_comm == r.time.bubble == r.time.pp_comm == 0
@@ -146,12 +146,12 @@ def test_pipeline_sends_cross_nodes_where_the_ranks_do():
     """tp2 x pp16 x dp1 with 4 GPUs per node: stages 2j and 2j+1 share a node, so every rank
     inside the pipeline has one intra- and one inter-node neighbour; with interleaving the
     wrap-around from the last stage to the first crosses nodes too (docs/search.md)."""
-    from dsforge.search.cost import _boundary_counts, pipeline_send_seconds
+    from dsforge.search.cost import boundary_counts, pipeline_send_seconds
 
-    assert _boundary_counts(2, 16, 1, 4) == {(1, 0), (1, 1)}  # the two ends, the inner ranks
-    assert _boundary_counts(2, 16, 5, 4) == {(5, 5), (5, 4)}  # the ends: 4 wrap-arounds each
-    assert _boundary_counts(8, 4, 1, 8) == {(0, 1), (0, 2)}  # a stage fills a node: all inter
-    assert _boundary_counts(1, 4, 2, 8) == {(3, 0), (4, 0)}  # the whole pipeline in one node
+    assert boundary_counts(2, 16, 1, 4) == {(1, 0), (1, 1)}  # the two ends, the inner ranks
+    assert boundary_counts(2, 16, 5, 4) == {(5, 5), (5, 4)}  # the ends: 4 wrap-arounds each
+    assert boundary_counts(8, 4, 1, 8) == {(0, 1), (0, 2)}  # a stage fills a node: all inter
+    assert boundary_counts(1, 4, 2, 8) == {(3, 0), (4, 0)}  # the whole pipeline in one node
     profile = dataclasses.replace(default_profile("h200"), gpus_per_node=4)
     lay = _layout(_base(), 32, tp=2, pp=16, vpp=2, micro_batch=1, global_batch=32).resolved.layout
     message = 1e8
@@ -359,8 +359,8 @@ def test_search_picks_zero2_with_pipelines_only_when_zero1_does_not_fit(monkeypa
 
 
 def test_search_never_proposes_a_combination_rule_z2_rejects():
-    from dsforge.recipe.validate import validate
     from dsforge.problems import errors
+    from dsforge.recipe.validate import validate
 
     result = _search()
     # Z2 accepts ZeRO-2 and ZeRO-3 with pipelines (27ab157): both are proposed, at their cost.

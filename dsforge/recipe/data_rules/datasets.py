@@ -94,17 +94,17 @@ def _open(prefix: str) -> Opened | DataError:
 
     stats = tuple(file_stat(prefix + suffix) for suffix in (".bin", ".idx", RECORD_SUFFIX))
     if stats[0] is None or stats[1] is None:  # refused before anything is read or imported
-        return _open_files(prefix)
+        return open_files(prefix)
     return _open_cached(prefix, stats)
 
 
 @functools.lru_cache(maxsize=16)
 def _open_cached(prefix: str, stats: tuple) -> Opened | DataError:
     """Keyed by the sizes and modification times of PREFIX.bin, .idx and .tokenizer.json."""
-    return _open_files(prefix)
+    return open_files(prefix)
 
 
-def _open_files(prefix: str) -> Opened | DataError:
+def open_files(prefix: str) -> Opened | DataError:
     from dsforge.data.errors import DataError
     from dsforge.data.indexed import open_dataset
 

@@ -108,12 +108,12 @@ def _install_all(view, chunks, reader: StateReader, moments: bool, notes: list[s
         for key in STATES:
             if key != "fp32" and not moments:
                 continue  # saved before the first step: Adam's moments stay zero (prepare)
-            full = _fit(reader.full(spec.global_name, key), spec, notes)
+            full = fit_to_layout(reader.full(spec.global_name, key), spec, notes)
             view.install(param, key, shard(full, spec))
             del full
 
 
-def _fit(full: torch.Tensor, spec: ParamSpec, notes: list[str]) -> torch.Tensor:
+def fit_to_layout(full: torch.Tensor, spec: ParamSpec, notes: list[str]) -> torch.Tensor:
     """The saved tensor in this layout's shape. Only the vocabulary padding may differ (it is
     a multiple of 128 x tp): rows are dropped or zero rows added past the padded size."""
     if tuple(full.shape) == spec.full_shape:

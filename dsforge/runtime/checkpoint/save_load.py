@@ -43,7 +43,7 @@ def save(engine, root: Path, *, step: int, recipe: dict[str, Any], world_size: i
                            save_latest=False)
     torch.save(_rng_state(), root / tag / rng_file(rank))
     write_state(engine, engine.module.chunks, root / tag, rank=rank, world_size=world_size,
-                step=step, padded_vocab_size=_padded_vocab(engine.module.chunks))
+                step=step, padded_vocab_size=padded_vocab_of(engine.module.chunks))
     experts = _expert_weights(engine.module)
     if experts:
         torch.save(experts, root / tag / experts_file(rank))
@@ -97,7 +97,7 @@ def _load_on_new_layout(engine, root: Path, tag: str, record: dict[str, Any],
     return int(record["step"])
 
 
-def _padded_vocab(chunks) -> int:
+def padded_vocab_of(chunks) -> int:
     """The vocabulary the model was built with: dsforge passes Megatron the padded size."""
     return int(chunks[0].vocab_size)
 

@@ -38,7 +38,7 @@ def optimizer_view(engine):
     return Zero0(engine.optimizer)
 
 
-def _new_state(flat: torch.Tensor, optimizer, step: int) -> dict[str, Any]:
+def new_adam_state(flat: torch.Tensor, optimizer, step: int) -> dict[str, Any]:
     """Adam's state as the optimizer itself would have made it: torch keeps the step as a
     float32 tensor, on the parameter's device when it steps fused or capturable (its fused
     kernel reads the step there: a CPU step would fault on a GPU), on the CPU otherwise;
@@ -71,7 +71,7 @@ class _View:
 
     def prepare(self, step: int) -> None:
         for holder in self.holders():
-            self.base.state[holder] = _new_state(holder.detach(), self.base, step)
+            self.base.state[holder] = new_adam_state(holder.detach(), self.base, step)
 
 
 class Zero12(_View):

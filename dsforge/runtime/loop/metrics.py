@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dsforge.estimate.flops import mfu
+from dsforge.files import write_atomic
 from dsforge.job.metrics_file import PHASES, is_validation, median_breakdown
 from dsforge.runtime.guard.oom import peak_memory
 
@@ -92,7 +93,7 @@ class MetricsWriter:
         parsed = [_parse(line) for line in kept]
         self.records = [r for r in parsed if isinstance(r, StepRecord)]
         self.evals = [r for r in parsed if isinstance(r, EvalRecord)]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        write_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, record: StepRecord) -> None:
         self.records.append(record)

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
+from dsforge.files import write_atomic
 from dsforge.job.run_dir import RunDir
 
 if TYPE_CHECKING:  # a type only: importing metrics would import torch
@@ -234,7 +235,7 @@ def _wandb_run_id(wandb_dir: Path, resumed_at: int | None) -> str:
         return path.read_text().strip()
     run_id = secrets.token_hex(8)  # W&B run ids: letters and digits, unique per project
     wandb_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(run_id + "\n")
+    write_atomic(path, run_id + "\n")
     return run_id
 
 
