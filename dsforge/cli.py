@@ -262,12 +262,13 @@ def data_inspect(prefix, scan):
 @click.option("--tiny", is_flag=True,
               help="Every cell's layout at tiny size on CPU ranks (a dry run of the study); "
                    "recorded as study NAME-tiny.")
-def bench(study, out, retry_failed, tiny):
-    """Run every cell of STUDY (a sweep over recipe fields) and record the results in
-    OUT/results.db; finished cells are skipped when the study is run again. Exit status: 0
-    every cell has a result, 2 invalid study or unusable OUT, 75 cells busy or the database
-    locked (run again later), 130/143 stopped by Ctrl-C/SIGTERM (docs/bench.md)."""
-    sys.exit(bench_main(study, out, retry_failed=retry_failed, tiny=tiny))
+@click.option("--db-timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Wait this long for a lock on results.db [default: as long as cells may run].")
+def bench(study, **options):
+    """Run every cell of STUDY (a sweep over recipe fields) into OUT/results.db, skipping finished
+    cells. Exit status: 0 every cell has a result, 2 invalid study or unusable OUT, 75 cells busy
+    or the database locked (run again later), 130/143 stopped by Ctrl-C/SIGTERM (docs/bench.md)."""
+    sys.exit(bench_main(study, **options))
 
 
 @main.command()

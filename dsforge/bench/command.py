@@ -11,9 +11,11 @@ import click
 from dsforge.problems import EXIT_INVALID, RecipeError, print_problems
 
 
-def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool) -> int:
+def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
+               db_timeout: float | None = None) -> int:
     """Refuse an invalid study before any cell runs; run the others' cells into
-    OUT/results.db, a tiny study under its own name (NAME-tiny)."""
+    OUT/results.db, a tiny study under its own name (NAME-tiny), waiting up to `db_timeout`
+    seconds [as long as the study's cells may run] for another process's lock on it."""
     from dsforge.bench.run import bench_study
     from dsforge.bench.study import check_study, load_study
 
@@ -30,7 +32,7 @@ def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool) 
         parsed = dataclasses.replace(parsed, name=f"{parsed.name}-tiny")
     out = out or Path("benchmarks") / parsed.name
     code = bench_study(parsed, recipe_path, out, retry_failed=retry_failed, tiny=tiny,
-                       log=lambda line: click.echo(line, err=True))
+                       db_timeout=db_timeout, log=lambda line: click.echo(line, err=True))
     if code != EXIT_INVALID:
         click.echo(f"results: {out / 'results.db'}; report: dsforge report {out / 'results.db'}")
     return code

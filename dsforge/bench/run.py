@@ -8,7 +8,9 @@ A cell's directory, OUT/cells/KEY/repeatN, has one owner at a time (dsforge/lock
 whose lock another live bench holds, or whose earlier job still runs, is `busy` - not run and
 not recorded. The owner empties the directory, runs the job, and writes the result to
 RUN_DIR/result.json (atomically) before the database, so a result the database could not take
-is imported by the next run instead of measured again.
+is imported by the next run instead of measured again. While another process holds the
+database's lock the bench waits for it, saying so (db_timeout_s: as long as the study's cells
+may run, or --db-timeout), and writes the row when the lock goes.
 
 Rows already in the store are skipped; failed ones (oom/timeout/crashed) are run again with
 `retry_failed`. Rejected cells are checked again on every run (no job starts for that): one
@@ -68,15 +70,26 @@ class Outcome:
     busy: list[str] = field(default_factory=list)
 
 
+def db_timeout_s(study: Study) -> float:
+    """How long dsforge bench waits for another process's lock on its results database unless
+    --db-timeout says: as long as the study's own cells may run, each cell and repeat's
+    wall-clock limit (measure.timeout_s) times their number."""
+    return study.measure.timeout_s * len(expand(study)) * study.measure.repeats
+
+
 def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed: bool = False,
-                tiny: bool = False, log: Callable[[str], None] = print) -> int:
+                tiny: bool = False, db_timeout: float | None = None,
+                log: Callable[[str], None] = print) -> int:
     """`dsforge bench`: run_study with its store in OUT/results.db, as an exit status:
     0 when every cell has a result; EXIT_TRY_AGAIN (75) when cells were busy or the database
-    stayed locked (nothing finished is lost: run the study again); 130 / 143 when stopped
-    by Ctrl-C / SIGTERM (the cell in flight has no row); 2 for an unusable database or OUT."""
+    stayed locked for longer than `db_timeout` seconds [db_timeout_s(study)] (nothing finished
+    is lost: run the study again); 130 / 143 when stopped by Ctrl-C / SIGTERM (the cell in
+    flight has no row); 2 for an unusable database or OUT."""
     try:
-        store = Store(out_dir / "results.db")
-    except BenchError as exc:
+        wait_s = db_timeout_s(study) if db_timeout is None else db_timeout
+        store = Store(out_dir / "results.db", timeout_s=wait_s,
+                      waiting=lambda line: log(f"dsforge bench: {line}"))
+    except BenchError as exc:  # a lock held since before it opened: StoreLocked, 75
         log(f"dsforge bench: {exc}")
         return exc.exit_code
     try:
@@ -90,8 +103,11 @@ def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed:
         log("dsforge bench: interrupted")
         return 130
     except StoreLocked as exc:
-        log(f"dsforge bench: {exc}; each finished result is kept in its cell directory "
-            f"({RunDir(out_dir / 'cells' / 'KEY' / 'repeatN').bench_result}) and imported when the study runs again")
+        kept = RunDir(out_dir / "cells" / "KEY" / "repeatN").bench_result
+        log("dsforge bench: " + str(StoreLocked(
+            f"{exc.message}; each finished result is kept in its cell directory ({kept}) and "
+            "imported when the study runs again", argument=exc.argument, value=exc.value,
+            fix=exc.fix)))
         return exc.exit_code
     except BenchError as exc:
         log(f"dsforge bench: {exc}")

@@ -2,12 +2,14 @@
 
 Each row is committed in its own transaction (WAL journal, synchronous=FULL), so a crash of
 the bench loses at most the cell in flight, and a re-run finds every finished row. While
-another process holds the write lock, a write waits up to DB_TIMEOUT_S and then raises
-StoreLocked (the bench keeps each result in its cell directory first, bench/run.py). A file
-that is not a results database, or one that cannot be created or written, is a StoreError in
-the form of every dsforge refusal: what the user named and its value (OUT/results.db or
-RESULTS, the path), what is wrong, and `Fix:` (a file or folder in the way, a read-only file
-system, permissions and a full disk each have their own).
+another process holds the database's lock, every read and write waits for it up to the store's
+timeout (DB_TIMEOUT_S unless told: dsforge bench waits as long as its study's cells may run, or
+--db-timeout, bench/run.py), telling `waiting` when the wait starts, every WAIT_NOTICE_S and
+when the lock goes; then it raises StoreLocked, exit 75 (the bench keeps each result in its
+cell directory first, bench/run.py). A file that is not a results database, or one that cannot
+be created or written, is a StoreError in the form of every dsforge refusal: what the user
+named and its value (OUT/results.db or RESULTS, the path), what is wrong, and `Fix:` (a file or
+folder in the way, a read-only file system, permissions and a full disk each have their own).
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dsforge.problems import EXIT_INVALID
 
-# How long a read or write waits for another process's lock on the database, in seconds.
+# How long a read or write waits for another process's lock on the database, in seconds, unless
+# the store is given its own timeout.
 DB_TIMEOUT_S = 60.0
+# While waiting for the lock, the store says so at once and again every WAIT_NOTICE_S seconds.
+WAIT_NOTICE_S = 30.0
+# sqlite's own busy wait per try; the store tries again until its timeout has passed.
+BUSY_SLICE_S = 0.1
 # The exit status for "nothing is lost, run it again later" (BSD EX_TEMPFAIL).
 EXIT_TRY_AGAIN = 75
 
@@ -54,7 +61,8 @@ class StoreError(BenchError):
 
 
 class StoreLocked(StoreError):
-    """Another process held the database's lock for longer than the timeout."""
+    """Another process held the database's lock for longer than the store's timeout; the
+    database is fine and the command can run again later (EXIT_TRY_AGAIN)."""
 
     exit_code = EXIT_TRY_AGAIN
 
@@ -167,23 +175,27 @@ _COLUMNS = "study, cell, repeat, axes, status, reason, seconds, recipe, manifest
 class Store:
     """`argument`: what the user named the database as, for refusals (bench: OUT/results.db;
     report: RESULTS). `read_only` (report): opened without writing anything, and a database
-    without dsforge's results table is refused."""
+    without dsforge's results table is refused. `timeout_s`: how long each read or write waits
+    for another process's lock; `waiting` hears one line when a wait starts, every
+    WAIT_NOTICE_S while it lasts, and when the lock goes."""
 
     def __init__(self, path: str | Path, *, timeout_s: float | None = None,
-                 argument: str = "OUT/results.db", read_only: bool = False):
+                 argument: str = "OUT/results.db", read_only: bool = False,
+                 waiting: Callable[[str], None] | None = None):
         self.path = Path(path)
         self.timeout_s = DB_TIMEOUT_S if timeout_s is None else timeout_s
-        self.argument, self.read_only = argument, read_only
+        self.argument, self.read_only, self.waiting = argument, read_only, waiting
+        busy_s = min(self.timeout_s, BUSY_SLICE_S)  # sqlite's wait; _waiting tries again
         # A reader of a WAL database writes its -shm file beside it (sqlite's WAL mode).
         self._elsewhere = ("copy it (and its -wal file) to a folder this user can write and "
                            "name the copy" if read_only else "give another --out")
         if read_only:
             uri = f"file:{urllib.parse.quote(str(self.path.resolve()))}?mode=ro"
             with self._errors("cannot open"):
-                self.db = sqlite3.connect(uri, uri=True, timeout=self.timeout_s)
+                self.db = sqlite3.connect(uri, uri=True, timeout=busy_s)
             try:
-                with self._errors("cannot read"):
-                    self.db.execute("SELECT study FROM results LIMIT 0")
+                self._waiting("cannot read", lambda: self.db.execute(
+                    "SELECT study FROM results LIMIT 0"))
             except StoreError:
                 self.db.close()
                 raise
@@ -191,16 +203,18 @@ class Store:
         with self._errors("cannot create the results database"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._errors("cannot open the results database"):
-            self.db = sqlite3.connect(self.path, timeout=self.timeout_s)
+            self.db = sqlite3.connect(self.path, timeout=busy_s)
         try:
-            with self._errors("cannot open the results database"):
-                self.db.execute("PRAGMA journal_mode=WAL")
-                self.db.execute("PRAGMA synchronous=FULL")
-                with self.db:
-                    self.db.execute(SCHEMA)
+            self._waiting("cannot open the results database", self._prepare)
         except StoreError:
             self.db.close()
             raise
+
+    def _prepare(self) -> None:
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        with self.db:
+            self.db.execute(SCHEMA)
 
     def close(self) -> None:
         self.db.close()
@@ -210,35 +224,65 @@ class Store:
         return row.status if row else None
 
     def get(self, study: str, cell: str, repeat: int) -> Row | None:
-        with self._errors("cannot read the results database"):
-            found = self.db.execute(f"SELECT {_COLUMNS} FROM results WHERE study=? AND cell=? "
-                                    "AND repeat=?", (study, cell, repeat)).fetchone()
+        found = self._waiting("cannot read the results database", lambda: self.db.execute(
+            f"SELECT {_COLUMNS} FROM results WHERE study=? AND cell=? AND repeat=?",
+            (study, cell, repeat)).fetchone())
         return _row(found) if found else None
 
     def write(self, row: Row) -> None:
         """Commit `row` in its own transaction; waits up to `timeout_s` for another process's
-        lock (sqlite's busy wait, then retries until the same deadline), then StoreLocked."""
+        lock (_waiting), then StoreLocked."""
         values = (row.study, row.cell, row.repeat, json.dumps(row.axes), row.status, row.reason,
                   row.finished or time.time(), row.seconds, row.recipe, _json(row.manifest),
                   _json(row.figures), _json(row.prediction))
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                with self._errors("cannot write to the results database"), self.db:  # one transaction per row
-                    self.db.execute("INSERT OR REPLACE INTO results VALUES "
-                                    "(?,?,?,?,?,?,?,?,?,?,?,?)", values)
-                return
-            except StoreLocked:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.5)
+
+        def insert() -> None:
+            with self.db:  # one transaction per row
+                self.db.execute("INSERT OR REPLACE INTO results VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                                values)
+
+        self._waiting("cannot write to the results database", insert)
 
     def rows(self, study: str | None = None) -> list[Row]:
         query, args = f"SELECT {_COLUMNS} FROM results", ()
         if study:
             query, args = query + " WHERE study=?", (study,)
-        with self._errors("cannot read the results database"):
-            return [_row(r) for r in self.db.execute(query + " ORDER BY rowid", args).fetchall()]
+        found = self._waiting("cannot read the results database", lambda: self.db.execute(
+            query + " ORDER BY rowid", args).fetchall())
+        return [_row(r) for r in found]
+
+    def _waiting(self, doing: str, action: Callable[[], Any]) -> Any:
+        """`action()`, tried again while another process holds the database's lock (sqlite's
+        busy wait of BUSY_SLICE_S each time) until `timeout_s` has passed, then StoreLocked;
+        `waiting` hears that it waits, every WAIT_NOTICE_S how long, and when the lock goes.
+        Any other error as _errors says."""
+        started, told, path = time.monotonic(), None, self.path
+        while True:
+            try:
+                with self._errors(doing):
+                    result = action()
+            except StoreLocked:
+                waited = time.monotonic() - started
+                if waited >= self.timeout_s:
+                    raise
+                if told is None:
+                    told = waited
+                    self._say(f"waiting for the lock on {path}: another process holds it; "
+                              f"waiting up to {duration(self.timeout_s)} for it to go")
+                elif waited - told >= WAIT_NOTICE_S:
+                    told = waited
+                    self._say(f"still waiting for the lock on {path}: {duration(waited)} of up "
+                              f"to {duration(self.timeout_s)}")
+                time.sleep(min(0.05, max(0.0, self.timeout_s - waited)))
+                continue
+            if told is not None:
+                self._say(f"the lock on {path} went after "
+                          f"{duration(time.monotonic() - started)}; going on")
+            return result
+
+    def _say(self, line: str) -> None:
+        if self.waiting is not None:
+            self.waiting(line)
 
     @contextlib.contextmanager
     def _errors(self, doing: str):
@@ -247,8 +291,7 @@ class Store:
             yield
         except sqlite3.OperationalError as exc:
             if "locked" in str(exc) or "busy" in str(exc):
-                raise StoreLocked(f"{self.path}: another process held the database's lock for "
-                                  f"more than {self.timeout_s:g}s ({exc})", fix="") from None
+                raise self._locked(exc) from None
             if str(exc).startswith("no such table"):  # a SQLite file of another program
                 raise self._not_ours("it has no results table") from None
             raise self._unusable(doing, exc) from None
@@ -263,6 +306,14 @@ class Store:
                         "and name the copy" if self.read_only else None,
                         reading=self.read_only, cls=StoreError)
 
+    def _locked(self, exc: BaseException) -> StoreLocked:
+        again = "dsforge report" if self.read_only else "the study"
+        longer = "" if self.read_only else ", or give a longer --db-timeout"
+        return StoreLocked(f"another process held the database's lock for more than "
+                           f"{duration(self.timeout_s)} ({exc})", argument=self.argument,
+                           value=self.path, fix=f"run {again} again once the other process lets "
+                           f"go of it (fuser -v {self.path} lists who has it open){longer}")
+
     def _not_ours(self, why: str) -> StoreError:
         fix = ("name the results.db that dsforge bench wrote (OUT/results.db)" if self.read_only
                else "move it away (dsforge bench keeps its results in OUT/results.db) or give "
@@ -275,6 +326,18 @@ def _row(r: tuple) -> Row:
     return Row(study=r[0], cell=r[1], repeat=r[2], axes=json.loads(r[3]), status=r[4],
                reason=r[5], seconds=r[6], recipe=r[7], manifest=_load(r[8]),
                figures=_load(r[9]), prediction=_load(r[10]), finished=r[11])
+
+
+def duration(seconds: float) -> str:
+    """`seconds` for a person: 0.5s, 42s, 10m 0s, 2h 30m."""
+    if seconds < 10:
+        return f"{seconds:.2g}s"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes = int(round(seconds)) // 60
+    if minutes < 60:
+        return f"{minutes}m {int(round(seconds)) % 60}s"
+    return f"{minutes // 60}h {minutes % 60}m"
 
 
 def _json(value: Any) -> str | None:
