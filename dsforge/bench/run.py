@@ -130,7 +130,8 @@ def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
     try:
         (out_dir / "cells").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise BenchError(f"{out_dir}: cannot write the cells' directories: {exc.strerror or exc}") from None
+        raise BenchError(f"cannot write the cells' directories: {exc.strerror or exc}",
+                         argument="--out", value=out_dir) from None
     log(f"study {study.name}: {len(cells)} cells x {study.measure.repeats} repeats")
     outcome = Outcome()
     for index, cell in enumerate(cells, start=1):
@@ -194,7 +195,7 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
     owner holds it and Interrupted if dsforge is stopped meanwhile."""
     base = dict(study=study.name, cell=cell.key, repeat=repeat, axes=cell.axes)
     try:
-        resolved = _resolve_cell(study, recipe_path, cell, tiny)
+        resolved = resolve_cell(study, recipe_path, cell, tiny)
     except RecipeError as exc:
         reason = "; ".join(str(p) for p in errors(exc.problems))
         return Row(**base, status="rejected", reason=reason, finished=time.time())
@@ -203,7 +204,7 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
         shutil.rmtree(run_dir, ignore_errors=True)  # an earlier attempt's files
         run_dir.mkdir(parents=True)
         started = time.monotonic()
-        code = _launch(study, resolved, run_dir, device="cpu" if tiny else study.device)
+        code = launch_cell(study, resolved, run_dir, device="cpu" if tiny else study.device)
         if code in STOPPED:
             raise Interrupted(code, cell, repeat)
         status, reason = classify(code, run_dir)
@@ -215,13 +216,13 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
     return row
 
 
-def _resolve_cell(study: Study, recipe_path: Path, cell: Cell, tiny: bool = False) -> Resolved:
+def resolve_cell(study: Study, recipe_path: Path, cell: Cell, tiny: bool = False) -> Resolved:
     resolved = resolve_file(recipe_path, cell.overrides, world_size=study.world_size,
                             hostfile=study.hostfile)
     return tiny_resolved(resolved, cell.overrides) if tiny else resolved
 
 
-def _launch(study: Study, resolved: Resolved, run_dir: Path, device: str) -> int:
+def launch_cell(study: Study, resolved: Resolved, run_dir: Path, device: str) -> int:
     """The cell's job; it ends itself if this bench dies (owner watch, job/owner.py), and
     its local processes carry the run directory (job word and DSFORGE_JOB_DIR) so the next
     owner of the cell can tell whether it still runs (dsforge/lock.py)."""

@@ -35,13 +35,13 @@ STUDIES = sorted((REPO / "recipes" / "bench").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", STUDIES, ids=[p.stem for p in STUDIES])
 def test_shipped_studies_load_and_their_cells_validate(path):
-    from dsforge.bench.run import _resolve_cell
+    from dsforge.bench.run import resolve_cell
 
     study, recipe = load_study(path)
     cells = expand(study)
     assert len(cells) == __import__("math").prod(len(v) for v in study.axes.values())
     for cell in cells:
-        _resolve_cell(study, recipe, cell)  # every shipped cell is valid at its declared size
+        resolve_cell(study, recipe, cell)  # every shipped cell is valid at its declared size
 
 
 def test_expansion_is_the_cartesian_product_with_schedules(tmp_path):
@@ -177,7 +177,7 @@ class FakeJobs:
 
     def __init__(self, monkeypatch, codes=()):
         self.launched, self.codes = [], list(codes)
-        monkeypatch.setattr(bench_run, "_launch", self)
+        monkeypatch.setattr(bench_run, "launch_cell", self)
 
     def __call__(self, study, resolved, run_dir, device):
         self.launched.append(run_dir)
