@@ -21,11 +21,11 @@ from dsforge.search.profile import ClusterProfile
 
 GB = 1e9
 _GEMM_KNEE = 256.0
-# Adam's update streams fp32 master weights, momentum and variance (read and write: 24 bytes)
-# and the fp32 gradient (read: 4); mixed precision also writes the 16-bit weights (2).
-_ADAM_BYTES = {"fp32": 28, "bf16": 30, "fp16": 30}
-# A fused multi-tensor Adam reaches about this share of the memory bandwidth.
-_STREAM_EFFICIENCY = 0.8
+# fp32 training: Adam alone, no 16-bit wrapper: it streams fp32 master weights, momentum and
+# variance (read and write: 24 bytes) and the fp32 gradient (read: 4), a fused multi-tensor
+# Adam at about 80% of the bandwidth. Not measured on a GPU yet; 16-bit training's step is
+# the profile's measured optimizer_bytes_per_param.
+_FP32_ADAM_BYTES = 28 / 0.8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,14 +179,16 @@ def pipeline_send_seconds(lay: Layout, profile: ClusterProfile, message: float) 
 
 
 def _optimizer_seconds(resolved: Resolved, worst, profile: ClusterProfile) -> float:
-    """Adam over this GPU's optimizer partition (the worst pipeline rank's), memory-bound:
-    _ADAM_BYTES per parameter over the GPU's memory bandwidth. ZeRO 1-3 partition it over the
-    data-parallel group, ZeRO-0 updates every parameter the GPU holds."""
+    """The optimizer step over this GPU's partition (the worst pipeline rank's), bound by the
+    memory bandwidth: a fixed cost plus bytes per parameter over the GPU's bandwidth, both
+    measured (profile.py: DeepSpeed's 16-bit wrapper around torch's fused AdamW). ZeRO 1-3
+    partition it over the data-parallel group, ZeRO-0 updates every parameter the GPU holds."""
     lay, recipe = resolved.layout, resolved.recipe
     sharded = recipe.zero.stage >= 1
     params = worst.dense / (lay.dp if sharded else 1) + worst.expert / (lay.edp if sharded else 1)
-    bandwidth = profile.gpu.memory_bandwidth * _STREAM_EFFICIENCY
-    return params * _ADAM_BYTES[recipe.train.precision] / bandwidth
+    per_param = (_FP32_ADAM_BYTES if recipe.train.precision == "fp32"
+                 else profile.optimizer_bytes_per_param)
+    return profile.optimizer_fixed_s + params * per_param / profile.gpu.memory_bandwidth
 
 
 def dp_traffic(stage: int, microbatches: int) -> tuple[float, float]:

@@ -56,6 +56,13 @@ class ClusterProfile:
     # (pp = 1; the only stage DeepSpeed overlaps with dsforge's config, docs/search.md).
     dp_overlap: float = 0.5
     p2p_latency_s: float = 20e-6  # per pipeline send/recv
+    # The 16-bit optimizer step (DeepSpeed's wrapper around torch's fused AdamW: overflow check,
+    # norms, an fp32 copy of each gradient, the step, the copy back): a fixed cost plus memory
+    # traffic per parameter at the GPU's bandwidth. Fitted to the GPU kit's 14 runs on one H200
+    # (2026-11-26, 1.24B and 6.74B parameters, ZeRO 0-3): 8 ms + 109 bytes, within 3% of each
+    # (benchmarks/search/kit_phases.md).
+    optimizer_bytes_per_param: float = 109.0
+    optimizer_fixed_s: float = 0.008
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -104,6 +111,8 @@ class ProfileFile:
     prediction_error: float | None = None
     dp_overlap: float | None = None
     p2p_latency_s: float | None = None
+    optimizer_bytes_per_param: float | None = None
+    optimizer_fixed_s: float | None = None
 
     def __post_init__(self) -> None:
         checks = Checks()
@@ -126,6 +135,8 @@ _RANGES = {
     "prediction_error": (lambda v: 0 <= v < 1, "in [0, 1)"),  # a band reaching 0 s means nothing
     "dp_overlap": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "p2p_latency_s": (lambda v: v >= 0, ">= 0"),
+    "optimizer_bytes_per_param": (lambda v: v > 0, "> 0"),
+    "optimizer_fixed_s": (lambda v: v >= 0, ">= 0"),
 }
 
 

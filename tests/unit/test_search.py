@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from dsforge.cli import main
 from dsforge.estimate.flops import flops_per_token
 from dsforge.problems import RecipeError
-from dsforge.recipe import load_recipe, resolve
+from dsforge.recipe import load_recipe, resolve, resolve_file
 from dsforge.recipe.loader import build_recipe
 from dsforge.search.command import SearchRequest, base_recipe, search_space, write_recipe
 from dsforge.search.cost import gemm_saturation, step_time
@@ -543,3 +543,17 @@ def test_memory_headroom_flag_is_validated(value, fix):
     assert "must be in [0, 1)" in done.output and fix in done.output and "Traceback" not in done.output
     plain = CliRunner().invoke(main, ["plan", str(REPO / "recipes" / "tiny.yaml"), "--memory-headroom", "0.2"])
     assert plain.exit_code == 2 and "--memory-headroom only apply with --search" in plain.output
+
+
+def test_the_16_bit_optimizer_step_is_the_measured_one(tmp_path):
+    """8 ms + 109 bytes a parameter at the GPU's bandwidth: the fit to the GPU kit's H200 runs
+    (1.24B parameters: 36-39 ms measured; 6.74B: 157-167 ms); a profile file replaces both."""
+    seven_b = resolve_file(REPO / "recipes" / "7b_1gpu.yaml")
+    h200 = default_profile("h200", 1)
+    assert step_time(seven_b, h200).optimizer == pytest.approx(0.008 + 109 * 6.738e9 / 4.8e12, rel=1e-3)
+    path = tmp_path / "measured.yaml"
+    path.write_text("gpu: h200\noptimizer_bytes_per_param: 54.5\noptimizer_fixed_s: 0\n")
+    halved = step_time(seven_b, load_profile(path, None, 1)).optimizer
+    assert halved == pytest.approx((step_time(seven_b, h200).optimizer - 0.008) / 2)
+    fp32 = resolve_file(REPO / "recipes" / "7b_1gpu.yaml", ["train.precision=fp32"])
+    assert step_time(fp32, h200).optimizer == pytest.approx(0.008 + 35 * 6.738e9 / 4.8e12, rel=1e-3)
