@@ -6,8 +6,9 @@ neither has to read meaning into the text a rank printed. Kinds: "exception", "b
 building a DeepSpeed op, a Triton kernel or a torch.compile graph: `what`, `cause` and `fix`
 say which, why and what to change, runtime/guard/build_failure.py), "oom" (an out-of-memory error
 the rank caught; `memory` holds what it measured), "hang" (its watchdog ended a step that made
-no progress), "killed" (ended by a signal without a word; written by its supervisor,
-runtime/guard/supervise.py).
+no progress), "killed" (ended by a signal without a word) and "stopped" (stopped from outside,
+SIGSTOP or SIGTSTP, and ended while stopped; `time` is when it stopped), both written by its
+supervisor, runtime/guard/supervise.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from dsforge.files import write_atomic
 from dsforge.job.run_dir import RunDir
 from dsforge.units import format_bytes
 
-KINDS = ("exception", "build", "oom", "hang", "killed")
+KINDS = ("exception", "build", "oom", "hang", "killed", "stopped")
+# Ended from outside: the likely cause of what their peers then recorded.
+FROM_OUTSIDE = ("killed", "stopped")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +56,8 @@ class Failure:
             return f"rank {self.rank} failed building {self.what} {when}: {self.cause}. Fix: {self.fix}"
         if self.kind == "oom" and self.memory:
             return f"rank {self.rank} ran out of memory {when}: {measured_text(self.memory)}"
-        what = {"hang": "stuck", "oom": "out of memory", "killed": "died"}.get(self.kind, "failed")
+        what = {"hang": "stuck", "oom": "out of memory", "killed": "died",
+                "stopped": "was stopped"}.get(self.kind, "failed")
         return f"rank {self.rank} {what} {when}: {self.message}"
 
     @property
@@ -73,16 +77,16 @@ def write(run_dir: Path, failure: Failure) -> None:
 
 
 def read_all(run_dir: Path) -> list[Failure]:
-    """Every complete record, the likely cause first: ranks killed from outside (their peers
-    then fail on the broken connection, possibly before the kill is recorded), then the
-    rest, earliest first."""
+    """Every complete record, the likely cause first: ranks killed or stopped from outside
+    (their peers then fail on the broken connection or wait for them until their watchdogs
+    end them, before the kill or the stop is recorded), then the rest, earliest first."""
     failures = []
     for _, path in RunDir(run_dir).failure_files():
         try:
             failures.append(Failure(**json.loads(path.read_text())))
         except (OSError, ValueError, TypeError):
             continue
-    return sorted(failures, key=lambda f: (f.kind != "killed", f.time))
+    return sorted(failures, key=lambda f: (f.kind not in FROM_OUTSIDE, f.time))
 
 
 def first(run_dir: Path) -> Failure | None:

@@ -1,13 +1,15 @@
 """What `dsforge run` says when a job fails: who failed first, who said nothing, and where.
 
 Sources, most specific first: the ranks' failure records (job/failure.py: exception,
-build, oom, hang, with tracebacks); the ranks that neither recorded a failure nor reported
-completion although they started (RUN_DIR/ranks/rankNNNNN.pid): killed or stopped from outside,
-the usual cause when their peers then fail on a broken connection; DeepSpeed's launcher's own exit line
-for the code it saw (a negative code is the signal that ended a rank); and each rank's last
-heartbeat. A failure the record explains (a build's cause and fix; an out-of-memory's measured
-peak, set against the memory model's prediction and the changes predicted to fit) is one line,
-its traceback left in the job log; any other shows the end of its traceback.
+build, oom, hang, with tracebacks; killed or stopped from outside, by their supervisors, the
+first failure before the peers that then lost or waited for them); the ranks that neither
+recorded a failure nor reported completion although they started (RUN_DIR/ranks/rankNNNNN.pid):
+ended from outside without a word, the usual cause when their peers then fail on a broken
+connection; DeepSpeed's launcher's own exit line for the code it saw (a negative code is the
+signal that ended a rank); and each rank's last heartbeat. A failure the record explains (a
+build's cause and fix; an out-of-memory's measured peak, set against the memory model's
+prediction and the changes predicted to fit) is one line, its traceback left in the job log;
+any other shows the end of its traceback.
 """
 
 from __future__ import annotations

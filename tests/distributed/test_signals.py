@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec
 from dsforge.launch.commands import Placement, launch_command
 from dsforge.launch.local import free_port
@@ -115,26 +116,38 @@ def _rank_pid(run_dir, rank: int) -> int:
     return int(started_ranks(run_dir)[rank].split()[1])
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
-def test_a_rank_killed_or_stopped_from_outside_is_named(tmp_path, sig):
+@pytest.mark.parametrize("sig, recipe, victim", [
+    (signal.SIGKILL, "tiny.yaml", 1),
+    (signal.SIGSTOP, "tiny.yaml", 1),
+    # pp2 x vpp2 x dp2: every peer waits for it on the same step, none is "behind" (issue 25)
+    (signal.SIGSTOP, "tiny_pp.yaml", 2),
+], ids=["SIGKILL-dp2", "SIGSTOP-dp2", "SIGSTOP-pp2-vpp2-dp2"])
+def test_a_rank_killed_or_stopped_from_outside_is_named(tmp_path, sig, recipe, victim):
     """Its peers fail on the broken connection or hang; the report names the rank that
-    caused it, with the signal when one ended it (its supervisor saw it)."""
+    caused it as the first failure, with the signal that ended or stopped it (its supervisor
+    saw it)."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, *FOREVER, "--run-dir",
-                             str(run_dir), "--step-timeout", "5"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", str(REPO / "recipes" / recipe),
+                             *FOREVER, "--run-dir", str(run_dir), "--step-timeout", "5"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         _wait_for_training(run_dir, proc)
-        victim = _rank_pid(run_dir, 1)
-        os.kill(victim, sig)
+        beat = RunDir(run_dir).heartbeat(victim)  # written at most 0.25 s after a step starts
+        while not beat.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        os.kill(_rank_pid(run_dir, victim), sig)
         _, stderr = proc.communicate(timeout=90)
     finally:
         proc.kill()
-    assert proc.returncode not in (0, None)
+        left = _gone_within(run_dir, 10)
+        _kill_leftovers(left)
+    assert proc.returncode not in (0, None) and not left, left
     if sig == signal.SIGKILL:
-        assert "first failure: rank 1 died at step" in stderr, stderr[-3000:]
+        assert f"first failure: rank {victim} died at step" in stderr, stderr[-3000:]
         assert "killed by SIGKILL (out of memory?" in stderr
-    else:  # a stopped rank says nothing at all: named as the one that did not report
-        assert "stopped without reporting an error" in stderr, stderr[-3000:]
-        assert f"rank 1 (pid {victim} " in stderr and "last progress" in stderr
-    _kill_leftovers(_gone_within(run_dir, 10))
+    else:  # the stopped rank says nothing; its supervisor saw the stop
+        assert f"first failure: rank {victim} was stopped at step" in stderr, stderr[-3000:]
+        assert "SIGSTOP from outside, never continued (its peers waited for it)" in stderr
+        assert "without reporting an error" not in stderr

@@ -3,9 +3,11 @@ that a signal killed as a failure only when the signal was not a request to stop
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,3 +41,110 @@ def test_supervisor_ends_like_its_rank(tmp_path, how, code, recorded):
     if recorded:
         assert records[0].rank == 7 and records[0].kind == "killed"
         assert f"killed by {how}" in records[0].message
+
+
+# Issue 25 item 3: a rank stopped from outside (SIGSTOP) in a pp2 x vpp2 x dp2 job. It says
+# nothing; its peers wait for it until their watchdogs record hangs and exit, and DeepSpeed's
+# launcher then SIGTERMs every rank process (supervisors and ranks). The stopped rank must be
+# the first failure, not the ranks that waited for it.
+STOPPABLE = """
+import os, socket, sys, time
+from pathlib import Path
+from dsforge.job.pids import write_pid
+from dsforge.runtime.guard.supervise import run_supervised
+run_dir = Path(sys.argv[1])
+def rank():
+    write_pid(run_dir, 2, socket.gethostname(), os.getpid())  # as runtime/rank.py does
+    time.sleep(60)
+run_supervised(rank, run_dir=run_dir, rank=2)
+"""
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc/PID/stat ('T': stopped), '' once it is gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _stopped_rank(run_dir):
+    """A supervised rank 2, stopped; heartbeats of a pp2 job's four ranks all at step 18."""
+    from dsforge.job.pids import started_ranks
+    from dsforge.job.run_dir import RunDir
+
+    supervisor = subprocess.Popen([sys.executable, "-c", STOPPABLE, str(run_dir)])
+    deadline = time.monotonic() + 30
+    while len(started_ranks(run_dir).get(2, "").split()) < 2:  # written, not renamed
+        assert supervisor.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    rank = int(started_ranks(run_dir)[2].split()[1])
+    beats = RunDir(run_dir).heartbeats
+    beats.mkdir(exist_ok=True)
+    for peer in range(4):  # in a pipeline every rank starts the step the stopped one is on
+        RunDir(run_dir).heartbeat(peer).write_text(f"18 {time.time() - 0.5:.3f}\n")
+    os.kill(rank, signal.SIGSTOP)
+    while _state(rank) != "T":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)  # the supervisor sees the stop (waitpid WUNTRACED)
+    return supervisor, rank
+
+
+def _hangs(run_dir, ranks):
+    """What the peers' watchdogs record, after the stop (runtime/guard/watchdog.py)."""
+    for peer in ranks:
+        failure.write(run_dir, failure.Failure(
+            rank=peer, step=18, kind="hang", detail='  File "p2p_communication.py", line 392\n',
+            message="step 18 made no progress for 15s (a hung collective?)"))
+
+
+@pytest.mark.parametrize("end", ["launcher SIGTERM", "SIGKILL"])
+def test_a_stopped_rank_is_the_first_failure_not_the_peers_that_waited(tmp_path, end):
+    """`end`: DeepSpeed's launcher SIGTERMs the rank and its supervisor (the supervisor ends
+    the stopped rank); or the stopped rank gets SIGKILL (Slurm's end of a task)."""
+    from dsforge.launch.diagnose import failure_report
+
+    supervisor, rank = _stopped_rank(tmp_path)
+    try:
+        _hangs(tmp_path, (3, 0, 1))
+        if end == "SIGKILL":
+            os.kill(rank, signal.SIGKILL)
+            expected = -signal.SIGKILL
+        else:
+            os.kill(rank, signal.SIGTERM)  # pending: a stopped process does not act on it
+            supervisor.send_signal(signal.SIGTERM)
+            expected = -signal.SIGTERM
+        assert supervisor.wait(timeout=20) == expected
+    finally:
+        for pid in (rank, supervisor.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        supervisor.wait()
+    assert _state(rank) == ""
+    first = failure.first(tmp_path)
+    assert (first.rank, first.kind, first.step) == (2, "stopped", 18)
+    report = failure_report(tmp_path, 3, done_ranks=set())
+    ended = "SIGKILL" if end == "SIGKILL" else "SIGTERM"
+    assert ("  first failure: rank 2 was stopped at step 18: SIGSTOP from outside, never "
+            f"continued (its peers waited for it); ended by {ended} ") in report, report
+    assert "killed by SIGKILL (out of memory?" not in report
+
+
+def test_a_stopped_rank_that_was_continued_is_not_a_stop(tmp_path):
+    supervisor, rank = _stopped_rank(tmp_path)
+    try:
+        os.kill(rank, signal.SIGCONT)
+        time.sleep(0.3)
+        supervisor.send_signal(signal.SIGTERM)  # passed on: the rank ends by it, no record
+        assert supervisor.wait(timeout=20) == -signal.SIGTERM
+    finally:
+        for pid in (rank, supervisor.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        supervisor.wait()
+    assert failure.read_all(tmp_path) == []

@@ -5,8 +5,10 @@ logs one exit code for the whole node, so a rank killed from outside (SIGKILL, t
 out-of-memory killer, a segfault in a kernel) would die without a word while its peers report
 "connection reset". The supervisor forks before torch is imported (cheap: no threads, no
 engines), waits for the rank, records how it ended when it ended by a signal without writing
-its own failure record (job/failure.py, kind "killed"), and ends the same way so the
-launcher sees the same exit status. Signals sent to it (SIGINT, SIGHUP; SIGTERM and SIGUSR1,
+its own failure record (job/failure.py, kind "killed"; kind "stopped" when it was stopped
+from outside and never continued, stamped with the moment it stopped: its peers then waited
+for it until their watchdogs gave up), and ends the same way so the launcher sees the same
+exit status. Signals sent to it (SIGINT, SIGHUP; SIGTERM and SIGUSR1,
 which ask the rank to save a checkpoint and stop, runtime/guard/preempt.py; SIGUSR2 for stacks) are
 passed on, so whoever signals the process it started reaches the rank; the rank dies with its
 supervisor (PR_SET_PDEATHSIG). Under srun they are not passed on: Slurm signals every process
@@ -20,6 +22,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -50,10 +53,13 @@ def run_supervised(run: Callable[[], None], *, run_dir: Path, rank: int,
         signal.signal(sig, (lambda signum, _frame: state.forward(signum)) if forward
                       else (lambda _signum, _frame: None))
     status = state.wait()
+    ended_by = state.ended_by or (os.WTERMSIG(status) if os.WIFSIGNALED(status) else None)
+    if state.stop is not None and ended_by is not None:  # a signal ended it while stopped
+        _record_stop(run_dir, rank, state.stop, ended_by=ended_by)
     if state.ended_by is not None:  # stopped from outside, then asked to stop: ended for it
         _end_like(state.ended_by)
     if os.WIFSIGNALED(status):
-        if os.WTERMSIG(status) in FAILURES:
+        if os.WTERMSIG(status) in FAILURES and state.stop is None:
             _record_kill(run_dir, rank, os.WTERMSIG(status))
         _end_like(os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status))
@@ -72,11 +78,16 @@ class _Child:
     """The rank process as its supervisor sees it: running, or stopped from outside (SIGSTOP,
     SIGTSTP). A stop request to a stopped rank cannot be a request to save (the rank would
     wake, find its peers gone and report their failure as its own), so the rank is ended at
-    once and its supervisor ends by the requested signal, recording nothing: the job's report
-    then names it as a rank that stopped without reporting an error."""
+    once and its supervisor ends by the requested signal, after recording that the rank was
+    stopped: the job's report names it as the first failure, not the peers that waited for it."""
 
     def __init__(self, pid: int):
-        self.pid, self.stopped, self.ended_by = pid, False, None
+        self.pid, self.ended_by = pid, None
+        self.stop: tuple[int, float] | None = None  # (signal, unix time) while stopped
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None
 
     def forward(self, signum: int) -> None:
         try:
@@ -94,8 +105,11 @@ class _Child:
                 _, status = os.waitpid(self.pid, os.WUNTRACED | os.WCONTINUED)
             except InterruptedError:  # a forwarded signal arrived
                 continue
-            if os.WIFSTOPPED(status) or os.WIFCONTINUED(status):
-                self.stopped = os.WIFSTOPPED(status)
+            if os.WIFSTOPPED(status):  # the first stop counts (it is when its peers began waiting)
+                self.stop = self.stop or (os.WSTOPSIG(status), time.time())
+                continue
+            if os.WIFCONTINUED(status):
+                self.stop = None
                 continue
             return status
 
@@ -111,6 +125,23 @@ def _record_kill(run_dir: Path, rank: int, signum: int) -> None:
     hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if signum == signal.SIGKILL else ""
     failure.write(run_dir, failure.Failure(rank=rank, step=beat[0] if beat else -1, kind="killed",
                                            message=f"killed by {name}{hint}"))
+
+
+def _record_stop(run_dir: Path, rank: int, stop: tuple[int, float], *, ended_by: int) -> None:
+    """A rank that ended while stopped from outside (SIGSTOP, SIGTSTP) did nothing since: its
+    peers waited for it in their next collective until their watchdogs ended them. The record
+    carries the moment it stopped, before any of theirs (job/failure.py puts it first)."""
+    if any(f.rank == rank for f in failure.read_all(run_dir)):
+        return  # it recorded a failure of its own before it was stopped
+    from dsforge.job.heartbeat import read_all
+
+    beat = read_all(run_dir).get(rank)
+    signum, since = stop
+    failure.write(run_dir, failure.Failure(
+        rank=rank, step=beat[0] if beat else -1, kind="stopped", time=since,
+        message=(f"{signal.Signals(signum).name} from outside, never continued (its peers waited "
+                 f"for it); ended by {signal.Signals(ended_by).name} "
+                 f"{max(0.0, time.time() - since):.0f}s later")))
 
 
 def _end_like(signum: int) -> None:
