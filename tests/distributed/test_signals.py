@@ -13,12 +13,10 @@ import time
 import pytest
 
 from dsforge.job.run_dir import RunDir
-from dsforge.job.word import JobSpec
-from dsforge.launch.commands import Placement, launch_command
+from dsforge.launch.commands import Placement, job_spec, launch_command
 from dsforge.launch.local import free_port
 from dsforge.lock import job_processes
 from dsforge.recipe import resolve_file
-from dsforge.recipe.loader import dump_recipe
 from tests.conftest import REPO
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
@@ -92,8 +90,8 @@ def test_the_leftover_check_sees_a_real_orphan(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     resolved = resolve_file(TINY, [FOREVER[1]])
-    job = JobSpec(recipe_yaml=dump_recipe(resolved.recipe), run_dir=str(run_dir), device="cpu",
-                  owner="")  # nobody to watch, as when a plain `deepspeed` starts the ranks
+    # nobody to watch, as when a plain `deepspeed` starts the ranks
+    job = job_spec(resolved, run_dir, owned=False, device="cpu")
     command = launch_command(Placement(world_size=2, master_port=free_port()), job)
     env = {k: v for k, v in os.environ.items() if k != "DSFORGE_JOB_DIR"}  # found by job word
     runner = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
