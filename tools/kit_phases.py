@@ -132,23 +132,23 @@ time (dsforge/search/cost.py with the GPU's default profile), its compute split 
 """
 FOOTER = """
 What the table says (issue 23 starts from here):
-- **Optimizer**: predicted 3-4x too short (the model streams 30 bytes a parameter at 80% of
-  the bandwidth; DeepSpeed's 16-bit wrapper measured 8 ms + 109 bytes a parameter at the
-  H200's 4.8 TB/s, within 3% on all 14 runs: overflow check, norms, an fp32 copy of each
-  gradient, the step and the copy back).
+- **Optimizer**: measured since commit 89a52d2 (the profile's optimizer_bytes_per_param and
+  optimizer_fixed_s: 8 ms + 109 bytes a parameter at the GPU's bandwidth, fitted to these
+  runs). Before, 30 bytes at 80% of the bandwidth predicted it 3-4x too short (median |error|
+  of the step 6.2%, now 4.1%).
 - **Forward at micro-batch 1**: the 1B's forward takes 45-49 ms a microbatch at 4,096 tokens
   and 67 at 8,192: launched from Python, it cannot go below ~2.9 ms a layer. Its backward,
-  launched by autograd's C++ engine, is linear in the tokens.
+  launched by autograd's C++ engine, is linear in the tokens. A floor of 2.9 ms a layer alone
+  turns the mb-1 runs' -9% to -19% into +6% to +12%: the backward is predicted too long.
 - **Backward**: predicted longer than measured for the 1B (the model's GEMM rate, 62% x two
   saturation factors = 50-53% of peak at these shapes, is below the measured 72-75%); the
   terms it lacks (attention at its own rate, the non-GEMM work, Liger's fused cross-entropy
   doing the output layer's backward inside the forward) then cancel part of that.
 - **ZeRO-3 on one GPU**: +452 ms in the forward and +416 ms in the recompute of the 1B (its
-  per-module gathers), absent from the model: -40%.
+  per-module gathers), absent from the model: -39%.
 - **Kernels**: torch's kernels cost the 1B 147 ms more backward than Liger's; the model does
   not know the kernels.
-Each term changed alone moves some totals the wrong way, because today's terms cancel; the
-calibration has to fit them together (issue 23).
+The compute terms cancel each other today; they have to be fitted together (issue 23).
 """
 
 if __name__ == "__main__":
