@@ -329,14 +329,14 @@ def _plots(study: str, cells: list[dict], out_dir: Path, peak_tflops: float | No
     if not ok:
         return []
     data = figure_data(ok, peak_tflops)
-    fig = _figure(study, ok, data, plt)
+    fig = draw_figure(study, ok, data, plt)
     path = out_dir / f"{study}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends outside the axes included
     plt.close(fig)
     return [path] + _breakdown_plot(study, ok, [b.label for b in data.throughput], out_dir, plt)
 
 
-def _figure(study: str, ok: list[dict], data: FigureData, plt):
+def draw_figure(study: str, ok: list[dict], data: FigureData, plt):
     """Throughput with each bar's MFU on it; memory: the measured peak beside the planner's
     parts at its peak moment, the predicted peak marked; legends outside the axes."""
     pipelined = any(c["bubble"] is not None or (c["prediction"] or {}).get("bubble_share_of_step")

@@ -191,7 +191,7 @@ class Store:
                            "name the copy" if read_only else "give another --out")
         if read_only:
             uri = f"file:{urllib.parse.quote(str(self.path.resolve()))}?mode=ro"
-            with self._errors("cannot open"):
+            with self.errors_as_refusals("cannot open"):
                 self.db = sqlite3.connect(uri, uri=True, timeout=busy_s)
             try:
                 self._waiting("cannot read", lambda: self.db.execute(
@@ -200,9 +200,9 @@ class Store:
                 self.db.close()
                 raise
             return
-        with self._errors("cannot create the results database"):
+        with self.errors_as_refusals("cannot create the results database"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._errors("cannot open the results database"):
+        with self.errors_as_refusals("cannot open the results database"):
             self.db = sqlite3.connect(self.path, timeout=busy_s)
         try:
             self._waiting("cannot open the results database", self._prepare)
@@ -255,11 +255,11 @@ class Store:
         """`action()`, tried again while another process holds the database's lock (sqlite's
         busy wait of BUSY_SLICE_S each time) until `timeout_s` has passed, then StoreLocked;
         `waiting` hears that it waits, every WAIT_NOTICE_S how long, and when the lock goes.
-        Any other error as _errors says."""
+        Any other error as errors_as_refusals says."""
         started, told, path = time.monotonic(), None, self.path
         while True:
             try:
-                with self._errors(doing):
+                with self.errors_as_refusals(doing):
                     result = action()
             except StoreLocked:
                 waited = time.monotonic() - started
@@ -285,7 +285,7 @@ class Store:
             self.waiting(line)
 
     @contextlib.contextmanager
-    def _errors(self, doing: str):
+    def errors_as_refusals(self, doing: str):
         """sqlite's and the file system's errors as StoreError naming the database."""
         try:
             yield

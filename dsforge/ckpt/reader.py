@@ -96,6 +96,12 @@ class StateReader:
                              f"has {covered} of its {flat.numel()} elements")
         return flat.view(shape)
 
+    @property
+    def open_files(self) -> int:
+        """Rank files mapped now: none between parameters (pages read through an open map
+        stay resident)."""
+        return len(self._files)
+
     def _close(self) -> None:
         for handle in self._files.values():
             handle.__exit__(None, None, None)

@@ -70,10 +70,10 @@ def visible_gpus() -> list[dict]:
         index, uuid, name, total, free = [part.strip() for part in line.split(",")]
         gpus.append({"index": index, "uuid": uuid, "name": name,
                      "memory_total": int(float(total)) * MiB, "memory_free": int(float(free)) * MiB})
-    return _only_visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return only_visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def _only_visible(gpus: list[dict], visible: str | None) -> list[dict]:
+def only_visible(gpus: list[dict], visible: str | None) -> list[dict]:
     if visible is None:
         return gpus
     by_key = {g["index"]: g for g in gpus} | {g["uuid"]: g for g in gpus}

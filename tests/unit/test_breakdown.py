@@ -35,14 +35,12 @@ class ScriptedTime:
     def take(self):
         return self.times.pop(0)
 
-    ready = staticmethod(breakdown._HostMarker.ready)
-    seconds = staticmethod(breakdown._HostMarker.seconds)
+    ready = staticmethod(breakdown.HostMarker.ready)
+    seconds = staticmethod(breakdown.HostMarker.seconds)
 
 
 def _clock(times) -> StepClock:
-    clock = StepClock(torch.device("cpu"))
-    clock._marker = ScriptedTime(times)
-    return clock
+    return StepClock(torch.device("cpu"), marker=ScriptedTime(times))
 
 
 def test_nested_phases_count_only_in_the_innermost_and_other_is_the_rest():
@@ -179,13 +177,13 @@ class FakeOptimizer:
         self.timers, self.clock, self.calls = None, clock, []
 
     def reduce_ipg_grads(self):
-        self.calls.append(self.clock._stack[-1])
+        self.calls.append(self.clock.current_phase)
 
     def step(self):  # as ZeRO-1/2 does: the gather of the updated parameters is timed
         self.timers("optimizer_step").start()
         self.timers("optimizer_step").stop()
         self.timers("optimizer_allgather").start()
-        self.calls.append(self.clock._stack[-1])
+        self.calls.append(self.clock.current_phase)
         self.timers("optimizer_allgather").stop()
         self.timers.log(["optimizer_allgather"])
 
@@ -225,7 +223,7 @@ def test_marking_wraps_this_engine_for_one_step_and_restores_everything():
 def test_zero3_gathers_are_marked_on_request_for_modules_holding_parameters(gathers):
     clock = StepClock(torch.device("cpu"), gathers=gathers)
     seen = []
-    coordinator = SimpleNamespace(fetch_sub_module=lambda module, forward: seen.append(clock._stack[-1]))
+    coordinator = SimpleNamespace(fetch_sub_module=lambda module, forward: seen.append(clock.current_phase))
     engine = SimpleNamespace(allreduce_gradients=lambda: None, optimizer=SimpleNamespace(
         parameter_offload=SimpleNamespace(get_param_coordinator=lambda: coordinator)))
     layer = torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -250,7 +248,7 @@ def test_recompute_is_the_forward_run_again_inside_a_checkpoints_backward(monkey
     marks.install()
     clock = StepClock(torch.device("cpu"))
     seen = []
-    ctx = SimpleNamespace(run_function=lambda: seen.append(clock._stack[-1]))
+    ctx = SimpleNamespace(run_function=lambda: seen.append(clock.current_phase))
     run = ctx.run_function
     clock.start()
     with clock.phase("backward"):
@@ -366,7 +364,7 @@ def test_phases_adding_up_to_more_than_their_step_are_called_wrong():
         pass
     marked = clock.stop()
     assert breakdown.overrun(marked.read(step_time_s=3.0), 7, 3.0) is None
-    wrong = Marked(marker=breakdown._HostMarker(), marks=[0.0, 1.0, 3.0], owners=["forward", "backward"])
+    wrong = Marked(marker=breakdown.HostMarker(), marks=[0.0, 1.0, 3.0], owners=["forward", "backward"])
     problem = breakdown.overrun(wrong.read(step_time_s=2.0), 7, 2.0)
     assert "phases of step 7 add up to 3000.000 ms, more than the step's 2000.000 ms" in problem
     # every reading is checked where it is made, a late one (a rank without the loss) too

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from dsforge import cli
 from dsforge.launch import probe
 from dsforge.launch.fit import CPU_RANK_OVERHEAD_BYTES, Gpu, Machine, device_for, fit_problems
-from dsforge.units import GiB
 from dsforge.recipe import resolve_file
+from dsforge.units import GiB
 from tests.conftest import REPO
 
 LAPTOP = Machine(name="this machine", cpus=2, memory_available=23 * GiB)
@@ -71,7 +71,7 @@ def test_probe_runs_as_a_standalone_script():
                                                ("GPU-b", ["1"]), ("7", [])])
 def test_cuda_visible_devices_narrow_the_gpus(visible, expected):
     gpus = [{"index": "0", "uuid": "GPU-a"}, {"index": "1", "uuid": "GPU-b"}]
-    assert [g["index"] for g in probe._only_visible(gpus, visible)] == expected
+    assert [g["index"] for g in probe.only_visible(gpus, visible)] == expected
 
 
 def test_run_refuses_in_seconds_with_the_ways_forward(tmp_path):

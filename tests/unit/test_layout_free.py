@@ -78,7 +78,7 @@ def test_the_reader_joins_data_and_tensor_parallel_pieces(tmp_path):
     assert not reader.has_state("exp_avg")
     # No rank file stays mapped between parameters: the pages read through an open map stay
     # resident, which made a 1B export's peak the model's size (benchmarks/checkpoints).
-    assert reader._files == {}
+    assert reader.open_files == 0
 
 
 def test_a_missing_range_is_an_error_not_zeros(tmp_path):

@@ -3,7 +3,7 @@ have the project's form: where (the argument or field the user wrote, and its va
 wrong, and `Fix:` with something to do.
 
 One test walks them. Its scope, honestly:
-- every branch of the bench store's error translation (bench/store.py `Store._errors`,
+- every branch of the bench store's error translation (bench/store.py `Store.errors_as_refusals`,
   `unusable`), for each thing the store does (create, open, read, write) and as both commands
   open the database (bench: OUT/results.db, written; report: RESULTS, only read): sqlite's
   "not a database", a SQLite file without dsforge's table, sqlite's other errors, and an
@@ -86,7 +86,7 @@ def _read_only_below(monkeypatch, root: pathlib.Path) -> None:
 
 
 def _store_branches(tmp_path) -> list[tuple[str, str, int, str, str]]:
-    """(case, message, exit code, where, value) for every branch of Store._errors."""
+    """(case, message, exit code, where, value) for every branch of Store.errors_as_refusals."""
     raised = {"not a database": sqlite3.DatabaseError("file is not a database"),
               "another program's file": sqlite3.OperationalError("no such table: results"),
               "sqlite cannot open": sqlite3.OperationalError("unable to open database file"),
@@ -101,11 +101,11 @@ def _store_branches(tmp_path) -> list[tuple[str, str, int, str, str]]:
         for doing in ("cannot create the results database", "cannot open the results database",
                       "cannot read the results database", "cannot write to the results database"):
             for name, exc in raised.items():
-                with pytest.raises(StoreError) as info, store._errors(doing):
+                with pytest.raises(StoreError) as info, store.errors_as_refusals(doing):
                     raise exc
                 cases.append((f"store as {argument}, {doing}, {name}", str(info.value),
                               info.value.exit_code, argument, str(store.path)))
-        with pytest.raises(StoreLocked) as locked, store._errors("x"):
+        with pytest.raises(StoreLocked) as locked, store.errors_as_refusals("x"):
             raise sqlite3.OperationalError("database is locked")
         assert locked.value.exit_code == EXIT_TRY_AGAIN  # not exit 2: run again later
         store.close()

@@ -87,7 +87,7 @@ def test_the_figure_draws_its_data_with_the_legend_off_the_bars():
 
     cells = aggregate(_h200_rows())
     data = figure_data(cells)
-    fig = report._figure("gpu_zero_1b", cells, data, plt)
+    fig = report.draw_figure("gpu_zero_1b", cells, data, plt)
     try:
         throughput, memory = fig.axes[:2]
         assert sorted(t.get_text() for t in throughput.texts) == ["MFU 35.3%", "MFU 35.3%"]

@@ -1,7 +1,7 @@
 """Where a step takes its census (dsforge.runtime.loop.step): at the end of the last backward,
 and inside each torch optimizer step.
 
-Both tests drive step.py's private helpers (_census_at_last_backward, _stepping) directly: the
+Both tests drive step.py's helpers (census_at_last_backward, step_with_census) directly: the
 public step_pipelined / step_unpipelined need a DeepSpeed engine (and, pipelined, Megatron's
 schedule) to reach them; tests/distributed runs those."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dsforge.runtime.loop.step import _census_at_last_backward, _stepping
+from dsforge.runtime.loop.step import census_at_last_backward, step_with_census
 
 
 def test_the_census_inside_a_pipelined_step_runs_when_its_last_backward_ends():
@@ -23,7 +23,7 @@ def test_the_census_inside_a_pipelined_step_runs_when_its_last_backward_ends():
     def prologue():
         torch.autograd.Variable._execution_engine.queue_callback(lambda: calls.append("epilogue"))
 
-    hook = _census_at_last_backward(lambda point: calls.append((point, weight.grad.sum().item())),
+    hook = census_at_last_backward(lambda point: calls.append((point, weight.grad.sum().item())),
                                     prologue, backwards=2)
     for _ in range(2):
         out = weight * 2
@@ -44,7 +44,7 @@ def test_the_optimizer_census_runs_inside_each_torch_step_and_is_removed_after()
 
     calls = []
     engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=adam), step=step)
-    _stepping(engine, calls.append)
+    step_with_census(engine, calls.append)
     assert calls == ["optimizer", "optimizer"]
-    _stepping(engine, None)
+    step_with_census(engine, None)
     assert calls == ["optimizer", "optimizer"]  # the hook is gone

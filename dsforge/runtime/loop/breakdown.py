@@ -67,7 +67,7 @@ def overrun(reading: Reading, step: int, step_time_s: float) -> str | None:
             f"than the step's {step_time_s * 1e3:.3f} ms; its breakdown_s is not right")
 
 
-class _HostMarker:
+class HostMarker:
     take = staticmethod(time.perf_counter)
 
     @staticmethod
@@ -79,7 +79,7 @@ class _HostMarker:
         return [t - marks[0] for t in marks]
 
 
-class _CudaMarker:
+class CudaMarker:
     """CUDA events with timing, recorded on the current stream; reused once read."""
 
     def __init__(self):
@@ -105,7 +105,7 @@ class _CudaMarker:
 @dataclass
 class Marked:
     """One step's marks: `owners[i]` is the phase of the interval ending at mark i + 1."""
-    marker: _HostMarker | _CudaMarker
+    marker: HostMarker | CudaMarker
     marks: list = field(default_factory=list)
     owners: list[str] = field(default_factory=list)
     spans: list[tuple[str, int, int]] = field(default_factory=list)
@@ -131,13 +131,19 @@ class StepClock:
     checkpoints). With `span`, enter/exit also time that name inclusively. `gathers`: the
     engine hooks also mark ZeRO-3's per-module gathers (runtime/loop/phase_hooks.py)."""
 
-    def __init__(self, device: torch.device, *, gathers: bool = False):
+    def __init__(self, device: torch.device, *, gathers: bool = False, marker=None):
         self.gathers = gathers
-        self._marker = _CudaMarker() if device.type == "cuda" else _HostMarker()
+        # `marker`: what takes and reads the marks (tests script the times)
+        self._marker = marker or (CudaMarker() if device.type == "cuda" else HostMarker())
         self._step: Marked | None = None
         self._stack: list[str] = []
         self._open: dict[str, int] = {}
         self._contexts: dict[str, _Phase] = {}
+
+    @property
+    def current_phase(self) -> str:
+        """The innermost phase entered and not left."""
+        return self._stack[-1]
 
     def start(self) -> None:
         self._step = Marked(marker=self._marker)

@@ -43,7 +43,7 @@ def _loss_of(chunk_output: torch.Tensor) -> torch.Tensor:
 Census = Callable[[str], None]
 
 
-def _stepping(engine, census: Census | None) -> None:
+def step_with_census(engine, census: Census | None) -> None:
     """`engine.step()`, with the "optimizer" census taken each time the innermost torch
     optimizer steps (DeepSpeed wraps it, sometimes twice)."""
     if census is None:
@@ -86,7 +86,7 @@ def step_unpipelined(engine, batches: list[Microbatch], device, census: Census |
         if census and last:
             census("step")
         with clock.phase("optimizer"):
-            _stepping(engine, census if last else None)
+            step_with_census(engine, census if last else None)
         losses.append(loss.detach())
     return torch.stack(losses).mean()
 
@@ -100,7 +100,7 @@ def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
     _accumulate_from_zero(engine)
     on_backward = prologue
     if census:
-        on_backward = _census_at_last_backward(census, prologue, len(batches) * len(chunks))
+        on_backward = census_at_last_backward(census, prologue, len(batches) * len(chunks))
     loss = _run_schedule(chunks, batches, seq_len=seq_len, micro_batch=micro_batch,
                          device=device, forward_only=False, on_backward=on_backward)
     if prologue is not None:
@@ -108,11 +108,11 @@ def step_pipelined(engine, chunks, batches: list[Microbatch], *, seq_len: int,
     if census:
         census("step")
     with clock.phase("optimizer"):
-        _stepping(engine, census)
+        step_with_census(engine, census)
     return loss
 
 
-def _census_at_last_backward(census: Census, prologue: Callable[[], None] | None,
+def census_at_last_backward(census: Census, prologue: Callable[[], None] | None,
                              backwards: int) -> Callable[[], None]:
     """The per-backward hook, counting: the census runs at the end of the rank's last backward
     of the step (microbatches x virtual stages of them)."""
