@@ -39,9 +39,9 @@ sys.path.insert(0, str(REPO))
 from dsforge.ckpt.format import (COMPLETE, FORMAT_VERSION, STATE_DIR, STATE_FILE,  # noqa: E402
                                  STATES, Piece, piece_key, rank_file)
 from dsforge.hf.names import global_shapes, model_config  # noqa: E402
+from dsforge.units import GiB
 
 TP, DP = 2, 2
-GiB = 2**30
 
 
 def recipe_dict(args) -> dict:

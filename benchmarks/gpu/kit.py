@@ -49,9 +49,9 @@ for _path in (str(KIT), str(REPO)):
 import kit_plan
 import kit_results
 import kit_wheels
+from dsforge.units import GiB
 from kit_plan import CALL_BUDGET_S, MEASUREMENTS, PLANNED_GPUS, SELECTIONS, Context, Step
 
-GiB = 1024**3
 DEFAULT_WORK = Path("/tmp/dsforge-gpu-kit")
 EXTENSION_CACHE = kit_wheels.WHEELS / "cache" / "torch_extensions.tar.gz"
 ARCHIVE_FILE_LIMIT = 4 * 1024**2  # larger files stay out of kit-files.tar.gz

@@ -18,14 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit_wheels import REPO, dsforge_version, read_pins
-
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.memory import estimate_memory
 from dsforge.hardware import gpu_by_key
 from dsforge.recipe import Resolved, resolve_file
+from dsforge.units import GiB
+from kit_wheels import REPO, dsforge_version, read_pins
 
-GiB = 1024**3
 PLANNED_GPUS = ("h100", "h200")  # the kinds the device tool lends
 ONE_COMMAND_S = 600  # the device tool's limit on one command
 CALL_BUDGET_S = 560  # an optional selection's budget: 40 s stay for the table and archive

@@ -23,12 +23,11 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from kit_plan import RunSpec, Step, StudySpec, prediction, resolve_run
-
 from dsforge.hardware import gpu_by_key, gpu_for_device_name
 from dsforge.job.metrics_file import PHASES, is_validation
+from dsforge.units import GiB
+from kit_plan import RunSpec, Step, StudySpec, prediction, resolve_run
 
-GiB = 1024**3
 PRECISION_TOLERANCE = 0.05  # |bf16 - fp32| / fp32 of the last-10-step mean loss
 KERNEL_RTOL, KERNEL_ATOL = 1e-2, 1e-3  # Liger's own bf16 loss tolerance (tests/gpu)
 GPU_RUNS = "pytest/gpu-runs"  # tests/gpu/conftest.py's run directories under the work folder
@@ -445,11 +444,10 @@ def _fake_run(spec: RunSpec, work: Path, gpu: str) -> dict:
 def _fake_study(spec: StudySpec, work: Path, gpu: str) -> None:
     from dataclasses import asdict
 
-    from kit_wheels import REPO
-
     from dsforge.bench.store import Row, Store
     from dsforge.bench.study import expand, load_study, study_identity
     from dsforge.recipe import resolve_file
+    from kit_wheels import REPO
 
     study, recipe_path = load_study(REPO / spec.study)
     path = work / "bench" / spec.label / "results.db"
