@@ -268,7 +268,8 @@ def bench(study, **options):
     """Run every cell of STUDY (a sweep over recipe fields) into OUT/results.db, skipping finished
     cells. Exit status: 0 every cell has a result, 2 invalid study or unusable OUT, 75 cells busy
     or the database locked (run again later), 130/143 stopped by Ctrl-C/SIGTERM (docs/bench.md)."""
-    sys.exit(bench_main(study, **options))
+    from dsforge.plan import predicted_step_time  # the planner's step time, stored with each cell
+    sys.exit(bench_main(study, step_time_model=predicted_step_time, **options))
 
 
 @main.command()

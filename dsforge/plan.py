@@ -103,6 +103,17 @@ def _data_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
             "every_microbatch": per_microbatch > 0}
 
 
+def predicted_step_time(resolved: Resolved, gpu_key: str, gpus_per_node: int) -> dict[str, float]:
+    """The step-time model's terms and total, seconds per optimizer step (search/cost.py
+    `StepTime.to_dict()`), of the resolved layout on the default profile of GPU `gpu_key`
+    (search/profile.py): what `dsforge bench` stores with each cell that runs on that GPU
+    (bench/run.py StepTimeModel; search/ is above bench/, so the command hands it in)."""
+    from dsforge.search.cost import step_time
+    from dsforge.search.profile import default_profile
+
+    return step_time(resolved, default_profile(gpu_key, gpus_per_node)).to_dict()
+
+
 def _node_summary(resolved: Resolved) -> dict[str, Any]:
     top, tp = resolved.topology, resolved.layout.tp
     if top.node_slots is None:

@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from dsforge.problems import EXIT_INVALID, RecipeError, print_problems
 
+if TYPE_CHECKING:
+    from dsforge.bench.run import StepTimeModel
+
 
 def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
-               db_timeout: float | None = None) -> int:
+               db_timeout: float | None = None,
+               step_time_model: StepTimeModel | None = None) -> int:
     """Refuse an invalid study before any cell runs; run the others' cells into
     OUT/results.db, a tiny study under its own name (NAME-tiny), waiting up to `db_timeout`
-    seconds [as long as the study's cells may run] for another process's lock on it."""
+    seconds [as long as the study's cells may run] for another process's lock on it. Each
+    cell's row stores `step_time_model`'s prediction (bench/run.py StepTimeModel) where the
+    cell runs on a GPU."""
     from dsforge.bench.run import bench_study
     from dsforge.bench.study import check_study, load_study
 
@@ -32,7 +39,8 @@ def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
         parsed = dataclasses.replace(parsed, name=f"{parsed.name}-tiny")
     out = out or Path("benchmarks") / parsed.name
     code = bench_study(parsed, recipe_path, out, retry_failed=retry_failed, tiny=tiny,
-                       db_timeout=db_timeout, log=lambda line: click.echo(line, err=True))
+                       db_timeout=db_timeout, log=lambda line: click.echo(line, err=True),
+                       step_time_model=step_time_model)
     if code != EXIT_INVALID:
         click.echo(f"results: {out / 'results.db'}; report: dsforge report {out / 'results.db'}")
     return code

@@ -6,7 +6,11 @@ Where the cells' runs measured a step breakdown (docs/breakdown.md), a table and
 bar per cell show where the step goes. The study's plot (its data: `figure_data`) puts each
 cell's MFU on its throughput bar, and beside the measured memory peak the planner's parts at
 the moment its estimate peaks (the last backward or the optimizer step), which add up to the
-predicted peak of the table, marked, with the other moment's total dashed.
+predicted peak of the table, marked, with the other moment's total dashed. Where cells stored
+the planner's step time (bench/run.py step_time_prediction), a table and a plot put it against
+the measured median step (its data: `step_time_points`), so every study is a calibration check
+of the step-time model; rows without one say why (a CPU cell, or a row written before bench
+stored it).
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ def _study_section(study: str, cells: list[dict], out_dir: Path, peak_tflops: fl
     lines += _table(cells, peak_tflops)
     lines += _memory_split(cells)
     lines += _breakdown_table(cells)
+    lines += _step_time_table(cells)
     for plot in _plots(study, cells, out_dir, peak_tflops):
         lines += ["", f"![{plot.stem}]({plot.name})"]
     return lines + [""]
@@ -230,6 +235,100 @@ def _breakdown_table(cells: list[dict]) -> list[str]:
     return lines
 
 
+# Rows written before dsforge bench stored the planner's step time have a prediction without it.
+NOT_STORED = ("not stored: written by a dsforge bench that did not store the planner's step time "
+              "yet (cells run since store it; this report does not compute it afterwards)")
+
+
+@dataclass(frozen=True)
+class StepTimePoint:
+    """One ok cell with a stored step-time prediction: a point of the predicted-vs-measured
+    plot, seconds per optimizer step."""
+    label: str
+    predicted_s: float
+    measured_s: float  # the median over every measured step of every repeat
+    gpu: str  # the profile's GPU key (dsforge/hardware.py)
+
+    @property
+    def error(self) -> float:
+        """predicted / measured - 1: above 0 the planner predicts a slower step than measured."""
+        return self.predicted_s / self.measured_s - 1
+
+
+def step_time_of(cell: dict) -> tuple[float | None, str | None]:
+    """The cell's stored step-time prediction in seconds, or None and why there is none (None,
+    None for a cell with no prediction at all: a rejected one)."""
+    pred = cell["prediction"]
+    if not pred:
+        return None, None
+    if "step_time_s" not in pred:
+        return None, NOT_STORED
+    if pred["step_time_s"] is None:
+        return None, pred.get("step_time_why") or "none stored"
+    return pred["step_time_s"], None
+
+
+def step_time_points(cells: list[dict]) -> tuple[StepTimePoint, ...]:
+    """What the predicted-vs-measured step time plot draws: each ok cell with a prediction."""
+    points = []
+    for c in cells:
+        predicted, _ = step_time_of(c)
+        if predicted is not None and "step_time_median" in c:
+            points.append(StepTimePoint(_label(c), predicted, c["step_time_median"],
+                                        c["prediction"]["step_time_profile"]["gpu"]))
+    return tuple(points)
+
+
+def _label(cell: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in cell["axes"].items())
+
+
+def _seconds(value: float) -> str:
+    return f"{value:#.4g}"
+
+
+def _step_time_table(cells: list[dict]) -> list[str]:
+    """Per cell: the planner's step time, the measured median, the error and the model's
+    non-zero terms; then why cells have none. Nothing for a study with no prediction at all."""
+    shown = [c for c in cells if c["prediction"]]
+    if not shown:
+        return []
+    lines = ["", "Predicted vs measured step time: the planner's step time (search/cost.py, "
+             "docs/search.md \"The step-time model\") on the default profile of the GPU the cell "
+             "ran on, against the measured median step; error = predicted / measured - 1 (above "
+             "0: predicted slower than measured)."]
+    missing: dict[str, list[dict]] = defaultdict(list)
+    rows = []
+    for c in shown:
+        predicted, why = step_time_of(c)
+        if predicted is None:
+            missing[why].append(c)
+            continue
+        measured = c.get("step_time_median")
+        terms = c["prediction"].get("step_time_terms") or {}
+        parts = ", ".join(f"{name} {_seconds(value)}" for name, value in terms.items()
+                          if name != "total" and value)
+        rows.append([str(c["axes"][a]) for a in c["axes"]] + [
+            c["status"], c["prediction"]["step_time_profile"]["gpu"], _seconds(predicted),
+            _seconds(measured) if measured is not None else "-",
+            f"{predicted / measured - 1:+.1%}" if measured else "-", parts or "-"])
+    if rows:
+        axes = list(cells[0]["axes"])
+        header = axes + ["status", "profile", "predicted s", "measured s (median)", "error",
+                         "model's terms s"]
+        lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        errors = [abs(p.error) for p in step_time_points(cells)]
+        if errors:
+            lines += ["", f"Median |error| over {len(errors)} measured cell(s): "
+                          f"{statistics.median(errors):.1%}."]
+    for why, without in missing.items():
+        which = ("any cell" if len(without) == len(shown)
+                 else "; ".join(_label(c) for c in without))
+        lines += ["", f"No step-time prediction for {which}: {why}."]
+    return lines
+
+
 def _census_cell(cell: dict, census: str, part: str) -> str:
     counted = cell.get(census) or {}
     return f"{counted[part] / MiB:,.2f}" if part in counted else "-"
@@ -297,7 +396,7 @@ class FigureData:
 
 def figure_data(cells: list[dict], peak_tflops: float | None = None) -> FigureData:
     ok = [c for c in cells if "step_time_median" in c]
-    labels = [", ".join(f"{k}={v}" for k, v in c["axes"].items()) for c in ok]
+    labels = [_label(c) for c in ok]
     throughput = tuple(ThroughputBar(label, c["tokens_per_s"], _utilisation(c, peak_tflops)[0])
                        for c, label in zip(ok, labels))
     memory = tuple(_memory_bar(c, label) for c, label in zip(ok, labels))
@@ -333,7 +432,53 @@ def _plots(study: str, cells: list[dict], out_dir: Path, peak_tflops: float | No
     path = out_dir / f"{study}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends outside the axes included
     plt.close(fig)
-    return [path] + _breakdown_plot(study, ok, [b.label for b in data.throughput], out_dir, plt)
+    return ([path] + _breakdown_plot(study, ok, [b.label for b in data.throughput], out_dir, plt)
+            + _step_time_plot(study, step_time_points(ok), out_dir, plt))
+
+
+def _step_time_plot(study: str, points: tuple[StepTimePoint, ...], out_dir: Path, plt) -> list[Path]:
+    if not points:
+        return []
+    fig = draw_step_time(study, points, plt)
+    path = out_dir / f"{study}-step-time.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return [path]
+
+
+def draw_step_time(study: str, points: tuple[StepTimePoint, ...], plt):
+    """Predicted step time on x, measured on y, one labelled point per cell, and the diagonal
+    (predicted = measured): points above it ran slower than predicted. Labels of points close
+    together are stacked apart, each with a line to its point."""
+    fig, axis = plt.subplots(figsize=(7, 6))
+    axis.scatter([p.predicted_s for p in points], [p.measured_s for p in points], color="#4c72b0",
+                 zorder=3, gid="cells")
+    values = [v for p in points for v in (p.predicted_s, p.measured_s)]
+    low, high = 0.9 * min(values), 1.1 * max(values)
+    gap = 0.05 * (high - low)
+    label_y: dict[int, float] = {}
+    below = float("-inf")
+    for i in sorted(range(len(points)), key=lambda i: points[i].measured_s):
+        label_y[i] = below = max(points[i].measured_s, below + gap)
+    high = max(high, below + gap)
+    for i, p in enumerate(points):
+        moved = abs(label_y[i] - p.measured_s) > 1e-12
+        axis.annotate(f"{p.label} ({p.error:+.1%})", (p.predicted_s, p.measured_s),
+                      xytext=(p.predicted_s + 0.03 * (high - low), label_y[i]), textcoords="data",
+                      va="center", fontsize=8,
+                      arrowprops={"arrowstyle": "-", "color": "grey", "linewidth": 0.6} if moved else None)
+    axis.plot([low, high], [low, high], color="black", linestyle="dashed", linewidth=1,
+              label="predicted = measured", gid="diagonal")
+    axis.set_xlim(low, high)
+    axis.set_ylim(low, high)
+    axis.set_aspect("equal")
+    axis.set_xlabel("predicted step time, s (planner, " + ", ".join(sorted({p.gpu for p in points}))
+                    + " profile)")
+    axis.set_ylabel("measured step time, s (median)")
+    axis.set_title(f"{study}: predicted vs measured step time")
+    axis.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
 
 
 def draw_figure(study: str, ok: list[dict], data: FigureData, plt):

@@ -16,6 +16,9 @@ Rows already in the store are skipped; failed ones (oom/timeout/crashed) are run
 `retry_failed`. Rejected cells are checked again on every run (no job starts for that): one
 that dsforge now accepts runs, one still invalid keeps its row. Ctrl-C or SIGTERM while a cell
 runs stops the study: the cell gets no row (Interrupted, with run_job's 130 or 128 + signal).
+
+Each row carries the planner's prediction for its cell (`prediction`), the step time included
+when the caller gives the step-time model and the cell ran on a GPU (`step_time_prediction`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dsforge import lock
 from dsforge.bench.store import EXIT_TRY_AGAIN, FAILED, BenchError, Row, Store, StoreLocked
 from dsforge.bench.study import Cell, Study, expand, study_identity
 from dsforge.files import write_atomic
+from dsforge.hardware import gpu_for_device_name
 from dsforge.job import failure
 from dsforge.job.metrics_file import median_breakdown, read_metrics
 from dsforge.job.run_dir import RunDir
@@ -52,6 +56,14 @@ from dsforge.recipe.tiny import tiny_resolved
 _KILLED = (-9, 137, 247)
 # run_job's codes when dsforge itself was stopped: SIGHUP, Ctrl-C (SIGINT), SIGTERM.
 STOPPED = (129, 130, 143)
+
+# The planner's step-time model: dsforge/search/cost.py `step_time` with the default profile of
+# a GPU (search/profile.py `default_profile`). search/ is a layer above bench/ (its --measure
+# runs bench cells), so whoever runs a study hands the model in; `dsforge bench` gives
+# dsforge/plan.py `predicted_step_time`. Called with the cell's resolved recipe, the GPU's key
+# (dsforge/hardware.py) and the GPUs per node; returns `StepTime.to_dict()`: each term and the
+# total, in seconds per optimizer step.
+StepTimeModel = Callable[[Resolved, str, int], dict]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -79,7 +91,8 @@ def db_timeout_s(study: Study) -> float:
 
 def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed: bool = False,
                 tiny: bool = False, db_timeout: float | None = None,
-                log: Callable[[str], None] = print) -> int:
+                log: Callable[[str], None] = print,
+                step_time_model: StepTimeModel | None = None) -> int:
     """`dsforge bench`: run_study with its store in OUT/results.db, as an exit status:
     0 when every cell has a result; EXIT_TRY_AGAIN (75) when cells were busy or the database
     stayed locked for longer than `db_timeout` seconds [db_timeout_s(study)] (nothing finished
@@ -94,7 +107,7 @@ def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed:
         return exc.exit_code
     try:
         outcome = run_study(study, recipe_path, store, out_dir, retry_failed=retry_failed,
-                            tiny=tiny, log=log)
+                            tiny=tiny, log=log, step_time_model=step_time_model)
     except Interrupted as stop:
         log(f"dsforge bench: stopped while {_label(stop.cell)} repeat {stop.repeat} ran; it has "
             "no result and runs when the study is run again")
@@ -123,7 +136,8 @@ def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed:
 
 def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
               retry_failed: bool = False, tiny: bool = False,
-              log: Callable[[str], None] = print) -> Outcome:
+              log: Callable[[str], None] = print,
+              step_time_model: StepTimeModel | None = None) -> Outcome:
     """Every cell and repeat that has no finished row for this study's base; raises
     Interrupted when stopped, RecipeError if the base recipe does not load."""
     cells = expand(study, base=study_identity(study, recipe_path))
@@ -141,7 +155,8 @@ def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
             if previous is not None and not _run_again(previous, retry_failed):
                 continue
             try:
-                row = run_cell(study, recipe_path, cell, repeat, out_dir, tiny=tiny)
+                row = run_cell(study, recipe_path, cell, repeat, out_dir, tiny=tiny,
+                               step_time_model=step_time_model)
             except lock.Busy as busy:
                 outcome.busy.append(where)
                 log(f"{where}: busy, not run ({busy})")
@@ -189,10 +204,11 @@ def _label(cell: Cell) -> str:
 
 
 def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: Path, *,
-             tiny: bool = False) -> Row:
+             tiny: bool = False, step_time_model: StepTimeModel | None = None) -> Row:
     """One repeat of one cell: `rejected` without a job if its recipe is invalid; otherwise
     its job, run while this process owns the cell's directory. Raises lock.Busy if another
-    owner holds it and Interrupted if dsforge is stopped meanwhile."""
+    owner holds it and Interrupted if dsforge is stopped meanwhile. The row's prediction has
+    the step time of `step_time_model` where the cell ran on a GPU (step_time_prediction)."""
     base = dict(study=study.name, cell=cell.key, repeat=repeat, axes=cell.axes)
     try:
         resolved = resolve_cell(study, recipe_path, cell, tiny)
@@ -204,14 +220,18 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
         shutil.rmtree(run_dir, ignore_errors=True)  # an earlier attempt's files
         run_dir.mkdir(parents=True)
         started = time.monotonic()
-        code = launch_cell(study, resolved, run_dir, device="cpu" if tiny else study.device)
+        device = "cpu" if tiny else study.device
+        code = launch_cell(study, resolved, run_dir, device=device)
         if code in STOPPED:
             raise Interrupted(code, cell, repeat)
         status, reason = classify(code, run_dir)
+        manifest = _read_json(RunDir(run_dir).manifest)
+        step = step_time_prediction(resolved, device=device, tiny=tiny, manifest=manifest,
+                                    model=step_time_model)
         row = Row(**base, status=status, reason=reason, seconds=time.monotonic() - started,
-                  recipe=dump_recipe(resolved.recipe), manifest=_read_json(RunDir(run_dir).manifest),
+                  recipe=dump_recipe(resolved.recipe), manifest=manifest,
                   figures=figures(run_dir) if status == "ok" else None,
-                  prediction=prediction(resolved), finished=time.time())
+                  prediction=prediction(resolved, step), finished=time.time())
         write_atomic(RunDir(run_dir).bench_result, json.dumps(dataclasses.asdict(row)))
     return row
 
@@ -313,8 +333,9 @@ def largest_census(censuses) -> dict | None:
     return max(present, key=lambda c: c["total"]) if present else None
 
 
-def prediction(resolved: Resolved) -> dict:
-    """What `dsforge plan` predicts for the cell (memory per GPU, bubble)."""
+def prediction(resolved: Resolved, step_time: dict | None = None) -> dict:
+    """What `dsforge plan` predicts for the cell (memory per GPU, bubble, FLOPs per token),
+    with `step_time` (step_time_prediction's keys) added."""
     from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
     from dsforge.estimate.flops import flops_per_token
     from dsforge.estimate.memory import estimate_memory
@@ -325,7 +346,51 @@ def prediction(resolved: Resolved) -> dict:
     return {"memory_bytes": memory.to_dict(), "layout": dataclasses.asdict(lay),
             "bubble_fraction": bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches),
             "bubble_share_of_step": bubble_share_of_step(lay.pp, lay.vpp, lay.num_microbatches),
-            "flops_per_token": flops.model, "hardware_flops_per_token": flops.hardware}
+            "flops_per_token": flops.model, "hardware_flops_per_token": flops.hardware,
+            **(step_time or {})}
+
+
+def step_time_prediction(resolved: Resolved, *, device: str, manifest: dict | None,
+                         model: StepTimeModel | None, tiny: bool = False) -> dict:
+    """The planner's step time for the cell on the GPU it ran on, as stored in its prediction:
+    `step_time_s` (the total), `step_time_terms` (StepTime.to_dict()) and `step_time_profile`
+    (which GPU's default profile, why that GPU, GPUs per node). Where there is no GPU profile
+    to predict with, `step_time_s` is None and `step_time_why` says why: a CPU cell (`device`
+    cpu, `tiny`, or a manifest that says the ranks ran on CPU) has none, and no CPU figure is
+    made up. The GPU: the one the manifest names when dsforge/hardware.py knows it, else the
+    recipe's cluster.gpu."""
+    ran_on = (manifest or {}).get("device") or {}
+    if tiny or device == "cpu" or ran_on.get("type") == "cpu":
+        how = "--tiny" if tiny else "the study's device: cpu" if device == "cpu" else "no GPU was found"
+        return _no_step_time(f"the cell ran on CPU ({how}): the step-time model has GPU profiles "
+                             "only (dsforge/search/profile.py), so there is no CPU prediction")
+    name = ran_on.get("name") if ran_on.get("type") == "cuda" else None
+    gpu = gpu_for_device_name(name) if name else None
+    named = resolved.recipe.cluster.gpu if resolved.recipe.cluster else None
+    if gpu is not None:
+        key = gpu.key
+        source = f"the device the cell ran on ({name})"
+        if named and named != key:
+            source += f"; the recipe's cluster.gpu is {named}"
+    elif named:
+        key = named
+        source = "the recipe's cluster.gpu" + (f" ({name} is not in dsforge/hardware.py)" if name else "")
+    else:
+        unknown = f"the device {name} is not in dsforge/hardware.py" if name else "no device was recorded"
+        return _no_step_time(f"no GPU profile: {unknown} and the recipe names no cluster.gpu")
+    if model is None:
+        return _no_step_time("this bench run was given no step-time model (dsforge bench gives "
+                             "the planner's)")
+    slots = resolved.topology.node_slots
+    per_node = max(slots) if slots else resolved.layout.world_size  # one machine
+    terms = model(resolved, key, per_node)
+    return {"step_time_s": terms["total"], "step_time_terms": terms,
+            "step_time_profile": {"gpu": key, "gpus_per_node": per_node, "profile": "default",
+                                  "source": source}}
+
+
+def _no_step_time(why: str) -> dict:
+    return {"step_time_s": None, "step_time_why": why}
 
 
 def _read_json(path: Path) -> dict | None:

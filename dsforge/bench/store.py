@@ -144,7 +144,7 @@ CREATE TABLE IF NOT EXISTS results (
     recipe TEXT,                  -- resolved recipe (YAML)
     manifest TEXT,                -- JSON: versions, git commit, device, layout
     figures TEXT,                 -- JSON: measured figures (see bench/run.py)
-    prediction TEXT,              -- JSON: dsforge plan's memory and bubble for the cell
+    prediction TEXT,              -- JSON: the planner's memory, bubble, FLOPs, step time
     PRIMARY KEY (study, cell, repeat)
 )
 """
