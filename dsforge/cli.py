@@ -259,9 +259,8 @@ def data_inspect(prefix, scan):
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Results directory [default: benchmarks/STUDY-NAME].")
 @click.option("--retry-failed", is_flag=True, help="Run oom/timeout/crashed cells again.")
-@click.option("--tiny", is_flag=True,
-              help="Every cell's layout at tiny size on CPU ranks (a dry run of the study); "
-                   "recorded as study NAME-tiny.")
+@click.option("--tiny", is_flag=True, help="Every cell's layout at tiny size on CPU ranks (a "
+              "dry run of the study); recorded as study NAME-tiny.")
 @click.option("--db-timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="Wait this long for a lock on results.db [default: as long as cells may run].")
 def bench(study, **options):
