@@ -61,8 +61,10 @@ The last rank adds the logits: 2-byte logits and 4-byte fp32 loss inputs over th
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
+from typing import Callable
 
 from dsforge.estimate.params import attention_params, mlp_params, router_params, stage_layers
 from dsforge.recipe.resolve import Layout
@@ -164,14 +166,21 @@ class _StageParams:
 
 def stage_params(m: ModelConfig, layout: Layout, rank: int) -> _StageParams:
     """Parameters on one GPU of pipeline rank `rank` after TP, PP and EP."""
-    tp, h = layout.tp, m.hidden_size
+    return _stage_params(m, layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp, rank)
+
+
+# A search asks for the same few shapes thousands of times (every ZeRO stage, micro-batch and
+# checkpointing variant of a layout, and the reduce bucket of every rank): each is counted once.
+@functools.lru_cache(maxsize=4096)
+def _stage_params(m: ModelConfig, tp: int, pp: int, vpp: int, ep: int, etp: int, rank: int) -> _StageParams:
+    h = m.hidden_size
     dense = expert = largest = 0.0
-    for layer in stage_layers(m.num_layers, layout.pp, layout.vpp, rank):
+    for layer in stage_layers(m.num_layers, pp, vpp, rank):
         layer_dense = attention_params(m) / tp + 2 * h
         layer_expert = 0.0
         if m.is_moe_layer(layer):
             layer_dense += router_params(m)
-            layer_expert = (m.moe.num_experts / layout.ep) * mlp_params(m, m.moe.ffn_hidden_size) / layout.etp
+            layer_expert = (m.moe.num_experts / ep) * mlp_params(m, m.moe.ffn_hidden_size) / etp
         else:
             layer_dense += mlp_params(m, m.ffn_hidden_size) / tp
         dense, expert = dense + layer_dense, expert + layer_expert
@@ -179,9 +188,9 @@ def stage_params(m: ModelConfig, layout: Layout, rank: int) -> _StageParams:
     vocab_shard = padded_vocab_size(m.vocab_size, tp) * h / tp
     if rank == 0:
         dense += vocab_shard
-    if rank == layout.pp - 1:
+    if rank == pp - 1:
         dense += h  # final norm
-        if not m.tie_embeddings or layout.pp > 1:
+        if not m.tie_embeddings or pp > 1:
             dense += vocab_shard
     largest = max(largest, vocab_shard)
     return _StageParams(dense=dense, expert=expert, largest_layer=largest)
@@ -189,7 +198,12 @@ def stage_params(m: ModelConfig, layout: Layout, rank: int) -> _StageParams:
 
 def largest_stage_params(m: ModelConfig, layout: Layout) -> _StageParams:
     """The parameters of the pipeline rank holding the most (dense + expert, one GPU)."""
-    return max((stage_params(m, layout, r) for r in range(layout.pp)),
+    return _largest_stage_params(m, layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _largest_stage_params(m: ModelConfig, tp: int, pp: int, vpp: int, ep: int, etp: int) -> _StageParams:
+    return max((_stage_params(m, tp, pp, vpp, ep, etp, r) for r in range(pp)),
                key=lambda p: p.dense + p.expert)
 
 
@@ -219,16 +233,32 @@ def activation_bytes(m: ModelConfig, train: TrainConfig, layout: Layout, rank: i
     kw = dict(seq_len=train.seq_len, micro_batch=layout.micro_batch, layout=layout,
               fused_attention=fused_attention)
     layers = stage_layers(m.num_layers, layout.pp, layout.vpp, rank)
-    per_microbatch = sum(layer_activation_bytes(m, i, checkpointing=train.activation_checkpointing, **kw)
-                         for i in layers)
+    kept = per_kind_of_layer(m, lambda i: layer_activation_bytes(
+        m, i, checkpointing=train.activation_checkpointing, **kw))
+    per_microbatch = sum(kept(i) for i in layers)
     in_flight = _microbatches_in_flight(layout, rank)
     total = per_microbatch * in_flight
     if train.activation_checkpointing == "full":  # one layer's full activations while recomputing
-        total += max(layer_activation_bytes(m, i, checkpointing="none", **kw) for i in layers)
+        recomputed = per_kind_of_layer(m, lambda i: layer_activation_bytes(m, i, checkpointing="none", **kw))
+        total += max(recomputed(i) for i in layers)
     if rank == layout.pp - 1:  # 2-byte logits + fp32 copy for the loss, vocab split over tp
         vocab = padded_vocab_size(m.vocab_size, layout.tp)
         total += 6 * train.seq_len * layout.micro_batch * vocab / layout.tp
     return total
+
+
+def per_kind_of_layer(m: ModelConfig, bytes_of: Callable[[int], float]) -> Callable[[int], float]:
+    """`bytes_of`, computed once per kind of layer (dense, MoE), the only thing about a layer
+    it reads: the sums over a rank's layers add the same values in the same order, a few
+    times faster (a search estimates thousands of layouts)."""
+    known: dict[bool, float] = {}
+
+    def of(layer: int) -> float:
+        moe = m.is_moe_layer(layer)
+        if moe not in known:
+            known[moe] = bytes_of(layer)
+        return known[moe]
+    return of
 
 
 def _microbatches_in_flight(layout: Layout, rank: int) -> float:

@@ -13,13 +13,14 @@ MFU, and the reason it beat the next one (explain.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.memory import MemoryEstimate, estimate_memory
 from dsforge.recipe.resolve import Resolved
-from dsforge.schema import Recipe
+from dsforge.schema import ModelConfig, Recipe
 from dsforge.search.cost import StepTime, step_time
 from dsforge.search.explain import with_reasons
 from dsforge.search.profile import ClusterProfile
@@ -96,29 +97,46 @@ class SearchResult:
     nearest_memory: Ranked | None = None  # the smallest-memory layout when nothing fits
 
 
-def evaluate(candidate: Candidate, profile: ClusterProfile) -> Ranked:
+def candidate_memory(candidate: Candidate) -> MemoryEstimate:
+    recipe, layout = candidate.resolved.recipe, candidate.resolved.layout
+    return estimate_memory(model=recipe.model, train=recipe.train, zero=recipe.zero, layout=layout)
+
+
+def evaluate(candidate: Candidate, profile: ClusterProfile, memory: MemoryEstimate | None = None) -> Ranked:
+    """The candidate's memory (`memory` when already estimated), step time, throughput and MFU."""
     resolved = candidate.resolved
     recipe, layout = resolved.recipe, resolved.layout
-    memory = estimate_memory(model=recipe.model, train=recipe.train, zero=recipe.zero, layout=layout)
+    memory = candidate_memory(candidate) if memory is None else memory
     predicted = step_time(resolved, profile)
     tokens_per_s = layout.global_batch * recipe.train.seq_len / predicted.total
-    model_flops = flops_per_token(recipe.model, recipe.train.seq_len).model
+    model_flops = _model_flops(recipe.model, recipe.train.seq_len)
     mfu = tokens_per_s * model_flops / (layout.world_size * profile.gpu.peak_bf16_flops)
     return Ranked(resolved=resolved, memory=memory, time=predicted, tokens_per_s=tokens_per_s,
                   mfu=mfu, exact_batch=candidate.exact_batch, error=profile.prediction_error)
 
 
+@functools.lru_cache(maxsize=64)
+def _model_flops(model: ModelConfig, seq_len: int) -> float:
+    # The same for every candidate of a search: counting the model's parameters once, not
+    # once per candidate, was a third of a search's time.
+    return flops_per_token(model, seq_len).model
+
+
 def search(base: Recipe, space: Space, profile: ClusterProfile) -> SearchResult:
     started = time.perf_counter()
     candidates, considered = enumerate_candidates(base, space)
-    evaluated = [evaluate(c, profile) for c in candidates]
-    fitting = [r for r in evaluated if r.memory.total <= profile.usable_memory_bytes]
+    # Every valid candidate's memory (the fit); the step time only for those that fit, the
+    # ones ranked, and for the smallest when none does.
+    memories = [candidate_memory(c) for c in candidates]
+    fitting = [evaluate(c, profile, m) for c, m in zip(candidates, memories)
+               if m.total <= profile.usable_memory_bytes]
     exact = [r for r in fitting if r.exact_batch]
     chosen = exact or _nearest_batch(fitting, space.global_batch)
     result = SearchResult(space=space, profile=profile, considered=considered, valid=len(candidates),
                           fit=len(fitting), batch_exact=bool(exact), ranked=with_reasons(rank(chosen)))
-    if not fitting and evaluated:
-        result.nearest_memory = min(evaluated, key=lambda r: r.memory.total)
+    if not fitting and candidates:
+        smallest = min(range(len(candidates)), key=lambda i: memories[i].total)
+        result.nearest_memory = evaluate(candidates[smallest], profile, memories[smallest])
     result.seconds = time.perf_counter() - started
     return result
 

@@ -1,4 +1,5 @@
-"""The layouts a search considers, each checked by the same validator `dsforge run` uses.
+"""The layouts a search considers, each checked by the same validator `dsforge run` uses
+(after prune.py's cheap conditions, which drop only layouts that validator refuses).
 
 Axes: tp (powers of two up to the node size and the head count), pp (divisors of the layer
 count), vpp (divisors of the layers per pipeline rank, up to MAX_VPP), ep (MoE: divisors of
@@ -19,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from dsforge.problems import RecipeError
 from dsforge.recipe.resolve import Resolved, Topology, resolve
 from dsforge.schema import ClusterConfig, Recipe, divisors
+from dsforge.search.prune import shape_refusal, variant_refusal
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 MAX_VPP = 8
@@ -82,38 +84,120 @@ def _global_batch(target: int, per_microbatch_step: int) -> int:
     return steps * per_microbatch_step
 
 
-def candidate_recipes(base: Recipe, space: Space) -> Iterator[Recipe]:
-    cluster = space.cluster()
+class Variant(NamedTuple):
+    """One point of the space: a model-parallel shape and the choices varied inside it."""
+    tp: int
+    pp: int
+    vpp: int
+    ep: int
+    dp: int
+    sequence_parallel: bool
+    stage: int
+    micro_batch: int
+    checkpointing: str
+    global_batch: int
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+
+def variants(base: Recipe, space: Space) -> Iterator[Variant]:
+    """Every point of the space, in the order the search lists them."""
     for tp, pp, vpp, ep in model_parallel_shapes(base, space):
         dp = space.gpus // (tp * pp)
         for sp, stage, micro, checkpointing in itertools.product(
                 (False, True) if tp > 1 else (False,), range(4), MICRO_BATCHES, CHECKPOINTING):
+            yield Variant(tp, pp, vpp, ep, dp, sp, stage, micro, checkpointing,
+                          _global_batch(space.global_batch, micro * dp))
+
+
+class Sections:
+    """The recipe sections variants are made of, each built (and checked by its own section's
+    rules) once: thousands of variants share a few dozen sections. None: a section's own rule
+    refuses it, and the variant is not a candidate (nor counted as considered)."""
+
+    def __init__(self, base: Recipe):
+        self.base = base
+        self._built: dict[tuple, Any] = {}
+
+    def _once(self, key: tuple, build: Callable[[], Any]) -> Any:
+        if key not in self._built:
             try:
-                yield dataclasses.replace(
-                    base,
-                    parallel=dataclasses.replace(base.parallel, tp=tp, pp=pp, vpp=vpp, ep=ep, dp=-1,
-                                                 etp=None, cp=1, sequence_parallel=sp),
-                    zero=dataclasses.replace(base.zero, stage=stage, offload_optimizer="none",
-                                             offload_params="none", offload_ratio=1.0),
-                    train=dataclasses.replace(
-                        base.train, micro_batch=micro, grad_accum=None,
-                        global_batch=_global_batch(space.global_batch, micro * dp),
-                        activation_checkpointing=checkpointing),
-                    cluster=cluster)
-            except RecipeError:  # a section's own rule (e.g. schema-level) refuses it
-                continue
+                self._built[key] = build()
+            except RecipeError:
+                self._built[key] = None
+        return self._built[key]
+
+    def of(self, v: Variant) -> dict[str, Any] | None:
+        """parallel, zero and train for this variant; None when one of them is refused."""
+        b = self.base
+        parts = {
+            "parallel": self._once(("parallel", v.tp, v.pp, v.vpp, v.ep, v.sequence_parallel),
+                                   lambda: dataclasses.replace(
+                                       b.parallel, tp=v.tp, pp=v.pp, vpp=v.vpp, ep=v.ep, dp=-1,
+                                       etp=None, cp=1, sequence_parallel=v.sequence_parallel)),
+            "zero": self._once(("zero", v.stage), lambda: dataclasses.replace(
+                b.zero, stage=v.stage, offload_optimizer="none", offload_params="none",
+                offload_ratio=1.0)),
+            "train": self._once(("train", v.micro_batch, v.global_batch, v.checkpointing),
+                                lambda: dataclasses.replace(
+                                    b.train, micro_batch=v.micro_batch, grad_accum=None,
+                                    global_batch=v.global_batch,
+                                    activation_checkpointing=v.checkpointing)),
+        }
+        return None if None in parts.values() else parts
+
+
+def candidate_recipes(base: Recipe, space: Space) -> Iterator[Recipe]:
+    """The recipe of every variant whose sections pass their own rules (the considered ones)."""
+    sections, cluster = Sections(base), space.cluster()
+    for v in variants(base, space):
+        parts = sections.of(v)
+        if parts is not None:
+            # Recipe's own rule reads only its name, which the base recipe has passed.
+            yield dataclasses.replace(base, **parts, cluster=cluster)
 
 
 def enumerate_candidates(base: Recipe, space: Space) -> tuple[list[Candidate], int]:
-    """Every valid candidate, and how many were considered in all."""
-    topology = space.topology()
+    """Every valid candidate, and how many were considered in all.
+
+    Cheap necessary conditions first (prune.py: rules that refuse a variant whatever the rest
+    of the recipe says, asked once per shape where they read only the shape); the full
+    validator, as `dsforge run` uses it, decides what they let through."""
+    topology, cluster = space.topology(), space.cluster()
+    sections, shape_refused = Sections(base), {}
+    m, precision = base.model, base.train.precision
     valid, considered = [], 0
+    for v in variants(base, space):
+        parts = sections.of(v)
+        if parts is None:
+            continue
+        considered += 1
+        shape = (v.tp, v.pp, v.sequence_parallel)
+        if shape not in shape_refused:
+            shape_refused[shape] = shape_refusal(m, precision, tp=v.tp, pp=v.pp, sp=v.sequence_parallel)
+        if shape_refused[shape] or variant_refusal(m, pp=v.pp, vpp=v.vpp, ep=v.ep, stage=v.stage,
+                                                   microbatches=v.microbatches):
+            continue
+        valid += _validated(dataclasses.replace(base, **parts, cluster=cluster), topology, space)
+    return valid, considered
+
+
+def exhaustive_candidates(base: Recipe, space: Space) -> tuple[list[Candidate], int]:
+    """What enumerate_candidates finds, by the full validator alone on every considered
+    recipe: the reference its cheap conditions are tested against."""
+    topology, valid, considered = space.topology(), [], 0
     for recipe in candidate_recipes(base, space):
         considered += 1
-        try:
-            resolved = resolve(recipe, topology)  # the full validator, as `dsforge run` uses it
-        except RecipeError:
-            continue
-        valid.append(Candidate(resolved=resolved,
-                               exact_batch=resolved.layout.global_batch == space.global_batch))
+        valid += _validated(recipe, topology, space)
     return valid, considered
+
+
+def _validated(recipe: Recipe, topology: Topology, space: Space) -> list[Candidate]:
+    """[the candidate] when the full validator accepts the recipe, else []."""
+    try:
+        resolved = resolve(recipe, topology)  # the full validator, as `dsforge run` uses it
+    except RecipeError:
+        return []
+    return [Candidate(resolved=resolved, exact_batch=resolved.layout.global_batch == space.global_batch)]
