@@ -24,7 +24,7 @@ from dsforge.schema import padded_vocab_size
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.groups import rank_groups
-from dsforge.translate.kernels import choose_kernels, liger_installed
+from dsforge.translate.kernels import choose_kernels, fused_loss, liger_installed
 from dsforge.translate.megatron import (gpt_model_kwargs, parallel_state_kwargs,
                                         transformer_config_kwargs)
 from dsforge.translate.optimizer import adam_impl, ops_built_at_run_time
@@ -49,7 +49,8 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
     model, train, zero = recipe.model, recipe.train, recipe.zero
     params = count_params(model)
     flops = flops_per_token(model, train.seq_len, train.activation_checkpointing)
-    memory = estimate_memory(model=model, train=train, zero=zero, layout=layout)
+    fused = fused_loss(model, tp=layout.tp, device=device)
+    memory = estimate_memory(model=model, train=train, zero=zero, layout=layout, fused_loss=fused)
     warnings = [str(p) for p in resolved.warnings]
     kernels = choose_kernels(model, device=device, liger_available=liger_installed())
     plan = {
@@ -75,7 +76,7 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
         "hardware_flops_per_token": flops.hardware,
         "memory_bytes": memory.to_dict(),
         "memory_worst_pipeline_rank": memory.pipeline_rank,
-        "memory_by_zero_stage": _memory_by_stage(resolved),
+        "memory_by_zero_stage": _memory_by_stage(resolved, fused),
         "gpu": _gpu_fit(resolved, memory.total, warnings),
         "bubble_fraction": bubble_fraction(layout.pp, layout.vpp, layout.num_microbatches),
         "bubble_share_of_step": bubble_share_of_step(layout.pp, layout.vpp, layout.num_microbatches),
@@ -123,7 +124,7 @@ def _node_summary(resolved: Resolved) -> dict[str, Any]:
     return {"node_slots": list(top.node_slots), "tp_within_node": within}
 
 
-def _memory_by_stage(resolved: Resolved) -> dict[str, dict[str, Any]]:
+def _memory_by_stage(resolved: Resolved, fused: bool) -> dict[str, dict[str, Any]]:
     """Estimated peak bytes per GPU at ZeRO 0-3, all else unchanged, or the rules that reject it."""
     recipe, layout = resolved.recipe, resolved.layout
     result: dict[str, dict[str, Any]] = {}
@@ -132,8 +133,8 @@ def _memory_by_stage(resolved: Resolved) -> dict[str, dict[str, Any]]:
         rejected = sorted({p.rule for p in errors(validate(candidate, resolved.topology))})
         total = None
         if not rejected:
-            total = int(estimate_memory(model=recipe.model, train=recipe.train,
-                                        zero=candidate.zero, layout=layout).total)
+            total = int(estimate_memory(model=recipe.model, train=recipe.train, zero=candidate.zero,
+                                        layout=layout, fused_loss=fused).total)
         result[str(stage)] = {"total": total, "rejected_by": rejected}
     return result
 

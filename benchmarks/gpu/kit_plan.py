@@ -22,6 +22,7 @@ from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.memory import estimate_memory
 from dsforge.hardware import gpu_by_key
 from dsforge.recipe import Resolved, resolve_file
+from dsforge.translate.kernels import fused_loss
 from dsforge.units import GiB
 from kit_wheels import REPO, dsforge_version, read_pins
 
@@ -271,9 +272,12 @@ def resolve_run(spec: RunSpec, gpu: str) -> Resolved:
 
 
 def prediction(resolved: Resolved) -> dict:
-    """What `dsforge plan --json` says about memory and FLOPs (the same functions)."""
+    """What `dsforge plan --json` says about memory and FLOPs for GPU ranks (the same
+    functions; the kernels the GPU's ranks run where this runs: Liger's on the kit's GPU)."""
     r = resolved.recipe
-    memory = estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout)
+    fused = fused_loss(r.model, tp=resolved.layout.tp, device="cuda")
+    memory = estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
+                             fused_loss=fused)
     flops = flops_per_token(r.model, r.train.seq_len, r.train.activation_checkpointing)
     return {"memory_bytes": memory.to_dict(), "flops_per_token": flops.model,
             "hardware_flops_per_token": flops.hardware}

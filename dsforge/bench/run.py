@@ -49,6 +49,7 @@ from dsforge.problems import RecipeError, errors
 from dsforge.recipe import Resolved, resolve_file
 from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.tiny import tiny_resolved
+from dsforge.translate.kernels import fused_loss
 
 # Exit codes of a launcher whose rank the kernel killed (SIGKILL, usually its OOM killer):
 # the signal as Python reports it, as a shell does (128 + 9), and as DeepSpeed's launcher
@@ -231,7 +232,8 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
         row = Row(**base, status=status, reason=reason, seconds=time.monotonic() - started,
                   recipe=dump_recipe(resolved.recipe), manifest=manifest,
                   figures=figures(run_dir) if status == "ok" else None,
-                  prediction=prediction(resolved, step), finished=time.time())
+                  prediction=prediction(resolved, step, device=ran_on(manifest, device)),
+                  finished=time.time())
         write_atomic(RunDir(run_dir).bench_result, json.dumps(dataclasses.asdict(row)))
     return row
 
@@ -333,15 +335,24 @@ def largest_census(censuses) -> dict | None:
     return max(present, key=lambda c: c["total"]) if present else None
 
 
-def prediction(resolved: Resolved, step_time: dict | None = None) -> dict:
-    """What `dsforge plan` predicts for the cell (memory per GPU, bubble, FLOPs per token),
-    with `step_time` (step_time_prediction's keys) added."""
+def ran_on(manifest: dict | None, device: str) -> str:
+    """The device type the cell's ranks ran on ("cpu" | "cuda"): the manifest's, else the
+    study's device with `auto` read as no GPU."""
+    recorded = ((manifest or {}).get("device") or {}).get("type")
+    return recorded or ("cuda" if device == "cuda" else "cpu")
+
+
+def prediction(resolved: Resolved, step_time: dict | None = None, *, device: str = "cpu") -> dict:
+    """What `dsforge plan` predicts for the cell on `device` (memory per GPU, with the
+    kernels the ranks run there; bubble; FLOPs per token), with `step_time`
+    (step_time_prediction's keys) added."""
     from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
     from dsforge.estimate.flops import flops_per_token
     from dsforge.estimate.memory import estimate_memory
 
     r, lay = resolved.recipe, resolved.layout
-    memory = estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=lay)
+    memory = estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=lay,
+                             fused_loss=fused_loss(r.model, tp=lay.tp, device=device))
     flops = flops_per_token(r.model, r.train.seq_len, r.train.activation_checkpointing)
     return {"memory_bytes": memory.to_dict(), "layout": dataclasses.asdict(lay),
             "bubble_fraction": bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches),

@@ -56,7 +56,10 @@ checkpointing keeps only each layer's input (2h, /tp with SP) plus one layer rec
 Pipeline ranks hold several microbatches at once: 1F1B rank r holds min(pp - r, m); the
 interleaved schedule holds (pp - r - 1) * 2 + (v - 1) * pp + 1 model-chunk microbatches
 (Megatron-Core's warmup count + 1), i.e. (1 + (p-1)/(p v)) x the 1F1B memory on rank 0.
-The last rank adds the logits: 2-byte logits and 4-byte fp32 loss inputs over the vocabulary.
+The last rank adds the loss's memory for one microbatch: 2-byte logits and 4-byte fp32 loss
+inputs over the vocabulary; with Liger's fused linear cross-entropy (model.kernels liger at
+tp 1) no logits are kept, only the output layer's weight gradient and the input's gradient,
+which it makes in the forward, and one chunk of tokens' logits (logits_bytes).
 """
 
 from __future__ import annotations
@@ -228,8 +231,9 @@ def layer_activation_bytes(m: ModelConfig, layer: int, *, seq_len: int, micro_ba
 
 
 def activation_bytes(m: ModelConfig, train: TrainConfig, layout: Layout, rank: int,
-                     fused_attention: bool = True) -> float:
-    """Peak activation bytes on pipeline rank `rank`, with the schedule's in-flight microbatches."""
+                     fused_attention: bool = True, fused_loss: bool = False) -> float:
+    """Peak activation bytes on pipeline rank `rank`, with the schedule's in-flight
+    microbatches; `fused_loss`: the output layer and its loss run fused (logits_bytes)."""
     kw = dict(seq_len=train.seq_len, micro_batch=layout.micro_batch, layout=layout,
               fused_attention=fused_attention)
     layers = stage_layers(m.num_layers, layout.pp, layout.vpp, rank)
@@ -241,10 +245,31 @@ def activation_bytes(m: ModelConfig, train: TrainConfig, layout: Layout, rank: i
     if train.activation_checkpointing == "full":  # one layer's full activations while recomputing
         recomputed = per_kind_of_layer(m, lambda i: layer_activation_bytes(m, i, checkpointing="none", **kw))
         total += max(recomputed(i) for i in layers)
-    if rank == layout.pp - 1:  # 2-byte logits + fp32 copy for the loss, vocab split over tp
-        vocab = padded_vocab_size(m.vocab_size, layout.tp)
-        total += 6 * train.seq_len * layout.micro_batch * vocab / layout.tp
+    if rank == layout.pp - 1:
+        total += logits_bytes(m, train.seq_len * layout.micro_batch, layout.tp, fused_loss)
     return total
+
+
+def logits_bytes(m: ModelConfig, tokens: int, tp: int, fused_loss: bool) -> float:
+    """The loss's memory on the last pipeline rank for one microbatch of `tokens`.
+
+    Unfused: the [tokens, V/tp] logits in 16 bits and Megatron's fp32 copy for its
+    vocab-parallel cross-entropy, 6 bytes a logit. Fused (Liger's fused linear cross-entropy,
+    tp 1 only): the output layer's weight gradient (2 V h) and the input's gradient (2 tokens h),
+    made in the forward and kept for the backward, and one chunk of tokens' logits and their
+    gradient in 16 bits (Liger's chunk: tokens / ceil(V / h), up to a power of two).
+    Measured on one H200 (benchmarks/gpu/results/2026-11-26-h200), the 1B (V 128,256): with
+    it every run within 3.1% (28.3 GiB predicted at 8,192 tokens, 29.2 measured; 6 bytes a
+    logit predicted 33.5). Without it the same run measured 38.3 GiB: about 11 bytes a
+    logit, not 6 (the fp32 copy's shifted values are a second fp32 tensor). Not changed
+    here on one measurement: the published runs' fit depends on it; a CPU run of the same
+    cross-entropy can settle it."""
+    vocab = padded_vocab_size(m.vocab_size, tp)
+    if not fused_loss:
+        return 6 * tokens * vocab / tp
+    h = m.hidden_size
+    chunk = min(tokens, 2 ** math.ceil(math.log2(math.ceil(tokens / math.ceil(vocab / h)))))
+    return 2 * vocab * h + 2 * tokens * h + 4 * chunk * vocab
 
 
 def per_kind_of_layer(m: ModelConfig, bytes_of: Callable[[int], float]) -> Callable[[int], float]:
@@ -273,15 +298,16 @@ def _microbatches_in_flight(layout: Layout, rank: int) -> float:
 
 
 def estimate_memory(*, model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layout: Layout,
-                    fused_attention: bool = True) -> MemoryEstimate:
-    """Peak bytes per GPU on the most loaded pipeline rank."""
-    per_rank = [_rank_memory(model, train, zero, layout, rank, fused_attention)
+                    fused_attention: bool = True, fused_loss: bool = False) -> MemoryEstimate:
+    """Peak bytes per GPU on the most loaded pipeline rank. `fused_loss`: the ranks run
+    Liger's fused linear cross-entropy (translate/kernels.py fused_loss says when)."""
+    per_rank = [_rank_memory(model, train, zero, layout, rank, fused_attention, fused_loss)
                 for rank in range(layout.pp)]
     return max(per_rank, key=lambda est: est.total)
 
 
 def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layout: Layout,
-                 rank: int, fused_attention: bool) -> MemoryEstimate:
+                 rank: int, fused_attention: bool, fused_loss: bool) -> MemoryEstimate:
     psi = stage_params(model, layout, rank)
     ratio = zero.offload_ratio if zero.offload_optimizer == "cpu" else 0.0
     kw = dict(stage=zero.stage, precision=train.precision, offload_optimizer_ratio=ratio,
@@ -293,7 +319,7 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
     return MemoryEstimate(
         params=dense.params + expert.params, grads=dense.grads + expert.grads,
         optimizer=dense.optimizer + expert.optimizer,
-        activations=activation_bytes(model, train, layout, rank, fused_attention),
+        activations=activation_bytes(model, train, layout, rank, fused_attention, fused_loss),
         buffers=buffers, bucket=bucket,
         step_grads=dense.step_grads + expert.step_grads,
         step_buffers=_step_buffers(dense, expert, zero.stage),

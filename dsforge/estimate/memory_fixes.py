@@ -58,13 +58,16 @@ def fit_limit(*, capacity: float, predicted: float, needed: float,
     return capacity * (1.0 - headroom) - max(0.0, needed - predicted)
 
 
-def estimate(resolved: Resolved) -> MemoryEstimate:
-    """The memory model's most loaded rank for a resolved recipe."""
+def estimate(resolved: Resolved, *, fused_loss: bool = False) -> MemoryEstimate:
+    """The memory model's most loaded rank for a resolved recipe (`fused_loss`: see
+    estimate_memory)."""
     r = resolved.recipe
-    return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout)
+    return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
+                           fused_loss=fused_loss)
 
 
-def memory_fixes(resolved: Resolved, limit: float, *, shown: int = SHOWN) -> list[MemoryFix]:
+def memory_fixes(resolved: Resolved, limit: float, *, shown: int = SHOWN,
+                 fused_loss: bool = False) -> list[MemoryFix]:
     """Up to `shown` valid variants predicted at or under `limit` bytes, none holding another
     one's changes: the fewest levers moved first, then the most memory used (the least
     recompute, the fewest extra microbatches)."""
@@ -74,7 +77,7 @@ def memory_fixes(resolved: Resolved, limit: float, *, shown: int = SHOWN) -> lis
             candidate = resolve(recipe, resolved.topology)
         except RecipeError:
             continue
-        predicted = estimate(candidate).total
+        predicted = estimate(candidate, fused_loss=fused_loss).total
         if predicted <= limit:
             found.append(MemoryFix(changes=changes, predicted=predicted))
     found.sort(key=lambda f: (f.levers, -f.predicted))

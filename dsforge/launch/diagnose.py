@@ -26,6 +26,7 @@ from dsforge.job.pids import started_ranks
 from dsforge.job.run_dir import RunDir
 from dsforge.problems import RecipeError
 from dsforge.recipe import Resolved, resolve_file
+from dsforge.translate.kernels import fused_loss
 from dsforge.units import format_bytes
 
 # deepspeed/launcher/launch.py (0.19.8) logs "<cmd> exits with return code = N" for the first
@@ -112,7 +113,8 @@ def run_recipe(run_dir: Path) -> Resolved | None:
 def memory_advice(memory: dict, resolved: Resolved) -> str:
     """The memory model's peak for `resolved` against what a rank measured when it ran out,
     and the changes predicted to fit (estimate/memory_fixes.py)."""
-    peak = estimate(resolved)
+    fused = fused_loss(resolved.recipe.model, tp=resolved.layout.tp, device="cuda")  # a GPU ran out
+    peak = estimate(resolved, fused_loss=fused)
     where = f"pipeline rank {peak.pipeline_rank}, " if resolved.layout.pp > 1 else ""
     said = f"the memory model predicts {format_bytes(peak.total)} ({where}at the {peak.peak_moment})"
     capacity, needed = memory["capacity"], needed_bytes(memory)
@@ -125,7 +127,7 @@ def memory_advice(memory: dict, resolved: Resolved) -> str:
                 f"and more than the device holds: look at the allocation in the traceback")
     less = f", less the {format_bytes(beyond)} measured beyond the prediction" if beyond > 0 else ""
     under = f"{format_bytes(limit)} ({1 - HEADROOM:.0%} of {format_bytes(capacity)}{less})"
-    fixes = memory_fixes(resolved, limit)
+    fixes = memory_fixes(resolved, limit, fused_loss=fused)
     if not fixes:
         return (f"{said}; no change of activation checkpointing, micro-batch or ZeRO stage is "
                 f"predicted under {under}: `dsforge plan --search` finds layouts that fit "

@@ -20,6 +20,7 @@ from dsforge.estimate.memory import estimate_memory
 from dsforge.problems import Problem
 from dsforge.recipe import Resolved
 from dsforge.translate.build_env import BuildFacts, build_problems, job_ops
+from dsforge.translate.kernels import fused_loss
 from dsforge.units import MiB, format_bytes
 
 # A CPU rank's own footprint before the model: Python, torch, DeepSpeed and Megatron-Core
@@ -71,12 +72,14 @@ def device_for(choice: str, machine: Machine) -> str:
     return choice
 
 
-def rank_memory_bytes(resolved: Resolved) -> float:
-    """A rank's predicted peak (estimate/memory.py). The ZeRO reduce bucket in it is no larger
-    than the rank's gradients (translate sizes it so), which a backward fills on the CPU too,
-    where a large allocation is committed page by page as it is written."""
+def rank_memory_bytes(resolved: Resolved, device: str) -> float:
+    """A rank's predicted peak on `device` (estimate/memory.py; the kernels it runs there).
+    The ZeRO reduce bucket in it is no larger than the rank's gradients (translate sizes it
+    so), which a backward fills on the CPU too, where a large allocation is committed page by
+    page as it is written."""
     r = resolved.recipe
-    return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout).total
+    return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
+                           fused_loss=fused_loss(r.model, tp=resolved.layout.tp, device=device)).total
 
 
 def fit_problems(resolved: Resolved, machine: Machine, *, device: str,
@@ -84,7 +87,7 @@ def fit_problems(resolved: Resolved, machine: Machine, *, device: str,
     """Every reason the job's `ranks` local ranks (default: the whole world) cannot run on
     `machine` with `device` ("cpu" or "cuda")."""
     ranks = resolved.layout.world_size if ranks is None else ranks
-    per_rank = rank_memory_bytes(resolved)
+    per_rank = rank_memory_bytes(resolved, device)
     if device == "cuda":
         problems = _gpu_problems(machine, ranks, per_rank)
     else:

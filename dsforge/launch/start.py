@@ -122,7 +122,7 @@ def _refuse_builds(command: list[str], host: str, problems: list[Problem]) -> No
 def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
     lay = resolved.layout
     lines = ["ways forward:",
-             f"  - run it on {lay.world_size} GPUs with {rank_memory_bytes(resolved) / GiB:,.0f}+ "
+             f"  - run it on {lay.world_size} GPUs with {rank_memory_bytes(resolved, 'cuda') / GiB:,.0f}+ "
              "GiB each over a hostfile (hostfiles/ has examples): "
              f"{shlex.join(command + ['--hostfile', 'HOSTFILE'])}",
              "  - shrink it: fewer ranks (--world-size, parallel.*), a smaller model (model.*), "

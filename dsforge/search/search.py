@@ -25,6 +25,7 @@ from dsforge.search.cost import StepTime, step_time
 from dsforge.search.explain import with_reasons
 from dsforge.search.profile import ClusterProfile
 from dsforge.search.space import Candidate, Space, enumerate_candidates
+from dsforge.translate.kernels import fused_loss
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ class SearchResult:
 
 def candidate_memory(candidate: Candidate) -> MemoryEstimate:
     recipe, layout = candidate.resolved.recipe, candidate.resolved.layout
-    return estimate_memory(model=recipe.model, train=recipe.train, zero=recipe.zero, layout=layout)
+    return estimate_memory(model=recipe.model, train=recipe.train, zero=recipe.zero, layout=layout,
+                           fused_loss=fused_loss(recipe.model, tp=layout.tp, device="cuda"))
 
 
 def evaluate(candidate: Candidate, profile: ClusterProfile, memory: MemoryEstimate | None = None) -> Ranked:

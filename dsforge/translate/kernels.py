@@ -57,6 +57,16 @@ def choose_kernels(model: ModelConfig, *, device: str, liger_available: bool) ->
     return KernelChoice("liger", "auto: GPU ranks and liger-kernel installed")
 
 
+def fused_loss(model: ModelConfig, *, tp: int, device: str) -> bool:
+    """Whether ranks on `device` started from this machine run the output layer fused with
+    its loss (Liger, tp 1): the memory model then keeps no logits (estimate/memory.py
+    logits_bytes). For `auto` that is liger-kernel installed here, as the fit check and
+    preflight require of every host; a plan made where it is not counts the logits."""
+    if tp != 1 or device != "cuda" or model.kernels == "torch":
+        return False  # decided without looking for liger-kernel (a search asks thousands of times)
+    return choose_kernels(model, device=device, liger_available=liger_installed()).impl == "liger"
+
+
 def device_problems(model: ModelConfig, *, device: str, precision: str,
                     liger_available: bool) -> list[Problem]:
     """K1: what the ranks' device cannot run; X1: liger asked for where it is not installed."""

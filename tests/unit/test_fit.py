@@ -96,4 +96,4 @@ def test_the_reduce_bucket_is_no_larger_than_the_gradients_a_backward_fills():
     r = resolved.recipe
     memory = estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout)
     assert 0 < memory.bucket <= memory.params + 4  # fp32, one parameter's rounding
-    assert rank_memory_bytes(resolved) == memory.total
+    assert rank_memory_bytes(resolved, "cpu") == memory.total
