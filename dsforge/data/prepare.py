@@ -1,8 +1,8 @@
 """`dsforge data prepare`: corpora -> a Megatron indexed dataset, PREFIX.bin + PREFIX.idx.
 
 The shape of Megatron-LM's tools/preprocess_data.py: this process reads the inputs into
-batches of documents (inputs.py); a pool of worker processes parses and tokenizes them (each
-worker builds its own tokenizer from a TokenizerSpec in its initializer) and appends the
+batches of documents (inputs.py); worker processes parse and tokenize them (each worker
+builds its own tokenizer from a TokenizerSpec when it starts) and append the
 end-of-document token to every document (Megatron's --append-eod); this process writes the
 sequences in input order with Megatron-Core's own IndexedDatasetBuilder, in the dtype Megatron
 chooses for the vocabulary (DType.optimal_dtype: uint16 below 65500 ids, else int32). The
@@ -10,12 +10,12 @@ files are therefore the ones Megatron-LM's and GPT-NeoX's tools write and read.
 
 - Deterministic: batches are cut before any worker sees them and written back in batch order,
   so the output does not depend on --workers (0 tokenizes in this process).
-- Streaming: at most IN_FLIGHT_PER_WORKER batches per worker are between the reader and the
-  writer; only the index (a few numbers per document) grows with the corpus, in the builder.
+- Streaming: at most one batch per worker is between the reader and the writer; only the
+  index (a few numbers per document) grows with the corpus, in the builder.
 - Atomic: both files are written under temporary names beside their final ones
   (PREFIX.bin.partial-PID), synced, then renamed: .bin first, the PREFIX.tokenizer.json
   record (identity.py), .idx last, so a dataset that looks complete (PREFIX.idx present) is
-  complete. Any exception or Ctrl-C/SIGTERM terminates the pool and removes the partial
+  complete. Any exception or Ctrl-C/SIGTERM ends the workers and removes the partial
   files; partial files of a killed run (its PID gone) are removed by the next run to the same
   PREFIX.
 
@@ -29,7 +29,6 @@ import os
 import signal
 import sys
 import time
-from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -40,15 +39,13 @@ import dsforge
 from dsforge.data.errors import EXIT_INVALID, DataError
 from dsforge.data.identity import TokenizerIdentity, record_path, write_record
 from dsforge.data.indexed import megatron_indexed_dataset
-from dsforge.data.inputs import (BATCH_BYTES, PIECE_BYTES, Batch, InputFile, batches,
-                                 expand_inputs)
+from dsforge.data.inputs import BATCH_BYTES, PIECE_BYTES, Batch, InputFile, batches, expand_inputs
 from dsforge.data.tokenizers import TokenizerSpec, load_tokenizer
 from dsforge.files import fsync_directory
 
 # DSFORGE_PREPARE_FAULT=KIND:BATCH rehearses failures (the tests use it): raise | hang in the
 # worker that tokenizes batch BATCH; interrupt: a KeyboardInterrupt here after writing it.
 FAULT_ENV = "DSFORGE_PREPARE_FAULT"
-IN_FLIGHT_PER_WORKER = 2
 STOPPED = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}  # 128 + signal
 
 
@@ -224,39 +221,94 @@ class _EncoderSpec:
 
 
 class _Encoders:
-    """encode(batches) -> _Encoded in batch order, from a pool of `workers` processes (or this
-    process for 0). Leaving the block after an exception terminates the pool."""
+    """encode(batches) -> _Encoded in batch order, from `workers` processes (or this process
+    for 0). Each worker has its own pipe and one batch at a time: batch i goes to worker
+    i mod workers, and its result is taken back just before that worker's next batch is sent,
+    so a worker is always idle when it is sent one and neither side waits on the other. No
+    thread or lock is shared: multiprocessing.Pool's terminate() could hang for good joining
+    its task thread, stuck on the queue's lock (seen in this project's test suite). Leaving the
+    block after an exception ends every worker (SIGTERM; busy or not)."""
 
     def __init__(self, spec: _EncoderSpec, workers: int):
-        self.spec, self.workers, self.pool = spec, workers, None
+        self.spec, self.workers = spec, workers
+        self.processes: list = []
+        self.pipes: list = []
 
     def __enter__(self):
-        if self.workers:
-            methods = multiprocessing.get_all_start_methods()
-            context = multiprocessing.get_context("fork" if "fork" in methods else None)
-            self.pool = context.Pool(self.workers, initializer=_init_worker, initargs=(self.spec,))
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else None)
+        for _ in range(self.workers):
+            ours, theirs = context.Pipe()
+            # the worker closes the ends it inherits but does not use, so it sees EOF when
+            # this process is gone
+            process = context.Process(target=_work, args=(theirs, self.spec, [*self.pipes, ours]),
+                                      daemon=True)
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.pipes.append(ours)
         return self.encode
 
     def encode(self, stream: Iterable[Batch]) -> Iterator[_Encoded]:
-        if self.pool is None:
+        if not self.workers:
             yield from map(_Encoder(self.spec), stream)
             return
-        pending = deque()
+        sent = 0
         for batch in stream:
-            pending.append(self.pool.apply_async(_encode_in_worker, (batch,)))
-            if len(pending) > IN_FLIGHT_PER_WORKER * self.workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+            worker = sent % self.workers
+            done = self._take(worker) if sent >= self.workers else None
+            self.pipes[worker].send(batch)
+            sent += 1
+            if done is not None:
+                yield done
+        for index in range(max(0, sent - self.workers), sent):
+            yield self._take(index % self.workers)
+
+    def _take(self, worker: int) -> _Encoded:
+        try:
+            kind, value = self.pipes[worker].recv()
+        except EOFError:
+            process = self.processes[worker]
+            process.join(timeout=5)
+            raise RuntimeError(f"tokenizer worker {process.pid} ended without a result "
+                               f"(exit code {process.exitcode})") from None
+        if kind == "error":
+            raise value
+        return value
 
     def __exit__(self, exc_type, exc, traceback):
-        if self.pool is None:
+        for pipe, process in zip(self.pipes, self.processes):
+            if exc_type is None and process.is_alive():
+                pipe.send(None)  # no more batches: the worker returns
+            elif process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for pipe in self.pipes:
+            pipe.close()
+
+
+def _work(pipe, spec: _EncoderSpec, unused) -> None:
+    """A worker: batches from `pipe` until None (or the parent is gone), each answered with
+    ("ok", encoded) or ("error", the exception it raised)."""
+    for end in unused:
+        end.close()
+    _init_worker(spec)
+    while True:
+        try:
+            batch = pipe.recv()
+        except EOFError:
             return
-        if exc_type is None:
-            self.pool.close()
-        else:
-            self.pool.terminate()
-        self.pool.join()
+        if batch is None:
+            return
+        try:
+            result = ("ok", _WORKER(batch))
+        except Exception as exc:  # raised in the parent, where the batch was asked for
+            result = ("error", exc)
+        pipe.send(result)
 
 
 class _Encoder:
@@ -293,15 +345,11 @@ _WORKER: _Encoder | None = None  # this worker process's encoder, built by _init
 
 def _init_worker(spec: _EncoderSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: main decides
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Pool.terminate() must end a busy worker
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ending the workers must end a busy one
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers means cores
     global _WORKER
     _WORKER = _Encoder(spec)
-
-
-def _encode_in_worker(batch: Batch) -> _Encoded:
-    return _WORKER(batch)
 
 
 def _inject(fault: str, kind: str, index: int) -> None:
