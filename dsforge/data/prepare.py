@@ -10,8 +10,8 @@ files are therefore the ones Megatron-LM's and GPT-NeoX's tools write and read.
 
 - Deterministic: batches are cut before any worker sees them and written back in batch order,
   so the output does not depend on --workers (0 tokenizes in this process).
-- Streaming: at most one batch per worker is between the reader and the writer; only the
-  index (a few numbers per document) grows with the corpus, in the builder.
+- Streaming: at most IN_FLIGHT_PER_WORKER batches per worker are between the reader and the
+  writer; only the index (a few numbers per document) grows with the corpus, in the builder.
 - Atomic: both files are written under temporary names beside their final ones
   (PREFIX.bin.partial-PID), synced, then renamed: .bin first, the PREFIX.tokenizer.json
   record (identity.py), .idx last, so a dataset that looks complete (PREFIX.idx present) is
@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,6 +48,7 @@ from dsforge.files import fsync_directory
 # DSFORGE_PREPARE_FAULT=KIND:BATCH rehearses failures (the tests use it): raise | hang in the
 # worker that tokenizes batch BATCH; interrupt: a KeyboardInterrupt here after writing it.
 FAULT_ENV = "DSFORGE_PREPARE_FAULT"
+IN_FLIGHT_PER_WORKER = 2  # batches sent to a worker ahead of its result
 STOPPED = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}  # 128 + signal
 
 
@@ -222,12 +225,14 @@ class _EncoderSpec:
 
 class _Encoders:
     """encode(batches) -> _Encoded in batch order, from `workers` processes (or this process
-    for 0). Each worker has its own pipe and one batch at a time: batch i goes to worker
-    i mod workers, and its result is taken back just before that worker's next batch is sent,
-    so a worker is always idle when it is sent one and neither side waits on the other. No
-    thread or lock is shared: multiprocessing.Pool's terminate() could hang for good joining
-    its task thread, stuck on the queue's lock (seen in this project's test suite). Leaving the
-    block after an exception ends every worker (SIGTERM; busy or not)."""
+    for 0). Each worker has its own pipe: batch i goes to worker i mod workers, at most
+    IN_FLIGHT_PER_WORKER batches ahead of its result, and results are taken back in batch
+    order. A thread in each worker reads its pipe as batches come (_work), so a send from here
+    never waits for a busy worker, and a worker waiting to send a result waits only for this
+    process, which is reading results in order. Nothing is shared between processes:
+    multiprocessing.Pool's terminate() could hang for good joining its task thread, stuck on
+    its queue's lock (seen in this project's test suite). Leaving the block after an exception
+    ends every worker (SIGTERM; busy or not)."""
 
     def __init__(self, spec: _EncoderSpec, workers: int):
         self.spec, self.workers = spec, workers
@@ -253,15 +258,14 @@ class _Encoders:
         if not self.workers:
             yield from map(_Encoder(self.spec), stream)
             return
+        ahead = IN_FLIGHT_PER_WORKER * self.workers
         sent = 0
         for batch in stream:
-            worker = sent % self.workers
-            done = self._take(worker) if sent >= self.workers else None
-            self.pipes[worker].send(batch)
+            self.pipes[sent % self.workers].send(batch)
             sent += 1
-            if done is not None:
-                yield done
-        for index in range(max(0, sent - self.workers), sent):
+            if sent > ahead:
+                yield self._take((sent - ahead - 1) % self.workers)
+        for index in range(max(0, sent - ahead), sent):
             yield self._take(index % self.workers)
 
     def _take(self, worker: int) -> _Encoded:
@@ -292,23 +296,31 @@ class _Encoders:
 
 
 def _work(pipe, spec: _EncoderSpec, unused) -> None:
-    """A worker: batches from `pipe` until None (or the parent is gone), each answered with
-    ("ok", encoded) or ("error", the exception it raised)."""
+    """A worker: batches from `pipe` until None (or the parent is gone), each answered in
+    order with ("ok", encoded) or ("error", the exception it raised). A thread takes the
+    batches off the pipe as they come, so the parent's sends never wait for the encoding."""
     for end in unused:
         end.close()
     _init_worker(spec)
-    while True:
-        try:
-            batch = pipe.recv()
-        except EOFError:
-            return
-        if batch is None:
-            return
+    batches: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_receive, args=(pipe, batches), daemon=True).start()
+    while (batch := batches.get()) is not None:
         try:
             result = ("ok", _WORKER(batch))
         except Exception as exc:  # raised in the parent, where the batch was asked for
             result = ("error", exc)
         pipe.send(result)
+
+
+def _receive(pipe, batches: "queue.SimpleQueue") -> None:
+    while True:
+        try:
+            batch = pipe.recv()
+        except EOFError:  # the parent is gone
+            batch = None
+        batches.put(batch)
+        if batch is None:
+            return
 
 
 class _Encoder:
