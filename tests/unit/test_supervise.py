@@ -117,12 +117,7 @@ def test_a_stopped_rank_is_the_first_failure_not_the_peers_that_waited(tmp_path,
             expected = -signal.SIGTERM
         assert supervisor.wait(timeout=20) == expected
     finally:
-        for pid in (rank, supervisor.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        supervisor.wait()
+        _end(supervisor, rank)
     assert _state(rank) == ""
     first = failure.first(tmp_path)
     assert (first.rank, first.kind, first.step) == (2, "stopped", 18)
@@ -133,6 +128,16 @@ def test_a_stopped_rank_is_the_first_failure_not_the_peers_that_waited(tmp_path,
     assert "killed by SIGKILL (out of memory?" not in report
 
 
+def _end(supervisor, rank: int) -> None:
+    """Whatever a test left running, ended by its saved pids."""
+    for pid in (rank, supervisor.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    supervisor.wait()
+
+
 def test_a_stopped_rank_that_was_continued_is_not_a_stop(tmp_path):
     supervisor, rank = _stopped_rank(tmp_path)
     try:
@@ -141,10 +146,5 @@ def test_a_stopped_rank_that_was_continued_is_not_a_stop(tmp_path):
         supervisor.send_signal(signal.SIGTERM)  # passed on: the rank ends by it, no record
         assert supervisor.wait(timeout=20) == -signal.SIGTERM
     finally:
-        for pid in (rank, supervisor.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        supervisor.wait()
+        _end(supervisor, rank)
     assert failure.read_all(tmp_path) == []
