@@ -16,6 +16,7 @@ the measurement that issue 23's calibration starts from: which term misses, and 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -77,9 +78,15 @@ def _cells(session: Path, study_dir: Path, study: str, device: str) -> list[KitR
     return cells
 
 
+@functools.lru_cache(maxsize=None)
+def _resolved(recipe: Path):
+    """The run's recipe as its ranks resolved it (one GPU); read once for the table and the refit."""
+    return resolve_file(recipe, world_size=1)
+
+
 def predicted_phases(run: KitRun) -> tuple[float, dict[str, float]]:
     """(predicted step seconds, predicted seconds per phase) on the GPU the run measured."""
-    resolved = resolve_file(run.recipe, world_size=1)
+    resolved = _resolved(run.recipe)
     profile = default_profile(gpu_for_device_name(run.device).key, gpus_per_node=1)
     predicted = step_time(resolved, profile)
     m, t = resolved.recipe.model, resolved.recipe.train
@@ -122,7 +129,7 @@ class Terms:
 
 
 def _inputs(run: KitRun) -> dict[str, float]:
-    resolved = resolve_file(run.recipe, world_size=1)
+    resolved = _resolved(run.recipe)
     m, t, lay = resolved.recipe.model, resolved.recipe.train, resolved.layout
     total, phases = predicted_phases(run)
     passes = 2 if t.activation_checkpointing == "full" else 1
@@ -142,9 +149,9 @@ def fit(xs: list[dict[str, float]], steps: list[float]) -> Terms:
     """Least relative squares over a grid of scale and floor; gather_s from the ZeRO-3 runs'
     mean residual (0 without one)."""
     best = None
+    zero3 = [(x, s) for x, s in zip(xs, steps) if x["gathers"]]
     for scale in (0.6 + 0.005 * i for i in range(100)):
         for floor in (0.0001 * i for i in range(60)):
-            zero3 = [(x, s) for x, s in zip(xs, steps) if x["gathers"]]
             gather = max(0.0, statistics.mean(
                 (s - refitted(Terms(scale, floor, 0.0), x)) / x["gathers"] for x, s in zero3)) if zero3 else 0.0
             terms = Terms(scale, floor, gather)

@@ -232,7 +232,7 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
         row = Row(**base, status=status, reason=reason, seconds=time.monotonic() - started,
                   recipe=dump_recipe(resolved.recipe), manifest=manifest,
                   figures=figures(run_dir) if status == "ok" else None,
-                  prediction=prediction(resolved, step, device=ran_on(manifest, device)),
+                  prediction=prediction(resolved, step, device=ranks_device(manifest, device)),
                   finished=time.time())
         write_atomic(RunDir(run_dir).bench_result, json.dumps(dataclasses.asdict(row)))
     return row
@@ -335,7 +335,7 @@ def largest_census(censuses) -> dict | None:
     return max(present, key=lambda c: c["total"]) if present else None
 
 
-def ran_on(manifest: dict | None, device: str) -> str:
+def ranks_device(manifest: dict | None, device: str) -> str:
     """The device type the cell's ranks ran on ("cpu" | "cuda"): the manifest's, else the
     study's device with `auto` read as no GPU."""
     recorded = ((manifest or {}).get("device") or {}).get("type")
