@@ -167,6 +167,7 @@ def spec_check() -> tuple[list[str], list[str]]:
 def duplicate_runs() -> list[str]:
     """Runs of one selection planned on the same GPU whose resolved recipes are equal: one
     of them measures nothing new (e.g. a recipe now ships what its alternative measured).
+    Runs that differ in their environment (the breakdown off) are different runs.
     Each selection's table stands alone, so its comparisons are all made in one command;
     across selections a configuration may repeat."""
     problems = []
@@ -174,7 +175,7 @@ def duplicate_runs() -> list[str]:
         for gpu in PLANNED_GPUS:
             seen: dict = {}
             for spec in (s for n in names for s in MEASUREMENTS[n].runs if gpu in s.gpus):
-                recipe = kit_plan.resolve_run(spec, gpu).recipe
+                recipe = (kit_plan.resolve_run(spec, gpu).recipe, spec.env)
                 if recipe in seen:
                     problems.append(f"{spec.label} and {seen[recipe]} run the same recipe on {gpu} "
                                     f"in {selection}; change one of them")
