@@ -10,7 +10,10 @@ their gradients, so a cheap forward (each parameter summed) fills every gradient
 microbatch a step, `engine.step()` is timed (CUDA events on a GPU, median of --reps after one
 warm-up step) with the peak memory. Issue 21 asks that torch's step be no slower than
 FusedAdam's at every stage. Engines are built, timed and freed one at a time in this process
-(one rank); FusedAdam's go last, after its build.
+(one rank); FusedAdam's go last, after its build, in the environment a dsforge rank gives
+DeepSpeed's build (TORCH_CUDA_ARCH_LIST mapped by dsforge.translate.build_env, as
+dsforge/runtime/rank.py does: on 2026-11-26 the script built FusedAdam without it and every
+engine died on the image's "9.0a").
 
     python benchmarks/gpu/adam_step.py --recipe benchmarks/gpu/recipes/1b_1gpu.yaml --gpu h200 --out adam.json
 
@@ -79,13 +82,18 @@ def parameter_shapes(model, divisor: int = 1) -> list[list[tuple[int, ...]]]:
     return outer + [list(layer) for _ in range(model.num_layers)] + [[(h,)]]
 
 
-def engine_config(recipe: str, stage: int, impl: str, device: str) -> tuple[dict, object]:
-    """dsforge's DeepSpeed config for the recipe at `stage` with `impl`, one microbatch a step."""
+def resolve(recipe: str, stage: int, impl: str):
+    """The recipe at `stage` with `impl`, one rank."""
     from dsforge.recipe import resolve_file
+
+    return resolve_file(REPO / recipe, (f"zero.stage={stage}", f"train.adam_impl={impl}"),
+                        world_size=1)
+
+
+def engine_config(resolved, device: str) -> tuple[dict, object]:
+    """dsforge's DeepSpeed config for the resolved recipe, one microbatch a step."""
     from dsforge.translate.deepspeed_config import deepspeed_config
 
-    resolved = resolve_file(REPO / recipe, (f"zero.stage={stage}", f"train.adam_impl={impl}"),
-                            world_size=1)
     r = resolved.recipe
     config = deepspeed_config(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
                               device=device)
@@ -111,6 +119,17 @@ def init_world(device: torch.device) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
 
 
+def build_environment(resolved) -> dict[str, str]:
+    """What a dsforge rank on a GPU sets before DeepSpeed builds the recipe's ops (nothing
+    where no op is built or the list is readable already), and says so."""
+    from dsforge.translate.build_env import arch_list_for_rank
+
+    mapped, line = arch_list_for_rank(resolved, "cuda", os.environ)
+    if line:
+        print(line)
+    return mapped
+
+
 def timed_step(engine, device: torch.device) -> float:
     """Seconds of one engine.step() after a backward that filled every gradient."""
     scale = torch.full((), 1e-6, device=device)
@@ -131,8 +150,10 @@ def measure(recipe: str, stage: int, impl: str, device: torch.device, reps: int,
     """One engine: its optimizer's name, the median step, the peak memory."""
     import deepspeed
 
-    config, model = engine_config(recipe, stage, impl, device.type)
+    resolved = resolve(recipe, stage, impl)
+    config, model = engine_config(resolved, device.type)
     if device.type == "cuda":
+        os.environ.update(build_environment(resolved))
         torch.cuda.reset_peak_memory_stats(device)
     engine, _, _, _ = deepspeed.initialize(model=ParameterModel(model, divisor).to(device),
                                            config=config)

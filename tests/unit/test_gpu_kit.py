@@ -383,3 +383,16 @@ def test_adam_step_script_on_the_cpu_at_tiny_shapes(tmp_path):
     assert wrappers == ["FP16_UnfusedOptimizer", "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer",
                         "DeepSpeedZeroOptimizer_Stage3"]
     assert all(r["optimizer"].endswith("AdamW (fused)") and r["step_s"] > 0 for r in result["results"])
+
+
+def test_adam_step_builds_fused_adam_in_the_environment_a_rank_gives_it(monkeypatch, capsys):
+    """On 2026-11-26 the script built FusedAdam under the image's "9.0a" and every engine died;
+    a dsforge rank maps the list first, and so does the script, with dsforge's own code."""
+    import adam_step
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    fused_adam = adam_step.resolve("benchmarks/gpu/recipes/1b_1gpu.yaml", 1, "deepspeed")
+    assert adam_step.build_environment(fused_adam) == {"TORCH_CUDA_ARCH_LIST": "9.0"}
+    assert "TORCH_CUDA_ARCH_LIST='9.0a' is '9.0'" in capsys.readouterr().out
+    torch_adamw = adam_step.resolve("benchmarks/gpu/recipes/1b_1gpu.yaml", 1, "fused")
+    assert adam_step.build_environment(torch_adamw) == {}  # nothing is built
