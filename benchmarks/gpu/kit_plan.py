@@ -22,7 +22,7 @@ from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.memory import estimate_memory
 from dsforge.hardware import gpu_by_key
 from dsforge.recipe import Resolved, resolve_file
-from dsforge.translate.kernels import fused_loss
+from dsforge.translate.kernels import choose_kernels
 from dsforge.units import GiB
 from kit_wheels import REPO, dsforge_version, read_pins
 
@@ -55,31 +55,28 @@ class Estimate:
 # DeepSpeed's engine, the summary and teardown), by model. KIT = the kit's second session
 # (results/2026-11-26-h200): each run's seconds less its three measured steps.
 KIT = "measured by the kit 2026-11-26 (H200, results/2026-11-26-h200)"
+# KIT2 = the kit's third session, the same day (results/2026-11-26-h200-targets)
+KIT2 = "measured by the kit 2026-11-26 (H200, results/2026-11-26-h200-targets)"
 START_7B = Estimate(66, f"{KIT}: 83 s for 3 steps of 4.51 s, 77 s for 3 of 2.87 s, less END_S")
 START_1B = Estimate(27, f"{KIT}: 31-34 s for 3 steps of 1.2-1.7 s, less END_S")
 # Others interpolated by parameter count between the 1B and 7B figures (1.24B, 6.74B).
 START_3B = Estimate(43, "guess: start-up interpolated by parameters (3.21B) between 1B and 7B")
-START_MOE = Estimate(34, f"{KIT}: the MoE's 8 layers reached their first step after 34 s "
-                         "(and died there: megatron_fixes.py)")
+START_MOE = Estimate(31, f"{KIT2}: 41 s for 3 steps of 1.4-4.0 s, less END_S")
 END_S = 3  # guess: summary, the live-tensor census, teardown after the last step
-STEP_7B_NONE_MB1 = Estimate(2.87, f"{KIT}: 7B ZeRO-0 none mb 1, the shipped recipe")
+STEP_7B_SHIPPED = Estimate(11.07, f"{KIT2}: the shipped 7B, ZeRO-0 none mb 1 at 32 sequences")
 # ZeRO-3 on one GPU cost the 1B 0.96 s a step over ZeRO-0 at 8 microbatches (its gathers).
 STEP_7B_Z3_NONE_MB1 = Estimate(3.9, "guess: the measured ZeRO-0 step plus the 1B's measured "
                                     "ZeRO-3 cost, a little more for the 7B's larger modules")
-STEP_7B_GB16 = Estimate(5.6, "guess: twice the shipped step's forward and backward, one "
-                             "optimizer step (157 ms measured)")
-STEP_7B_GB32 = Estimate(11.0, "guess: four times the shipped step's forward and backward, one "
-                              "optimizer step (157 ms measured)")
-STEP_1B_BIG_MB = Estimate(1.2, "guess: at most the 1B's 1.22 s measured at mb 2; fewer "
-                               "microbatches pay fewer fixed costs")
-STEP_7B_OTHER = Estimate(4.51, "guess: at most the measured ZeRO-3 full mb 1 step")
-STEP_1B = Estimate(2.5, f"{KIT}: 1B full mb 2, ZeRO-0/1/2 1.52-1.55 s, ZeRO-3 2.49 s")
+STEP_7B_GB16 = Estimate(5.60, f"{KIT2}: 7B ZeRO-0 none mb 1 at 16 sequences")
+STEP_1B_MB8 = Estimate(1.12, f"{KIT2}: the 1B at none mb 8 (as shipped)")
+STEP_1B = Estimate(1.5, "guess: the 1B as shipped, 1.12 s measured at ZeRO-0; ZeRO-3's gathers "
+                        "cost 0.12 s a microbatch at full mb 2 (2 microbatches here)")
 STEP_1B_OTHER = Estimate(1.7, f"{KIT}: the 1B's sweep, 1.22-1.72 s a step")
-STEP_7B_Z0_FULL_MB2 = Estimate(3.85, "guess: the measured ZeRO-3 full mb 2 step")
+STEP_7B_Z0_FULL_MB2 = Estimate(3.66, f"{KIT2}: 7B ZeRO-0 full mb 2 at 8 sequences")
+STEP_7B_SELECTIVE = Estimate(2.92, f"{KIT2}: 7B ZeRO-0 selective mb 1 at 8 sequences")
 STEP_3B = Estimate(2.2, "guess: the planner's 1.6 s for 3B selective mb 1 plus the measured "
                         "~30% gap between its 7B prediction and the measurement")
-STEP_MOE = Estimate(1.5, "guess: 3.8 GFLOP a token (0.57B active parameters) x 32k tokens at "
-                         "~8% MFU, the experts looped one by one on one GPU")
+STEP_MOE = Estimate(1.48, f"{KIT2}: the MoE at 8 layers, 8.6% MFU")
 FUSED_ADAM_JIT_S = 60  # measured 2026-11-26: DeepSpeed's FusedAdam JIT build on the H200
 
 
@@ -147,6 +144,8 @@ class Context:
 SHORT = ("train.steps=3", "train.timing_warmup=1")
 # Six steps, five measured, where two runs are compared to within 1% (later items win).
 PAIRED = ("train.steps=6",)
+GB8 = ("train.global_batch=8",)  # the 7B's levers, measured at 8 sequences on 2026-11-26
+MB2 = ("train.micro_batch=2",)
 SEVEN_B = "recipes/7b_1gpu.yaml"
 ONE_B = f"{KIT_DIR}/recipes/1b_1gpu.yaml"
 THREE_B = f"{KIT_DIR}/recipes/3b_1gpu.yaml"
@@ -175,17 +174,18 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
                                       "to its first optimizer step on 2026-11-26"),
                 about="pytest tests/gpu: the smoke recipe in bf16 through NCCL, nothing built at "
                       "run time, bf16 against fp32, Liger's kernels against torch's over 30 steps"),
-    # The headline: on an H200 the 7B as shipped (ZeRO-0 without checkpointing at mb 1, the
-    # fastest measured: 53.2% MFU) and the planner's first layout for it, ZeRO-3 without
-    # checkpointing at mb 1 (118.9 GiB; ZeRO-3's per-module gathers cost the 1B 63% on one
-    # GPU, which the planner does not model yet: issue 23's calibration point).
+    # The headline: on an H200 the 7B as shipped (ZeRO-0 without checkpointing at mb 1 and 32
+    # sequences, the fastest measured: 55.2% MFU) and the planner's first layout for it, ZeRO-3
+    # without checkpointing at mb 1 (118.9 GiB; ZeRO-3's per-module gathers cost the 1B 63% on
+    # one GPU, which the planner does not model yet: issue 23's calibration point), at 8
+    # sequences to fit the command (ZeRO-0 measured 2.87 s a step there).
     # An 80 GB H100 holds no 7B without offload: the 3B as shipped, without checkpointing at
     # mb 1 (the planner's first layout, 60.4 GiB), and at mb 2 (the microbatch lever, 73.0 GiB).
     Measurement(name="anchor", about="recipes/7b_1gpu.yaml as shipped and the planner's first "
                                      "layout, ZeRO-3 (H200); the kit's 3B as shipped and without "
                                      "checkpointing at mb 1 and 2 (H100); each with its breakdown",
-                runs=(_run("7b-shipped", SEVEN_B, gpus=("h200",), start=START_7B, step=STEP_7B_NONE_MB1),
-                      _run("7b-z3-none-mb1", SEVEN_B, "zero.stage=3", gpus=("h200",),
+                runs=(_run("7b-shipped", SEVEN_B, gpus=("h200",), start=START_7B, step=STEP_7B_SHIPPED),
+                      _run("7b-z3-none-mb1-gb8", SEVEN_B, "zero.stage=3", *GB8, gpus=("h200",),
                            start=START_7B, step=STEP_7B_Z3_NONE_MB1),
                       _run("3b-shipped", THREE_B, gpus=("h100",), start=START_3B, step=STEP_3B),
                       _run("3b-z0-none-mb1", THREE_B, *_Z0_NONE, "train.micro_batch=1",
@@ -209,56 +209,46 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
                       "efficient, torch's choice)"),
     # `auto`, not `liger`: dsforge refuses liger where liger-kernel is not installed (rule X1),
     # so the CPU machine could not plan it; on the kit's machine auto is Liger (env.json says).
-    Measurement(name="kernels-1b", about="the 1B as shipped with model.kernels auto (Liger's "
+    # At micro-batch 2, not the shipped 8: torch's loss materialises fp32 logits over 128k
+    # words (38.3 GiB at mb 2 on 2026-11-26), which at mb 8 would not fit an 80 GB H100.
+    Measurement(name="kernels-1b", about="the 1B at mb 2 with model.kernels auto (Liger's "
                                          "kernels on the kit's GPU) and with torch's",
-                runs=(_run("1b-kernels-auto", ONE_B, start=START_1B, step=STEP_1B_OTHER),
-                      _run("1b-kernels-torch", ONE_B, "model.kernels=torch", start=START_1B,
-                           step=STEP_1B_OTHER))),
+                runs=(_run("1b-kernels-auto", ONE_B, *MB2, start=START_1B, step=STEP_1B_OTHER),
+                      _run("1b-kernels-torch", ONE_B, "model.kernels=torch", *MB2,
+                           start=START_1B, step=STEP_1B_OTHER))),
     Measurement(name="adam-step", script="adam-step", timeout_s=300,
                 estimate=Estimate(FUSED_ADAM_JIT_S + 60, f"{MEASURED}: ~60 s FusedAdam JIT build; "
                                                          "+60 s guessed for 8 engines of 1.2B"),
                 about="the optimizer step alone at the 1B's parameters, per ZeRO stage: torch's "
                       "fused AdamW against DeepSpeed's FusedAdam (JIT-built)"),
-    Measurement(name="7b-levers", about="the 7B: the shipped layout at global batch 16, full "
-                                        "checkpointing at mb 2, selective at mb 1 (H200); with "
-                                        "the optimizer offloaded (H100)",
+    Measurement(name="7b-levers", about="the 7B: the shipped layout at global batch 16; full "
+                                        "checkpointing at mb 2 and selective at mb 1, at 8 "
+                                        "sequences (H200); with the optimizer offloaded (H100)",
                 runs=(_run("7b-gb16", SEVEN_B, "train.global_batch=16", gpus=("h200",),
                            start=START_7B, step=STEP_7B_GB16),
                       _run("7b-z0-full-mb2", SEVEN_B, "train.activation_checkpointing=full",
-                           "train.micro_batch=2", gpus=("h200",), start=START_7B,
+                           "train.micro_batch=2", *GB8, gpus=("h200",), start=START_7B,
                            step=STEP_7B_Z0_FULL_MB2),
                       _run("7b-z0-selective-mb1", SEVEN_B, "train.activation_checkpointing=selective",
-                           gpus=("h200",), start=START_7B, step=STEP_7B_OTHER),
+                           *GB8, gpus=("h200",), start=START_7B, step=STEP_7B_SELECTIVE),
                       _run("7b-offload-selective-mb1", f"{KIT_DIR}/recipes/7b_1gpu_offload.yaml",
                            gpus=("h100",), start=START_7B,
                            step=Estimate(30, "guess: CPU Adam over 6.7B parameters on the host"),
                            extra=Estimate(FUSED_ADAM_JIT_S, "guess: CPU Adam's JIT build, as "
                                                             "long as FusedAdam's measured one"),
                            timeout_s=420))),
-    # Issue 21's two targets, each by the lever the 2026-11-26 breakdowns point at. The 1B's
-    # forward pays ~31 ms a microbatch for launching it from Python (mb 1 against mb 2 at the
-    # same tokens): mb 4 and 8 pay it 4 and 2 times a step instead of 8 (predicted 1.10 and
-    # 1.06 s, 54% and 56% MFU). The 7B's optimizer step is 157 ms of its 2.87 s: a global
-    # batch of 16 or 32 takes it once per 16 or 32 sequences (predicted 54.8% and 55.7%).
-    Measurement(name="1b-microbatch", about="the 1B as shipped (no checkpointing) at "
-                                            "micro-batch 4 and 8: fewer fixed costs a step",
-                runs=(_run("1b-none-mb4", ONE_B, "train.micro_batch=4", *PAIRED,
-                           start=START_1B, step=STEP_1B_BIG_MB),
-                      _run("1b-none-mb8", ONE_B, "train.micro_batch=8", start=START_1B,
-                           step=STEP_1B_BIG_MB))),
-    # Issue 21: the breakdown's cost stays under 1% of a step. The same run as 1b-none-mb4 with
-    # no clock (DSFORGE_BREAKDOWN=off), in the same command: the two step times' ratio.
-    Measurement(name="breakdown-cost", about="1b-none-mb4 again without the step breakdown "
-                                             "(DSFORGE_BREAKDOWN=off): what measuring costs",
-                runs=(_run("1b-none-mb4-nobreakdown", ONE_B, "train.micro_batch=4", *PAIRED,
-                           start=START_1B, step=STEP_1B_BIG_MB, env=("DSFORGE_BREAKDOWN=off",)),)),
-    Measurement(name="7b-batch", about="the 7B as shipped at global batch 32: the optimizer "
-                                       "step once per 32 sequences (H200)",
-                runs=(_run("7b-gb32", SEVEN_B, "train.global_batch=32", gpus=("h200",),
-                           start=START_7B, step=STEP_7B_GB32),)),
+    # Issue 21: the breakdown's cost stays under 1% of a step. The 1B as shipped with and
+    # without its clock (DSFORGE_BREAKDOWN=off), in one command: the two step times' ratio.
+    # On 2026-11-26 (at mb 4) the run with the clock was 0.5% faster: noise, not a cost.
+    Measurement(name="breakdown-cost", about="the 1B as shipped with and without the step "
+                                             "breakdown (DSFORGE_BREAKDOWN=off): what measuring "
+                                             "costs",
+                runs=tuple(_run(f"1b-breakdown-{mode}", ONE_B, *PAIRED, start=START_1B,
+                                step=STEP_1B_MB8, env=(f"DSFORGE_BREAKDOWN={mode}",))
+                           for mode in ("on", "off"))),
     Measurement(name="mfu-1b", about="~1.2B model: activation checkpointing none/selective/full x "
-                                     "micro-batch 1/2, seq 4096",
-                runs=_sweep("1b", ONE_B, _AC_X_MB, START_1B, STEP_1B_OTHER)),
+                                     "micro-batch 1/2, none at 4 (8 is shipped), seq 4096",
+                runs=_sweep("1b", ONE_B, (*_AC_X_MB, ("none", 4)), START_1B, STEP_1B_OTHER)),
     Measurement(name="mfu-3b", about="~3.2B model: checkpointing none/selective/full at "
                                      "micro-batch 1, full at 2, seq 4096",
                 runs=_sweep("3b", THREE_B, (("none", 1), ("selective", 1), ("full", 1), ("full", 2)),
@@ -268,9 +258,8 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
 # runs, the ZeRO study, the MoE run); the budget skips from the end when estimates run long.
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "essential": ("gpu-tests", "anchor", "zero", "moe"),
-    "levers": ("gemm", "kernels-1b", "adam-step", "7b-levers"),
+    "levers": ("gemm", "kernels-1b", "adam-step", "7b-levers", "breakdown-cost"),
     "sweeps": ("mfu-1b", "mfu-3b"),
-    "targets": ("1b-microbatch", "breakdown-cost", "7b-batch"),
 }
 
 
@@ -300,10 +289,12 @@ def resolve_run(spec: RunSpec, gpu: str) -> Resolved:
 
 
 def prediction(resolved: Resolved) -> dict:
-    """What `dsforge plan --json` says about memory and FLOPs for GPU ranks (the same
-    functions; the kernels the GPU's ranks run where this runs: Liger's on the kit's GPU)."""
+    """What `dsforge plan --json` says about memory and FLOPs on the kit's GPU (the same
+    functions), with the kernels its ranks run there: the install step carries liger-kernel,
+    so `model.kernels: auto` is Liger's, whether or not this machine has it."""
     r = resolved.recipe
-    fused = fused_loss(r.model, tp=resolved.layout.tp, device="cuda")
+    fused = resolved.layout.tp == 1 and choose_kernels(
+        r.model, device="cuda", liger_available=True).impl == "liger"
     memory = estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
                              fused_loss=fused)
     flops = flops_per_token(r.model, r.train.seq_len, r.train.activation_checkpointing)

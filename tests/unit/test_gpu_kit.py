@@ -65,7 +65,7 @@ def test_unknown_measurement_is_a_usage_error(capsys):
 def test_selection_by_name_selection_and_all():
     assert [m.name for m in kit_plan.select(["essential"])] == ["gpu-tests", "anchor", "zero", "moe"]
     assert [m.name for m in kit_plan.select(["gemm", "levers", "gemm"])] == [
-        "gemm", "kernels-1b", "adam-step", "7b-levers"]
+        "gemm", "kernels-1b", "adam-step", "7b-levers", "breakdown-cost"]
     every = [m.name for m in kit_plan.select(["all"])]
     assert sorted(every) == sorted(kit_plan.MEASUREMENTS) and len(set(every)) == len(every)
     named = [n for names in kit_plan.SELECTIONS.values() for n in names]
@@ -218,7 +218,7 @@ def test_commands_per_gpu():
     assert [s.kind for s in h100] == ["install", "env"] + ["plan", "run"] * 3
     assert h100[0].argv[:6] == ("PY", "-m", "pip", "install", "--no-index", "--find-links")
     assert [s.name for s in h100 if s.kind == "run"] == ["3b-shipped", "3b-z0-none-mb1", "3b-z0-none-mb2"]
-    assert [s.name for s in h200 if s.kind == "run"] == ["7b-shipped", "7b-z3-none-mb1"]
+    assert [s.name for s in h200 if s.kind == "run"] == ["7b-shipped", "7b-z3-none-mb1-gb8"]
     shipped = next(s for s in h200 if s.name == "7b-shipped")
     assert shipped.argv[:8] == ("PY", "-m", "dsforge", "run", "recipes/7b_1gpu.yaml", "--world-size",
                                 "1", "--run-dir")
@@ -227,17 +227,17 @@ def test_commands_per_gpu():
     sets = [shipped.argv[i + 1] for i, word in enumerate(shipped.argv) if word == "--set"]
     assert sets == ["train.steps=3", "train.timing_warmup=1", "cluster.gpu=h200"]
     assert shipped.argv[shipped.argv.index("--timeout") + 1] == f"{shipped.timeout_s - 30:.0f}"
-    alternative = next(s for s in h200 if s.name == "7b-z3-none-mb1")
-    assert "zero.stage=3" in alternative.argv
+    alternative = next(s for s in h200 if s.name == "7b-z3-none-mb1-gb8")
+    assert "zero.stage=3" in alternative.argv and "train.global_batch=8" in alternative.argv
     # the default GPU path builds nothing: no run pays for a FusedAdam build any more
     assert shipped.expected_s == pytest.approx(kit_plan.START_7B.seconds + kit_plan.END_S
-                                               + 3 * kit_plan.STEP_7B_NONE_MB1.seconds)
+                                               + 3 * kit_plan.STEP_7B_SHIPPED.seconds)
 
 
 def test_a_run_that_does_not_fit_becomes_a_skip_with_the_reason():
     spec = kit_plan.RunSpec(label="7b-none-mb4", recipe="recipes/7b_1gpu.yaml",
                             overrides=("train.activation_checkpointing=none", "train.micro_batch=4"),
-                            start=kit_plan.START_7B, step=kit_plan.STEP_7B_OTHER)
+                            start=kit_plan.START_7B, step=kit_plan.STEP_7B_SELECTIVE)
     [step] = kit_plan.run_steps(spec, "m", kit.Context(gpu="h100", python="PY", work=Path("/w")))
     assert step.kind == "skip" and "GiB per GPU >" in step.note and "H100" in step.note
 
@@ -396,3 +396,13 @@ def test_adam_step_builds_fused_adam_in_the_environment_a_rank_gives_it(monkeypa
     assert "TORCH_CUDA_ARCH_LIST='9.0a' is '9.0'" in capsys.readouterr().out
     torch_adamw = adam_step.resolve("benchmarks/gpu/recipes/1b_1gpu.yaml", 1, "fused")
     assert adam_step.build_environment(torch_adamw) == {}  # nothing is built
+
+
+def test_a_run_with_its_own_environment_starts_through_env():
+    """The breakdown's cost: the same run with and without its clock, set for that run only."""
+    ctx = kit.Context(gpu="h200", python="PY", work=Path("/w"))
+    runs = [s for s in kit_plan.steps(kit_plan.select(["breakdown-cost"]), ctx) if s.kind == "run"]
+    assert [s.argv[:5] for s in runs] == [("env", "DSFORGE_BREAKDOWN=on", "PY", "-m", "dsforge"),
+                                          ("env", "DSFORGE_BREAKDOWN=off", "PY", "-m", "dsforge")]
+    assert runs[0].argv[5:] == tuple(a.replace("-off", "-on") for a in runs[1].argv[5:])
+    assert kit.duplicate_runs() == []  # the same recipe twice, told apart by the environment
