@@ -36,6 +36,10 @@ RESULTS = REPO / "benchmarks" / "gpu" / "results"
 PHASES = ("forward", "backward", "recompute", "optimizer")
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.0f}"
+
+
 @dataclass(frozen=True)
 class KitRun:
     folder: str  # the results folder, e.g. 2026-11-26-h200
@@ -43,7 +47,7 @@ class KitRun:
     recipe: Path
     device: str  # the GPU's name as torch reports it
     step_s: float
-    phases: dict[str, float]  # seconds per step, the breakdown's medians
+    phases: dict[str, float]  # seconds per step, the breakdown's medians ({}: none measured)
 
 
 def kit_runs(results: Path = RESULTS) -> list[KitRun]:
@@ -57,7 +61,7 @@ def kit_runs(results: Path = RESULTS) -> list[KitRun]:
             if run.get("status") == "ok":
                 recipe = next(session.glob(f"*/runs/{run['label']}/recipe.yaml"))
                 found.append(KitRun(session.name, run["label"], recipe, device, run["step_s"],
-                                    run["breakdown_s"]))
+                                    run["breakdown_s"] or {}))  # None: DSFORGE_BREAKDOWN=off
         for study in (data.get("studies") or {}):
             found += _cells(session, table.parent / "bench" / study, study, device)
     return found
@@ -106,8 +110,7 @@ def table(runs: list[KitRun]) -> str:
     for run in runs:
         total, phases = predicted_phases(run)
         errors.append(total / run.step_s - 1)
-        cells = " | ".join(f"{run.phases.get(p, 0) * 1e3:,.0f} / {phases[p] * 1e3:,.0f}"
-                           for p in PHASES)
+        cells = " | ".join(f"{_ms(run.phases.get(p))} / {phases[p] * 1e3:,.0f}" for p in PHASES)
         lines.append(f"| {run.folder} | {run.label} | {run.step_s:.3f} | {total:.3f} | "
                      f"{errors[-1]:+.1%} | {cells} |")
     absolute = sorted(abs(e) for e in errors)
