@@ -66,9 +66,9 @@ H200_OOM = {"source": "cuda max_memory_allocated", "peak": 133 * GiB, "allocated
             "requested": 4 * GiB}
 # recipes/7b_1gpu.yaml in its 2026-11-26 layout (ZeRO-3, full checkpointing), then without
 # checkpointing at micro-batch 2, the layout that does not fit an H200.
-ZERO3_FULL = ["zero.stage=3", "train.activation_checkpointing=full"]
+ZERO3_FULL = ["zero.stage=3", "train.activation_checkpointing=full", "train.global_batch=8"]
 NO_CHECKPOINTING = ["zero.stage=3", "train.activation_checkpointing=none", "train.micro_batch=2",
-                    "train.grad_accum=4"]
+                    "train.grad_accum=4", "train.global_batch=8"]  # the batch of 2026-11-26
 TRACE = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\nValueError: boom\n'
 
 

@@ -305,12 +305,14 @@ def test_the_fused_loss_keeps_no_logits_and_matches_the_h200_runs():
     """Liger's fused linear cross-entropy: the output layer's weight and input gradients and
     one chunk of logits instead of 6 bytes a logit. The kit's 1B (V 128,256) on one H200, with
     it: 29.2 GiB measured at micro-batch 2 without checkpointing (33.5 predicted before), 23.1
-    at ZeRO-0 with full checkpointing, where the optimizer step is then the peak."""
+    at ZeRO-0 with full checkpointing, where the optimizer step is then the peak; 59.7 at
+    micro-batch 8 as shipped."""
     from dsforge.estimate.memory import logits_bytes
     from dsforge.recipe import resolve_file
     from tests.conftest import REPO
 
-    one_b = resolve_file(REPO / "benchmarks" / "gpu" / "recipes" / "1b_1gpu.yaml", world_size=1)
+    one_b = resolve_file(REPO / "benchmarks" / "gpu" / "recipes" / "1b_1gpu.yaml",
+                         ["train.micro_batch=2"], world_size=1)
     m = one_b.recipe.model
     v, h = padded_vocab_size(m.vocab_size, 1), m.hidden_size
     assert logits_bytes(m, 8192, 1, fused_loss=False) == 6 * 8192 * v
@@ -326,6 +328,9 @@ def test_the_fused_loss_keeps_no_logits_and_matches_the_h200_runs():
     assert round(total(one_b, False).total / GiB, 1) == 33.5
     fused = total(one_b, True)
     assert round(fused.total / GiB, 1) == 28.3 and fused.peak_moment == "backward"
+    # as shipped, micro-batch 8: 59.7 GiB measured (2026-11-26-h200-targets), 6% more
+    shipped = resolve_file(REPO / "benchmarks" / "gpu" / "recipes" / "1b_1gpu.yaml", world_size=1)
+    assert round(total(shipped, True).total / GiB, 1) == 56.5
     full = resolve_file(REPO / "benchmarks" / "gpu" / "recipes" / "1b_1gpu.yaml",
                         ["train.activation_checkpointing=full"], world_size=1)
     assert round(total(full, True).total / GiB, 1) == 23.0
