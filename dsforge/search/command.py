@@ -23,7 +23,8 @@ from dsforge.recipe.presets import PRESETS
 from dsforge.schema import Recipe
 from dsforge.search.explain import format_duration, zero_pipeline_note
 from dsforge.search.explorer import write_explorer
-from dsforge.search.measure import measure_top, render_trials, verdict
+from dsforge.search.measure import (measure_top, refit_from_trials, refit_json, render_refit,
+                                    render_trials, verdict)
 from dsforge.search.profile import ClusterProfile, load_profile
 from dsforge.search.search import Ranked, SearchResult, search
 from dsforge.search.space import Space
@@ -144,7 +145,7 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
         f"profile: intra-node {profile.intra_node_gbps:g} GB/s, inter-node {profile.inter_node_gbps:g} GB/s "
         f"per GPU, compute efficiency {profile.compute_efficiency:.0%}, memory headroom "
         f"{profile.memory_margin:.0%} (usable {profile.usable_memory_bytes / GiB:.1f} GiB), step-time "
-        f"band +-{profile.prediction_error:.1%} (the model's median error on published runs)",
+        f"band +-{profile.prediction_error:.1%} ({_band_source(profile)})",
         f"1. valid:  {result.valid} of {result.considered} layouts pass the recipe validator",
         f"2. fit:    {result.fit} fit in memory",
         f"3. batch:  {len(result.ranked)} reach the global batch "
@@ -174,6 +175,14 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
     lines += ["", "step time of #1: " + ", ".join(
         f"{k} {format_duration(v)}" for k, v in best.time.to_dict().items() if v > 0 or k == "total")]
     return "\n".join(lines)
+
+
+def _band_source(profile: ClusterProfile) -> str:
+    """Where the band comes from, and whether the profile was measured anywhere."""
+    if profile.measured_on:
+        return f"calibrated on {profile.measured_runs} trial(s) on {profile.measured_on}"
+    return ("the model's median error on published runs; this profile's coefficients were never "
+            "measured: --measure refits them here")
 
 
 def _row(rank: int, r: Ranked) -> tuple:
@@ -235,7 +244,9 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
                    else f"nothing written to {write}: no layout fits", err=True)
     if html:
         click.echo(f"wrote {write_explorer(base, result, html)}", err=True)
-    trials = _measure(base, result, top, measure_out) if measure and result.ranked else None
+    out = measure_out or _default_out(base)
+    trials = _measure(base, result, top, out) if measure and result.ranked else None
+    refit = refit_from_trials(base, result, trials, out) if trials else None
     if as_json:
         data = result_json(result, top)
         if trials is not None:
@@ -244,15 +255,22 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
                                  "measured_step_s": t.measured_step_s, "status": t.status,
                                  "reason": t.reason} for t in trials]
             data["measured_verdict"] = verdict(trials)
+        if refit is not None:
+            data["refit"] = refit_json(refit, top)
         click.echo(json.dumps(data, indent=2))
     else:
         click.echo(render(result, top, base.model.preset or base.name))
         if trials is not None:
             click.echo("\n" + render_trials(trials))
+        if refit is not None:
+            click.echo("\n" + render_refit(refit, top))
 
 
-def _measure(base: Recipe, result: SearchResult, top: int, out: Path | None):
-    out = out or Path("runs") / f"search-{base.model.preset or base.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+def _default_out(base: Recipe) -> Path:
+    return Path("runs") / f"search-{base.model.preset or base.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _measure(base: Recipe, result: SearchResult, top: int, out: Path):
     click.echo(f"measuring the top {min(top, len(result.ranked))} layouts on this machine; "
                f"results in {out}/results.db", err=True)
     try:
@@ -260,3 +278,4 @@ def _measure(base: Recipe, result: SearchResult, top: int, out: Path | None):
     except Interrupted as stop:  # Ctrl-C or SIGTERM: the interrupted trial has no result
         click.echo(f"dsforge: stopped; finished trials are in {out}/results.db", err=True)
         sys.exit(stop.code)
+

@@ -37,11 +37,13 @@ class StepTime:
     pp_comm: float
     dp_comm: float
     optimizer: float = 0.0
+    fixed: float = 0.0  # the profile's cost per microbatch and layer (0 until measured)
+    gathers: float = 0.0  # ZeRO-3's per-layer fetches beyond their bytes (0 until measured)
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.ep_comm + self.bubble + self.pp_comm
-                + self.dp_comm + self.optimizer)
+                + self.dp_comm + self.optimizer + self.fixed + self.gathers)
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}
@@ -89,13 +91,33 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
     if lay.pp > 1:
         message = activation / (lay.tp if lay.sequence_parallel else 1)
         pp_comm = lay.grad_accum * pipeline_send_seconds(lay, profile, message)
-    # Every slot of the pipeline carries its sends too (blocking p2p), so they fill and drain
-    # with the compute.
+    # Each microbatch pays the busiest rank's layers' fixed cost (kernel launches from Python),
+    # and under ZeRO-3 each of their fetches (docs/search.md).
+    fixed = microbatch_layers(resolved) * profile.microbatch_layer_s
+    gathers = gather_count(resolved) * profile.zero3_gather_layer_s
+    # Every slot of the pipeline carries its sends and fixed costs too (blocking p2p), so they
+    # fill and drain with the compute.
     bubble = (bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
-              * (compute + tp_comm + ep_comm + dp_in_slots + pp_comm))
+              * (compute + tp_comm + ep_comm + dp_in_slots + pp_comm + fixed + gathers))
     return StepTime(compute=compute, tp_comm=tp_comm, ep_comm=ep_comm, bubble=bubble,
                     pp_comm=pp_comm, dp_comm=dp_comm,
-                    optimizer=_optimizer_seconds(resolved, worst, profile))
+                    optimizer=_optimizer_seconds(resolved, worst, profile), fixed=fixed,
+                    gathers=gathers)
+
+
+def microbatch_layers(resolved: Resolved) -> float:
+    """Microbatches a step times the layers of the busiest pipeline rank."""
+    lay = resolved.layout
+    return lay.grad_accum * resolved.recipe.model.num_layers / lay.pp
+
+
+def gather_count(resolved: Resolved) -> float:
+    """ZeRO-3's layer fetches a step on the busiest rank: each layer's parameters for its
+    forward, its backward and, with full checkpointing, its recompute (0 below ZeRO-3)."""
+    if resolved.recipe.zero.stage < 3:
+        return 0.0
+    passes = 3 if resolved.recipe.train.activation_checkpointing == "full" else 2
+    return passes * microbatch_layers(resolved)
 
 
 @functools.lru_cache(maxsize=1024)

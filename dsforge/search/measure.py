@@ -6,16 +6,22 @@ the log) on this machine's devices, with results in OUT/results.db so `dsforge r
 render them and a second run skips what finished. The candidates are then ordered by
 measured median step time (failed trials last) and shown next to the prediction.
 
-The prediction is for the profile's GPU; a trial measures the machine it runs on. Off that
-GPU (e.g. a tiny model on CPU) only the order of the trials means something.
+The prediction is for the profile's GPU; a trial measures the machine it runs on. The
+finished trials then refit the profile to this machine (search/calibrate.py): the refitted
+profile is written to OUT/profile.yaml and the search is ranked again with it, so off the
+profile's GPU (e.g. a tiny model on CPU) the refitted predictions are of this machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import statistics
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from dsforge.bench.run import run_cell
 from dsforge.bench.store import FAILED, Store
@@ -24,7 +30,11 @@ from dsforge.files import write_atomic
 from dsforge.lock import Busy
 from dsforge.recipe.loader import dump_recipe
 from dsforge.schema import Recipe
-from dsforge.search.search import Ranked, SearchResult
+from dsforge.search.calibrate import Calibration, Point, calibrate
+from dsforge.search.calibrate import render as render_calibration
+from dsforge.search.profile import profile_text
+from dsforge.search.search import Ranked, SearchResult, search
+from dsforge.versions import package_versions
 
 
 @dataclass(frozen=True)
@@ -115,3 +125,62 @@ def verdict(trials: list[Trial]) -> str:
           " (#1 did not finish)")
     return (f"the measurement changes the answer: #{best.predicted_rank} ({best.candidate.shape()}) "
             f"measured fastest{by}: prefer it on this hardware")
+
+
+@dataclass(frozen=True)
+class Refit:
+    calibration: Calibration
+    before: SearchResult
+    after: SearchResult  # the search again, with the refitted profile
+    path: Path  # where the refitted profile was written
+
+
+def refit_from_trials(base: Recipe, result: SearchResult, trials: list, out: Path) -> Refit | None:
+    """The profile refitted from the finished trials (search/calibrate.py), written to
+    OUT/profile.yaml with where and how it was measured, and the search re-ranked by it."""
+    points = [Point(t.candidate.shape(), t.candidate.resolved, t.measured_step_s)
+              for t in trials if t.measured_step_s is not None]
+    if not points:
+        return None
+    calibration = calibrate(points, result.profile, measured_on=measured_on())
+    path = out / "profile.yaml"
+    write_atomic(path, profile_text(calibration.after, provenance(calibration)))
+    return Refit(calibration, result, search(base, result.space, calibration.after), path)
+
+
+def measured_on() -> str:
+    """The device the trials ran on and the date: what a refitted profile is true of."""
+    import torch
+
+    device = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+              else f"cpu ({os.cpu_count()} cores)")
+    return f"{device}, {time.strftime('%Y-%m-%d', time.gmtime())}"
+
+
+def provenance(calibration: Calibration) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in package_versions().items() if v)
+    return (f"Refitted by dsforge plan --search --measure on {calibration.after.measured_on}.\n"
+            f"Command: dsforge {' '.join(sys.argv[1:])}\nVersions: {versions}\n"
+            f"Use it with --profile; it is true of this machine.\n\n{render_calibration(calibration)}")
+
+
+def render_refit(refit: Refit, top: int) -> str:
+    lines = [render_calibration(refit.calibration), f"refitted profile written to {refit.path}",
+             "re-ranked with it (predicted step s before -> after):"]
+    before = {r.shape(): r.time.total for r in refit.before.ranked}
+    for i, r in enumerate(refit.after.ranked[:top], start=1):
+        old = before.get(r.shape())
+        was = f"{old:.4g}" if old is not None else "-"
+        lines.append(f"  {i}. {r.shape():<46} {was} -> {r.time.total:.4g} s, band {r.band[0]:.4g}-{r.band[1]:.4g} s"
+                     + ("  tie" if r.tied else ""))
+    return "\n".join(lines)
+
+
+def refit_json(refit: Refit, top: int) -> dict[str, Any]:
+    c = refit.calibration
+    return {"coefficients": c.coefficients, "profile": str(refit.path),
+            "measured_on": c.after.measured_on, "left_out_error": c.left_out_error,
+            "prediction_error": c.after.prediction_error,
+            "trials": [dataclasses.asdict(r) for r in c.rows],
+            "reranked": [{"layout": r.layout_row(), "predicted_step_s": r.time.total,
+                          "band_s": list(r.band), "tied": r.tied} for r in refit.after.ranked[:top]]}

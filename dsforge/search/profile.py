@@ -63,6 +63,19 @@ class ClusterProfile:
     # (benchmarks/search/kit_phases.md).
     optimizer_bytes_per_param: float = 109.0
     optimizer_fixed_s: float = 0.008
+    # A fixed cost per microbatch and layer on the busiest rank: launching a layer's kernels
+    # from Python, which short kernels cannot hide (the 1B's forward on an H200: ~31 ms a
+    # microbatch more at micro-batch 1 than 2). 0 until a calibration measures it
+    # (search/calibrate.py).
+    microbatch_layer_s: float = 0.0
+    # ZeRO-3's fetch of a layer's parameters, beyond the bytes dp_comm counts (DeepSpeed's
+    # per-module bookkeeping, and on one GPU the copy it still makes): per layer and pass.
+    # 0 until a calibration measures it.
+    zero3_gather_layer_s: float = 0.0
+    # Where the coefficients were measured ("" = nowhere: the GPU's defaults and the
+    # published comparison's band) and from how many runs (calibrate.py writes both).
+    measured_on: str = ""
+    measured_runs: int = 0
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -113,6 +126,10 @@ class ProfileFile:
     p2p_latency_s: float | None = None
     optimizer_bytes_per_param: float | None = None
     optimizer_fixed_s: float | None = None
+    microbatch_layer_s: float | None = None
+    zero3_gather_layer_s: float | None = None
+    measured_on: str | None = None
+    measured_runs: int | None = None
 
     def __post_init__(self) -> None:
         checks = Checks()
@@ -137,6 +154,10 @@ _RANGES = {
     "p2p_latency_s": (lambda v: v >= 0, ">= 0"),
     "optimizer_bytes_per_param": (lambda v: v > 0, "> 0"),
     "optimizer_fixed_s": (lambda v: v >= 0, ">= 0"),
+    "microbatch_layer_s": (lambda v: v >= 0, ">= 0"),
+    "zero3_gather_layer_s": (lambda v: v >= 0, ">= 0"),
+    "measured_on": (lambda v: True, "any text"),
+    "measured_runs": (lambda v: v >= 0, ">= 0"),
 }
 
 
@@ -164,6 +185,17 @@ def check_memory_headroom(value: float | None) -> None:
                 "default) or 0.2 (the top of the Playbook's 5-20% allocator fragmentation)")
     raise RecipeError([Problem(rule="S1", fields={"--memory-headroom": value},
                                message="the share of GPU memory kept free must be in [0, 1)", fix=fix)])
+
+
+def profile_text(profile: ClusterProfile, comment: str) -> str:
+    """`profile` as a --profile file (every field, the GPU by its key), after `comment`'s
+    lines as YAML comments."""
+    import yaml
+
+    fields = {f.name: getattr(profile, f.name) for f in dataclasses.fields(ProfileFile)}
+    fields["gpu"] = profile.gpu.key
+    header = "".join(f"# {line}".rstrip() + "\n" for line in comment.splitlines())
+    return header + yaml.safe_dump(fields, sort_keys=False)
 
 
 def read_profile(path: Path) -> ProfileFile:

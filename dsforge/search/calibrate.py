@@ -1,0 +1,168 @@
+"""The profile's coefficients refitted from measured step times (`dsforge plan --search
+--measure`, docs/search.md "Calibration").
+
+A measured run is a point: its resolved recipe and its median step time. Under the profile the
+prediction splits into terms (cost.StepTime); the refit scales four of them, each >= 0:
+
+    measured ~ a x compute + f x microbatch-layers + g x gathers + b x optimizer
+               + c x communication
+
+compute is the GEMM work with the pipeline bubble (the model's one compute rate); the
+microbatch-layers are the microbatches a step times the busiest rank's layers, with their
+share of the bubble (each pays a fixed cost: launching its kernels); gathers are ZeRO-3's
+per-layer parameter fetches (a layer's forward, backward and recompute each fetch it);
+optimizer is the 16-bit optimizer step; communication is every collective and pipeline send
+the model counts. The fit minimises the relative error and takes the terms in that order,
+each only if the points tell it apart from the terms before it (it raises the rank of the
+points' features: layouts that differ only where the model sees no difference determine one
+term, however many they are). A coefficient that would come out negative drops the last term.
+
+The refitted profile: compute_efficiency / a, microbatch_layer_s = f, zero3_gather_layer_s =
+g, the optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With 3 or more points each
+is predicted from a refit without it (leave-one-out); the median of those errors becomes the
+profile's prediction_error, the band `dsforge plan --search` draws and breaks ties with.
+Fewer points keep the band it had.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsforge.estimate.bubble import bubble_fraction
+from dsforge.recipe.resolve import Resolved
+from dsforge.search.cost import gather_count, microbatch_layers, step_time
+from dsforge.search.profile import ClusterProfile
+
+TERMS = ("compute", "fixed", "gathers", "optimizer", "communication")  # the order they are fitted in
+LEAVE_ONE_OUT_MIN = 3  # points needed for a band from leave-one-out residuals
+
+
+@dataclass(frozen=True)
+class Point:
+    label: str
+    resolved: Resolved
+    measured_s: float
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    measured_s: float
+    before_s: float  # predicted by the profile as it was
+    after_s: float  # by the refitted profile
+    left_out_s: float | None  # by a refit without this point
+
+
+@dataclass(frozen=True)
+class Calibration:
+    before: ClusterProfile
+    after: ClusterProfile
+    coefficients: dict[str, float]  # per fitted term; terms left out keep 1 (f: seconds)
+    rows: list[Row]
+
+    @property
+    def left_out_error(self) -> float | None:
+        """Median |left-out prediction / measured - 1|; None with too few points."""
+        errors = [abs(r.left_out_s / r.measured_s - 1) for r in self.rows if r.left_out_s]
+        return statistics.median(errors) if errors else None
+
+
+def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
+    """The prediction's terms under `profile` without its fixed cost; `fixed` counts the
+    microbatch-layers (seconds come from the coefficient)."""
+    unfixed = dataclasses.replace(profile, microbatch_layer_s=0.0, zero3_gather_layer_s=0.0)
+    t = step_time(resolved, unfixed)
+    lay = resolved.layout
+    bubble = bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
+    communication = t.tp_comm + t.ep_comm + t.pp_comm + t.dp_comm
+    # The bubble scales every term that runs in the pipeline's slots; it goes with compute.
+    return {"compute": t.compute + t.bubble,
+            "fixed": microbatch_layers(resolved) * (1 + bubble),
+            "gathers": gather_count(resolved) * (1 + bubble),
+            "optimizer": t.optimizer, "communication": communication}
+
+
+def fit(points: list[Point], profile: ClusterProfile) -> dict[str, float]:
+    """Coefficients of the terms the points determine (docstring above); the rest keep 1
+    (fixed: the profile's microbatch_layer_s)."""
+    rows = [features(p.resolved, profile) for p in points]
+    relative = np.array([[r[t] / p.measured_s for t in TERMS] for r, p in zip(rows, points)])
+    chosen: list[str] = []
+    for i, term in enumerate(TERMS):
+        columns = [TERMS.index(t) for t in chosen] + [i]
+        if np.linalg.matrix_rank(relative[:, columns], tol=1e-9 * np.abs(relative).max()) == len(columns):
+            chosen.append(term)
+    coefficients = {"compute": 1.0, "fixed": profile.microbatch_layer_s,
+                    "gathers": profile.zero3_gather_layer_s, "optimizer": 1.0, "communication": 1.0}
+    while chosen:
+        # The terms left out keep their coefficients: what they predict leaves the target.
+        kept = sum(coefficients[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen)
+        x = relative[:, [TERMS.index(t) for t in chosen]]
+        solution, *_ = np.linalg.lstsq(x, 1.0 - kept, rcond=None)
+        if all(v >= 0 for v in solution) and solution[0] > 0:
+            return {**coefficients, **{t: float(v) for t, v in zip(chosen, solution)}}
+        chosen = chosen[:-1]
+    return coefficients
+
+
+def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterProfile:
+    """The profile whose prediction is the fitted one."""
+    a, b, c = coefficients["compute"], coefficients["optimizer"], coefficients["communication"]
+    return dataclasses.replace(
+        profile, compute_efficiency=min(1.0, profile.compute_efficiency / a),
+        microbatch_layer_s=coefficients["fixed"], zero3_gather_layer_s=coefficients["gathers"],
+        optimizer_bytes_per_param=profile.optimizer_bytes_per_param * b,
+        optimizer_fixed_s=profile.optimizer_fixed_s * b,
+        intra_node_gbps=profile.intra_node_gbps / c, inter_node_gbps=profile.inter_node_gbps / c,
+        p2p_latency_s=profile.p2p_latency_s * c)
+
+
+def calibrate(points: list[Point], profile: ClusterProfile, measured_on: str) -> Calibration:
+    """The refitted profile, every point predicted before and after, and left out in turn."""
+    coefficients = fit(points, profile)
+    after = apply(profile, coefficients)
+    left_out = [_left_out(points, i, profile) for i in range(len(points))]
+    calibration = Calibration(
+        before=profile, after=after, coefficients=coefficients,
+        rows=[Row(p.label, p.measured_s, step_time(p.resolved, profile).total,
+                  step_time(p.resolved, after).total, left) for p, left in zip(points, left_out)])
+    band = calibration.left_out_error
+    after = dataclasses.replace(after, measured_on=measured_on, measured_runs=len(points),
+                                prediction_error=min(band, 0.99) if band is not None
+                                else profile.prediction_error)
+    return dataclasses.replace(calibration, after=after)
+
+
+def _left_out(points: list[Point], i: int, profile: ClusterProfile) -> float | None:
+    if len(points) < LEAVE_ONE_OUT_MIN:
+        return None
+    others = points[:i] + points[i + 1:]
+    return step_time(points[i].resolved, apply(profile, fit(others, profile))).total
+
+
+def render(calibration: Calibration) -> str:
+    """Predicted against measured for each point, before and after the refit."""
+    c, before, after = calibration.coefficients, calibration.before, calibration.after
+    lines = [f"refit on {len(calibration.rows)} measured trial(s): compute x{c['compute']:.3g} "
+             f"(efficiency {before.compute_efficiency:.3g} -> {after.compute_efficiency:.3g}), "
+             f"{c['fixed'] * 1e3:.3g} ms per microbatch and layer, {c['gathers'] * 1e3:.3g} ms per "
+             f"ZeRO-3 layer gather, optimizer x{c['optimizer']:.3g}, "
+             f"communication x{c['communication']:.3g}",
+             "  layout                                          measured ms  before ms  error   "
+             "after ms  error   left out ms  error"]
+    for r in calibration.rows:
+        left = (f"{r.left_out_s * 1e3:>11,.1f}  {r.left_out_s / r.measured_s - 1:+6.1%}"
+                if r.left_out_s else f"{'-':>11}  {'':>6}")
+        lines.append(f"  {r.label:<46}  {r.measured_s * 1e3:>11,.1f}  {r.before_s * 1e3:>9,.1f}  "
+                     f"{r.before_s / r.measured_s - 1:+6.1%}  {r.after_s * 1e3:>8,.1f}  "
+                     f"{r.after_s / r.measured_s - 1:+6.1%}  {left}")
+    band = calibration.left_out_error
+    lines.append(f"band: +-{band:.1%}, the median error of each trial predicted from the others"
+                 if band is not None else
+                 f"band: +-{after.prediction_error:.1%} kept (leave-one-out needs "
+                 f"{LEAVE_ONE_OUT_MIN} trials; --top {LEAVE_ONE_OUT_MIN} measures enough)")
+    return "\n".join(lines)

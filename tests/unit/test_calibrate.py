@@ -1,0 +1,96 @@
+"""The profile refitted from measured step times (dsforge/search/calibrate.py): which terms the
+points determine, the coefficients they give, the band from leave-one-out residuals, and the
+refitted profile as a --profile file."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dsforge.recipe import resolve_file
+from dsforge.search import calibrate as cal
+from dsforge.search.cost import step_time
+from dsforge.search.profile import default_profile, profile_text, read_profile
+from tests.conftest import REPO
+
+ONE_B = REPO / "benchmarks" / "gpu" / "recipes" / "1b_1gpu.yaml"
+H200 = default_profile("h200", gpus_per_node=1)
+# What a machine "measures" in these tests: known coefficients on the profile's own terms.
+# (One model size and batch: the optimizer step is the same in every layout, and no layout
+# here tells its coefficient apart from compute's, so it stays 1.)
+TRUE = {"compute": 1.2, "fixed": 0.003, "gathers": 0.0025, "optimizer": 1.0, "communication": 1.0}
+
+
+def _layout(*overrides):
+    return resolve_file(ONE_B, list(overrides), world_size=1)
+
+
+def _measured(resolved) -> float:
+    return step_time(resolved, cal.apply(H200, TRUE)).total
+
+
+def _points(*layouts) -> list[cal.Point]:
+    return [cal.Point(" ".join(o), r := _layout(*o), _measured(r)) for o in layouts]
+
+
+MB = [("train.micro_batch=1",), ("train.micro_batch=2",), ("train.micro_batch=4",)]
+ZERO3 = [("zero.stage=3", "train.micro_batch=2"), ("zero.stage=3", "train.micro_batch=4")]
+
+
+def test_enough_different_layouts_recover_the_machines_coefficients():
+    points = _points(*MB, *ZERO3)
+    coefficients = cal.fit(points, H200)
+    for term in ("compute", "fixed", "gathers"):
+        assert coefficients[term] == pytest.approx(TRUE[term], rel=1e-6)
+    calibration = cal.calibrate(points, H200, measured_on="test")
+    assert all(r.after_s == pytest.approx(r.measured_s, rel=1e-6) for r in calibration.rows)
+    assert all(r.left_out_s == pytest.approx(r.measured_s, rel=1e-3) for r in calibration.rows)
+    assert calibration.after.prediction_error < 1e-3  # the band is the left-out residuals'
+    assert (calibration.after.measured_on, calibration.after.measured_runs) == ("test", 5)
+
+
+def test_layouts_the_model_cannot_tell_apart_determine_one_term():
+    """ZeRO 0, 1 and 2 on one GPU: the same features, so only compute is fitted, and the
+    terms left out keep what they predicted before."""
+    points = _points(("zero.stage=0",), ("zero.stage=1",), ("zero.stage=2",))
+    coefficients = cal.fit(points, H200)
+    assert coefficients["fixed"] == H200.microbatch_layer_s and coefficients["optimizer"] == 1.0
+    after = cal.apply(H200, coefficients)
+    for p in points:
+        assert step_time(p.resolved, after).total == pytest.approx(p.measured_s, rel=1e-6)
+
+
+def test_a_term_that_would_come_out_negative_is_dropped():
+    """A machine faster at more microbatches than the model can say: no negative fixed cost."""
+    points = _points(*MB)
+    points[0] = dataclasses.replace(points[0], measured_s=points[1].measured_s * 0.9)
+    coefficients = cal.fit(points, H200)
+    assert all(v >= 0 for v in coefficients.values())
+
+
+def test_too_few_points_keep_the_band_and_say_so():
+    calibration = cal.calibrate(_points(*MB[:2]), H200, measured_on="test")
+    assert calibration.left_out_error is None
+    assert calibration.after.prediction_error == H200.prediction_error
+    assert "leave-one-out needs 3 trials" in cal.render(calibration)
+
+
+def test_the_refitted_profile_is_a_profile_file(tmp_path):
+    calibration = cal.calibrate(_points(*MB, *ZERO3), H200, measured_on="NVIDIA H200, 2026-11-26")
+    path = tmp_path / "profile.yaml"
+    path.write_text(profile_text(calibration.after, "measured here\n" + cal.render(calibration)))
+    written = read_profile(path)
+    assert written.measured_on == "NVIDIA H200, 2026-11-26" and written.measured_runs == 5
+    assert written.zero3_gather_layer_s == pytest.approx(TRUE["gathers"], rel=1e-6)
+    assert path.read_text().startswith("# measured here\n")
+
+
+def test_the_fixed_and_gather_terms_in_the_step_time():
+    profile = dataclasses.replace(H200, microbatch_layer_s=0.001, zero3_gather_layer_s=0.002)
+    z3_full = _layout("zero.stage=3", "train.activation_checkpointing=full", "train.micro_batch=2")
+    t = step_time(z3_full, profile)
+    layers = 8 * 16  # 8 microbatches of the 16 layers
+    assert t.fixed == pytest.approx(layers * 0.001)
+    assert t.gathers == pytest.approx(3 * layers * 0.002)  # forward, backward, recompute
+    assert step_time(_layout("train.micro_batch=2"), profile).gathers == 0.0
