@@ -2,7 +2,7 @@
 
     python tools/kit_phases.py                                   # prints the table
     python tools/kit_phases.py --loo --out benchmarks/search/kit_phases.md
-    python tools/kit_phases.py --loo      # the three-term refit, each run left out in turn
+    python tools/kit_phases.py --loo      # also --measure's refit, each dense run left out in turn
 
 Reads every run the GPU kit brought back (benchmarks/gpu/results/*/: each run's recipe as the
 ranks resolved it, its median step time and its step breakdown from results.json; each
@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from dsforge.estimate.flops import flops_per_token  # noqa: E402
 from dsforge.hardware import gpu_for_device_name  # noqa: E402
 from dsforge.recipe import resolve_file  # noqa: E402
+from dsforge.search.calibrate import Point, calibrate  # noqa: E402
 from dsforge.search.cost import step_time  # noqa: E402
 from dsforge.search.profile import default_profile  # noqa: E402
 
@@ -120,78 +121,45 @@ def table(runs: list[KitRun]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@dataclass(frozen=True)
-class Terms:
-    """What the refit adds to the model: its compute times `scale`, a host floor on each
-    microbatch's forward of `floor_s` a layer (Python launches it: the GPU cannot go faster),
-    and `gather_s` per layer, microbatch and forward pass (recompute included) for ZeRO-3's
-    per-module gathers on one GPU."""
-    scale: float
-    floor_s: float
-    gather_s: float
-
-
-def _inputs(run: KitRun) -> dict[str, float]:
-    resolved = _resolved(run.recipe)
-    m, t, lay = resolved.recipe.model, resolved.recipe.train, resolved.layout
-    total, phases = predicted_phases(run)
-    passes = 2 if t.activation_checkpointing == "full" else 1
-    return {"compute": total - phases["optimizer"], "optimizer": phases["optimizer"],
-            "forward": phases["forward"] / lay.grad_accum, "microbatches": lay.grad_accum,
-            "layers": m.num_layers,
-            "gathers": m.num_layers * lay.grad_accum * passes if resolved.recipe.zero.stage == 3 else 0}
-
-
-def refitted(terms: Terms, x: dict[str, float]) -> float:
-    floor = max(0.0, terms.floor_s * x["layers"] - terms.scale * x["forward"])
-    return (terms.scale * x["compute"] + x["microbatches"] * floor + terms.gather_s * x["gathers"]
-            + x["optimizer"])
-
-
-def fit(xs: list[dict[str, float]], steps: list[float]) -> Terms:
-    """Least relative squares over a grid of scale and floor; gather_s from the ZeRO-3 runs'
-    mean residual (0 without one)."""
-    best = None
-    zero3 = [(x, s) for x, s in zip(xs, steps) if x["gathers"]]
-    for scale in (0.6 + 0.005 * i for i in range(100)):
-        for floor in (0.0001 * i for i in range(60)):
-            gather = max(0.0, statistics.mean(
-                (s - refitted(Terms(scale, floor, 0.0), x)) / x["gathers"] for x, s in zero3)) if zero3 else 0.0
-            terms = Terms(scale, floor, gather)
-            error = sum((refitted(terms, x) / s - 1) ** 2 for x, s in zip(xs, steps))
-            if best is None or error < best[0]:
-                best = (error, terms)
-    return best[1]
+def calibration(runs: list[KitRun]):
+    """dsforge's own refit (dsforge/search/calibrate.py, what `--measure` runs) on the dense
+    runs: every run predicted by a refit without it. MoE runs are left out of the fit: the
+    model has no term for the expert loop (58% of the MoE's step), so no coefficient of its
+    could absorb it honestly."""
+    dense = [r for r in runs if _resolved(r.recipe).recipe.model.moe is None]
+    profile = default_profile(gpu_for_device_name(runs[0].device).key, gpus_per_node=1)
+    points = [Point(r.label, _resolved(r.recipe), r.step_s) for r in dense]
+    return calibrate(points, profile, measured_on=f"{runs[0].device}, 2026-11-26 (the GPU kit)")
 
 
 def leave_one_out(runs: list[KitRun]) -> str:
-    xs, steps = [_inputs(r) for r in runs], [r.step_s for r in runs]
-    lines = ["| run | measured s | refit without it s | error | scale | floor ms/layer | gather ms |",
-             "|---|---|---|---|---|---|---|"]
-    errors = []
-    for i, run in enumerate(runs):
-        terms = fit(xs[:i] + xs[i + 1:], steps[:i] + steps[i + 1:])
-        predicted = refitted(terms, xs[i])
-        errors.append(abs(predicted / run.step_s - 1))
-        lines.append(f"| {run.label} | {run.step_s:.3f} | {predicted:.3f} | "
-                     f"{predicted / run.step_s - 1:+.1%} | {terms.scale:.3f} | "
-                     f"{terms.floor_s * 1e3:.2f} | {terms.gather_s * 1e3:.2f} |")
-    every = fit(xs, steps)
-    lines += ["", f"Left out in turn: median |error| {statistics.median(errors):.1%}, largest "
-              f"{max(errors):.1%}. Fitted to all {len(runs)}: scale {every.scale:.3f}, floor "
-              f"{every.floor_s * 1e3:.2f} ms a layer, gather {every.gather_s * 1e3:.2f} ms."]
+    result = calibration(runs)
+    lines = ["| run | measured s | predicted s (default profile) | refit without it s | error |",
+             "|---|---|---|---|---|"]
+    for row in result.rows:
+        lines.append(f"| {row.label} | {row.measured_s:.3f} | {row.before_s:.3f} | "
+                     f"{row.left_out_s:.3f} | {row.left_out_s / row.measured_s - 1:+.1%} |")
+    errors = sorted(abs(r.left_out_s / r.measured_s - 1) for r in result.rows)
+    c = result.coefficients
+    lines += ["", f"{len(result.rows)} dense runs left out in turn: median |error| "
+              f"{statistics.median(errors):.1%}, largest {errors[-1]:.1%} (the default profile: "
+              f"{statistics.median(sorted(abs(r.before_s / r.measured_s - 1) for r in result.rows)):.1%}"
+              f"). Fitted to all: compute x{c['compute']:.3f} (compute_efficiency "
+              f"{result.after.compute_efficiency:.3f}), {c['fixed'] * 1e3:.2f} ms per microbatch "
+              f"and layer, {c['gathers'] * 1e3:.2f} ms per ZeRO-3 layer gather, optimizer "
+              f"x{c['optimizer']:.3f}."]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the table under a header to this file")
-    parser.add_argument("--loo", action="store_true", help="also refit three terms, each run left out")
+    parser.add_argument("--loo", action="store_true", help="also refit the profile (search/calibrate.py), each dense run left out")
     args = parser.parse_args()
     runs = kit_runs()
     text = table(runs)
     if args.loo:
-        text += "\n## The three-term refit, each run left out in turn\n\n" + leave_one_out(runs)
+        text += "\n## dsforge's refit (--measure's), each dense run left out in turn\n\n" + leave_one_out(runs)
     if args.out is None:
         print(text, end="")
         return
@@ -209,34 +177,29 @@ time (dsforge/search/cost.py with the GPU's default profile), its compute split 
 
 """
 FOOTER = """
-What the table says (issue 23 starts from here):
-- **Optimizer**: measured since commit 89a52d2 (the profile's optimizer_bytes_per_param and
-  optimizer_fixed_s: 8 ms + 109 bytes a parameter at the GPU's bandwidth, fitted to these
-  runs). Before, 30 bytes at 80% of the bandwidth predicted it 3-4x too short (median |error|
-  of the step 6.2%, now 4.1%).
+What the tables say (issue 23):
+- **The default profile** predicts the dense runs with a median error of 2.6-2.7%: the
+  optimizer term is measured (commit 89a52d2: 8 ms + 109 bytes a parameter at the GPU's
+  bandwidth, fitted to the first 14 runs), and the compute terms cancel each other. The
+  model's GEMM rate (62% x two saturation factors, 50-53% of peak at these shapes) is below
+  the measured 70-75%, and the terms it lacks make up for it: attention at its own rate, the
+  non-GEMM work, a fixed cost per microbatch.
 - **Forward at micro-batch 1**: the 1B's forward takes 45-49 ms a microbatch at 4,096 tokens
-  and 67 at 8,192: launched from Python, it cannot go below ~2.9 ms a layer. Its backward,
-  launched by autograd's C++ engine, is linear in the tokens. A floor of 2.9 ms a layer alone
-  turns the mb-1 runs' -9% to -19% into +6% to +12%: the backward is predicted too long.
-- **Backward**: predicted longer than measured for the 1B (the model's GEMM rate, 62% x two
-  saturation factors = 50-53% of peak at these shapes, is below the measured 72-75%); the
-  terms it lacks (attention at its own rate, the non-GEMM work, Liger's fused cross-entropy
-  doing the output layer's backward inside the forward) then cancel part of that.
-- **ZeRO-3 on one GPU**: +452 ms in the forward and +416 ms in the recompute of the 1B (its
-  per-module gathers), absent from the model: -39%.
-- **Kernels**: torch's kernels cost the 1B 147 ms more backward than Liger's; the model does
-  not know the kernels.
-The compute terms cancel each other today; they have to be fitted together (issue 23).
+  and 57-68 at 8,192 and more. It is launched from Python and cannot go below ~3 ms a layer.
+  Its backward, launched by autograd's C++ engine, is linear in the tokens.
+- **ZeRO-3 on one GPU** costs 120 ms a microbatch for the 1B (16 layers) and about 80 ms for
+  the 7B (32 layers, with full checkpointing in both). Per layer that is 2.5 and 0.8 ms. The
+  fetches are host work, and the 7B's longer kernels hide more of it. One cost per layer, added
+  to the step, cannot fit both: each ZeRO-3 run predicted from the others misses by 24-26%. A
+  host floor under each pass (the larger of the device's time and the host's) is the model
+  these runs point to.
+- **Kernels**: torch's kernels cost the 1B 147 ms more backward than Liger's. The model does
+  not know the kernels (-9%).
+- **The MoE** is left out of the refit: the model has no term for its expert loop (58% of
+  the step), and it is predicted 79% short.
 
-The refit below is a first try at that, on these runs alone: the model's compute times a
-scale, a host floor under each microbatch's forward, and a ZeRO-3 gather term, fitted with
-each run left out in turn. The 1B runs are predicted within 6% (but torch's kernels, -11%: the
-model does not know the kernels). The two 7B runs and the two ZeRO-3 runs are not: two model
-sizes and two ZeRO-3 runs cannot pin a floor that is host time for the 1B and hidden for the
-7B, nor a gather cost that is 1.1-3.7 ms a layer depending on which run is left out. The next
-kit run adds the 7B at ZeRO-3 without checkpointing, the 3B on an H100 and the 7B at global
-batch 16. This refit is not in `dsforge plan`: nothing here is shipped as a calibration.
+The refit is `dsforge plan --search --measure`'s own (dsforge/search/calibrate.py), fitted
+here to the GPU kit's dense runs with each left out in turn. Fitted to all of them it is not
+better than the default profile here (3.2% left out against 2.6% in-sample). The GPU profiles
+dsforge ships keep their defaults, with the fixed and gather terms at 0.
 """
-
-if __name__ == "__main__":
-    main()

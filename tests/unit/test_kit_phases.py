@@ -36,13 +36,11 @@ def test_the_predicted_phases_add_up_to_the_predicted_step(kit_phases):
     assert phases["recompute"] == pytest.approx(phases["forward"])  # full: the forward again
 
 
-def test_the_refit_recovers_terms_it_was_made_from(kit_phases):
-    terms = kit_phases.Terms(scale=0.9, floor_s=0.002, gather_s=0.003)
-    xs = [{"compute": c, "optimizer": 0.04, "forward": f, "microbatches": m, "layers": 16,
-           "gathers": g} for c, f, m, g in ((1.2, 0.02, 16, 0), (1.1, 0.045, 8, 0),
-                                            (1.5, 0.045, 8, 256), (2.9, 0.11, 8, 0))]
-    steps = [kit_phases.refitted(terms, x) for x in xs]
-    fitted = kit_phases.fit(xs, steps)
-    assert fitted.scale == pytest.approx(0.9, abs=0.003)
-    assert fitted.floor_s == pytest.approx(0.002, abs=1e-4)
-    assert fitted.gather_s == pytest.approx(0.003, rel=0.05)
+def test_the_refit_leaves_each_dense_run_out_and_the_moe_out_of_the_fit(kit_phases):
+    """The refit is dsforge's own (search/calibrate.py, tested in test_calibrate.py)."""
+    runs = kit_phases.kit_runs()
+    calibration = kit_phases.calibration(runs)
+    labels = [row.label for row in calibration.rows]
+    assert "moe-8l" in [r.label for r in runs] and "moe-8l" not in labels
+    assert len(labels) == len(runs) - 1 and all(row.left_out_s for row in calibration.rows)
+    assert calibration.after.measured_runs == len(labels)
