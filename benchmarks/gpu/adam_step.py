@@ -24,62 +24,19 @@ it checks the code, not the hardware.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
-import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the working tree's dsforge first, as run.sh sets it
+
+from dsforge.search.optimizer_timing import init_world, parameter_shapes, time_optimizer  # noqa: E402
 STAGES = (0, 1, 2, 3)
 IMPLS = ("fused", "deepspeed")  # train.adam_impl values
 TINY_DIVISOR = 32
-
-
-class _Layer(nn.Module):
-    """Some of the model's parameters, held directly (ZeRO-3 gathers a module's own
-    parameters when it is called); forward touches each."""
-
-    def __init__(self, shapes: list[tuple[int, ...]]):
-        super().__init__()
-        for index, shape in enumerate(shapes):
-            self.register_parameter(f"w{index}", nn.Parameter(torch.randn(shape) * 0.02))
-
-    def forward(self, total: torch.Tensor) -> torch.Tensor:
-        for weight in self.parameters(recurse=False):
-            total = total + weight.float().sum()
-        return total
-
-
-class ParameterModel(nn.Module):
-    """The parameters of a transformer of `model`'s shapes, one module per layer."""
-
-    def __init__(self, model, divisor: int = 1):
-        super().__init__()
-        self.layers = nn.ModuleList(_Layer(shapes) for shapes in parameter_shapes(model, divisor))
-
-    def forward(self, scale: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros((), device=scale.device)
-        for layer in self.layers:
-            total = layer(total)
-        return total * scale
-
-
-def parameter_shapes(model, divisor: int = 1) -> list[list[tuple[int, ...]]]:
-    """Per module: the embedding (and an untied output layer), each layer's four projections
-    and two norms, the final norm, as dsforge's Llama-style GPT holds them."""
-    h, ffn = model.hidden_size // divisor, model.ffn_hidden_size // divisor
-    d = max(model.head_dim // divisor, 1)
-    heads, groups, vocab = model.num_attention_heads, model.query_groups, max(model.vocab_size // divisor, 1)
-    layer = [((heads + 2 * groups) * d, h), (h, heads * d), (2 * ffn, h), (h, ffn), (h,), (h,)]
-    outer = [[(vocab, h)]] + ([] if model.tie_embeddings else [[(vocab, h)]])
-    return outer + [list(layer) for _ in range(model.num_layers)] + [[(h,)]]
 
 
 def resolve(recipe: str, stage: int, impl: str):
@@ -90,88 +47,10 @@ def resolve(recipe: str, stage: int, impl: str):
                         world_size=1)
 
 
-def engine_config(resolved, device: str) -> tuple[dict, object]:
-    """dsforge's DeepSpeed config for the resolved recipe, one microbatch a step."""
-    from dsforge.translate.deepspeed_config import deepspeed_config
-
-    r = resolved.recipe
-    config = deepspeed_config(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
-                              device=device)
-    micro = resolved.layout.micro_batch
-    config.update(train_batch_size=micro, train_micro_batch_size_per_gpu=micro,
-                  gradient_accumulation_steps=1)
-    return config, r.model
-
-
-def init_world(device: torch.device) -> None:
-    """One rank of a world of one, as DeepSpeed's launcher would set it up."""
-    import deepspeed
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    if device.type == "cpu":
-        from dsforge.runtime.build.cpu_backend import skip_deepspeed_shm_allreduce
-
-        skip_deepspeed_shm_allreduce()  # the CPU all-reduce op DeepSpeed would compile
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-
-
-def build_environment(resolved) -> dict[str, str]:
-    """What a dsforge rank on a GPU sets before DeepSpeed builds the recipe's ops (nothing
-    where no op is built or the list is readable already), and says so."""
-    from dsforge.translate.build_env import arch_list_for_rank
-
-    mapped, line = arch_list_for_rank(resolved, "cuda", os.environ)
-    if line:
-        print(line)
-    return mapped
-
-
-def timed_step(engine, device: torch.device) -> float:
-    """Seconds of one engine.step() after a backward that filled every gradient."""
-    scale = torch.full((), 1e-6, device=device)
-    engine.backward(engine(scale))
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        engine.step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    begin = time.perf_counter()
-    engine.step()
-    return time.perf_counter() - begin
-
-
 def measure(recipe: str, stage: int, impl: str, device: torch.device, reps: int, divisor: int) -> dict:
     """One engine: its optimizer's name, the median step, the peak memory."""
-    import deepspeed
-
-    resolved = resolve(recipe, stage, impl)
-    config, model = engine_config(resolved, device.type)
-    if device.type == "cuda":
-        os.environ.update(build_environment(resolved))
-        torch.cuda.reset_peak_memory_stats(device)
-    engine, _, _, _ = deepspeed.initialize(model=ParameterModel(model, divisor).to(device),
-                                           config=config)
-    try:
-        timed_step(engine, device)  # warm-up: the optimizer's state is made on the first step
-        seconds = [timed_step(engine, device) for _ in range(reps)]
-        basic = engine.basic_optimizer
-        fused = " (fused)" if basic.defaults.get("fused") else ""
-        optimizer = f"{type(engine.optimizer).__name__} around {type(basic).__name__}{fused}"
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    finally:
-        engine.destroy()
-        del engine
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return {"stage": stage, "impl": impl, "optimizer": optimizer, "step_s": statistics.median(seconds),
-            "steps_s": seconds, "peak_memory_bytes": peak}
+    return {"stage": stage, "impl": impl,
+            **time_optimizer(resolve(recipe, stage, impl), device, reps, divisor)}
 
 
 def run(recipe: str, gpu: str | None, *, tiny: bool, reps: int) -> dict:
@@ -217,5 +96,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())

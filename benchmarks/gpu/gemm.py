@@ -21,107 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the working tree's dsforge first, as run.sh sets it
+
+from dsforge.search.kernel_timing import model_gemms, time_attention, time_gemm  # noqa: E402
 TINY_DIVISOR = 32
 TINY_TOKENS = 64
-
-
-@dataclass(frozen=True)
-class Gemm:
-    name: str
-    m: int  # tokens
-    k: int  # input features
-    n: int  # output features
-    count: int  # how many a step runs per microbatch (layers, or 1 for the output layer)
-
-
-def model_gemms(model, tokens: int, divisor: int = 1) -> list[Gemm]:
-    """The products of one microbatch through the model (dsforge's Llama-style layer)."""
-    h, ffn, d = model.hidden_size // divisor, model.ffn_hidden_size // divisor, max(model.head_dim // divisor, 1)
-    heads, groups = model.num_attention_heads, model.query_groups
-    vocab = max(model.vocab_size // divisor, 1)
-    layers = model.num_layers
-    return [Gemm("qkv", tokens, h, (heads + 2 * groups) * d, layers),
-            Gemm("proj", tokens, heads * d, h, layers),
-            Gemm("fc1", tokens, h, 2 * ffn, layers),
-            Gemm("fc2", tokens, ffn, h, layers),
-            Gemm("logits", tokens, h, vocab, 1)]
-
-
-def median_seconds(fn, device: torch.device, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
-
-
-def time_gemm(g: Gemm, device: torch.device, dtype: torch.dtype, reps: int, warmup: int) -> dict:
-    """Seconds of each pass of one product; 2 m k n FLOPs each."""
-    x = torch.randn(g.m, g.k, device=device, dtype=dtype)
-    w = torch.randn(g.n, g.k, device=device, dtype=dtype)
-    dy = torch.randn(g.m, g.n, device=device, dtype=dtype)
-    passes = {"forward": lambda: F.linear(x, w), "input_grad": lambda: dy @ w,
-              "weight_grad": lambda: dy.t() @ x}
-    return {name: median_seconds(fn, device, reps, warmup) for name, fn in passes.items()}
-
-
-# dsforge's model.sdpa_backend choices timed here; "auto" leaves the kernel to torch.
-SDPA_BACKENDS = ("flash", "cudnn", "efficient", "auto")
-
-
-def time_attention(model, micro_batch: int, seq: int, device, dtype, reps: int, warmup: int,
-                   divisor: int = 1, backends: tuple[str, ...] = SDPA_BACKENDS) -> dict:
-    """dsforge's core attention (runtime/build/layers.py SDPAttention: causal, grouped KV heads as
-    they are, Megatron's [seq, batch, heads, dim] layout), forward and backward, with each
-    `model.sdpa_backend`; FLOPs counted as dsforge does (full s x s matrix: 12 b s^2 heads d),
-    about twice what a causal kernel computes. A backend torch has no kernel for at these
-    shapes is recorded with its error."""
-    from types import SimpleNamespace
-
-    from dsforge.runtime.build.layers import SDPAttention
-
-    heads, groups, d = model.num_attention_heads, model.query_groups, max(model.head_dim // divisor, 1)
-    q = torch.randn(seq, micro_batch, heads, d, device=device, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(seq, micro_batch, groups, d, device=device, dtype=dtype, requires_grad=True)
-            for _ in range(2))
-    grad = torch.randn(seq, micro_batch, heads * d, device=device, dtype=dtype)
-    flops = 12.0 * micro_batch * seq * seq * heads * d
-    timed = {}
-    for name in backends:
-        attention = SDPAttention(SimpleNamespace(attention_dropout=0.0), 1, None, None, sdpa_backend=name)
-
-        def step():
-            attention(q, k, v, None).backward(grad)
-
-        try:
-            seconds = median_seconds(step, device, reps, warmup)
-        except RuntimeError as exc:  # no kernel for these inputs: the finding
-            timed[name] = {"error": str(exc).splitlines()[0][:200]}
-            continue
-        timed[name] = {"seconds": seconds, "tflops_full_matrix": flops / seconds / 1e12}
-    return {"shape_sbhd": [seq, micro_batch, heads, d], "kv_heads": groups,
-            "flops_full_matrix": flops, "backends": timed}
 
 
 def measure_model(recipe: str, device: torch.device, dtype: torch.dtype,

@@ -357,6 +357,8 @@ def test_probe_env_quick_on_this_cpu(tmp_path):
 def test_gemm_code_runs_on_the_cpu_at_tiny_shapes():
     import gemm
 
+    from dsforge.search import kernel_timing
+
     result = gemm.run(["benchmarks/gpu/recipes/1b_1gpu.yaml"], "h100", tiny=True, reps=1, warmup=0)
     [model] = result["models"]
     assert len(model["gemms"]) == 5 * 3 and model["share_of_peak"] is None
@@ -364,7 +366,7 @@ def test_gemm_code_runs_on_the_cpu_at_tiny_shapes():
     flops = sum(g["count"] * 2 * g["m"] * g["k"] * g["n"] for g in model["gemms"])
     assert model["step_gemm_flops"] == flops
     backends = model["attention"]["backends"]
-    assert list(backends) == list(gemm.SDPA_BACKENDS)
+    assert list(backends) == list(kernel_timing.SDPA_BACKENDS)
     assert backends["auto"]["seconds"] > 0 and backends["flash"]["seconds"] > 0  # torch's CPU kernels
     assert "error" in backends["cudnn"]  # no cuDNN attention on a CPU: recorded, not raised
     assert model["attention"]["kv_heads"] == 8  # grouped KV heads go in as they are
@@ -390,12 +392,14 @@ def test_adam_step_builds_fused_adam_in_the_environment_a_rank_gives_it(monkeypa
     a dsforge rank maps the list first, and so does the script, with dsforge's own code."""
     import adam_step
 
+    from dsforge.search.optimizer_timing import build_environment
+
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     fused_adam = adam_step.resolve("benchmarks/gpu/recipes/1b_1gpu.yaml", 1, "deepspeed")
-    assert adam_step.build_environment(fused_adam) == {"TORCH_CUDA_ARCH_LIST": "9.0"}
+    assert build_environment(fused_adam) == {"TORCH_CUDA_ARCH_LIST": "9.0"}
     assert "TORCH_CUDA_ARCH_LIST='9.0a' is '9.0'" in capsys.readouterr().out
     torch_adamw = adam_step.resolve("benchmarks/gpu/recipes/1b_1gpu.yaml", 1, "fused")
-    assert adam_step.build_environment(torch_adamw) == {}  # nothing is built
+    assert build_environment(torch_adamw) == {}  # nothing is built
 
 
 def test_a_run_with_its_own_environment_starts_through_env():
