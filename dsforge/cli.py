@@ -283,6 +283,21 @@ def report(results, out, peak_tflops):
 
 
 @main.command()
+@_recipe_options
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The profile to write (a --profile file for dsforge plan --search).")
+@click.option("--gpu", help="The GPU the profile plans for [the visible one; on CPU the recipe's].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True, help="Where to measure; auto = cuda when a GPU is visible.")
+@click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True)
+def calibrate(recipe, world_size, hostfile, overrides, **options):
+    """Measure RECIPE's GEMMs, optimizer step, attention and memory bandwidth on this machine
+    and write them as a cluster profile (docs/search.md "Calibration")."""
+    from dsforge.search.calibrate_command import calibrate_main
+    calibrate_main(_or_exit(resolve_or_refuse, recipe, overrides, world_size, hostfile), **options)
+
+
+@main.command()
 @click.argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT",
                 type=click.Path(file_okay=False, path_type=Path))
 @click.option("--to", "out", required=True, type=click.Path(path_type=Path),

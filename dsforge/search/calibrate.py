@@ -116,6 +116,7 @@ def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterPro
         profile, compute_efficiency=min(1.0, profile.compute_efficiency / a),
         microbatch_layer_s=coefficients["fixed"], zero3_gather_layer_s=coefficients["gathers"],
         optimizer_bytes_per_param=profile.optimizer_bytes_per_param * b,
+        optimizer_bytes_per_param_fp32=profile.optimizer_bytes_per_param_fp32 * b,
         optimizer_fixed_s=profile.optimizer_fixed_s * b,
         intra_node_gbps=profile.intra_node_gbps / c, inter_node_gbps=profile.inter_node_gbps / c,
         p2p_latency_s=profile.p2p_latency_s * c)

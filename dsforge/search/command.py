@@ -143,7 +143,7 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
         f"search: {model_name} on {space.gpus} x {profile.gpu.name} ({profile.gpus_per_node} per node), "
         f"global batch {space.global_batch} sequences",
         f"profile: intra-node {profile.intra_node_gbps:g} GB/s, inter-node {profile.inter_node_gbps:g} GB/s "
-        f"per GPU, compute efficiency {profile.compute_efficiency:.0%}, memory headroom "
+        f"per GPU, compute efficiency {profile.compute_efficiency:.3g}, memory headroom "
         f"{profile.memory_margin:.0%} (usable {profile.usable_memory_bytes / GiB:.1f} GiB), step-time "
         f"band +-{profile.prediction_error:.1%} ({_band_source(profile)})",
         f"1. valid:  {result.valid} of {result.considered} layouts pass the recipe validator",
@@ -179,10 +179,14 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
 
 def _band_source(profile: ClusterProfile) -> str:
     """Where the band comes from, and whether the profile was measured anywhere."""
+    if profile.measured_runs:
+        return f"leave-one-out over {profile.measured_runs} trial(s) on {profile.measured_on}"
+    published = "the model's median error on published runs"
     if profile.measured_on:
-        return f"calibrated on {profile.measured_runs} trial(s) on {profile.measured_on}"
-    return ("the model's median error on published runs; this profile's coefficients were never "
-            "measured: --measure refits them here")
+        return (f"{published}; coefficients measured on {profile.measured_on}, the band not: "
+                "--measure --top 3 refits it from trials")
+    return (f"{published}; this profile's coefficients were never measured: dsforge calibrate, "
+            "or --measure, measures them here")
 
 
 def _row(rank: int, r: Ranked) -> tuple:

@@ -21,11 +21,6 @@ from dsforge.search.profile import ClusterProfile
 
 GB = 1e9
 _GEMM_KNEE = 256.0
-# fp32 training: Adam alone, no 16-bit wrapper: it streams fp32 master weights, momentum and
-# variance (read and write: 24 bytes) and the fp32 gradient (read: 4), a fused multi-tensor
-# Adam at about 80% of the bandwidth. Not measured on a GPU yet; 16-bit training's step is
-# the profile's measured optimizer_bytes_per_param.
-_FP32_ADAM_BYTES = 28 / 0.8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +203,7 @@ def _optimizer_seconds(resolved: Resolved, worst, profile: ClusterProfile) -> fl
     lay, recipe = resolved.layout, resolved.recipe
     sharded = recipe.zero.stage >= 1
     params = worst.dense / (lay.dp if sharded else 1) + worst.expert / (lay.edp if sharded else 1)
-    per_param = (_FP32_ADAM_BYTES if recipe.train.precision == "fp32"
+    per_param = (profile.optimizer_bytes_per_param_fp32 if recipe.train.precision == "fp32"
                  else profile.optimizer_bytes_per_param)
     return profile.optimizer_fixed_s + params * per_param / profile.gpu.memory_bandwidth
 

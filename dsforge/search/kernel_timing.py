@@ -25,17 +25,19 @@ class Gemm:
     count: int  # how many a step runs per microbatch (layers, or 1 for the output layer)
 
 
-def model_gemms(model, tokens: int, divisor: int = 1) -> list[Gemm]:
-    """The products of one microbatch through the model (dsforge's Llama-style layer)."""
+def model_gemms(model, tokens: int, divisor: int = 1, tp: int = 1) -> list[Gemm]:
+    """The products of one microbatch through the model (dsforge's Llama-style layer), on one
+    of `tp` tensor-parallel ranks: column-parallel outputs (QKV, fc1, the vocabulary) and
+    row-parallel inputs (proj, fc2) divided by tp."""
     h, ffn, d = model.hidden_size // divisor, model.ffn_hidden_size // divisor, max(model.head_dim // divisor, 1)
     heads, groups = model.num_attention_heads, model.query_groups
     vocab = max(model.vocab_size // divisor, 1)
     layers = model.num_layers
-    return [Gemm("qkv", tokens, h, (heads + 2 * groups) * d, layers),
-            Gemm("proj", tokens, heads * d, h, layers),
-            Gemm("fc1", tokens, h, 2 * ffn, layers),
-            Gemm("fc2", tokens, ffn, h, layers),
-            Gemm("logits", tokens, h, vocab, 1)]
+    return [Gemm("qkv", tokens, h, (heads + 2 * groups) * d // tp, layers),
+            Gemm("proj", tokens, heads * d // tp, h, layers),
+            Gemm("fc1", tokens, h, 2 * ffn // tp, layers),
+            Gemm("fc2", tokens, ffn // tp, h, layers),
+            Gemm("logits", tokens, h, vocab // tp, 1)]
 
 
 def median_seconds(fn, device: torch.device, reps: int, warmup: int) -> float:

@@ -63,6 +63,10 @@ class ClusterProfile:
     # (benchmarks/search/kit_phases.md).
     optimizer_bytes_per_param: float = 109.0
     optimizer_fixed_s: float = 0.008
+    # fp32 training: Adam alone, no 16-bit wrapper: it streams fp32 master weights, momentum
+    # and variance (read and write: 24 bytes) and the fp32 gradient (read: 4), a fused
+    # multi-tensor Adam at about 80% of the bandwidth. Not measured on a GPU yet.
+    optimizer_bytes_per_param_fp32: float = 28 / 0.8
     # A fixed cost per microbatch and layer on the busiest rank: launching a layer's kernels
     # from Python, which short kernels cannot hide (the 1B's forward on an H200: ~31 ms a
     # microbatch more at micro-batch 1 than 2). 0 until a calibration measures it
@@ -126,6 +130,7 @@ class ProfileFile:
     p2p_latency_s: float | None = None
     optimizer_bytes_per_param: float | None = None
     optimizer_fixed_s: float | None = None
+    optimizer_bytes_per_param_fp32: float | None = None
     microbatch_layer_s: float | None = None
     zero3_gather_layer_s: float | None = None
     measured_on: str | None = None
@@ -154,6 +159,7 @@ _RANGES = {
     "p2p_latency_s": (lambda v: v >= 0, ">= 0"),
     "optimizer_bytes_per_param": (lambda v: v > 0, "> 0"),
     "optimizer_fixed_s": (lambda v: v >= 0, ">= 0"),
+    "optimizer_bytes_per_param_fp32": (lambda v: v > 0, "> 0"),
     "microbatch_layer_s": (lambda v: v >= 0, ">= 0"),
     "zero3_gather_layer_s": (lambda v: v >= 0, ">= 0"),
     "measured_on": (lambda v: True, "any text"),

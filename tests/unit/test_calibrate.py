@@ -94,3 +94,48 @@ def test_the_fixed_and_gather_terms_in_the_step_time():
     assert t.fixed == pytest.approx(layers * 0.001)
     assert t.gathers == pytest.approx(3 * layers * 0.002)  # forward, backward, recompute
     assert step_time(_layout("train.micro_batch=2"), profile).gathers == 0.0
+
+
+def test_model_gemms_divide_the_parallel_widths_by_tp():
+    from dsforge.search.kernel_timing import model_gemms
+
+    m = _layout().recipe.model
+    one, two = model_gemms(m, 4096), model_gemms(m, 4096, tp=2)
+    assert [(g.name, g.k, g.n // 2) for g in one if g.name in ("qkv", "fc1", "logits")] == \
+        [(g.name, g.k, g.n) for g in two if g.name in ("qkv", "fc1", "logits")]
+    assert [(g.name, g.k // 2, g.n) for g in one if g.name in ("proj", "fc2")] == \
+        [(g.name, g.k, g.n) for g in two if g.name in ("proj", "fc2")]
+
+
+def test_dsforge_calibrate_writes_a_profile_the_search_reads(tmp_path):
+    """Its own process: DeepSpeed's engine for the optimizer step needs a process group."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "cpu.yaml"
+    done = subprocess.run([sys.executable, "-m", "dsforge", "calibrate", "recipes/tiny.yaml",
+                           "--set", "parallel.dp=1", "--world-size", "1", "--reps", "2",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "WARNING" not in done.stderr  # DeepSpeed's lines are not the command's
+    written = read_profile(out)
+    assert written.measured_on.startswith("cpu (") and written.measured_runs == 0
+    assert 0 < written.compute_efficiency < 0.01  # a CPU's fp32 GEMMs against an H100's peak
+    assert written.optimizer_bytes_per_param_fp32 > 0 and written.optimizer_fixed_s >= 0
+    assert written.optimizer_bytes_per_param == 109.0  # an fp32 recipe measures the fp32 step
+    assert "GEMMs at tiny's shapes" in out.read_text() and "wrote" in done.stdout
+    searched = subprocess.run([sys.executable, "-m", "dsforge", "plan", "--search", "recipes/tiny.yaml",
+                               "--gpus", "1", "--profile", str(out)], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+    assert searched.returncode == 0, searched.stderr[-3000:]
+    assert f"coefficients measured on {written.measured_on}, the band not" in searched.stdout
+
+
+def test_dsforge_calibrate_refuses_a_bad_recipe_before_measuring(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "dsforge", "calibrate", "recipes/tiny.yaml",
+                           "--world-size", "1", "--out", str(tmp_path / "x.yaml")], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "[Y4]" in done.stderr and not (tmp_path / "x.yaml").exists()

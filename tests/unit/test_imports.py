@@ -247,7 +247,7 @@ def test_the_layer_check_sees_upward_and_sideways_imports():
 
 
 def test_the_cli_stays_thin():
-    """cli.py gathers options and hands them on (docs/architecture.md): under 300 lines, and
+    """cli.py gathers options and hands them on (docs/architecture.md): under 320 lines, and
     `dsforge run`'s command body under 25 (its policy lives in launch/entry.py)."""
     import ast
     import inspect
@@ -255,7 +255,7 @@ def test_the_cli_stays_thin():
     from dsforge import cli
 
     source = inspect.getsource(cli)
-    assert len(source.splitlines()) < 300
+    assert len(source.splitlines()) < 320
     run = next(node for node in ast.parse(source).body
                if isinstance(node, ast.FunctionDef) and node.name == "run")
     assert run.end_lineno - run.lineno + 1 < 25

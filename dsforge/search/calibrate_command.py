@@ -1,0 +1,180 @@
+"""`dsforge calibrate RECIPE --out PROFILE`: a --profile file measured on this machine's device
+at RECIPE's shapes, term by term (docs/search.md "Calibration").
+
+- GEMMs: each of a layer's matrix products and the output layer's, at the recipe's microbatch
+  of tokens and tensor-parallel widths, in the three passes of training, in its precision. Their
+  FLOP-weighted rate sets `compute_efficiency`: the cost model's rate at these shapes (peak x
+  efficiency x its two saturation factors) becomes the measured one.
+- The optimizer step: DeepSpeed's engine as dsforge configures it for the recipe (its ZeRO
+  stage, `train.adam_impl`, the wrapper around it), over the parameters of a quarter of the
+  layers and of all of them. The two steps give a fixed cost and a cost per parameter: the
+  optimizer's fixed seconds and bytes per parameter at the GPU's memory bandwidth (the fp32
+  ones for an fp32 recipe).
+- Attention (forward and backward, `model.sdpa_backend`) and the memory bandwidth (a copy) are
+  measured and written beside the profile; the cost model has no term of its own for them yet.
+
+The costs that show only in a whole run (per microbatch, ZeRO-3's gathers) and the band come
+from `dsforge plan --search --measure`, which refits this profile from trials.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import click
+
+from dsforge.files import write_atomic
+from dsforge.hardware import gpu_for_device_name
+from dsforge.recipe.resolve import Resolved
+from dsforge.search.cost import gemm_saturation
+from dsforge.search.profile import ClusterProfile, default_profile, profile_text
+from dsforge.versions import package_versions
+
+CPU_COPY_MIB, GPU_COPY_MIB = 256, 1024
+
+
+def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: str, reps: int) -> None:
+    import torch
+
+    on = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available())
+                      else "cpu")
+    profile = _base_profile(resolved, gpu, on)
+    click.echo(f"calibrating {resolved.recipe.name} on {_device_name(on)} for a "
+               f"{profile.gpu.name} profile", err=True)
+    gemms = gemm_rate(resolved, on, reps)
+    optimizer = optimizer_cost(resolved, on, reps)
+    attention, bandwidth = _side_figures(resolved, on, reps)
+    measured = dataclasses.replace(
+        profile, compute_efficiency=min(1.0, gemms["rate"] / _modelled_rate(resolved, profile, 1.0)),
+        measured_on=f"{_device_name(on)}, {time.strftime('%Y-%m-%d', time.gmtime())}",
+        measured_runs=0, **optimizer_fields(resolved, profile, optimizer))
+    lines = _report(resolved, measured, gemms, optimizer, attention, bandwidth)
+    write_atomic(out, profile_text(measured, "\n".join(lines)))
+    click.echo("\n".join(lines + [f"wrote {out}: use it with dsforge plan --search --profile {out}"]))
+
+
+def _base_profile(resolved: Resolved, gpu: str | None, on) -> ClusterProfile:
+    """The profile of the GPU named, else of the visible one, else of the recipe's cluster."""
+    import torch
+
+    cluster = resolved.recipe.cluster
+    if gpu is None and on.type == "cuda":
+        found = gpu_for_device_name(torch.cuda.get_device_name(on))
+        gpu = found.key if found else None
+    key = gpu or (cluster.gpu if cluster and cluster.gpu else "h100")
+    return default_profile(key, gpus_per_node=cluster.gpus_per_node if cluster else 8)
+
+
+def _device_name(on) -> str:
+    import os
+
+    import torch
+
+    return torch.cuda.get_device_name(on) if on.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+
+
+def _dtype(resolved: Resolved):
+    import torch
+
+    return torch.float32 if resolved.recipe.train.precision == "fp32" else torch.bfloat16
+
+
+def _modelled_rate(resolved: Resolved, profile: ClusterProfile, efficiency: float) -> float:
+    """FLOP/s the cost model gives the recipe's GEMMs at `efficiency` (cost.step_time)."""
+    lay, m = resolved.layout, resolved.recipe.model
+    return (profile.gpu.peak_bf16_flops * efficiency * gemm_saturation(m.hidden_size / lay.tp)
+            * gemm_saturation(lay.micro_batch * resolved.recipe.train.seq_len))
+
+
+def gemm_rate(resolved: Resolved, on, reps: int) -> dict:
+    """The FLOP-weighted rate of one microbatch's products, and each product's passes."""
+    from dsforge.search.kernel_timing import model_gemms, time_gemm
+
+    lay = resolved.layout
+    tokens = lay.micro_batch * resolved.recipe.train.seq_len
+    rows, flops, seconds = [], 0.0, 0.0
+    for g in model_gemms(resolved.recipe.model, tokens, tp=lay.tp):
+        passes = time_gemm(g, on, _dtype(resolved), reps, warmup=2)
+        flops += 3 * g.count * 2.0 * g.m * g.k * g.n
+        seconds += g.count * sum(passes.values())
+        rows.append((g, passes))
+    return {"rate": flops / seconds, "rows": rows}
+
+
+def optimizer_cost(resolved: Resolved, on, reps: int) -> dict:
+    """The step at a quarter of the layers and at all of them: seconds a parameter, fixed
+    seconds (the line through both)."""
+    from dsforge.search.optimizer_timing import init_world, time_optimizer
+
+    _quiet_deepspeed(on)
+    init_world(on)
+    layers = resolved.recipe.model.num_layers
+    small, full = (time_optimizer(resolved, on, reps, layers=n) for n in (max(1, layers // 4), layers))
+    per_param = max(0.0, (full["step_s"] - small["step_s"]) / (full["parameters"] - small["parameters"]))
+    fixed = max(0.0, full["step_s"] - per_param * full["parameters"])
+    return {"per_param_s": per_param, "fixed_s": fixed, "small": small, "full": full}
+
+
+def _quiet_deepspeed(on) -> None:
+    """DeepSpeed's warnings (the accelerator it guessed, its scheduler) are not this command's
+    lines: the accelerator named before DeepSpeed is imported, its logger to errors after."""
+    import logging
+    import os
+
+    if on.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # noqa: F401  (creates its logger)
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def optimizer_fields(resolved: Resolved, profile: ClusterProfile, optimizer: dict) -> dict:
+    """The profile's optimizer fields for the recipe's precision."""
+    per_param = optimizer["per_param_s"] * profile.gpu.memory_bandwidth
+    name = ("optimizer_bytes_per_param_fp32" if resolved.recipe.train.precision == "fp32"
+            else "optimizer_bytes_per_param")
+    return {name: max(per_param, 1e-3), "optimizer_fixed_s": optimizer["fixed_s"]}
+
+
+def _side_figures(resolved: Resolved, on, reps: int) -> tuple[dict, float]:
+    from dsforge.search.kernel_timing import memory_bandwidth, time_attention
+
+    m, lay = resolved.recipe.model, resolved.layout
+    attention = time_attention(m, lay.micro_batch, resolved.recipe.train.seq_len, on,
+                               _dtype(resolved), reps, warmup=2, backends=(m.sdpa_backend,))
+    copy = GPU_COPY_MIB if on.type == "cuda" else CPU_COPY_MIB
+    return attention, memory_bandwidth(on, copy)
+
+
+def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, attention: dict,
+            bandwidth: float) -> list[str]:
+    """What was measured, for the terminal and the profile's comments."""
+    import sys
+
+    versions = ", ".join(f"{k} {v}" for k, v in package_versions().items() if v)
+    [(backend, timed)] = attention["backends"].items()
+    attention_text = (f"{timed['tflops_full_matrix']:.3g} TFLOP/s (full-matrix count)"
+                      if "seconds" in timed else f"no kernel ({timed['error']})")
+    lines = [f"Measured by dsforge calibrate on {profile.measured_on}.",
+             f"Command: dsforge {' '.join(sys.argv[1:])}", f"Versions: {versions}",
+             f"GEMMs at {resolved.recipe.name}'s shapes: {gemms['rate'] / 1e12:.3g} TFLOP/s "
+             f"({gemms['rate'] / profile.gpu.peak_bf16_flops:.3g} of the {profile.gpu.name}'s "
+             f"peak): compute_efficiency {profile.compute_efficiency:.4g}"]
+    for g, passes in gemms["rows"]:
+        lines.append(f"  {g.name} {g.m}x{g.k}x{g.n} (x{g.count}): "
+                     + ", ".join(f"{p} {2 * g.m * g.k * g.n / t / 1e12:.3g}" for p, t in passes.items())
+                     + " TFLOP/s")
+    full, small = optimizer["full"], optimizer["small"]
+    lines += [f"optimizer step ({full['optimizer']}): {small['step_s'] * 1e3:.3g} ms at "
+              f"{small['parameters']:,} parameters, {full['step_s'] * 1e3:.3g} ms at "
+              f"{full['parameters']:,}: {optimizer['fixed_s'] * 1e3:.3g} ms + "
+              f"{optimizer['per_param_s'] * 1e9:.3g} ns a parameter",
+              f"attention ({backend}), forward and backward: {attention_text}; not a term of the "
+              "cost model yet",
+              f"memory bandwidth (a copy): {bandwidth / 1e9:.3g} GB/s; not a term of the cost "
+              "model yet",
+              f"not measured here: the fixed cost per microbatch, ZeRO-3's gathers and the band "
+              f"(+-{profile.prediction_error:.1%} kept): dsforge plan --search --measure refits them"]
+    return lines
