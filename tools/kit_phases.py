@@ -203,3 +203,7 @@ here to the GPU kit's dense runs with each left out in turn. Fitted to all of th
 better than the default profile here (3.2% left out against 2.6% in-sample). The GPU profiles
 dsforge ships keep their defaults, with the fixed and gather terms at 0.
 """
+
+
+if __name__ == "__main__":
+    main()

@@ -2,20 +2,21 @@
 --measure`, docs/search.md "Calibration").
 
 A measured run is a point: its resolved recipe and its median step time. Under the profile the
-prediction splits into terms (cost.StepTime); the refit scales four of them, each >= 0:
+prediction splits into terms (cost.StepTime); the refit scales five of them, each >= 0:
 
     measured ~ a x compute + f x microbatch-layers + g x gathers + b x optimizer
                + c x communication
 
-compute is the GEMM work with the pipeline bubble (the model's one compute rate); the
-microbatch-layers are the microbatches a step times the busiest rank's layers, with their
-share of the bubble (each pays a fixed cost: launching its kernels); gathers are ZeRO-3's
-per-layer parameter fetches (a layer's forward, backward and recompute each fetch it);
-optimizer is the 16-bit optimizer step; communication is every collective and pipeline send
-the model counts. The fit minimises the relative error and takes the terms in that order,
-each only if the points tell it apart from the terms before it (it raises the rank of the
-points' features: layouts that differ only where the model sees no difference determine one
-term, however many they are). A coefficient that would come out negative drops the last term.
+Each term carries its share of the pipeline bubble. compute is the GEMM work (the model's one
+compute rate); the microbatch-layers are the microbatches a step times the busiest rank's
+layers (each pays a fixed cost: launching its kernels); gathers are ZeRO-3's per-layer
+parameter fetches (a layer's forward, backward and recompute each fetch it); optimizer is the
+16-bit optimizer step; communication is every collective and pipeline send the model counts.
+The fit minimises the relative error and takes the terms in that order, each only if the
+points tell it apart from the terms before it (it raises the rank of the points' features:
+layouts that differ only where the model sees no difference determine one term, however
+many they are). A term whose coefficient would come out negative is dropped and the rest
+refitted; compute is never dropped.
 
 The refitted profile: compute_efficiency / a, microbatch_layer_s = f, zero3_gather_layer_s =
 g, the optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With 3 or more points each
@@ -37,7 +38,7 @@ from dsforge.recipe.resolve import Resolved
 from dsforge.search.cost import gather_count, microbatch_layers, step_time
 from dsforge.search.profile import ClusterProfile
 
-TERMS = ("compute", "fixed", "gathers", "optimizer", "communication")  # the order they are fitted in
+TERMS = ("compute", "fixed", "gathers", "optimizer", "communication")  # the order they are fitted
 LEAVE_ONE_OUT_MIN = 3  # points needed for a band from leave-one-out residuals
 
 
@@ -78,9 +79,10 @@ def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
     t = step_time(resolved, unfixed)
     lay = resolved.layout
     bubble = bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
-    communication = t.tp_comm + t.ep_comm + t.pp_comm + t.dp_comm
-    # The bubble scales every term that runs in the pipeline's slots; it goes with compute.
-    return {"compute": t.compute + t.bubble,
+    # The bubble is that share of every term in the pipeline's slots (cost.step_time): with
+    # the fixed and gather terms at 0, what is not compute's share is communication's.
+    communication = t.tp_comm + t.ep_comm + t.pp_comm + t.dp_comm + t.bubble - bubble * t.compute
+    return {"compute": t.compute * (1 + bubble),
             "fixed": microbatch_layers(resolved) * (1 + bubble),
             "gathers": gather_count(resolved) * (1 + bubble),
             "optimizer": t.optimizer, "communication": communication}
@@ -98,19 +100,24 @@ def fit(points: list[Point], profile: ClusterProfile) -> dict[str, float]:
             chosen.append(term)
     coefficients = {"compute": 1.0, "fixed": profile.microbatch_layer_s,
                     "gathers": profile.zero3_gather_layer_s, "optimizer": 1.0, "communication": 1.0}
-    while chosen:
+    while chosen and chosen[0] == "compute":
         # The terms left out keep their coefficients: what they predict leaves the target.
         kept = sum(coefficients[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen)
         x = relative[:, [TERMS.index(t) for t in chosen]]
         solution, *_ = np.linalg.lstsq(x, 1.0 - kept, rcond=None)
-        if all(v >= 0 for v in solution) and solution[0] > 0:
+        negative = [t for t, v in zip(chosen, solution) if v < 0 or (t == "compute" and v == 0)]
+        if not negative:
             return {**coefficients, **{t: float(v) for t, v in zip(chosen, solution)}}
-        chosen = chosen[:-1]
+        # Drop the most negative term (compute last of all: without it nothing is fitted).
+        worst = min((t for t in negative if t != "compute"), default="compute",
+                    key=lambda t: solution[chosen.index(t)])
+        chosen.remove(worst)
     return coefficients
 
 
 def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterProfile:
-    """The profile whose prediction is the fitted one."""
+    """The profile whose prediction is the fitted one, to first order: tensor-parallel traffic
+    hidden behind a GEMM changes with the GEMM's length, and an efficiency above 1 is cut to 1."""
     a, b, c = coefficients["compute"], coefficients["optimizer"], coefficients["communication"]
     return dataclasses.replace(
         profile, compute_efficiency=min(1.0, profile.compute_efficiency / a),

@@ -61,12 +61,35 @@ def test_layouts_the_model_cannot_tell_apart_determine_one_term():
         assert step_time(p.resolved, after).total == pytest.approx(p.measured_s, rel=1e-6)
 
 
-def test_a_term_that_would_come_out_negative_is_dropped():
-    """A machine faster at more microbatches than the model can say: no negative fixed cost."""
-    points = _points(*MB)
+def test_the_term_that_would_come_out_negative_is_the_one_dropped():
+    """A machine faster at more microbatches than the model can say: no negative fixed cost,
+    and the ZeRO-3 gathers (a later term, positive) are still fitted."""
+    points = _points(*MB, *ZERO3)
     points[0] = dataclasses.replace(points[0], measured_s=points[1].measured_s * 0.9)
+    unconstrained = cal.fit(points[1:], H200)  # without the odd point: all three terms
+    assert unconstrained["fixed"] > 0 and unconstrained["gathers"] > 0
     coefficients = cal.fit(points, H200)
-    assert all(v >= 0 for v in coefficients.values())
+    assert coefficients["fixed"] == H200.microbatch_layer_s  # dropped: kept as it was
+    assert coefficients["gathers"] > 0 and coefficients["compute"] > 0
+
+
+def test_with_a_pipeline_the_refitted_profile_predicts_the_fitted_step():
+    """pp 2: the bubble's share of compute goes with compute, its share of the pipeline's
+    sends with communication, as the refitted profile then predicts them."""
+    true = {**TRUE, "gathers": 0.0, "communication": 3.0}
+    profile = dataclasses.replace(H200, inter_node_gbps=0.5, intra_node_gbps=0.5)  # sends matter
+    layouts = [("parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=false",
+                f"train.micro_batch={mb}", *vpp)
+               for mb in (1, 2, 4) for vpp in ((), ("parallel.vpp=2",))]
+    points = []
+    for overrides in layouts:
+        resolved = resolve_file(ONE_B, list(overrides), world_size=2)
+        points.append(cal.Point(" ".join(overrides), resolved,
+                                step_time(resolved, cal.apply(profile, true)).total))
+    calibration = cal.calibrate(points, profile, measured_on="test")
+    assert calibration.coefficients["communication"] == pytest.approx(3.0, rel=1e-6)
+    for row in calibration.rows:
+        assert row.after_s == pytest.approx(row.measured_s, rel=1e-6)
 
 
 def test_too_few_points_keep_the_band_and_say_so():
