@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from dsforge.bench.command import bench_main, report_main
+from dsforge.hardware import GPU_KEYS
 from dsforge.launch.entry import (RunOptions, check_hosts, deepspeed_argv, launch,
                                   launched_rank_job, warn)
 from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
@@ -286,7 +287,8 @@ def report(results, out, peak_tflops):
 @_recipe_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="The profile to write (a --profile file for dsforge plan --search).")
-@click.option("--gpu", help="The GPU the profile plans for [the visible one; on CPU the recipe's].")
+@click.option("--gpu", type=click.Choice(GPU_KEYS),
+              help="The GPU the profile plans for [the visible one; else the recipe's, else h100].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="Where to measure; auto = cuda when a GPU is visible.")
 @click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True)

@@ -177,7 +177,7 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
     # The headline: on an H200 the 7B as shipped (ZeRO-0 without checkpointing at mb 1 and 32
     # sequences, the fastest measured: 55.2% MFU) and the planner's first layout for it, ZeRO-3
     # without checkpointing at mb 1 (118.9 GiB; ZeRO-3's per-module gathers cost the 1B 63% on
-    # one GPU, which the planner does not model yet: issue 23's calibration point), at 8
+    # one GPU, which the default profile does not model: issue 23's calibration point), at 8
     # sequences to fit the command (ZeRO-0 measured 2.87 s a step there).
     # An 80 GB H100 holds no 7B without offload: the 3B as shipped, without checkpointing at
     # mb 1 (the planner's first layout, 60.4 GiB), and at mb 2 (the microbatch lever, 73.0 GiB).

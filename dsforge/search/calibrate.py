@@ -16,7 +16,7 @@ The fit minimises the relative error and takes the terms in that order, each onl
 points tell it apart from the terms before it (it raises the rank of the points' features:
 layouts that differ only where the model sees no difference determine one term, however
 many they are). A term whose coefficient would come out negative is dropped and the rest
-refitted; compute is never dropped.
+refitted; compute is never dropped (when it alone comes out negative, the last other term is).
 
 The refitted profile: compute_efficiency / a, microbatch_layer_s = f, zero3_gather_layer_s =
 g, the optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With 3 or more points each
@@ -105,13 +105,15 @@ def fit(points: list[Point], profile: ClusterProfile) -> dict[str, float]:
         kept = sum(coefficients[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen)
         x = relative[:, [TERMS.index(t) for t in chosen]]
         solution, *_ = np.linalg.lstsq(x, 1.0 - kept, rcond=None)
-        negative = [t for t, v in zip(chosen, solution) if v < 0 or (t == "compute" and v == 0)]
-        if not negative:
-            return {**coefficients, **{t: float(v) for t, v in zip(chosen, solution)}}
-        # Drop the most negative term (compute last of all: without it nothing is fitted).
-        worst = min((t for t in negative if t != "compute"), default="compute",
-                    key=lambda t: solution[chosen.index(t)])
-        chosen.remove(worst)
+        value = dict(zip(chosen, (float(v) for v in solution)))
+        negative = [t for t in chosen[1:] if value[t] < 0]
+        if value["compute"] > 0 and not negative:
+            return {**coefficients, **value}
+        if len(chosen) == 1:
+            break  # compute alone comes out <= 0: nothing to fit
+        # Drop the most negative term; when only compute is negative, the terms after it bent
+        # it there, so drop the last of them.
+        chosen.remove(min(negative, key=value.get) if negative else chosen[-1])
     return coefficients
 
 

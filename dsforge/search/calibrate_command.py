@@ -2,14 +2,17 @@
 at RECIPE's shapes, term by term (docs/search.md "Calibration").
 
 - GEMMs: each of a layer's matrix products and the output layer's, at the recipe's microbatch
-  of tokens and tensor-parallel widths, in the three passes of training, in its precision. Their
-  FLOP-weighted rate sets `compute_efficiency`: the cost model's rate at these shapes (peak x
-  efficiency x its two saturation factors) becomes the measured one.
+  of tokens and tensor-parallel widths, in the three passes of training, in its precision, and
+  again at a half and a quarter of the tokens. The rates at the three sizes set
+  `gemm_knee_tokens` (the tokens at which the GEMMs reach half their full rate); the rate at
+  the recipe's microbatch then sets `compute_efficiency`: the cost model's rate at these shapes
+  (peak x efficiency x its two saturation factors) becomes the measured one.
 - The optimizer step: DeepSpeed's engine as dsforge configures it for the recipe (its ZeRO
-  stage, `train.adam_impl`, the wrapper around it), over the parameters of a quarter of the
-  layers and of all of them. The two steps give a fixed cost and a cost per parameter: the
-  optimizer's fixed seconds and bytes per parameter at the GPU's memory bandwidth (the fp32
-  ones for an fp32 recipe).
+  stage, `train.adam_impl`, the wrapper around it), over the parameters of one layer and of
+  as many as fit a fifth of the device (optimizer_sizes; the widths halved for a model too
+  large for that). The two steps give a fixed cost and a cost per parameter: the optimizer's
+  fixed seconds and bytes per parameter at the GPU's memory bandwidth (the fp32 ones for an
+  fp32 recipe).
 - Attention (forward and backward, `model.sdpa_backend`) and the memory bandwidth (a copy) are
   measured and written beside the profile; the cost model has no term of its own for them yet.
 
@@ -46,6 +49,7 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
     gemms = gemm_rate(resolved, on, reps)
     optimizer = optimizer_cost(resolved, on, reps)
     attention, bandwidth = _side_figures(resolved, on, reps)
+    profile = dataclasses.replace(profile, gemm_knee_tokens=gemms["knee"])
     measured = dataclasses.replace(
         profile, compute_efficiency=min(1.0, gemms["rate"] / _modelled_rate(resolved, profile, 1.0)),
         measured_on=f"{_device_name(on)}, {time.strftime('%Y-%m-%d', time.gmtime())}",
@@ -64,6 +68,9 @@ def _base_profile(resolved: Resolved, gpu: str | None, on) -> ClusterProfile:
         found = gpu_for_device_name(torch.cuda.get_device_name(on))
         gpu = found.key if found else None
     key = gpu or (cluster.gpu if cluster and cluster.gpu else "h100")
+    if on.type == "cuda" and gpu is None:
+        click.echo(f"dsforge: {torch.cuda.get_device_name(on)} is not in dsforge's GPU table; the "
+                   f"profile plans for {key} (--gpu chooses)", err=True)
     return default_profile(key, gpus_per_node=cluster.gpus_per_node if cluster else 8)
 
 
@@ -85,48 +92,104 @@ def _modelled_rate(resolved: Resolved, profile: ClusterProfile, efficiency: floa
     """FLOP/s the cost model gives the recipe's GEMMs at `efficiency` (cost.step_time)."""
     lay, m = resolved.layout, resolved.recipe.model
     return (profile.gpu.peak_bf16_flops * efficiency * gemm_saturation(m.hidden_size / lay.tp)
-            * gemm_saturation(lay.micro_batch * resolved.recipe.train.seq_len))
+            * gemm_saturation(lay.micro_batch * resolved.recipe.train.seq_len, profile.gemm_knee_tokens))
+
+
+TOKEN_FRACTIONS = (1, 2, 4)  # the microbatch's tokens, a half and a quarter of them
 
 
 def gemm_rate(resolved: Resolved, on, reps: int) -> dict:
-    """The FLOP-weighted rate of one microbatch's products, and each product's passes."""
+    """The FLOP-weighted rate of one microbatch's products and of a half and a quarter of its
+    tokens, each product's passes at the full microbatch, and the knee that fits the rates:
+    rate(t) = full / (1 + knee / t) is a line in 1/t."""
+    import numpy as np
+
+    tokens = resolved.layout.micro_batch * resolved.recipe.train.seq_len
+    sizes = sorted({max(1, tokens // f) for f in TOKEN_FRACTIONS}, reverse=True)
+    measured = {t: _gemm_rate_at(resolved, on, reps, t) for t in sizes}
+    knee = 0.0
+    if len(sizes) > 1:
+        slope, intercept = np.polyfit([1 / t for t in sizes], [1 / measured[t][0] for t in sizes], 1)
+        knee = max(0.0, float(slope / intercept)) if intercept > 0 else 0.0
+    rate, rows = measured[tokens]
+    return {"rate": rate, "rows": rows, "knee": knee,
+            "rates": {t: measured[t][0] for t in sizes}}
+
+
+def _gemm_rate_at(resolved: Resolved, on, reps: int, tokens: int) -> tuple[float, list]:
     from dsforge.search.kernel_timing import model_gemms, time_gemm
 
-    lay = resolved.layout
-    tokens = lay.micro_batch * resolved.recipe.train.seq_len
     rows, flops, seconds = [], 0.0, 0.0
-    for g in model_gemms(resolved.recipe.model, tokens, tp=lay.tp):
+    for g in model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp):
         passes = time_gemm(g, on, _dtype(resolved), reps, warmup=2)
         flops += 3 * g.count * 2.0 * g.m * g.k * g.n
         seconds += g.count * sum(passes.values())
         rows.append((g, passes))
-    return {"rate": flops / seconds, "rows": rows}
+    return flops / seconds, rows
 
 
 def optimizer_cost(resolved: Resolved, on, reps: int) -> dict:
-    """The step at a quarter of the layers and at all of them: seconds a parameter, fixed
-    seconds (the line through both)."""
+    """The step at one layer and at more (optimizer_sizes): seconds a parameter (the slope
+    between them) and fixed seconds (the line at zero parameters)."""
     from dsforge.search.optimizer_timing import init_world, time_optimizer
 
     _quiet_deepspeed(on)
     init_world(on)
-    layers = resolved.recipe.model.num_layers
-    small, full = (time_optimizer(resolved, on, reps, layers=n) for n in (max(1, layers // 4), layers))
-    per_param = max(0.0, (full["step_s"] - small["step_s"]) / (full["parameters"] - small["parameters"]))
-    fixed = max(0.0, full["step_s"] - per_param * full["parameters"])
-    return {"per_param_s": per_param, "fixed_s": fixed, "small": small, "full": full}
+    divisor, layers = optimizer_sizes(resolved.recipe.model, _parameter_budget(on))
+    small, large = (time_optimizer(resolved, on, reps, divisor=divisor, layers=n) for n in (1, layers))
+    added = large["parameters"] - small["parameters"]
+    per_param = max(0.0, (large["step_s"] - small["step_s"]) / added) if added > 0 else 0.0
+    fixed = max(0.0, large["step_s"] - per_param * large["parameters"])
+    return {"per_param_s": per_param, "fixed_s": fixed, "small": small, "full": large,
+            "divisor": divisor}
+
+
+def optimizer_sizes(model, budget: float) -> tuple[int, int]:
+    """(width divisor, layers) whose parameters stay within `budget`: the recipe's widths
+    where two layers fit, else halved until they do; then as many layers as fit, at least 2
+    and at most the model's. A large model's optimizer step is a memory-bound stream, so its
+    cost a parameter does not need the full model (nor would the full model fit one device)."""
+    from dsforge.search.optimizer_timing import parameter_shapes
+
+    def count(divisor: int, layers: int) -> int:
+        return sum(_numel(shape) for module in parameter_shapes(model, divisor, layers) for shape in module)
+
+    divisor = 1
+    while count(divisor, 2) > budget and model.hidden_size // (2 * divisor) >= 8:
+        divisor *= 2
+    per_layer = count(divisor, 2) - count(divisor, 1)
+    room = int((budget - count(divisor, 0)) // max(per_layer, 1))
+    return divisor, max(2, min(model.num_layers, room))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def _parameter_budget(on) -> float:
+    """Parameters an engine may hold here: a fifth of the GPU's memory at ~18 bytes each
+    (bf16 weights and gradients, fp32 master weights and Adam's two moments); 50M on a CPU,
+    where the step's time, not memory, is the limit."""
+    import torch
+
+    if on.type == "cuda":
+        return torch.cuda.get_device_properties(on).total_memory / 5 / 18
+    return 50e6
 
 
 def _quiet_deepspeed(on) -> None:
     """DeepSpeed's warnings (the accelerator it guessed, its scheduler) are not this command's
     lines: the accelerator named before DeepSpeed is imported, its logger to errors after."""
+    import importlib
     import logging
     import os
 
     if on.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed  # noqa: F401  (creates its logger)
-
+    importlib.import_module("deepspeed")  # which creates its logger
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
 
@@ -161,13 +224,17 @@ def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, att
              f"Command: dsforge {' '.join(sys.argv[1:])}", f"Versions: {versions}",
              f"GEMMs at {resolved.recipe.name}'s shapes: {gemms['rate'] / 1e12:.3g} TFLOP/s "
              f"({gemms['rate'] / profile.gpu.peak_bf16_flops:.3g} of the {profile.gpu.name}'s "
-             f"peak): compute_efficiency {profile.compute_efficiency:.4g}"]
+             f"peak): compute_efficiency {profile.compute_efficiency:.4g}",
+             "  at " + ", ".join(f"{t:,} tokens {r / 1e12:.3g}" for t, r in gemms["rates"].items())
+             + f" TFLOP/s: half the full rate at {profile.gemm_knee_tokens:.3g} tokens "
+             "(gemm_knee_tokens)"]
     for g, passes in gemms["rows"]:
         lines.append(f"  {g.name} {g.m}x{g.k}x{g.n} (x{g.count}): "
                      + ", ".join(f"{p} {2 * g.m * g.k * g.n / t / 1e12:.3g}" for p, t in passes.items())
                      + " TFLOP/s")
     full, small = optimizer["full"], optimizer["small"]
-    lines += [f"optimizer step ({full['optimizer']}): {small['step_s'] * 1e3:.3g} ms at "
+    widths = f", widths / {optimizer['divisor']}" if optimizer["divisor"] > 1 else ""
+    lines += [f"optimizer step ({full['optimizer']}{widths}): {small['step_s'] * 1e3:.3g} ms at "
               f"{small['parameters']:,} parameters, {full['step_s'] * 1e3:.3g} ms at "
               f"{full['parameters']:,}: {optimizer['fixed_s'] * 1e3:.3g} ms + "
               f"{optimizer['per_param_s'] * 1e9:.3g} ns a parameter",

@@ -21,6 +21,7 @@ from dsforge.problems import EXIT_INVALID, Problem, RecipeError, did_you_mean, p
 from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe
 from dsforge.recipe.presets import PRESETS
 from dsforge.schema import Recipe
+from dsforge.search.calibrate import LEAVE_ONE_OUT_MIN
 from dsforge.search.explain import format_duration, zero_pipeline_note
 from dsforge.search.explorer import write_explorer
 from dsforge.search.measure import (measure_top, refit_from_trials, refit_json, render_refit,
@@ -179,12 +180,13 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
 
 def _band_source(profile: ClusterProfile) -> str:
     """Where the band comes from, and whether the profile was measured anywhere."""
-    if profile.measured_runs:
-        return f"leave-one-out over {profile.measured_runs} trial(s) on {profile.measured_on}"
+    if profile.measured_runs >= LEAVE_ONE_OUT_MIN:
+        return f"leave-one-out over {profile.measured_runs} trials on {profile.measured_on}"
     published = "the model's median error on published runs"
     if profile.measured_on:
-        return (f"{published}; coefficients measured on {profile.measured_on}, the band not: "
-                "--measure --top 3 refits it from trials")
+        return (f"{published}; coefficients measured on {profile.measured_on}"
+                + (f" from {profile.measured_runs} trial(s)" if profile.measured_runs else "")
+                + f", the band not: --measure --top {LEAVE_ONE_OUT_MIN} refits it from trials")
     return (f"{published}; this profile's coefficients were never measured: dsforge calibrate, "
             "or --measure, measures them here")
 

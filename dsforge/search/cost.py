@@ -44,8 +44,9 @@ class StepTime:
         return {**asdict(self), "total": self.total}
 
 
-def gemm_saturation(x: float) -> float:
-    return x / (x + _GEMM_KNEE)
+def gemm_saturation(x: float, knee: float = _GEMM_KNEE) -> float:
+    """The share of a GEMM's full rate it reaches at size x: x / (x + knee)."""
+    return x / (x + knee)
 
 
 def _bandwidth(span: int, profile: ClusterProfile) -> float:
@@ -64,7 +65,7 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
     half = 2 if t.precision != "fp32" else 4
     microbatch_tokens = lay.micro_batch * t.seq_len
     efficiency = (profile.compute_efficiency * gemm_saturation(m.hidden_size / lay.tp)
-                  * gemm_saturation(microbatch_tokens))
+                  * gemm_saturation(microbatch_tokens, profile.gemm_knee_tokens))
     flop_rate = profile.gpu.peak_bf16_flops * efficiency
     # The pipeline runs at the pace of its busiest rank (the last: it adds the output layer).
     busiest = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)

@@ -41,6 +41,9 @@ class ClusterProfile:
     intra_node_gbps: float = 360.0  # GB/s per GPU, collective bus bandwidth inside a node
     inter_node_gbps: float = 40.0  # GB/s per GPU across nodes
     compute_efficiency: float = 0.6  # achievable share of peak for the model's GEMMs
+    # Tokens of a microbatch at which its GEMMs reach half their full rate (cost.py
+    # gemm_saturation): 256 for a GPU; `dsforge calibrate` measures it (a CPU's is near 0).
+    gemm_knee_tokens: float = 256.0
     # Headroom: the share of GPU memory the fit keeps free for what the memory model does not
     # count (allocator fragmentation, which the Ultra-Scale Playbook puts at 5-20%, the CUDA
     # context, NCCL and p2p buffers). 10%: the published comparison has 31 runs that trained
@@ -124,6 +127,7 @@ class ProfileFile:
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
     compute_efficiency: float | None = None
+    gemm_knee_tokens: float | None = None
     memory_margin: float | None = None
     prediction_error: float | None = None
     dp_overlap: float | None = None
@@ -153,6 +157,7 @@ _RANGES = {
     "intra_node_gbps": (lambda v: v > 0, "> 0"),
     "inter_node_gbps": (lambda v: v > 0, "> 0"),
     "compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),  # a share of the peak
+    "gemm_knee_tokens": (lambda v: v >= 0, ">= 0"),
     "memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),  # 1 would leave no memory
     "prediction_error": (lambda v: 0 <= v < 1, "in [0, 1)"),  # a band reaching 0 s means nothing
     "dp_overlap": (lambda v: 0 <= v <= 1, "in [0, 1]"),

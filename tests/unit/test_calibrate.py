@@ -162,3 +162,35 @@ def test_dsforge_calibrate_refuses_a_bad_recipe_before_measuring(tmp_path):
                            "--world-size", "1", "--out", str(tmp_path / "x.yaml")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "[Y4]" in done.stderr and not (tmp_path / "x.yaml").exists()
+
+
+def test_the_optimizer_is_timed_at_sizes_that_fit_the_device():
+    from dsforge.recipe.presets import PRESETS
+    from dsforge.schema import ModelConfig
+    from dsforge.search.calibrate_command import optimizer_sizes
+
+    one_b = _layout().recipe.model
+    assert optimizer_sizes(one_b, 50e6 * 1000) == (1, 16)  # all of it fits
+    # 1.2B parameters: the 262M embedding and 15 layers of 61M, widths whole
+    assert optimizer_sizes(one_b, 1.2e9) == (1, 15)
+    llama_70b = ModelConfig(**PRESETS["llama3-70b"])
+    divisor, layers = optimizer_sizes(llama_70b, 80e9 / 5 / 18)  # an 80 GB GPU
+    assert divisor == 4 and 2 <= layers < llama_70b.num_layers
+
+
+def test_a_negative_compute_drops_the_term_that_bent_it():
+    """ZeRO-1 and ZeRO-2 on two GPUs differ, for the model, only in data-parallel traffic
+    (ZeRO-2 reduces every microbatch). Measured 5x apart, the exact two-term fit would make
+    compute negative to let communication explain the gap: communication goes, compute is
+    fitted alone, both predicted between the two measurements."""
+    profile = dataclasses.replace(H200, intra_node_gbps=20.0)
+    two = [resolve_file(ONE_B, [f"zero.stage={z}", "parallel.dp=2", "cluster.gpus_per_node=2",
+                                "train.micro_batch=1"],
+                        world_size=2) for z in (1, 2)]
+    x = [cal.features(r, profile)["communication"] for r in two]
+    assert x[1] > 2 * x[0] > 0  # what makes the exact fit bend compute below 0
+    points = [cal.Point("z1", two[0], 1.0), cal.Point("z2", two[1], 5.0)]
+    coefficients = cal.fit(points, profile)
+    assert coefficients["communication"] == 1.0 and coefficients["compute"] != 1.0
+    after = cal.apply(profile, coefficients)
+    assert all(1.0 < step_time(r, after).total < 5.0 for r in two)
