@@ -144,6 +144,7 @@ def test_dsforge_calibrate_writes_a_profile_the_search_reads(tmp_path):
     written = read_profile(out)
     assert written.measured_on.startswith("cpu (") and written.measured_runs == 0
     assert 0 < written.compute_efficiency < 0.01  # a CPU's fp32 GEMMs against an H100's peak
+    assert written.gemm_knee_tokens < 256  # a CPU's GEMMs do not need a GPU's many tokens
     assert written.optimizer_bytes_per_param_fp32 > 0 and written.optimizer_fixed_s >= 0
     assert written.optimizer_bytes_per_param == 109.0  # an fp32 recipe measures the fp32 step
     assert "GEMMs at tiny's shapes" in out.read_text() and "wrote" in done.stdout
