@@ -154,12 +154,14 @@ def leave_one_out(runs: list[KitRun]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the table under a header to this file")
-    parser.add_argument("--loo", action="store_true", help="also refit the profile (search/calibrate.py), each dense run left out")
+    parser.add_argument("--loo", action="store_true",
+                        help="also refit the profile (search/calibrate.py), each dense run left out")
     args = parser.parse_args()
     runs = kit_runs()
     text = table(runs)
     if args.loo:
-        text += "\n## dsforge's refit (--measure's), each dense run left out in turn\n\n" + leave_one_out(runs)
+        text += ("\n## dsforge's refit (--measure's), each dense run left out in turn\n\n"
+                 + leave_one_out(runs))
     if args.out is None:
         print(text, end="")
         return

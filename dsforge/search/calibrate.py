@@ -19,10 +19,10 @@ many they are). A term whose coefficient would come out negative is dropped and 
 refitted; compute is never dropped (when it alone comes out negative, the last other term is).
 
 The refitted profile: compute_efficiency / a, microbatch_layer_s = f, zero3_gather_layer_s =
-g, the optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With 3 or more points each
-is predicted from a refit without it (leave-one-out); the median of those errors becomes the
-profile's prediction_error, the band `dsforge plan --search` draws and breaks ties with.
-Fewer points keep the band it had.
+g, the optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With
+3 or more points each is predicted from a refit without it (leave-one-out); the median of
+those errors becomes the profile's prediction_error, the band `dsforge plan --search` draws
+and breaks ties with. Fewer points keep the band it had.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def fit(points: list[Point], profile: ClusterProfile) -> dict[str, float]:
     chosen: list[str] = []
     for i, term in enumerate(TERMS):
         columns = [TERMS.index(t) for t in chosen] + [i]
-        if np.linalg.matrix_rank(relative[:, columns], tol=1e-9 * np.abs(relative).max()) == len(columns):
+        tolerance = 1e-9 * np.abs(relative).max()
+        if np.linalg.matrix_rank(relative[:, columns], tol=tolerance) == len(columns):
             chosen.append(term)
     coefficients = {"compute": 1.0, "fixed": profile.microbatch_layer_s,
                     "gathers": profile.zero3_gather_layer_s, "optimizer": 1.0, "communication": 1.0}
@@ -120,7 +121,9 @@ def fit(points: list[Point], profile: ClusterProfile) -> dict[str, float]:
 def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterProfile:
     """The profile whose prediction is the fitted one, to first order: tensor-parallel traffic
     hidden behind a GEMM changes with the GEMM's length, and an efficiency above 1 is cut to 1."""
-    a, b, c = coefficients["compute"], coefficients["optimizer"], coefficients["communication"]
+    a = coefficients["compute"]
+    # A coefficient of exactly 0 would leave a bandwidth or a byte count no profile may hold.
+    b, c = (max(coefficients[t], 1e-6) for t in ("optimizer", "communication"))
     return dataclasses.replace(
         profile, compute_efficiency=min(1.0, profile.compute_efficiency / a),
         microbatch_layer_s=coefficients["fixed"], zero3_gather_layer_s=coefficients["gathers"],

@@ -41,10 +41,12 @@ CPU_COPY_MIB, GPU_COPY_MIB = 256, 1024
 def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: str, reps: int) -> None:
     import torch
 
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: no GPU is visible here; use --device cpu (or auto)")
     on = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available())
                       else "cpu")
     profile = _base_profile(resolved, gpu, on)
-    click.echo(f"calibrating {resolved.recipe.name} on {_device_name(on)} for a "
+    click.echo(f"dsforge: calibrating {resolved.recipe.name} on {_device_name(on)} for a "
                f"{profile.gpu.name} profile", err=True)
     gemms = gemm_rate(resolved, on, reps)
     optimizer = optimizer_cost(resolved, on, reps)
@@ -55,6 +57,7 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
         measured_on=f"{_device_name(on)}, {time.strftime('%Y-%m-%d', time.gmtime())}",
         measured_runs=0, **optimizer_fields(resolved, profile, optimizer))
     lines = _report(resolved, measured, gemms, optimizer, attention, bandwidth)
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, profile_text(measured, "\n".join(lines)))
     click.echo("\n".join(lines + [f"wrote {out}: use it with dsforge plan --search --profile {out}"]))
 
@@ -152,7 +155,8 @@ def optimizer_sizes(model, budget: float) -> tuple[int, int]:
     from dsforge.search.optimizer_timing import parameter_shapes
 
     def count(divisor: int, layers: int) -> int:
-        return sum(_numel(shape) for module in parameter_shapes(model, divisor, layers) for shape in module)
+        modules = parameter_shapes(model, divisor, layers)
+        return sum(_numel(shape) for module in modules for shape in module)
 
     divisor = 1
     while count(divisor, 2) > budget and model.hidden_size // (2 * divisor) >= 8:

@@ -171,8 +171,8 @@ def render_refit(refit: Refit, top: int) -> str:
     for i, r in enumerate(refit.after.ranked[:top], start=1):
         old = before.get(r.shape())
         was = f"{old:.4g}" if old is not None else "-"
-        lines.append(f"  {i}. {r.shape():<46} {was} -> {r.time.total:.4g} s, band {r.band[0]:.4g}-{r.band[1]:.4g} s"
-                     + ("  tie" if r.tied else ""))
+        lines.append(f"  {i}. {r.shape():<46} {was} -> {r.time.total:.4g} s, band "
+                     f"{r.band[0]:.4g}-{r.band[1]:.4g} s" + ("  tie" if r.tied else ""))
     return "\n".join(lines)
 
 
