@@ -30,12 +30,14 @@ import click
 
 from dsforge.files import write_atomic
 from dsforge.hardware import gpu_for_device_name
+from dsforge.problems import EXIT_INVALID
 from dsforge.recipe.resolve import Resolved
 from dsforge.search.cost import gemm_saturation
 from dsforge.search.profile import ClusterProfile, default_profile, profile_text
 from dsforge.versions import package_versions
 
 CPU_COPY_MIB, GPU_COPY_MIB = 256, 1024
+CPU_GEMM_LIMIT_S = 120.0  # what a calibration's GEMMs may take on a CPU before it is refused
 
 
 def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: str, reps: int) -> None:
@@ -45,6 +47,8 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
         raise click.UsageError("--device cuda: no GPU is visible here; use --device cpu (or auto)")
     on = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available())
                       else "cpu")
+    if on.type == "cpu":
+        refuse_a_long_cpu_calibration(resolved, on, reps)
     profile = _base_profile(resolved, gpu, on)
     click.echo(f"dsforge: calibrating {resolved.recipe.name} on {_device_name(on)} for a "
                f"{profile.gpu.name} profile", err=True)
@@ -60,6 +64,27 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, profile_text(measured, "\n".join(lines)))
     click.echo("\n".join(lines + [f"wrote {out}: use it with dsforge plan --search --profile {out}"]))
+
+
+def refuse_a_long_cpu_calibration(resolved: Resolved, on, reps: int) -> None:
+    """A GPU-sized recipe's GEMMs on a CPU take hours: estimated from this CPU's rate at a
+    small product, refused (exit 2) with the fix before anything is measured."""
+    from dsforge.search.kernel_timing import Gemm, model_gemms, time_gemm
+
+    tokens = resolved.layout.micro_batch * resolved.recipe.train.seq_len
+    per_size = sum(3 * 2.0 * g.m * g.k * g.n for g in model_gemms(resolved.recipe.model, tokens,
+                                                                   tp=resolved.layout.tp))
+    flops = per_size * sum(1 / f for f in TOKEN_FRACTIONS) * (reps + GEMM_WARMUP)
+    probe = Gemm("probe", 512, 512, 512, 1)
+    rate = 3 * 2.0 * 512**3 / sum(time_gemm(probe, on, _dtype(resolved), 3, warmup=1).values())
+    seconds = flops / rate
+    if seconds <= CPU_GEMM_LIMIT_S:
+        return
+    click.echo(f"{resolved.recipe.name}: dsforge calibrate on this CPU would spend ~{seconds / 60:.0f} "
+               f"minutes in the recipe's GEMMs ({flops / 1e12:.0f} TFLOP at ~{rate / 1e9:.0f} "
+               f"GFLOP/s). Fix: run it where the recipe trains (a GPU: --device cuda), or on the "
+               "CPU calibrate a CPU-sized recipe (e.g. recipes/tiny.yaml)", err=True)
+    raise SystemExit(EXIT_INVALID)
 
 
 def _base_profile(resolved: Resolved, gpu: str | None, on) -> ClusterProfile:
@@ -99,6 +124,7 @@ def _modelled_rate(resolved: Resolved, profile: ClusterProfile, efficiency: floa
 
 
 TOKEN_FRACTIONS = (1, 2, 4)  # the microbatch's tokens, a half and a quarter of them
+GEMM_WARMUP = 2
 
 
 def gemm_rate(resolved: Resolved, on, reps: int) -> dict:
@@ -124,7 +150,7 @@ def _gemm_rate_at(resolved: Resolved, on, reps: int, tokens: int) -> tuple[float
 
     rows, flops, seconds = [], 0.0, 0.0
     for g in model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp):
-        passes = time_gemm(g, on, _dtype(resolved), reps, warmup=2)
+        passes = time_gemm(g, on, _dtype(resolved), reps, warmup=GEMM_WARMUP)
         flops += 3 * g.count * 2.0 * g.m * g.k * g.n
         seconds += g.count * sum(passes.values())
         rows.append((g, passes))

@@ -195,3 +195,18 @@ def test_a_negative_compute_drops_the_term_that_bent_it():
     assert coefficients["communication"] == 1.0 and coefficients["compute"] != 1.0
     after = cal.apply(profile, coefficients)
     assert all(1.0 < step_time(r, after).total < 5.0 for r in two)
+
+
+def test_a_gpu_sized_calibration_on_a_cpu_is_refused_before_measuring(tmp_path):
+    """The 7B's GEMMs at 4,096 tokens, 50 times each: hours on a CPU. Refused with the fix
+    from the CPU's rate at one small product, in about a second, nothing written."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "7b.yaml"
+    done = subprocess.run([sys.executable, "-m", "dsforge", "calibrate", "recipes/7b_1gpu.yaml",
+                           "--device", "cpu", "--reps", "50", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "dsforge calibrate on this CPU would spend ~" in done.stderr
+    assert "Fix: run it where the recipe trains" in done.stderr and not out.exists()
