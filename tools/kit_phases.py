@@ -128,7 +128,7 @@ def calibration(runs: list[KitRun]):
     could absorb it honestly."""
     dense = [r for r in runs if _resolved(r.recipe).recipe.model.moe is None]
     profile = default_profile(gpu_for_device_name(runs[0].device).key, gpus_per_node=1)
-    points = [Point(r.label, _resolved(r.recipe), r.step_s) for r in dense]
+    points = [Point(r.label, _resolved(r.recipe), r.step_s, r.phases or None) for r in dense]
     return calibrate(points, profile, measured_on=f"{runs[0].device}, 2026-11-26 (the GPU kit)")
 
 

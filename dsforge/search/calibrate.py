@@ -12,6 +12,8 @@ compute rate); the microbatch-layers are the microbatches a step times the busie
 layers (each pays a fixed cost: launching its kernels); gathers are ZeRO-3's per-layer
 parameter fetches (a layer's forward, backward and recompute each fetch it); optimizer is the
 16-bit optimizer step; communication is every collective and pipeline send the model counts.
+Where every point has a step breakdown, the optimizer's coefficient comes from its own phase
+instead (measured over modelled seconds), and the step's fit leaves it out.
 The fit minimises the relative error and takes the terms in that order, each only if the
 points tell it apart from the terms before it (it raises the rank of the points' features:
 layouts that differ only where the model sees no difference determine one term, however
@@ -47,6 +49,7 @@ class Point:
     label: str
     resolved: Resolved
     measured_s: float
+    phases: dict[str, float] | None = None  # the step breakdown's medians, where measured
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,10 @@ def fit(points: list[Point], profile: ClusterProfile) -> dict[str, float]:
             chosen.append(term)
     coefficients = {"compute": 1.0, "fixed": profile.microbatch_layer_s,
                     "gathers": profile.zero3_gather_layer_s, "optimizer": 1.0, "communication": 1.0}
+    measured_optimizer = optimizer_from_breakdowns(points, rows)
+    if measured_optimizer is not None:  # the breakdowns time the optimizer step itself
+        coefficients["optimizer"] = measured_optimizer
+        chosen = [t for t in chosen if t != "optimizer"]
     while chosen and chosen[0] == "compute":
         # The terms left out keep their coefficients: what they predict leaves the target.
         kept = sum(coefficients[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen)
@@ -116,6 +123,16 @@ def fit(points: list[Point], profile: ClusterProfile) -> dict[str, float]:
         # it there, so drop the last of them.
         chosen.remove(min(negative, key=value.get) if negative else chosen[-1])
     return coefficients
+
+
+def optimizer_from_breakdowns(points: list[Point], rows: list[dict[str, float]]) -> float | None:
+    """The optimizer's coefficient from the breakdowns' optimizer phase (measured over the
+    modelled seconds, summed over the points); None unless every point has a breakdown."""
+    if not points or any(p.phases is None or "optimizer" not in p.phases for p in points):
+        return None
+    modelled = sum(r["optimizer"] for r in rows)
+    measured = sum(p.phases["optimizer"] for p in points)
+    return measured / modelled if modelled > 0 and measured > 0 else None
 
 
 def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterProfile:

@@ -44,6 +44,7 @@ class Trial:
     status: str
     reason: str | None
     measured_step_s: float | None
+    breakdown_s: dict[str, float] | None = None  # median seconds per phase of the trial
 
 
 def candidate_overrides(r: Ranked) -> dict[str, object]:
@@ -96,9 +97,10 @@ def measure_top(base: Recipe, result: SearchResult, top: int, out_dir: Path, mea
 
 def _trial(rank: int, candidate: Ranked, store: Store, study: str, key: str) -> Trial:
     row = next(r for r in store.rows() if r.study == study and r.cell == key and r.repeat == 0)
-    step = statistics.median(row.figures["step_times_s"]) if row.status == "ok" and row.figures else None
+    ok = row.status == "ok" and row.figures
+    step = statistics.median(row.figures["step_times_s"]) if ok else None
     return Trial(predicted_rank=rank, candidate=candidate, status=row.status, reason=row.reason,
-                 measured_step_s=step)
+                 measured_step_s=step, breakdown_s=row.figures.get("breakdown_s") if ok else None)
 
 
 def render_trials(trials: list[Trial]) -> str:
@@ -138,7 +140,7 @@ class Refit:
 def refit_from_trials(base: Recipe, result: SearchResult, trials: list, out: Path) -> Refit | None:
     """The profile refitted from the finished trials (search/calibrate.py), written to
     OUT/profile.yaml with where and how it was measured, and the search re-ranked by it."""
-    points = [Point(t.candidate.shape(), t.candidate.resolved, t.measured_step_s)
+    points = [Point(t.candidate.shape(), t.candidate.resolved, t.measured_step_s, t.breakdown_s)
               for t in trials if t.measured_step_s is not None]
     if not points:
         return None

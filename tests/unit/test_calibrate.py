@@ -210,3 +210,22 @@ def test_a_gpu_sized_calibration_on_a_cpu_is_refused_before_measuring(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "dsforge calibrate on this CPU would spend ~" in done.stderr
     assert "Fix: run it where the recipe trains" in done.stderr and not out.exists()
+
+
+def test_the_optimizer_comes_from_the_breakdowns_where_the_steps_cannot_tell_it():
+    """One model size and batch: the step times cannot tell the optimizer from compute, but
+    the breakdowns time it: its coefficient is theirs, and compute is fitted around it."""
+    true = {**TRUE, "optimizer": 2.0}
+    machine = cal.apply(H200, true)
+    points = []
+    for overrides in MB:
+        resolved = _layout(*overrides)
+        timed = step_time(resolved, machine)
+        points.append(cal.Point(" ".join(overrides), resolved, timed.total,
+                                phases={"optimizer": timed.optimizer}))
+    coefficients = cal.fit(points, H200)
+    assert coefficients["optimizer"] == pytest.approx(2.0, rel=1e-9)
+    for term in ("compute", "fixed"):
+        assert coefficients[term] == pytest.approx(true[term], rel=1e-6)
+    without = [dataclasses.replace(p, phases=None) for p in points]
+    assert cal.fit(without, H200)["optimizer"] == 1.0  # the steps alone leave it as it was
