@@ -49,7 +49,7 @@ from dsforge.problems import RecipeError, errors
 from dsforge.recipe import Resolved, resolve_file
 from dsforge.recipe.loader import dump_recipe
 from dsforge.recipe.tiny import tiny_resolved
-from dsforge.translate.kernels import fused_loss
+from dsforge.translate.kernels import predicted_memory
 
 # Exit codes of a launcher whose rank the kernel killed (SIGKILL, usually its OOM killer):
 # the signal as Python reports it, as a shell does (128 + 9), and as DeepSpeed's launcher
@@ -348,11 +348,9 @@ def prediction(resolved: Resolved, step_time: dict | None = None, *, device: str
     (step_time_prediction's keys) added."""
     from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
     from dsforge.estimate.flops import flops_per_token
-    from dsforge.estimate.memory import estimate_memory
 
     r, lay = resolved.recipe, resolved.layout
-    memory = estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=lay,
-                             fused_loss=fused_loss(r.model, tp=lay.tp, device=device))
+    memory = predicted_memory(resolved, device)
     flops = flops_per_token(r.model, r.train.seq_len, r.train.activation_checkpointing)
     return {"memory_bytes": memory.to_dict(), "layout": dataclasses.asdict(lay),
             "bubble_fraction": bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches),

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dsforge.estimate.memory import estimate_memory
 from dsforge.problems import Problem
 from dsforge.recipe import Resolved
 from dsforge.translate.build_env import BuildFacts, build_problems, job_ops
-from dsforge.translate.kernels import fused_loss
+from dsforge.translate.kernels import predicted_memory
 from dsforge.units import MiB, format_bytes
 
 # A CPU rank's own footprint before the model: Python, torch, DeepSpeed and Megatron-Core
@@ -77,9 +76,7 @@ def rank_memory_bytes(resolved: Resolved, device: str) -> float:
     The ZeRO reduce bucket in it is no larger than the rank's gradients (translate sizes it
     so), which a backward fills on the CPU too, where a large allocation is committed page by
     page as it is written."""
-    r = resolved.recipe
-    return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
-                           fused_loss=fused_loss(r.model, tp=resolved.layout.tp, device=device)).total
+    return predicted_memory(resolved, device).total
 
 
 def fit_problems(resolved: Resolved, machine: Machine, *, device: str,

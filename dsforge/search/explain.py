@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from dsforge.estimate.bubble import bubble_fraction
-from dsforge.estimate.memory import estimate_memory
 from dsforge.search.cost import step_time
-from dsforge.translate.kernels import fused_loss
+from dsforge.translate.kernels import predicted_memory
 from dsforge.units import GiB, format_bytes
 
 _NAMES = {"compute": "compute", "tp_comm": "tensor-parallel traffic", "ep_comm": "expert all-to-all",
@@ -135,10 +134,8 @@ def _at_stage(r, stage: int, profile) -> tuple:
     """(recipe, memory, step seconds) of r's layout at another ZeRO stage."""
     recipe = r.resolved.recipe
     other = dataclasses.replace(recipe, zero=dataclasses.replace(recipe.zero, stage=stage))
-    layout = r.resolved.layout
-    memory = estimate_memory(model=recipe.model, train=recipe.train, zero=other.zero, layout=layout,
-                             fused_loss=fused_loss(recipe.model, tp=layout.tp, device="cuda"))
-    return other, memory, step_time(dataclasses.replace(r.resolved, recipe=other), profile).total
+    at_stage = dataclasses.replace(r.resolved, recipe=other)
+    return other, predicted_memory(at_stage, device="cuda"), step_time(at_stage, profile).total
 
 
 def zero_pipeline_note(r, ranked: list, profile) -> str | None:

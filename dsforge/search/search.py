@@ -18,14 +18,14 @@ import time
 from dataclasses import dataclass, field
 
 from dsforge.estimate.flops import flops_per_token
-from dsforge.estimate.memory import MemoryEstimate, estimate_memory
+from dsforge.estimate.memory import MemoryEstimate
 from dsforge.recipe.resolve import Resolved
 from dsforge.schema import ModelConfig, Recipe
 from dsforge.search.cost import StepTime, step_time
 from dsforge.search.explain import with_reasons
 from dsforge.search.profile import ClusterProfile
 from dsforge.search.space import Candidate, Space, enumerate_candidates
-from dsforge.translate.kernels import fused_loss
+from dsforge.translate.kernels import predicted_memory
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,7 @@ class SearchResult:
 
 
 def candidate_memory(candidate: Candidate) -> MemoryEstimate:
-    recipe, layout = candidate.resolved.recipe, candidate.resolved.layout
-    return estimate_memory(model=recipe.model, train=recipe.train, zero=recipe.zero, layout=layout,
-                           fused_loss=fused_loss(recipe.model, tp=layout.tp, device="cuda"))
+    return predicted_memory(candidate.resolved, device="cuda")
 
 
 def evaluate(candidate: Candidate, profile: ClusterProfile, memory: MemoryEstimate | None = None) -> Ranked:

@@ -24,7 +24,9 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from dsforge.estimate.memory import MemoryEstimate, estimate_memory
 from dsforge.problems import Problem
+from dsforge.recipe import Resolved
 from dsforge.schema import ModelConfig
 
 LIGER_PACKAGE = "liger_kernel"
@@ -65,6 +67,14 @@ def fused_loss(model: ModelConfig, *, tp: int, device: str) -> bool:
     if tp != 1 or device != "cuda" or model.kernels == "torch":
         return False  # decided without looking for liger-kernel (a search asks thousands of times)
     return choose_kernels(model, device=device, liger_available=liger_installed()).impl == "liger"
+
+
+def predicted_memory(resolved: Resolved, device: str) -> MemoryEstimate:
+    """The memory model's estimate for the resolved recipe's ranks on `device`, with the loss
+    their kernels compute (fused_loss): the one way every command asks it."""
+    r, lay = resolved.recipe, resolved.layout
+    return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=lay,
+                           fused_loss=fused_loss(r.model, tp=lay.tp, device=device))
 
 
 def device_problems(model: ModelConfig, *, device: str, precision: str,
