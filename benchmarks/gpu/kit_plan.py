@@ -113,7 +113,7 @@ class Measurement:
     about: str
     runs: tuple[RunSpec, ...] = ()
     studies: tuple[StudySpec, ...] = ()
-    script: str | None = None  # "gpu-tests", "gemm" or "adam-step"
+    script: str | None = None  # "gpu-tests", "gemm", "adam-step" or "calibrate"
     estimate: Estimate | None = None  # for a script
     timeout_s: float = 0.0
 
@@ -121,7 +121,7 @@ class Measurement:
 @dataclass(frozen=True, kw_only=True)
 class Step:
     name: str  # unique in a command; names its log file
-    kind: str  # install | env | pytest | gemm | adam | plan | run | bench | report | skip
+    kind: str  # install | env | pytest | gemm | adam | calibrate | plan | run | bench | report | skip
     argv: tuple[str, ...] = ()
     expected_s: float = 0.0
     basis: str = ""  # where expected_s comes from
@@ -221,6 +221,14 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
                                                          "+60 s guessed for 8 engines of 1.2B"),
                 about="the optimizer step alone at the 1B's parameters, per ZeRO stage: torch's "
                       "fused AdamW against DeepSpeed's FusedAdam (JIT-built)"),
+    # Issue 23: a profile measured on the kit's GPU at the 7B's shapes (its GEMMs at three
+    # sizes, DeepSpeed's optimizer step at two), the basis of a shipped H100/H200 profile.
+    Measurement(name="calibrate", script="calibrate", timeout_s=300,
+                estimate=Estimate(60, "guess: 10 s of GEMMs (the gemm measurement's 7 s at one "
+                                      "size, here three) and two optimizer engines of ~30 s"),
+                about="dsforge calibrate recipes/7b_1gpu.yaml on the kit's GPU: the GEMMs' rate "
+                      "and knee, the optimizer step's fixed cost and bytes a parameter, "
+                      "attention, memory bandwidth, as a --profile file"),
     Measurement(name="7b-levers", about="the 7B: the shipped layout at global batch 16; full "
                                         "checkpointing at mb 2 and selective at mb 1, at 8 "
                                         "sequences (H200); with the optimizer offloaded (H100)",
@@ -260,6 +268,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "essential": ("gpu-tests", "anchor", "zero", "moe"),
     "levers": ("gemm", "kernels-1b", "adam-step", "7b-levers", "breakdown-cost"),
     "sweeps": ("mfu-1b", "mfu-3b"),
+    "profiles": ("calibrate",),
 }
 
 
@@ -368,8 +377,10 @@ def setup_steps(ctx: Context) -> list[Step]:
 
 
 def script_step(m: Measurement, ctx: Context) -> Step:
-    argv = {"gpu-tests": _pytest_argv, "gemm": _gemm_argv, "adam-step": _adam_argv}[m.script](ctx)
-    kind = {"gpu-tests": "pytest", "gemm": "gemm", "adam-step": "adam"}[m.script]
+    argv = {"gpu-tests": _pytest_argv, "gemm": _gemm_argv, "adam-step": _adam_argv,
+            "calibrate": _calibrate_argv}[m.script](ctx)
+    kind = {"gpu-tests": "pytest", "gemm": "gemm", "adam-step": "adam",
+            "calibrate": "calibrate"}[m.script]
     return Step(name=m.name, kind=kind, argv=argv, expected_s=m.estimate.seconds,
                 basis=m.estimate.basis, timeout_s=m.timeout_s, measurement=m.name)
 
@@ -393,6 +404,14 @@ def _gemm_argv(ctx: Context) -> tuple[str, ...]:
 def _adam_argv(ctx: Context) -> tuple[str, ...]:
     return (ctx.python, f"{KIT_DIR}/adam_step.py", "--recipe", ONE_B, "--gpu", ctx.gpu,
             "--out", str(ctx.work / "adam_step.json"))
+
+
+CALIBRATED = "profile-7b.yaml"  # in the work folder, archived with it
+
+
+def _calibrate_argv(ctx: Context) -> tuple[str, ...]:
+    return (ctx.python, "-m", "dsforge", "calibrate", SEVEN_B, "--gpu", ctx.gpu, "--out",
+            str(ctx.work / CALIBRATED))
 
 
 def run_steps(spec: RunSpec, measurement: str, ctx: Context) -> list[Step]:

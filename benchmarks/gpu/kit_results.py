@@ -26,7 +26,7 @@ from pathlib import Path
 from dsforge.hardware import gpu_by_key, gpu_for_device_name
 from dsforge.job.metrics_file import PHASES, is_validation
 from dsforge.units import GiB
-from kit_plan import RunSpec, Step, StudySpec, prediction, resolve_run
+from kit_plan import CALIBRATED, RunSpec, Step, StudySpec, prediction, resolve_run
 
 PRECISION_TOLERANCE = 0.05  # |bf16 - fp32| / fp32 of the last-10-step mean loss
 KERNEL_RTOL, KERNEL_ATOL = 1e-2, 1e-3  # Liger's own bf16 loss tolerance (tests/gpu)
@@ -162,6 +162,7 @@ def collect(steps: list[Step], records: dict[str, dict], work: Path, gpu: str) -
               "env": read_json(work / "env.json"), "gemm": read_json(work / "gemm.json"),
               "gpu_tests": junit_counts(work / "gpu-tests.xml"), "precision": precision_row(work),
               "kernels": kernels_row(work), "adam": read_json(work / "adam_step.json"),
+              "profile": calibrated_profile(work),
               "runs": [], "studies": {}}
     for step in steps:
         if step.kind in ("run", "skip") and isinstance(step.spec, RunSpec):
@@ -196,7 +197,7 @@ def _ratio(a, b) -> str:
 def render(result: dict, *, fake: bool = False) -> str:
     sections = [_render_head(result, fake), _render_steps(result), _render_correctness(result),
                 _render_runs(result), _render_breakdown(result), _render_gemm(result),
-                _render_adam(result), _render_studies(result)]
+                _render_adam(result), _render_profile(result), _render_studies(result)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -349,6 +350,17 @@ def _render_adam(result: dict) -> str:
             + "\n".join(lines))
 
 
+def _render_profile(result: dict) -> str:
+    p = result.get("profile")
+    if not p:
+        return ""
+    fields = ("compute_efficiency", "gemm_knee_tokens", "optimizer_bytes_per_param",
+              "optimizer_bytes_per_param_fp32", "optimizer_fixed_s")
+    lines = ["| field | measured |", "|---|---:|"] + [f"| {f} | {p[f]:.4g} |" for f in fields]
+    return (f"### The profile dsforge calibrate measured ({p['measured_on']}, "
+            f"{CALIBRATED}; its comments hold every figure)\n" + "\n".join(lines))
+
+
 def _render_studies(result: dict) -> str:
     out = []
     for label, cells in result["studies"].items():
@@ -393,9 +405,30 @@ def write_fake_inputs(steps: list[Step], work: Path, gpu: str) -> dict[str, dict
             _fake_tests(work)
         elif step.kind == "adam":
             _fake_adam(work, gpu)
+        elif step.kind == "calibrate":
+            _fake_profile(work, gpu)
         if step.kind != "skip":
             records.setdefault(step.name, {"status": "fake", "seconds": step.expected_s})
     return records
+
+
+def calibrated_profile(work: Path) -> dict | None:
+    """The fields of the profile the calibrate step wrote, None where it wrote none."""
+    import dataclasses
+
+    from dsforge.search.profile import read_profile
+
+    path = work / CALIBRATED
+    return dataclasses.asdict(read_profile(path)) if path.is_file() else None
+
+
+def _fake_profile(work: Path, gpu: str) -> None:
+    import dataclasses
+
+    from dsforge.search.profile import default_profile, profile_text
+
+    fake = dataclasses.replace(default_profile(gpu), measured_on="FAKE (dry run)")
+    (work / CALIBRATED).write_text(profile_text(fake, "invented by the dry run"))
 
 
 def _write(path: Path, data) -> None:

@@ -410,3 +410,16 @@ def test_a_run_with_its_own_environment_starts_through_env():
                                           ("env", "DSFORGE_BREAKDOWN=off", "PY", "-m", "dsforge")]
     assert runs[0].argv[5:] == tuple(a.replace("-off", "-on") for a in runs[1].argv[5:])
     assert kit.duplicate_runs() == []  # the same recipe twice, told apart by the environment
+
+
+def test_the_calibrate_step_writes_a_profile_the_table_shows(tmp_path):
+    """Issue 23's profile measured on the kit's GPU: dsforge calibrate at the 7B's shapes for
+    the GPU the kit planned, its profile in the work folder (archived) and in the table."""
+    ctx = kit.Context(gpu="h200", python="PY", work=tmp_path)
+    [step] = [s for s in kit_plan.steps(kit_plan.select(["calibrate"]), ctx) if s.kind == "calibrate"]
+    assert step.argv == ("PY", "-m", "dsforge", "calibrate", "recipes/7b_1gpu.yaml", "--gpu",
+                         "h200", "--out", str(tmp_path / kit_plan.CALIBRATED))
+    kit_results.write_fake_inputs([step], tmp_path, "h200")
+    table = kit_results.render(kit_results.collect([step], {}, tmp_path, "h200"))
+    assert "### The profile dsforge calibrate measured (FAKE (dry run)" in table
+    assert "| gemm_knee_tokens | 256 |" in table
