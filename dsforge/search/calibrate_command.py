@@ -131,18 +131,23 @@ def gemm_rate(resolved: Resolved, on, reps: int) -> dict:
     """The FLOP-weighted rate of one microbatch's products and of a half and a quarter of its
     tokens, each product's passes at the full microbatch, and the knee that fits the rates:
     rate(t) = full / (1 + knee / t) is a line in 1/t."""
-    import numpy as np
-
     tokens = resolved.layout.micro_batch * resolved.recipe.train.seq_len
     sizes = sorted({max(1, tokens // f) for f in TOKEN_FRACTIONS}, reverse=True)
     measured = {t: _gemm_rate_at(resolved, on, reps, t) for t in sizes}
-    knee = 0.0
-    if len(sizes) > 1:
-        slope, intercept = np.polyfit([1 / t for t in sizes], [1 / measured[t][0] for t in sizes], 1)
-        knee = max(0.0, float(slope / intercept)) if intercept > 0 else 0.0
+    rates = {t: measured[t][0] for t in sizes}
     rate, rows = measured[tokens]
-    return {"rate": rate, "rows": rows, "knee": knee,
-            "rates": {t: measured[t][0] for t in sizes}}
+    return {"rate": rate, "rows": rows, "knee": knee_of(rates), "rates": rates}
+
+
+def knee_of(rates: dict[int, float]) -> float:
+    """The knee k of rate(t) = full / (1 + k / t) that fits rates at token counts t (least
+    squares on 1 / rate, a line in 1 / t); 0 where the rate does not fall with fewer tokens."""
+    import numpy as np
+
+    if len(rates) < 2:
+        return 0.0
+    slope, intercept = np.polyfit([1 / t for t in rates], [1 / r for r in rates.values()], 1)
+    return max(0.0, float(slope / intercept)) if intercept > 0 else 0.0
 
 
 def _gemm_rate_at(resolved: Resolved, on, reps: int, tokens: int) -> tuple[float, list]:

@@ -144,7 +144,6 @@ def test_dsforge_calibrate_writes_a_profile_the_search_reads(tmp_path):
     written = read_profile(out)
     assert written.measured_on.startswith("cpu (") and written.measured_runs == 0
     assert 0 < written.compute_efficiency < 0.01  # a CPU's fp32 GEMMs against an H100's peak
-    assert written.gemm_knee_tokens < 256  # a CPU's GEMMs do not need a GPU's many tokens
     assert written.optimizer_bytes_per_param_fp32 > 0 and written.optimizer_fixed_s >= 0
     assert written.optimizer_bytes_per_param == 109.0  # an fp32 recipe measures the fp32 step
     assert "GEMMs at tiny's shapes" in out.read_text() and "wrote" in done.stdout
@@ -229,3 +228,15 @@ def test_the_optimizer_comes_from_the_breakdowns_where_the_steps_cannot_tell_it(
         assert coefficients[term] == pytest.approx(true[term], rel=1e-6)
     without = [dataclasses.replace(p, phases=None) for p in points]
     assert cal.fit(without, H200)["optimizer"] == 1.0  # the steps alone leave it as it was
+
+
+def test_the_gemm_knee_is_fitted_from_the_rates_at_three_sizes():
+    from dsforge.search.calibrate_command import knee_of
+
+    def rate(tokens, knee=300.0, full=700e12):
+        return full / (1 + knee / tokens)
+
+    assert knee_of({t: rate(t) for t in (4096, 2048, 1024)}) == pytest.approx(300.0, rel=1e-9)
+    assert knee_of({t: 5e11 for t in (512, 256, 128)}) == pytest.approx(0.0, abs=1e-6)
+    assert knee_of({512: 5e11, 256: 6e11, 128: 7e11}) == 0.0  # faster with fewer tokens: no knee
+    assert knee_of({4096: 7e14}) == 0.0
