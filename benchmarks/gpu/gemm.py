@@ -45,7 +45,7 @@ def measure_model(recipe: str, device: torch.device, dtype: torch.dtype,
     rows, flops, seconds = [], 0.0, 0.0
     for g in model_gemms(model, tokens, divisor):
         passes = time_gemm(g, device, dtype, reps, warmup)
-        per_pass = 2.0 * g.m * g.k * g.n
+        per_pass = g.flops
         for name, t in passes.items():
             rows.append({"gemm": g.name, "pass": name, "m": g.m, "k": g.k, "n": g.n,
                          "count": g.count, "seconds": t, "tflops": per_pass / t / 1e12})

@@ -23,7 +23,6 @@ from `dsforge plan --search --measure`, which refits this profile from trials.
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import click
@@ -33,8 +32,8 @@ from dsforge.hardware import gpu_for_device_name
 from dsforge.problems import EXIT_INVALID
 from dsforge.recipe.resolve import Resolved
 from dsforge.search.cost import gemm_saturation
-from dsforge.search.profile import ClusterProfile, default_profile, profile_text
-from dsforge.versions import package_versions
+from dsforge.search.kernel_timing import device_name, measured_on
+from dsforge.search.profile import ClusterProfile, default_profile, profile_text, provenance_lines
 
 CPU_COPY_MIB, GPU_COPY_MIB = 256, 1024
 CPU_GEMM_LIMIT_S = 120.0  # what a calibration's GEMMs may take on a CPU before it is refused
@@ -50,7 +49,7 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
     if on.type == "cpu":
         refuse_a_long_cpu_calibration(resolved, on, reps)
     profile = _base_profile(resolved, gpu, on)
-    click.echo(f"dsforge: calibrating {resolved.recipe.name} on {_device_name(on)} for a "
+    click.echo(f"dsforge: calibrating {resolved.recipe.name} on {device_name(on)} for a "
                f"{profile.gpu.name} profile", err=True)
     gemms = gemm_rate(resolved, on, reps)
     optimizer = optimizer_cost(resolved, on, reps)
@@ -58,7 +57,7 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
     profile = dataclasses.replace(profile, gemm_knee_tokens=gemms["knee"])
     measured = dataclasses.replace(
         profile, compute_efficiency=min(1.0, gemms["rate"] / _modelled_rate(resolved, profile, 1.0)),
-        measured_on=f"{_device_name(on)}, {time.strftime('%Y-%m-%d', time.gmtime())}",
+        measured_on=measured_on(on),
         measured_runs=0, **optimizer_fields(resolved, profile, optimizer))
     lines = _report(resolved, measured, gemms, optimizer, attention, bandwidth)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -72,11 +71,11 @@ def refuse_a_long_cpu_calibration(resolved: Resolved, on, reps: int) -> None:
     from dsforge.search.kernel_timing import Gemm, model_gemms, time_gemm
 
     tokens = resolved.layout.micro_batch * resolved.recipe.train.seq_len
-    per_size = sum(3 * 2.0 * g.m * g.k * g.n for g in model_gemms(resolved.recipe.model, tokens,
-                                                                   tp=resolved.layout.tp))
+    gemms = model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp)
+    per_size = sum(3 * g.flops for g in gemms)
     flops = per_size * sum(1 / f for f in TOKEN_FRACTIONS) * (reps + GEMM_WARMUP)
     probe = Gemm("probe", 512, 512, 512, 1)
-    rate = 3 * 2.0 * 512**3 / sum(time_gemm(probe, on, _dtype(resolved), 3, warmup=1).values())
+    rate = 3 * probe.flops / sum(time_gemm(probe, on, _dtype(resolved), 3, warmup=1).values())
     seconds = flops / rate
     if seconds <= CPU_GEMM_LIMIT_S:
         return
@@ -100,14 +99,6 @@ def _base_profile(resolved: Resolved, gpu: str | None, on) -> ClusterProfile:
         click.echo(f"dsforge: {torch.cuda.get_device_name(on)} is not in dsforge's GPU table; the "
                    f"profile plans for {key} (--gpu chooses)", err=True)
     return default_profile(key, gpus_per_node=cluster.gpus_per_node if cluster else 8)
-
-
-def _device_name(on) -> str:
-    import os
-
-    import torch
-
-    return torch.cuda.get_device_name(on) if on.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
 
 
 def _dtype(resolved: Resolved):
@@ -156,7 +147,7 @@ def _gemm_rate_at(resolved: Resolved, on, reps: int, tokens: int) -> tuple[float
     rows, flops, seconds = [], 0.0, 0.0
     for g in model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp):
         passes = time_gemm(g, on, _dtype(resolved), reps, warmup=GEMM_WARMUP)
-        flops += 3 * g.count * 2.0 * g.m * g.k * g.n
+        flops += 3 * g.count * g.flops
         seconds += g.count * sum(passes.values())
         rows.append((g, passes))
     return flops / seconds, rows
@@ -249,14 +240,10 @@ def _side_figures(resolved: Resolved, on, reps: int) -> tuple[dict, float]:
 def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, attention: dict,
             bandwidth: float) -> list[str]:
     """What was measured, for the terminal and the profile's comments."""
-    import sys
-
-    versions = ", ".join(f"{k} {v}" for k, v in package_versions().items() if v)
     [(backend, timed)] = attention["backends"].items()
     attention_text = (f"{timed['tflops_full_matrix']:.3g} TFLOP/s (full-matrix count)"
                       if "seconds" in timed else f"no kernel ({timed['error']})")
-    lines = [f"Measured by dsforge calibrate on {profile.measured_on}.",
-             f"Command: dsforge {' '.join(sys.argv[1:])}", f"Versions: {versions}",
+    lines = provenance_lines("Measured by dsforge calibrate", profile.measured_on) + [
              f"GEMMs at {resolved.recipe.name}'s shapes: {gemms['rate'] / 1e12:.3g} TFLOP/s "
              f"({gemms['rate'] / profile.gpu.peak_bf16_flops:.3g} of the {profile.gpu.name}'s "
              f"peak): compute_efficiency {profile.compute_efficiency:.4g}",
@@ -265,7 +252,7 @@ def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, att
              "(gemm_knee_tokens)"]
     for g, passes in gemms["rows"]:
         lines.append(f"  {g.name} {g.m}x{g.k}x{g.n} (x{g.count}): "
-                     + ", ".join(f"{p} {2 * g.m * g.k * g.n / t / 1e12:.3g}" for p, t in passes.items())
+                     + ", ".join(f"{p} {g.flops / t / 1e12:.3g}" for p, t in passes.items())
                      + " TFLOP/s")
     full, small = optimizer["full"], optimizer["small"]
     widths = f", widths / {optimizer['divisor']}" if optimizer["divisor"] > 1 else ""

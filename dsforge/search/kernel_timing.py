@@ -24,6 +24,11 @@ class Gemm:
     n: int  # output features
     count: int  # how many a step runs per microbatch (layers, or 1 for the output layer)
 
+    @property
+    def flops(self) -> float:
+        """FLOPs of one pass (forward, input gradient or weight gradient): 2 m k n."""
+        return 2.0 * self.m * self.k * self.n
+
 
 def model_gemms(model, tokens: int, divisor: int = 1, tp: int = 1) -> list[Gemm]:
     """The products of one microbatch through the model (dsforge's Llama-style layer), on one
@@ -105,6 +110,20 @@ def time_attention(model, micro_batch: int, seq: int, device, dtype, reps: int, 
         timed[name] = {"seconds": seconds, "tflops_full_matrix": flops / seconds / 1e12}
     return {"shape_sbhd": [seq, micro_batch, heads, d], "kv_heads": groups,
             "flops_full_matrix": flops, "backends": timed}
+
+
+def device_name(device: torch.device) -> str:
+    """What a measurement on `device` was made on: the GPU's name, or the CPU and its cores."""
+    import os
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def measured_on(device: torch.device) -> str:
+    """The device and today's date: what a measured profile is true of (its `measured_on`)."""
+    return f"{device_name(device)}, {time.strftime('%Y-%m-%d', time.gmtime())}"
 
 
 def memory_bandwidth(device: torch.device, megabytes: int, reps: int = 5) -> float:

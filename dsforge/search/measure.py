@@ -15,10 +15,7 @@ profile's GPU (e.g. a tiny model on CPU) the refitted predictions are of this ma
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,9 +29,8 @@ from dsforge.recipe.loader import dump_recipe
 from dsforge.schema import Recipe
 from dsforge.search.calibrate import Calibration, Point, calibrate
 from dsforge.search.calibrate import render as render_calibration
-from dsforge.search.profile import profile_text
+from dsforge.search.profile import profile_text, provenance_lines
 from dsforge.search.search import Ranked, SearchResult, search
-from dsforge.versions import package_versions
 
 
 @dataclass(frozen=True)
@@ -151,19 +147,19 @@ def refit_from_trials(base: Recipe, result: SearchResult, trials: list, out: Pat
 
 
 def measured_on() -> str:
-    """The device the trials ran on and the date: what a refitted profile is true of."""
+    """The device the trials ran on (a GPU where one is visible) and the date."""
     import torch
 
-    device = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
-              else f"cpu ({os.cpu_count()} cores)")
-    return f"{device}, {time.strftime('%Y-%m-%d', time.gmtime())}"
+    from dsforge.search.kernel_timing import measured_on as on_device
+
+    return on_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def provenance(calibration: Calibration) -> str:
-    versions = ", ".join(f"{k} {v}" for k, v in package_versions().items() if v)
-    return (f"Refitted by dsforge plan --search --measure on {calibration.after.measured_on}.\n"
-            f"Command: dsforge {' '.join(sys.argv[1:])}\nVersions: {versions}\n"
-            f"Use it with --profile; it is true of this machine.\n\n{render_calibration(calibration)}")
+    lines = provenance_lines("Refitted by dsforge plan --search --measure",
+                             calibration.after.measured_on)
+    return "\n".join(lines + ["Use it with --profile; it is true of this machine.", "",
+                               render_calibration(calibration)])
 
 
 def render_refit(refit: Refit, top: int) -> str:

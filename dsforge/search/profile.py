@@ -209,6 +209,18 @@ def profile_text(profile: ClusterProfile, comment: str) -> str:
     return header + yaml.safe_dump(fields, sort_keys=False)
 
 
+def provenance_lines(made_by: str, measured_on: str) -> list[str]:
+    """The first comment lines of a measured profile: what made it where, the command, the
+    versions of the packages that measured it."""
+    import sys
+
+    from dsforge.versions import package_versions
+
+    versions = ", ".join(f"{k} {v}" for k, v in package_versions().items() if v)
+    return [f"{made_by} on {measured_on}.", f"Command: dsforge {' '.join(sys.argv[1:])}",
+            f"Versions: {versions}"]
+
+
 def read_profile(path: Path) -> ProfileFile:
     """The file strictly read (RecipeError with every problem, each naming the file)."""
     if not path.is_file():
