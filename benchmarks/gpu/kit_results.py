@@ -90,7 +90,8 @@ def run_row(spec: RunSpec, record: dict, work: Path, gpu: str) -> dict:
         row.update(step_s=summary["median_step_time_s"], tokens_per_s_per_gpu=per_gpu,
                    mfu=summary["median_mfu"], hfu=statistics.median(hfus) if hfus else None,
                    mfu_kempnerforge=per_gpu * kf / peak if peak and kf else None,
-                   final_loss=summary["final_loss"], breakdown_s=summary.get("median_breakdown_s"))
+                   final_loss=summary["final_loss"], breakdown_s=summary.get("median_breakdown_s"),
+                   startup_s=summary.get("startup_s"))
     return row
 
 
@@ -196,7 +197,8 @@ def _ratio(a, b) -> str:
 
 def render(result: dict, *, fake: bool = False) -> str:
     sections = [_render_head(result, fake), _render_steps(result), _render_correctness(result),
-                _render_runs(result), _render_breakdown(result), _render_gemm(result),
+                _render_runs(result), _render_breakdown(result), _render_startup(result),
+                _render_gemm(result),
                 _render_adam(result), _render_profile(result), _render_studies(result)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
@@ -302,6 +304,22 @@ def _render_breakdown(result: dict) -> str:
             "docs/breakdown.md)\n" + "\n".join(lines))
 
 
+def _render_startup(result: dict) -> str:
+    """Each run's seconds from `dsforge run` to its first step, by phase (summary.json
+    `startup_s`, dsforge/runtime/startup.py), where the run recorded them."""
+    rows = [(r["label"], r["startup_s"]) for r in result["runs"] if r.get("startup_s")]
+    if not rows:
+        return ""
+    names = list(dict.fromkeys(name for _, phases in rows for name in phases))
+    lines = ["| run | start-up s | " + " | ".join(names) + " |",
+             "|---|---:|" + "---:|" * len(names)]
+    for label, phases in rows:
+        cells = [_num(phases.get(name), ".1f") for name in names]
+        lines.append(f"| {label} | {sum(phases.values()):.1f} | " + " | ".join(cells) + " |")
+    return ("### Start-up: seconds from `dsforge run` to the first step (docs/breakdown.md)\n"
+            + "\n".join(lines))
+
+
 def _phase(seconds, step) -> str:
     if seconds is None:
         return "-"
@@ -389,6 +407,8 @@ FAKE_MFU = 0.40  # the invented runs' MFU
 FAKE_ALLOCATED_SHARE = 0.9  # invented allocated / predicted
 # An invented split of each step over the phases (shares of the step; the rest is "other").
 FAKE_PHASE_SHARES = {"forward": 0.3, "backward": 0.45, "recompute": 0.1, "optimizer": 0.05}
+FAKE_STARTUP_S = {"launch": 4.0, "setup": 3.0, "data": 0.0, "distributed": 8.0, "model": 2.0,
+                  "weights": 1.0, "engine": 5.0}  # invented start-up phases, seconds
 
 
 def write_fake_inputs(steps: list[Step], work: Path, gpu: str) -> dict[str, dict]:
@@ -467,7 +487,7 @@ def _fake_run(spec: RunSpec, work: Path, gpu: str) -> dict:
     tokens = resolved.layout.global_batch * resolved.recipe.train.seq_len
     for record in _fake_records(predicted, tokens, gpu_by_key(gpu).peak_bf16_flops, allocated):
         writer.write(record)
-    _write(run_dir / "summary.json", writer.summary())
+    _write(run_dir / "summary.json", {**writer.summary(), "startup_s": dict(FAKE_STARTUP_S)})
     _write(run_dir / "ranks" / "rank00000.json", {"rank": 0, "peak_memory_bytes": allocated,
                                                    "memory_source": "FAKE"})
     _write(run_dir / "manifest.json", {"device": {"type": "cuda", "name": gpu_by_key(gpu).name}})

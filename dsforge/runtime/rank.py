@@ -33,6 +33,7 @@ from dsforge.runtime.guard.preempt import Stopped, StopRequest
 from dsforge.runtime.guard.record import record_for
 from dsforge.runtime.guard.supervise import run_supervised
 from dsforge.runtime.guard.watchdog import Watchdog
+from dsforge.runtime.startup import StartupClock
 
 if TYPE_CHECKING:  # torch is imported after the owner watch starts (run_rank)
     import torch
@@ -199,6 +200,7 @@ def run_rank(job: JobSpec) -> None:
     # and `dsforge run` signals the ranks whose pid file exists.
     stop_request = StopRequest()
     stop_request.install()
+    startup = StartupClock(launched_at=job.started_at)
     watch_owner(job.owner)
     check_names(job.env)
     os.environ.update(job.env)
@@ -210,7 +212,7 @@ def run_rank(job: JobSpec) -> None:
     write_pid(Path(job.run_dir), rank, socket.gethostname(), os.getpid())
     progress = {"step": -1}
     try:
-        stopped = _train(job, rank, progress, console, stop_request)
+        stopped = _train(job, rank, progress, console, stop_request, startup)
     except Exception as exc:
         _report_failure(job, rank, progress["step"], exc, console)
         # Skip interpreter teardown: process-group destructors can block on dead peers.
@@ -237,7 +239,7 @@ def _report_failure(job: JobSpec, rank: int, step: int, exc: Exception,
 
 
 def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
-           stop_request: StopRequest) -> Stopped | None:
+           stop_request: StopRequest, startup: StartupClock) -> Stopped | None:
     import torch
 
     from dsforge.job.heartbeat import Heartbeat
@@ -256,9 +258,10 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
     device, backend = pick_device(job.device, job.backend)
     _readable_arch_list(resolved, device.type, rank, console)
     watchdog = Watchdog(job.step_timeout_s, rank, run_dir=run_dir, console=console)
+    startup.mark("setup")
     trainer = Trainer(resolved, device=device, backend=backend, run_dir=run_dir,
                       collective_timeout_s=job.step_timeout_s, resume=job.resume,
-                      measure=job.measure, console=console)
+                      measure=job.measure, console=console, startup=startup)
     fault = parse_fault(os.environ.get(FAULT_ENV))
     stop_drill = _StopDrill(fault, rank, job.owner, stop_request)
     heartbeat = Heartbeat(run_dir, rank)

@@ -9,6 +9,7 @@ recipes as they are. Every shipped recipe runs at its own world size with DSFORG
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,6 +58,9 @@ def _run_tiny(tmp_path, recipe: str, limit: int, overrides=()) -> subprocess.Com
     assert "layout check: the loss matches a single-rank run" in result.stderr
     assert "[INFO]" not in result.stderr and "--job" not in result.stderr
     assert (run_dir / "summary.json").exists() and (run_dir / "reference" / "summary.json").exists()
+    startup = json.loads((run_dir / "summary.json").read_text())["startup_s"]  # runtime/startup.py
+    assert set(startup) >= {"launch", "setup", "data", "distributed", "model", "weights", "engine"}
+    assert "ready for the first step after" in result.stderr
     assert not _job_processes(run_dir)
     return result
 

@@ -1,4 +1,5 @@
-"""On a GPU: a default run trains in bf16 through NCCL and builds nothing (skipped on CPU).
+"""On a GPU: a default run trains in bf16 through NCCL, builds nothing and draws its weights on
+the GPU (skipped on CPU).
 
 "Nothing built at run time" (issue 21): the default GPU optimizer is torch's fused AdamW, so
 no DeepSpeed op is compiled. A DeepSpeed JIT build writes its extension under
@@ -44,3 +45,25 @@ def test_default_run_builds_nothing(gpu_runs):
     assert built == [], f"a DeepSpeed op was built at run time: {built}"
     log = (run.run_dir / "job.log").read_text(errors="replace")
     assert not [line for line in log.splitlines() if any(b in line for b in BUILD_LINES)]
+
+
+def test_weights_are_drawn_on_the_gpu_the_same_for_every_layout():
+    """runtime/build/init.py draws each weight on its parameter's device (a CPU draw was
+    ~30 s of a 7B rank's start-up): the GPU's generator, seeded by the name, gives the same
+    full tensor on every call, so every layout's shard comes from the same weights."""
+    from dsforge.runtime.build.init import _draw
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    first = _draw("decoder.layers.0.mlp.linear_fc1.weight", [512, 256], torch.bfloat16, 1234, 0.02, device)
+    again = _draw("decoder.layers.0.mlp.linear_fc1.weight", [512, 256], torch.bfloat16, 1234, 0.02, device)
+    other = _draw("decoder.layers.1.mlp.linear_fc1.weight", [512, 256], torch.bfloat16, 1234, 0.02, device)
+    assert first.device == device and first.dtype == torch.bfloat16
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert first.float().std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_the_run_says_where_its_start_up_went(gpu_runs):
+    run = gpu_runs["default"]
+    run.losses()  # it ran
+    startup = json.loads((run.run_dir / "summary.json").read_text())["startup_s"]
+    assert {"setup", "distributed", "model", "weights", "engine"} <= set(startup)

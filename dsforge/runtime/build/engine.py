@@ -22,6 +22,7 @@ from dsforge.runtime.build.init import init_from_hugging_face, init_layout_invar
 from dsforge.runtime.build.kernels import loadable
 from dsforge.runtime.build.model import build_model_chunks
 from dsforge.runtime.build.moe_glue import deepspeed_sees_megatron_moe, register_experts
+from dsforge.runtime.startup import StartupClock
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.kernels import KernelChoice, choose_kernels, liger_installed
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
@@ -39,7 +40,7 @@ class RankParts:
 
 
 def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
-               timeout_s: float) -> RankParts:
+               timeout_s: float, startup: StartupClock | None = None) -> RankParts:
     """Apply parallelism inside this rank, in this order (each step needs the ones before):
 
       1. Megatron-Core's own bugs worked around (megatron_fixes.py), and the CPU backend
@@ -57,7 +58,11 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
       6. deepspeed.initialize on a container of the chunks with the DeepSpeed config translated
          for this device and `MegatronMPU`, so DeepSpeed reduces gradients over Megatron's
          data-parallel group and computes the gradient norm over the tensor x pipeline group.
+
+    `startup` (runtime/startup.py) is told when the process group, the model, its weights and
+    the engine are ready.
     """
+    startup = startup or StartupClock()
     recipe, layout = resolved.recipe, resolved.layout
     megatron_fixes.apply()
     if device.type == "cpu":
@@ -66,6 +71,7 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
         cpu_backend.activate()
     init_distributed(backend, timeout_s)
     init_parallel_state(parallel_state_kwargs(layout), recipe.train.seed, timeout_s)
+    startup.mark("distributed")
     kernels = loadable(choose_kernels(recipe.model, device=device.type,
                                       liger_available=liger_installed()), recipe.model.kernels)
     config = build_transformer_config(transformer_config_kwargs(
@@ -74,17 +80,20 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
     gpt_kwargs = gpt_model_kwargs(model=recipe.model, layout=layout)
     chunks = build_model_chunks(config, gpt_kwargs, device, kernels=kernels.impl,
                                 sdpa_backend=recipe.model.sdpa_backend)
+    startup.mark("model")
     if recipe.model.init_from:
         init_from_hugging_face(chunks, folder=recipe.model.init_from, model=recipe.model,
                                padded_vocab=gpt_kwargs["vocab_size"])
     else:
         init_layout_invariant(chunks, seed=recipe.train.seed, std=recipe.model.init_std,
                               num_layers=recipe.model.num_layers)
+    startup.mark("weights")
     container = ModelChunks(chunks)
     has_experts = attach_gradient_hooks(container)
     ds_config = deepspeed_config(model=recipe.model, train=recipe.train, zero=recipe.zero,
                                  layout=layout, device=device.type)
     engine = initialize_deepspeed(container, ds_config, has_experts)
+    startup.mark("engine")
     return RankParts(chunks=chunks, engine=engine, kernels=kernels)
 
 

@@ -6,6 +6,12 @@ weights whatever the tp/pp/vpp/ep layout, which is what lets the tests compare a
 with a single-process reference step by step (Megatron's own init adds the pipeline rank to
 the seed and draws shards from per-rank RNG streams, so layouts would start differently).
 
+The draw runs on the parameter's device. On a GPU a CPU draw was most of a rank's start-up
+(~4.5 s per billion parameters on the H200 machine's host, ~30 s of the 7B's ~55 s); the
+GPU's generator makes it milliseconds. The same seed gives other numbers on a GPU than on the
+CPU, and torch promises one sequence only on one kind of GPU (its kernels size their grids by
+the device), so layouts start equal on one kind of device, as the equivalence tests need.
+
 `init_from_hugging_face` takes the same path with the weights of a Hugging Face folder
 (model.init_from) instead of drawn ones: each rank reads the global tensor of each of its
 parameters (dsforge/hf/load.py) and keeps its shard, so every layout starts from the folder.
@@ -31,7 +37,7 @@ _SCALED = ("linear_proj.weight", "linear_fc2.weight")
 def init_layout_invariant(chunks, *, seed: int, std: float, num_layers: int) -> None:
     for param, spec in param_specs(chunks):
         full = _draw(spec.global_name, list(spec.full_shape), param.dtype, seed,
-                     _std_for(spec.global_name, std, num_layers))
+                     _std_for(spec.global_name, std, num_layers), param.device)
         with torch.no_grad():
             param.copy_(shard(full, spec))
 
@@ -56,9 +62,11 @@ def _std_for(name: str, std: float, num_layers: int) -> float | None:
     return std / math.sqrt(2.0 * num_layers) if name.endswith(_SCALED) else std
 
 
-def _draw(name: str, shape: list[int], dtype, seed: int, std: float | None) -> torch.Tensor:
+def _draw(name: str, shape: list[int], dtype, seed: int, std: float | None,
+          device: torch.device = torch.device("cpu")) -> torch.Tensor:
     if std is None:
-        return torch.ones(shape, dtype=dtype)
+        return torch.ones(shape, dtype=dtype, device=device)
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
-    return (torch.randn(shape, generator=generator, dtype=torch.float32) * std).to(dtype)
+    generator = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
+    drawn = torch.randn(shape, generator=generator, dtype=torch.float32, device=device)
+    return (drawn * std).to(dtype)

@@ -33,13 +33,17 @@ from dsforge.runtime.loop.phase_hooks import marking
 from dsforge.runtime.loop.profiler import open_profiler
 from dsforge.runtime.loop.timers import median_bubble
 from dsforge.runtime.loop.tracking import open_tracker
+from dsforge.runtime.startup import StartupClock
 from dsforge.units import MiB
 
 
 class Trainer:
     def __init__(self, resolved: Resolved, *, device: torch.device, backend: str, run_dir: Path,
                  collective_timeout_s: float, resume: bool = False, measure: bool = False,
-                 console: RankConsole | None = None):
+                 console: RankConsole | None = None, startup: StartupClock | None = None):
+        # Without a clock from runtime/rank.py (the distributed tests' worker), start-up is
+        # counted from here.
+        self.startup = startup or StartupClock()
         self.resolved, self.device, self.run_dir = resolved, device, run_dir
         self.measure = measure
         self.censuses: dict[str, dict[str, int]] = {}  # point of the step -> live tensor bytes
@@ -50,7 +54,9 @@ class Trainer:
         self.sources = data_mod.open_sources(resolved)
         if self.sources.note and int(os.environ.get("RANK", 0)) == 0:
             self.console.say(f"dsforge: {self.sources.note}")
-        parts = build_rank(resolved, device=device, backend=backend, timeout_s=collective_timeout_s)
+        self.startup.mark("data")
+        parts = build_rank(resolved, device=device, backend=backend, timeout_s=collective_timeout_s,
+                           startup=self.startup)
         self.chunks, self.engine, self.kernels = parts.chunks, parts.engine, parts.kernels
         # The step breakdown (runtime/loop/breakdown.py), in every run unless DSFORGE_BREAKDOWN=off;
         # None turns it off for the steps that follow (the overhead benchmark alternates).
@@ -63,6 +69,8 @@ class Trainer:
         gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.peak_flops = gpu.peak_bf16_flops if gpu else None  # None: MFU not available
         self.start_step = self._resume() if resume else 0
+        if resume:
+            self.startup.mark("resume")
         self.profiler = open_profiler(recipe.tracking.profile_range, run_dir=run_dir,
                                       start_step=self.start_step, device=device,
                                       say=self.console.say)
@@ -75,6 +83,7 @@ class Trainer:
             if self.reporter else None
         if self.reporter:
             self._write_manifest()
+            self.console.say(f"dsforge: {self.startup.line()}")
 
     def _resume(self) -> int:
         root = RunDir(self.run_dir).checkpoints
@@ -241,11 +250,16 @@ class Trainer:
             return
         self.console.close()
         self.tracker.close()
-        summary = self.metrics.summary()
-        write_atomic(RunDir(self.run_dir).summary, json.dumps(summary, indent=2) + "\n")
+        summary = self._write_summary()
         self.console.say(format_summary(summary))
         if summary["median_breakdown_s"] is not None:
             self.console.say(format_breakdown(summary))
+
+    def _write_summary(self) -> dict:
+        """RUN_DIR/summary.json: the run's medians (metrics.py) and its start-up."""
+        summary = {**self.metrics.summary(), "startup_s": self.startup.phases}
+        write_atomic(RunDir(self.run_dir).summary, json.dumps(summary, indent=2) + "\n")
+        return summary
 
     def _write_rank_summary(self) -> None:
         """RUN_DIR/ranks/rankNNNNN.json: what only this rank knows (its memory, its bubble)."""
@@ -351,8 +365,7 @@ def _finish_stopped(trainer: Trainer) -> None:
     if trainer.reporter:
         trainer.console.close()
         trainer.tracker.close()
-        summary = trainer.metrics.summary()
-        write_atomic(RunDir(trainer.run_dir).summary, json.dumps(summary, indent=2) + "\n")
+        trainer._write_summary()
 
 
 def save_and_prune(trainer: Trainer, steps_done: int, fault=None) -> None:
