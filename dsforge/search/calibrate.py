@@ -12,8 +12,9 @@ compute rate); the microbatch-layers are the microbatches a step times the busie
 layers (each pays a fixed cost: launching its kernels); gathers are ZeRO-3's per-layer
 parameter fetches (a layer's forward, backward and recompute each fetch it); optimizer is the
 16-bit optimizer step; communication is every collective and pipeline send the model counts.
-Where every point has a step breakdown, the optimizer's coefficient comes from its own phase
-instead (measured over modelled seconds), and the step's fit leaves it out.
+Where points have a step breakdown, the optimizer's coefficient comes from its own phase in
+them instead (measured over modelled seconds), and the step's fit leaves it out: a run
+without one (DSFORGE_BREAKDOWN=off) still counts in the step's fit.
 The fit minimises the relative error and takes the terms in that order, each only if the
 points tell it apart from the terms before it (it raises the rank of the points' features:
 layouts that differ only where the model sees no difference determine one term, however
@@ -127,11 +128,10 @@ def fit(points: list[Point], profile: ClusterProfile) -> dict[str, float]:
 
 def optimizer_from_breakdowns(points: list[Point], rows: list[dict[str, float]]) -> float | None:
     """The optimizer's coefficient from the breakdowns' optimizer phase (measured over the
-    modelled seconds, summed over the points); None unless every point has a breakdown."""
-    if not points or any(p.phases is None or "optimizer" not in p.phases for p in points):
-        return None
-    modelled = sum(r["optimizer"] for r in rows)
-    measured = sum(p.phases["optimizer"] for p in points)
+    modelled seconds, summed over the points that have a breakdown); None where none has."""
+    timed = [(p, r) for p, r in zip(points, rows) if p.phases and "optimizer" in p.phases]
+    modelled = sum(r["optimizer"] for _, r in timed)
+    measured = sum(p.phases["optimizer"] for p, _ in timed)
     return measured / modelled if modelled > 0 and measured > 0 else None
 
 

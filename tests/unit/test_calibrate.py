@@ -228,6 +228,9 @@ def test_the_optimizer_comes_from_the_breakdowns_where_the_steps_cannot_tell_it(
         assert coefficients[term] == pytest.approx(true[term], rel=1e-6)
     without = [dataclasses.replace(p, phases=None) for p in points]
     assert cal.fit(without, H200)["optimizer"] == 1.0  # the steps alone leave it as it was
+    # A run measured without its breakdown (DSFORGE_BREAKDOWN=off) leaves it to the others.
+    some = [without[0], *points[1:]]
+    assert cal.fit(some, H200)["optimizer"] == pytest.approx(2.0, rel=1e-9)
 
 
 def test_the_gemm_knee_is_fitted_from_the_rates_at_three_sizes():
