@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from published_runs import (ROWS, Scored,  # beside this file: python puts its folder on sys.path
-                            Stats, fit_rejections, score_all, statistics_table)
+from published_runs import (ROWS, Choice,  # beside this file: python puts its folder on sys.path
+                            Scored, Stats, first_choices, fit_rejections, score_all,
+                            statistics_table)
 
 from dsforge.hardware import gpu_by_key
 from dsforge.units import GiB
@@ -124,6 +126,27 @@ def rejection_lines(scored: list[Scored]) -> list[str]:
             *(map(_rejection, inside) if inside else ["None."])]
 
 
+def choice_lines(choices: list[Choice]) -> list[str]:
+    """The planner's pick among each scenario's published layouts against the best measured:
+    the regret per source (median over its scenarios), then each scenario."""
+    by_source: dict[str, list[Choice]] = {}
+    for c in choices:
+        by_source.setdefault(c.source, []).append(c)
+    lines = ["| source | scenarios | median regret | worst regret | picked the best |",
+             "|---|---|---|---|---|"]
+    for source, group in [*by_source.items(), ("all", choices)]:
+        regrets = [c.regret for c in group]
+        lines.append(f"| {source} | {len(group)} | {statistics.median(regrets):.1f} | "
+                     f"{max(regrets):.1f} | {sum(r < 0.05 for r in regrets)} |")
+    lines += ["", "| source | scenario | layouts | dsforge's pick (predicted / measured MFU) | "
+              "best measured | regret |", "|---|---|---|---|---|---|"]
+    for c in choices:
+        lines.append(f"| {c.source} | {c.scenario} | {c.layouts} | {c.pick.row.label}: "
+                     f"{_pct(c.pick.predicted)} / {_pct(c.pick.measured)} | {c.best.row.label}: "
+                     f"{_pct(c.best.measured)} | {c.regret:.1f} |")
+    return lines
+
+
 def _code_version() -> str:
     """The commit the scoring ran on, and whether the tree had local changes."""
     def git(*args: str) -> str:
@@ -146,6 +169,13 @@ def section(label: str, stats_only: bool) -> str:
              "band `dsforge plan --search` puts on each predicted step time (docs/search.md).", ""]
     parts += [f"Published layouts the memory fit rejects ({len(fit_rejections(scored))}):", "",
               *rejection_lines(scored), ""]
+    parts += ["### First choices among the published layouts", "",
+              "A scenario is one source's runs of one model, sequence length, GPU type and count "
+              "that measured two or more different layouts (runs that differ only in what dsforge "
+              "does not model, such as torch.compile, float8 or async TP, are one layout). "
+              "dsforge's pick is the one it predicts fastest. Regret = the best measured MFU of "
+              "the scenario less the pick's, in MFU points.", "",
+              *choice_lines(first_choices(scored)), ""]
     if not stats_only:
         parts += ["### Every row", "", *row_lines(scored), ""]
     return "\n".join(parts)

@@ -752,17 +752,63 @@ def fit_rejections(scored: list[Scored]) -> list[Scored]:
     return [s for s in scored if s.fits is False]
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A scenario (one source's runs of one model, sequence length, GPU type and GPU count)
+    that measured two or more different layouts: the one dsforge predicts fastest, against
+    the best one measured. Regret is how much MFU the planner's pick gave up."""
+    source: str
+    scenario: str
+    pick: Scored  # the scored run with the highest predicted MFU (of equals, the best measured)
+    best: Scored  # the scored run with the highest measured MFU
+    layouts: int  # different layouts measured
+
+    @property
+    def regret(self) -> float:
+        """MFU points: the best measured less the pick's measured (0: the pick was the best)."""
+        return 100 * (self.best.measured - self.pick.measured)
+
+
+def _layout_key(row: Row) -> tuple:
+    return (row.tp, row.pp, row.dp, row.zero, row.micro_batch, row.global_batch,
+            row.checkpointing, row.vpp, row.sequence_parallel)
+
+
+def first_choices(scored: list[Scored]) -> list[Choice]:
+    """Every scenario with two or more different scored layouts, in the order of ROWS. Runs
+    that differ only in what dsforge does not model (torch.compile, float8, async TP) are one
+    layout: the planner cannot choose between them."""
+    scenarios: dict[tuple, list[Scored]] = {}
+    for s in scored:
+        if s.predicted is not None:
+            r = s.row
+            scenarios.setdefault((r.source, r.model.name, r.seq_len, r.gpu, r.gpus), []).append(s)
+    choices = []
+    for (source, model, seq_len, gpu, gpus), runs in scenarios.items():
+        layouts = len({_layout_key(s.row) for s in runs})
+        if layouts < 2:
+            continue
+        # Equal predictions are the same layout measured twice (or one the model cannot tell
+        # apart): the planner would pick it, and its best run is what it would get.
+        choices.append(Choice(source=source, scenario=f"{model}, seq {seq_len}, {gpus} {gpu.upper()}",
+                              pick=max(runs, key=lambda s: (round(s.predicted, 9), s.measured)),
+                              best=max(runs, key=lambda s: s.measured), layouts=layouts))
+    return choices
+
+
 def with_source(rows: tuple[Row, ...], source: str) -> tuple[Row, ...]:
     return tuple(r for r in rows if r.source == source)
 
 
 __all__ = [
     "ROWS",
+    "Choice",
     "Model",
     "Row",
     "Scored",
     "Stats",
     "fit_rejections",
+    "first_choices",
     "megatron_gpt_flops_per_token",
     "predict",
     "score",
