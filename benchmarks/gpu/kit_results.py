@@ -372,9 +372,10 @@ def _render_profile(result: dict) -> str:
     p = result.get("profile")
     if not p:
         return ""
-    fields = ("compute_efficiency", "gemm_knee_tokens", "optimizer_bytes_per_param",
-              "optimizer_bytes_per_param_fp32", "optimizer_fixed_s")
-    lines = ["| field | measured |", "|---|---:|"] + [f"| {f} | {p[f]:.4g} |" for f in fields]
+    fields = ("compute_efficiency", "attention_efficiency", "gemm_knee_tokens",
+              "optimizer_bytes_per_param", "optimizer_bytes_per_param_fp32", "optimizer_fixed_s")
+    lines = ["| field | measured |", "|---|---:|"] + [f"| {f} | {_num(p.get(f), '.4g')} |"
+                                                     for f in fields]
     return (f"### The profile dsforge calibrate measured ({p['measured_on']}, "
             f"{CALIBRATED}; its comments hold every figure)\n" + "\n".join(lines))
 

@@ -21,7 +21,8 @@ layouts that differ only where the model sees no difference determine one term, 
 many they are). A term whose coefficient would come out negative is dropped and the rest
 refitted; compute is never dropped (when it alone comes out negative, the last other term is).
 
-The refitted profile: compute_efficiency / a, microbatch_layer_s = f, zero3_gather_layer_s =
+The refitted profile: compute_efficiency / a (and a measured attention_efficiency / a: the
+compute term holds the attention), microbatch_layer_s = f, zero3_gather_layer_s =
 g, the optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With
 3 or more points each is predicted from a refit without it (leave-one-out); the median of
 those errors becomes the profile's prediction_error, the band `dsforge plan --search` draws
@@ -141,8 +142,12 @@ def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterPro
     a = coefficients["compute"]
     # A coefficient of exactly 0 would leave a bandwidth or a byte count no profile may hold.
     b, c = (max(coefficients[t], 1e-6) for t in ("optimizer", "communication"))
+    # compute holds the attention too: a measured attention rate scales with the GEMMs'.
+    attention = (None if profile.attention_efficiency is None
+                 else min(1.0, profile.attention_efficiency / a))
     return dataclasses.replace(
         profile, compute_efficiency=min(1.0, profile.compute_efficiency / a),
+        attention_efficiency=attention,
         microbatch_layer_s=coefficients["fixed"], zero3_gather_layer_s=coefficients["gathers"],
         optimizer_bytes_per_param=profile.optimizer_bytes_per_param * b,
         optimizer_bytes_per_param_fp32=profile.optimizer_bytes_per_param_fp32 * b,

@@ -13,8 +13,11 @@ at RECIPE's shapes, term by term (docs/search.md "Calibration").
   large for that). The two steps give a fixed cost and a cost per parameter: the optimizer's
   fixed seconds and bytes per parameter at the GPU's memory bandwidth (the fp32 ones for an
   fp32 recipe).
-- Attention (forward and backward, `model.sdpa_backend`) and the memory bandwidth (a copy) are
-  measured and written beside the profile; the cost model has no term of its own for them yet.
+- Attention (forward and backward, `model.sdpa_backend`, at the recipe's microbatch and
+  sequence length) sets `attention_efficiency`: its rate on the FLOPs dsforge counts for it,
+  as a share of the peak.
+- The memory bandwidth (a copy) is measured and written beside the profile; the cost model has
+  no term of its own for it yet.
 
 The costs that show only in a whole run (per microbatch, ZeRO-3's gathers) and the band come
 from `dsforge plan --search --measure`, which refits this profile from trials.
@@ -57,6 +60,7 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
     profile = dataclasses.replace(profile, gemm_knee_tokens=gemms["knee"])
     measured = dataclasses.replace(
         profile, compute_efficiency=min(1.0, gemms["rate"] / _modelled_rate(resolved, profile, 1.0)),
+        attention_efficiency=attention_efficiency(attention, profile),
         measured_on=measured_on(on),
         measured_runs=0, **optimizer_fields(resolved, profile, optimizer))
     lines = _report(resolved, measured, gemms, optimizer, attention, bandwidth)
@@ -227,6 +231,16 @@ def optimizer_fields(resolved: Resolved, profile: ClusterProfile, optimizer: dic
     return {name: max(per_param, 1e-3), "optimizer_fixed_s": optimizer["fixed_s"]}
 
 
+def attention_efficiency(attention: dict, profile: ClusterProfile) -> float | None:
+    """The measured attention's share of the peak, on the FLOPs dsforge counts for it (the
+    full score matrix, as the cost model charges them); None where the backend had no kernel
+    at these shapes (the profile then keeps attention at the GEMMs' rate)."""
+    [timed] = attention["backends"].values()
+    if "seconds" not in timed:
+        return None
+    return min(1.0, timed["tflops_full_matrix"] * 1e12 / profile.gpu.peak_bf16_flops)
+
+
 def _side_figures(resolved: Resolved, on, reps: int) -> tuple[dict, float]:
     from dsforge.search.kernel_timing import memory_bandwidth, time_attention
 
@@ -241,8 +255,10 @@ def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, att
             bandwidth: float) -> list[str]:
     """What was measured, for the terminal and the profile's comments."""
     [(backend, timed)] = attention["backends"].items()
-    attention_text = (f"{timed['tflops_full_matrix']:.3g} TFLOP/s (full-matrix count)"
-                      if "seconds" in timed else f"no kernel ({timed['error']})")
+    attention_text = (f"{timed['tflops_full_matrix']:.3g} TFLOP/s (full-matrix count): "
+                      f"attention_efficiency {profile.attention_efficiency:.4g}"
+                      if "seconds" in timed else f"no kernel ({timed['error']}): attention at "
+                      "the GEMMs' rate")
     lines = provenance_lines("Measured by dsforge calibrate", profile.measured_on) + [
              f"GEMMs at {resolved.recipe.name}'s shapes: {gemms['rate'] / 1e12:.3g} TFLOP/s "
              f"({gemms['rate'] / profile.gpu.peak_bf16_flops:.3g} of the {profile.gpu.name}'s "
@@ -260,8 +276,7 @@ def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, att
               f"{small['parameters']:,} parameters, {full['step_s'] * 1e3:.3g} ms at "
               f"{full['parameters']:,}: {optimizer['fixed_s'] * 1e3:.3g} ms + "
               f"{optimizer['per_param_s'] * 1e9:.3g} ns a parameter",
-              f"attention ({backend}), forward and backward: {attention_text}; not a term of the "
-              "cost model yet",
+              f"attention ({backend}), forward and backward: {attention_text}",
               f"memory bandwidth (a copy): {bandwidth / 1e9:.3g} GB/s; not a term of the cost "
               "model yet",
               f"not measured here: the fixed cost per microbatch, ZeRO-3's gathers and the band "

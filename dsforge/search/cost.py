@@ -68,8 +68,12 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
                   * gemm_saturation(microbatch_tokens, profile.gemm_knee_tokens))
     flop_rate = profile.gpu.peak_bf16_flops * efficiency
     # The pipeline runs at the pace of its busiest rank (the last: it adds the output layer).
-    busiest = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)
-    compute = lay.grad_accum * microbatch_tokens * busiest / lay.tp / flop_rate
+    # Its attention runs at its own measured rate where the profile has one.
+    dense, attention = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)
+    attention_rate = (flop_rate if profile.attention_efficiency is None
+                      else profile.gpu.peak_bf16_flops * profile.attention_efficiency)
+    compute = (lay.grad_accum * microbatch_tokens / lay.tp
+               * (dense / flop_rate + attention / attention_rate))
 
     activation = microbatch_tokens * m.hidden_size * half
     tp_comm = lay.grad_accum * m.num_layers / lay.pp * _tp_layer_seconds(
@@ -117,9 +121,15 @@ def gather_count(resolved: Resolved) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
-def _busiest_rank_flops(m: ModelConfig, seq_len: int, checkpointing: str, pp: int, vpp: int) -> float:
-    """Hardware FLOPs per token of the busiest pipeline rank (candidates share them)."""
-    return max(pipeline_rank_flops(m, seq_len, checkpointing, pp=pp, vpp=vpp, rank=r) for r in range(pp))
+def _busiest_rank_flops(m: ModelConfig, seq_len: int, checkpointing: str, pp: int,
+                        vpp: int) -> tuple[float, float]:
+    """Hardware FLOPs per token of the busiest pipeline rank (candidates share them), as
+    (matrix products, attention): the attention's are what a sequence of 0 tokens drops."""
+    busiest = max(range(pp), key=lambda r: pipeline_rank_flops(m, seq_len, checkpointing, pp=pp,
+                                                                vpp=vpp, rank=r))
+    total = pipeline_rank_flops(m, seq_len, checkpointing, pp=pp, vpp=vpp, rank=busiest)
+    dense = pipeline_rank_flops(m, 0, checkpointing, pp=pp, vpp=vpp, rank=busiest)
+    return dense, total - dense
 
 
 def _tp_layer_seconds(m: ModelConfig, lay: Layout, checkpointing: str, activation: float,

@@ -41,6 +41,12 @@ class ClusterProfile:
     intra_node_gbps: float = 360.0  # GB/s per GPU, collective bus bandwidth inside a node
     inter_node_gbps: float = 40.0  # GB/s per GPU across nodes
     compute_efficiency: float = 0.6  # achievable share of peak for the model's GEMMs
+    # The share of peak the attention kernels reach on the attention's FLOPs as dsforge counts
+    # them (the full s x s matrix, forward and backward: docs/flops.md), at the model's
+    # sequence length. None: attention runs at the GEMMs' rate, as every default profile
+    # assumes. `dsforge calibrate` measures it (an H200 at 4,096 tokens: 0.66, while its GEMMs
+    # reached 0.77 there).
+    attention_efficiency: float | None = None
     # Tokens of a microbatch at which its GEMMs reach half their full rate (cost.py
     # gemm_saturation): 256 for a GPU; `dsforge calibrate` measures it (a CPU's is near 0).
     gemm_knee_tokens: float = 256.0
@@ -127,6 +133,7 @@ class ProfileFile:
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
     compute_efficiency: float | None = None
+    attention_efficiency: float | None = None
     gemm_knee_tokens: float | None = None
     memory_margin: float | None = None
     prediction_error: float | None = None
@@ -157,6 +164,7 @@ _RANGES = {
     "intra_node_gbps": (lambda v: v > 0, "> 0"),
     "inter_node_gbps": (lambda v: v > 0, "> 0"),
     "compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),  # a share of the peak
+    "attention_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "gemm_knee_tokens": (lambda v: v >= 0, ">= 0"),
     "memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),  # 1 would leave no memory
     "prediction_error": (lambda v: 0 <= v < 1, "in [0, 1)"),  # a band reaching 0 s means nothing

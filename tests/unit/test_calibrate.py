@@ -144,6 +144,7 @@ def test_dsforge_calibrate_writes_a_profile_the_search_reads(tmp_path):
     written = read_profile(out)
     assert written.measured_on.startswith("cpu (") and written.measured_runs == 0
     assert 0 < written.compute_efficiency < 0.01  # a CPU's fp32 GEMMs against an H100's peak
+    assert 0 < written.attention_efficiency < 0.01  # and its attention
     assert written.optimizer_bytes_per_param_fp32 > 0 and written.optimizer_fixed_s >= 0
     assert written.optimizer_bytes_per_param == 109.0  # an fp32 recipe measures the fp32 step
     assert "GEMMs at tiny's shapes" in out.read_text() and "wrote" in done.stdout
@@ -152,6 +153,34 @@ def test_dsforge_calibrate_writes_a_profile_the_search_reads(tmp_path):
                               text=True, timeout=120)
     assert searched.returncode == 0, searched.stderr[-3000:]
     assert f"coefficients measured on {written.measured_on}, the band not" in searched.stdout
+
+
+def test_attention_at_its_own_rate_costs_only_the_attentions_flops():
+    """attention_efficiency moves the attention's FLOPs (the full score matrix, forward,
+    backward and recompute) from the GEMMs' rate to its own, and nothing else."""
+    from dsforge.estimate.flops import attention_flops_forward
+    from dsforge.search.cost import gemm_saturation
+
+    resolved = _layout("train.activation_checkpointing=full")
+    lay, m, seq = resolved.layout, resolved.recipe.model, resolved.recipe.train.seq_len
+    base = step_time(resolved, H200)
+    slow = step_time(resolved, dataclasses.replace(H200, attention_efficiency=0.2))
+    peak = H200.gpu.peak_bf16_flops
+    gemm_rate = (peak * H200.compute_efficiency * gemm_saturation(m.hidden_size)
+                 * gemm_saturation(lay.micro_batch * seq, H200.gemm_knee_tokens))
+    tokens = lay.grad_accum * lay.micro_batch * seq
+    attention = 4 * attention_flops_forward(m, seq) * tokens  # 3 passes and the recompute
+    assert slow.compute - base.compute == pytest.approx(
+        attention / (peak * 0.2) - attention / gemm_rate, rel=1e-9)
+    assert (slow.optimizer, slow.fixed, slow.gathers) == (base.optimizer, base.fixed, base.gathers)
+
+
+def test_the_measured_attention_becomes_its_share_of_the_peak():
+    from dsforge.search.calibrate_command import attention_efficiency
+
+    timed = {"backends": {"auto": {"seconds": 1.0, "tflops_full_matrix": 654.0}}}
+    assert attention_efficiency(timed, H200) == pytest.approx(654e12 / H200.gpu.peak_bf16_flops)
+    assert attention_efficiency({"backends": {"flash": {"error": "no kernel"}}}, H200) is None
 
 
 def test_dsforge_calibrate_refuses_a_bad_recipe_before_measuring(tmp_path):
@@ -243,3 +272,12 @@ def test_the_gemm_knee_is_fitted_from_the_rates_at_three_sizes():
     assert knee_of({t: 5e11 for t in (512, 256, 128)}) == pytest.approx(0.0, abs=1e-6)
     assert knee_of({512: 5e11, 256: 6e11, 128: 7e11}) == 0.0  # faster with fewer tokens: no knee
     assert knee_of({4096: 7e14}) == 0.0
+
+
+def test_the_refit_scales_a_measured_attention_rate_with_the_gemms():
+    """The compute term holds the attention: a coefficient on it divides both rates."""
+    measured = dataclasses.replace(H200, attention_efficiency=0.5)
+    after = cal.apply(measured, {**TRUE, "compute": 2.0})
+    assert after.attention_efficiency == pytest.approx(0.25)
+    assert after.compute_efficiency == pytest.approx(H200.compute_efficiency / 2)
+    assert cal.apply(H200, TRUE).attention_efficiency is None  # unmeasured stays unmeasured
