@@ -181,7 +181,7 @@ class ParallelConfig:
     vpp: int = 1  # virtual stages per pipeline rank; 1 = plain 1F1B
     ep: int = 1  # expert parallel, carved out of the data-parallel ranks
     etp: int | None = None  # expert tensor parallel; None = tp (Megatron-Core default)
-    cp: int = 1  # context parallel (not supported yet: must stay 1)
+    cp: int = 1  # context parallel: each sequence split over cp ranks (Ulysses)
     dp: int = -1  # -1 = the rest of the world
     sequence_parallel: bool = False
 
@@ -206,9 +206,9 @@ class ParallelConfig:
                   {"parallel.vpp": self.vpp, "parallel.pp": self.pp},
                   "virtual pipeline stages need pipeline parallelism",
                   "set parallel.vpp: 1, or parallel.pp >= 2")
-        c.require(self.cp == 1, "T5", {"parallel.cp": self.cp},
-                  "context parallelism is not supported by dsforge yet",
-                  "set parallel.cp: 1")
+        c.require(self.cp == 1 or self.pp == 1, "T5", {"parallel.cp": self.cp, "parallel.pp": self.pp},
+                  "context parallelism with pipeline parallelism is not supported by dsforge yet",
+                  "set parallel.cp: 1, or parallel.pp: 1")
         c.raise_if_any()
 
     @property

@@ -229,6 +229,34 @@ def _expert_width(recipe: Recipe, ctx: Context, etp: int) -> Iterator[Problem]:
                           f"use a multiple of {etp}"))
 
 
+def context_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
+    """T7: context parallelism (Ulysses, runtime/build/layers.py) cuts each sequence into
+    2 cp chunks, two per rank (runtime/loop/data.py `context_shard`), and trades the sequence
+    shard for heads / cp of every head: the sequence, the heads and the KV heads each rank
+    holds after tp must divide by cp. T8: with MoE, not supported yet."""
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    if p.cp == 1:
+        return
+    if t.seq_len % (2 * p.cp):
+        yield Problem(rule="T7", fields={"train.seq_len": t.seq_len, "parallel.cp": p.cp},
+                      message=f"the sequence must cut into 2 x cp = {2 * p.cp} equal chunks",
+                      fix=f"use a train.seq_len that is a multiple of {2 * p.cp}, or a smaller "
+                          "parallel.cp")
+    groups = m.num_kv_heads or m.num_attention_heads
+    for field, heads in (("model.num_attention_heads", m.num_attention_heads),
+                         ("model.num_kv_heads", groups)):
+        if heads % p.tp or (heads // p.tp) % p.cp:
+            yield Problem(rule="T7", fields={field: heads, "parallel.tp": p.tp, "parallel.cp": p.cp},
+                          message="each rank trades its sequence shard for heads / (tp x cp) of "
+                                  f"every head: {heads} heads do not divide by tp x cp = "
+                                  f"{p.tp * p.cp}",
+                          fix=f"use a parallel.cp that divides {heads} / tp")
+    if m.moe is not None:
+        yield Problem(rule="T8", fields={"parallel.cp": p.cp, "model.moe": "set"},
+                      message="context parallelism with MoE layers is not supported by dsforge "
+                              "yet", fix="set parallel.cp: 1 for an MoE model")
+
+
 def sequence_length(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """T6: training sequences must fit the model's position range."""
     t, m = recipe.train, recipe.model
@@ -366,7 +394,8 @@ def hugging_face_start(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
 
 RULES: tuple[Rule, ...] = (
     parallel_arithmetic, tensor_parallel_in_node, batch_arithmetic, pipeline_layers,
-    pipeline_microbatches, pipeline_embeddings, tensor_parallel_shapes, sequence_length,
+    pipeline_microbatches, pipeline_embeddings, tensor_parallel_shapes, context_parallel,
+    sequence_length,
     expert_parallel, zero_with_pipeline, optimizer_offload, *DATA_RULES, profile_within_run,
     optional_packages,
     hugging_face_start,

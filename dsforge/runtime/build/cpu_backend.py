@@ -47,6 +47,8 @@ class _CpuDeviceMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # pinning needs CUDA (Megatron's rope pins its cp index)
+            kwargs["pin_memory"] = False
         if func in (torch.Tensor.cuda, torch.Tensor.record_stream):
             return args[0]
         if func is torch.Tensor.to:

@@ -110,14 +110,17 @@ class MegatronMPU:
 
         self._ps = parallel_state
 
+    # Data parallelism for DeepSpeed is Megatron's dp x cp group: the context-parallel ranks
+    # hold one sequence's shards, so their gradients are summed with the replicas' and every
+    # one is divided by dp x cp (each rank's loss is the mean over its shard, equal in size).
     def get_data_parallel_group(self):
-        return self._ps.get_data_parallel_group()
+        return self._ps.get_data_parallel_group(with_context_parallel=True)
 
     def get_data_parallel_rank(self):
-        return self._ps.get_data_parallel_rank()
+        return self._ps.get_data_parallel_rank(with_context_parallel=True)
 
     def get_data_parallel_world_size(self):
-        return self._ps.get_data_parallel_world_size()
+        return self._ps.get_data_parallel_world_size(with_context_parallel=True)
 
     def get_model_parallel_group(self):
         return self._ps.get_model_parallel_group()

@@ -1,10 +1,11 @@
-"""Two modules dsforge plugs into Megatron-Core's local layer spec.
+"""The modules dsforge plugs into Megatron-Core's local layer spec.
 
 - RMSNorm that works with sequence parallelism: the local spec's torch norm refuses it. The
   weight is marked `sequence_parallel`, so its gradient is summed over the tensor-parallel
   group (each TP rank only saw its slice of the sequence; runtime/build/grads.py).
 - Core attention on torch's scaled_dot_product_attention: flash/memory-efficient kernels on
-  GPU (no s x s matrix), a fused kernel on CPU; causal, with grouped KV heads.
+  GPU (no s x s matrix), a fused kernel on CPU; causal, with grouped KV heads. With context
+  parallelism the same attention between two all-to-alls (Ulysses).
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class SDPAttention(nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
+        out = self.attend(query, key, value)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def attend(self, query, key, value):
+        """Causal attention over the whole sequence, [seq, batch, heads, head_dim] in and out."""
         # Megatron passes [seq, batch, heads, head_dim]; SDPA wants [batch, heads, seq, head_dim].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         grouped = k.shape[1] != q.shape[1]
@@ -62,11 +68,52 @@ class SDPAttention(nn.Module):
                 q, k, v, is_causal=True, scale=self.softmax_scale,
                 dropout_p=self.dropout if self.training else 0.0,
                 enable_gqa=grouped and native)
-        seq, batch = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        return out.permute(2, 0, 1, 3)
 
     def _kernel(self):
         return contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends)
+
+
+class UlyssesAttention(SDPAttention):
+    """Context-parallel core attention (DeepSpeed-Ulysses): each context-parallel rank holds
+    a shard of the sequence with every head; an all-to-all over Megatron's context-parallel
+    group gives each rank the whole sequence for heads / cp of them, SDPAttention runs causal
+    attention on it, and a second all-to-all gives the shards back
+    (deepspeed.sequence.layer.DistributedAttention, Megatron's [seq, batch, heads, dim]).
+
+    The shards are the zigzag chunks runtime/loop/data.py `context_shard` cuts (rank r holds
+    chunks r and 2 cp - 1 - r), so the gathered sequence arrives in the ranks' order of
+    chunks; it is put in the sequence's own order for the causal mask and back after."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from deepspeed.sequence.layer import DistributedAttention
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_context_parallel_group()
+        self.cp = torch.distributed.get_world_size(group)
+        self.exchange = DistributedAttention(self._in_order, group, scatter_idx=2, gather_idx=0)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        out = self.exchange(query, key, value, 1)  # batch_dim_idx 1: [seq, batch, heads, dim]
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _in_order(self, query, key, value, *args, **kwargs):
+        to_sequence, to_ranks = gathered_order(query.shape[0], self.cp, query.device)
+        out = self.attend(*(t.index_select(0, to_sequence) for t in (query, key, value)))
+        return out.index_select(0, to_ranks)
+
+
+def gathered_order(seq_len: int, cp: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices that put a sequence gathered from the cp ranks' zigzag shards (rank r: chunks r
+    and 2 cp - 1 - r, ranks in turn) in the sequence's order, and back."""
+    chunk = seq_len // (2 * cp)
+    held = [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]  # chunk at each gathered slot
+    steps = torch.arange(chunk, device=device)
+    to_sequence = torch.cat([steps + held.index(c) * chunk for c in range(2 * cp)])
+    to_ranks = torch.cat([steps + c * chunk for c in held])
+    return to_sequence, to_ranks
 
 
 GQA_SDPA_BACKENDS = ("auto", "flash", "math")

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from dsforge.runtime.build.layers import RMSNorm, SDPAttention
+from dsforge.runtime.build.layers import RMSNorm, SDPAttention, UlyssesAttention
 
 
-def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: str = "auto"):
+def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: str = "auto",
+               cp: int = 1):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -26,7 +27,7 @@ def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: st
     spec.submodules.input_layernorm = norm_class(kernels)
     spec.submodules.pre_mlp_layernorm = norm_class(kernels)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=SDPAttention, params={"sdpa_backend": sdpa_backend})
+        module=UlyssesAttention if cp > 1 else SDPAttention, params={"sdpa_backend": sdpa_backend})
     if kernels == "liger":
         from dsforge.runtime.build.kernels import LigerSwiGLU
 
@@ -58,7 +59,8 @@ def block_spec(config, vp_stage: int, pp_rank: int, kernels: str, sdpa_backend: 
 
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(config.num_moe_experts, kernels, sdpa_backend)] * layers,
+        layer_specs=[layer_spec(config.num_moe_experts, kernels, sdpa_backend,
+                                config.context_parallel_size)] * layers,
         layer_norm=norm_class(kernels))
 
 

@@ -188,7 +188,7 @@ class Zero0(_View):
 
         if is_expert(param):
             return ps.get_expert_data_parallel_rank() == 0
-        return ps.get_data_parallel_rank() == 0
+        return ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
     def fragments(self, param):
         if not self._writes(param):

@@ -153,19 +153,35 @@ class Microbatch:
 
 
 def microbatches(source: Source, *, step: int, global_batch: int, micro_batch: int,
-                 grad_accum: int, dp: int, dp_rank: int, vocab_size: int) -> list[Microbatch]:
+                 grad_accum: int, dp: int, dp_rank: int, vocab_size: int, cp: int = 1,
+                 cp_rank: int = 0) -> list[Microbatch]:
     """The grad_accum microbatches data-parallel rank `dp_rank` trains on at `step` (or
-    evaluates for validation batch `step`)."""
+    evaluates for validation batch `step`); with context parallelism, context-parallel rank
+    `cp_rank`'s shard of each sequence (`context_shard`)."""
     batches = []
     for k in range(grad_accum):
         first = step * global_batch + (k * dp + dp_rank) * micro_batch
         rows = torch.stack([source.sample(first + i) for i in range(micro_batch)])
         _check_ids(rows, source, first, vocab_size)
         seq_len = rows.shape[1] - 1
-        positions = torch.arange(seq_len).unsqueeze(0).expand(micro_batch, -1)
-        batches.append(Microbatch(tokens=rows[:, :-1].contiguous(), labels=rows[:, 1:].contiguous(),
-                                  position_ids=positions))
+        keep = context_shard(seq_len, cp, cp_rank)
+        positions = keep.unsqueeze(0).expand(micro_batch, -1)
+        batches.append(Microbatch(tokens=rows[:, :-1][:, keep].contiguous(),
+                                  labels=rows[:, 1:][:, keep].contiguous(), position_ids=positions))
     return batches
+
+
+def context_shard(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """The positions context-parallel rank `cp_rank` of `cp` holds: chunks r and 2 cp - 1 - r
+    of the sequence cut into 2 cp, so every rank does the same causal attention work (a rank
+    with a late chunk also holds an early one). It is the order Megatron-Core's rotary
+    embedding slices its positions in (rope_utils.get_pos_emb_on_this_cp_rank), so the
+    positions follow the tokens without a patch."""
+    if cp == 1:
+        return torch.arange(seq_len)
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)])
 
 
 def _check_ids(rows: torch.Tensor, source: Source, first: int, vocab_size: int) -> None:

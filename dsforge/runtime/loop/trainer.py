@@ -113,7 +113,7 @@ class Trainer:
         from megatron.core import parallel_state as ps
 
         return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-                and ps.get_data_parallel_rank() == 0)
+                and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
 
     def _batches(self, source, index: int) -> list[data_mod.Microbatch]:
         from megatron.core import parallel_state as ps
@@ -122,14 +122,17 @@ class Trainer:
         return data_mod.microbatches(source, step=index, global_batch=layout.global_batch,
                                      micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
                                      dp=layout.dp, dp_rank=ps.get_data_parallel_rank(),
+                                     cp=layout.cp, cp_rank=ps.get_context_parallel_rank(),
                                      vocab_size=self.resolved.recipe.model.vocab_size)
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> float:
-        """The mean of a loss over the data-parallel replicas (one host sync)."""
+        """The mean of a loss over the data-parallel replicas and the context-parallel shards
+        (each the mean over as many tokens): one host sync."""
         from megatron.core import parallel_state as ps
 
-        torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
-        return loss.item() / self.resolved.layout.dp
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        torch.distributed.all_reduce(loss, group=group)
+        return loss.item() / torch.distributed.get_world_size(group)
 
     def train_step(self, step: int) -> None:
         with self.profiler.step(step) if self.profiler else contextlib.nullcontext():
