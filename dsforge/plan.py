@@ -96,7 +96,7 @@ def _data_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
     grad_bytes = 4 if recipe.train.precision == "fp32" else 2
     worst = largest_stage_params(recipe.model, lay)
     ring = lambda d: (d - 1) / d  # noqa: E731
-    unit = grad_bytes * (worst.dense * ring(lay.dp) + worst.expert * ring(lay.edp))
+    unit = grad_bytes * (worst.dense * ring(lay.dp_cp) + worst.expert * ring(lay.edp))
     per_microbatch, per_step = dp_traffic(recipe.zero.stage, lay.grad_accum)
     zero1 = sum(dp_traffic(1, lay.grad_accum))
     return {"bytes_per_step": (per_microbatch + per_step) * unit,
@@ -172,7 +172,15 @@ def _render_layout(plan: dict[str, Any]) -> str:
             f"  sequence parallel: {'on' if lay['sequence_parallel'] else 'off'}; schedule: {lay['schedule']}\n"
             f"  batch: global {lay['global_batch']} = micro {lay['micro_batch']} x grad_accum "
             f"{lay['grad_accum']} x dp {lay['dp']}; {lay['num_microbatches']} microbatches per step\n"
-            + _render_implementations(plan["implementations"]))
+            + _render_context_parallel(lay) + _render_implementations(plan["implementations"]))
+
+
+def _render_context_parallel(lay: dict) -> str:
+    if lay["cp"] == 1:
+        return ""
+    return (f"  context parallel: each sequence split over cp {lay['cp']} ranks (Ulysses), "
+            f"{lay['cp']} x fewer activations a rank; DeepSpeed's data-parallel group is dp x cp "
+            f"= {lay['dp'] * lay['cp']} (its train_batch_size counts each sequence once a cp rank)\n")
 
 
 _ADAM = {"fused": "torch's fused AdamW", "foreach": "torch's foreach AdamW",

@@ -212,8 +212,10 @@ def _largest_stage_params(m: ModelConfig, tp: int, pp: int, vpp: int, ep: int, e
 
 def layer_activation_bytes(m: ModelConfig, layer: int, *, seq_len: int, micro_batch: int,
                            layout: Layout, checkpointing: str, fused_attention: bool = True) -> float:
-    """Activation bytes one layer keeps for one microbatch until its backward pass."""
-    tokens, h, d = seq_len * micro_batch, m.hidden_size, m.head_dim
+    """Activation bytes one layer keeps for one microbatch until its backward pass. A
+    context-parallel rank holds seq_len / cp of each sequence's tokens; its attention (heads
+    / cp of them over the whole sequence, Ulysses) keeps as much per token as without."""
+    tokens, h, d = seq_len * micro_batch // layout.cp, m.hidden_size, m.head_dim
     tp = layout.tp
     split_inputs = tp if layout.sequence_parallel else 1
     if checkpointing == "full":
@@ -246,7 +248,8 @@ def activation_bytes(m: ModelConfig, train: TrainConfig, layout: Layout, rank: i
         recomputed = per_kind_of_layer(m, lambda i: layer_activation_bytes(m, i, checkpointing="none", **kw))
         total += max(recomputed(i) for i in layers)
     if rank == layout.pp - 1:
-        total += logits_bytes(m, train.seq_len * layout.micro_batch, layout.tp, fused_loss)
+        total += logits_bytes(m, train.seq_len * layout.micro_batch // layout.cp, layout.tp,
+                              fused_loss)
     return total
 
 
@@ -312,7 +315,7 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
     ratio = zero.offload_ratio if zero.offload_optimizer == "cpu" else 0.0
     kw = dict(stage=zero.stage, precision=train.precision, offload_optimizer_ratio=ratio,
               offload_params=zero.offload_params == "cpu", flat_fp32_grads=zero0_flattens(train))
-    dense = model_states(psi.dense, shards=layout.dp, **kw)
+    dense = model_states(psi.dense, shards=layout.dp_cp, **kw)
     expert = model_states(psi.expert, shards=layout.edp, **kw)
     buffers = 4 * psi.largest_layer if zero.stage == 3 else 0.0
     bucket = reduce_bucket_bytes(model, layout, zero.stage, train.precision)

@@ -46,6 +46,13 @@ class Layout:
     def num_microbatches(self) -> int:
         return self.grad_accum
 
+    @property
+    def dp_cp(self) -> int:
+        """The data-parallel size DeepSpeed sees: the replicas times the context-parallel
+        ranks (each holds a shard of the same sequences), the group ZeRO partitions over and
+        the dense gradients reduce over (runtime/build/engine.py MegatronMPU)."""
+        return self.dp * self.cp
+
 
 @dataclass(frozen=True, kw_only=True)
 class Resolved:

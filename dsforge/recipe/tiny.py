@@ -5,9 +5,11 @@ pp, vpp, ep, etp, sequence parallelism, ZeRO stage and offload, schedule, activa
 checkpointing, precision, tied embeddings, GQA and MoE routing) and replaces the model and the
 batch with the smallest ones (with the kernels and attention backend CPU ranks run: auto) that keep every divisibility rule of docs/validation.md true:
   - one layer per virtual pipeline stage (L1/L2), MoE frequency capped to the layers (M3);
-  - query groups = tp (T1), twice as many heads when the recipe uses GQA, 8 channels a head;
+  - query groups = tp x cp (T1, T7), twice as many heads when the recipe uses GQA, 8 channels
+    a head;
   - MLP and expert widths multiples of tp and expert-tp (T1);
-  - seq_len a multiple of tp (sequence parallelism splits it), micro_batch 1, and as few
+  - seq_len a multiple of tp (sequence parallelism splits it) and of 2 cp (T7: context
+    parallelism cuts it into 2 cp chunks), micro_batch 1, and as few
     microbatches as the schedule allows: pp (L6, L4), or 2 without a pipeline when the recipe
     accumulates gradients;
   - the vocabulary a multiple of Megatron's padding unit times tp, so a single-rank run of the
@@ -20,6 +22,7 @@ Fields given with --set are applied again after shrinking, so `--set train.steps
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable
 
 from dsforge.recipe.layout import Topology
@@ -38,10 +41,12 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def tiny_model(model: ModelConfig, *, tp: int, etp: int, pp: int, vpp: int) -> ModelConfig:
+def tiny_model(model: ModelConfig, *, tp: int, etp: int, pp: int, vpp: int,
+               cp: int = 1) -> ModelConfig:
     layers = pp * vpp
     gqa = model.num_kv_heads is not None and model.num_kv_heads < model.num_attention_heads
-    heads = 2 * tp if gqa else max(2, tp)
+    groups = tp * cp  # each tensor- and context-parallel rank holds whole heads (T1, T7)
+    heads = 2 * groups if gqa else max(2, groups)
     hidden = heads * TINY_HEAD_DIM
     moe = None
     if model.moe is not None:
@@ -52,8 +57,8 @@ def tiny_model(model: ModelConfig, *, tp: int, etp: int, pp: int, vpp: int) -> M
     return dataclasses.replace(
         model, preset=None, num_layers=layers, hidden_size=hidden,
         ffn_hidden_size=_round_up(3 * hidden, tp), num_attention_heads=heads,
-        num_kv_heads=tp if gqa else None, kv_channels=None, vocab_size=vocab,
-        max_seq_len=_round_up(TINY_SEQ_LEN, tp), moe=moe,
+        num_kv_heads=groups if gqa else None, kv_channels=None, vocab_size=vocab,
+        max_seq_len=_round_up(TINY_SEQ_LEN, math.lcm(tp, 2 * cp if cp > 1 else 1)), moe=moe,
         init_from=None,  # drawn: a model.init_from folder's weights are not the tiny model's
         # CPU ranks: the kernels and attention backend auto picks there (rule K1)
         kernels="auto", sdpa_backend="auto")
@@ -62,7 +67,7 @@ def tiny_model(model: ModelConfig, *, tp: int, etp: int, pp: int, vpp: int) -> M
 def shrink(recipe: Recipe, grad_accum: int) -> Recipe:
     """`recipe` (valid, with `grad_accum` microbatches per step) at tiny size, same layout."""
     p = recipe.parallel
-    model = tiny_model(recipe.model, tp=p.tp, etp=p.expert_tp, pp=p.pp, vpp=p.vpp)
+    model = tiny_model(recipe.model, tp=p.tp, etp=p.expert_tp, pp=p.pp, vpp=p.vpp, cp=p.cp)
     microbatches = p.pp if p.pp > 1 else min(grad_accum, 2)
     train = dataclasses.replace(
         recipe.train, seq_len=model.max_seq_len, micro_batch=1, grad_accum=microbatches,
@@ -98,7 +103,7 @@ def with_overrides(recipe: Recipe, overrides: Iterable[str]) -> Recipe:
 def single_rank_reference(tiny: Recipe, global_batch: int) -> Recipe:
     """The same tiny model and data on one rank: every layout must train it to the same
     losses (layout-invariant init, same samples per step), up to reduction order."""
-    parallel = dataclasses.replace(tiny.parallel, tp=1, pp=1, vpp=1, ep=1, etp=None, dp=1,
+    parallel = dataclasses.replace(tiny.parallel, tp=1, pp=1, vpp=1, ep=1, etp=None, cp=1, dp=1,
                                    sequence_parallel=False)
     train = dataclasses.replace(tiny.train, micro_batch=1, grad_accum=global_batch,
                                 global_batch=None, checkpoint_every=0)

@@ -245,12 +245,15 @@ def context_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     groups = m.num_kv_heads or m.num_attention_heads
     for field, heads in (("model.num_attention_heads", m.num_attention_heads),
                          ("model.num_kv_heads", groups)):
-        if heads % p.tp or (heads // p.tp) % p.cp:
+        per_tp = heads // p.tp  # heads % tp is T1's
+        if heads % p.tp == 0 and per_tp % p.cp:
+            choices = ", ".join(str(d) for d in range(1, per_tp + 1) if per_tp % d == 0)
             yield Problem(rule="T7", fields={field: heads, "parallel.tp": p.tp, "parallel.cp": p.cp},
                           message="each rank trades its sequence shard for heads / (tp x cp) of "
                                   f"every head: {heads} heads do not divide by tp x cp = "
                                   f"{p.tp * p.cp}",
-                          fix=f"use a parallel.cp that divides {heads} / tp")
+                          fix=f"use a parallel.cp that divides the {per_tp} each tensor-parallel "
+                              f"rank holds ({choices}), or more {field.split('.')[1]}")
     if m.moe is not None:
         yield Problem(rule="T8", fields={"parallel.cp": p.cp, "model.moe": "set"},
                       message="context parallelism with MoE layers is not supported by dsforge "

@@ -86,7 +86,8 @@ def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
     bubble = bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
     # The bubble is that share of every term in the pipeline's slots (cost.step_time): with
     # the fixed and gather terms at 0, what is not compute's share is communication's.
-    communication = t.tp_comm + t.ep_comm + t.pp_comm + t.dp_comm + t.bubble - bubble * t.compute
+    communication = (t.tp_comm + t.ep_comm + t.cp_comm + t.pp_comm + t.dp_comm + t.bubble
+                     - bubble * t.compute)
     return {"compute": t.compute * (1 + bubble),
             "fixed": microbatch_layers(resolved) * (1 + bubble),
             "gathers": gather_count(resolved) * (1 + bubble),

@@ -29,6 +29,9 @@ class StepTime:
     tp_comm: float
     ep_comm: float
     bubble: float
+    # Context parallelism's all-to-alls (Ulysses: the shard's q, k, v and the attention's
+    # output, forward and backward), not overlapped.
+    cp_comm: float = 0.0
     pp_comm: float
     dp_comm: float
     optimizer: float = 0.0
@@ -37,8 +40,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_comm + self.ep_comm + self.bubble + self.pp_comm
-                + self.dp_comm + self.optimizer + self.fixed + self.gathers)
+        return (self.compute + self.tp_comm + self.ep_comm + self.cp_comm + self.bubble
+                + self.pp_comm + self.dp_comm + self.optimizer + self.fixed + self.gathers)
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}
@@ -63,7 +66,7 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
     recipe, lay = resolved.recipe, resolved.layout
     m, t = recipe.model, recipe.train
     half = 2 if t.precision != "fp32" else 4
-    microbatch_tokens = lay.micro_batch * t.seq_len
+    microbatch_tokens = lay.micro_batch * t.seq_len // lay.cp  # a context-parallel rank's shard
     efficiency = (profile.compute_efficiency * gemm_saturation(m.hidden_size / lay.tp)
                   * gemm_saturation(microbatch_tokens, profile.gemm_knee_tokens))
     flop_rate = profile.gpu.peak_bf16_flops * efficiency
@@ -85,6 +88,9 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
         ep_bw = _bandwidth(lay.tp * lay.ep, profile)
         ep_comm = moe_layers * lay.grad_accum * 4 * m.moe.top_k * activation * _ring(lay.ep) / ep_bw
 
+    cp_comm = lay.grad_accum * m.num_layers / lay.pp * _cp_layer_seconds(
+        m, lay, t.activation_checkpointing, microbatch_tokens * half, profile)
+
     worst = largest_stage_params(resolved.recipe.model, resolved.layout)
     dp_comm, dp_in_slots = _dp_comm(resolved, worst, profile, half, compute)
     pp_comm = 0.0
@@ -98,11 +104,25 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
     # Every slot of the pipeline carries its sends and fixed costs too (blocking p2p), so they
     # fill and drain with the compute.
     bubble = (bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
-              * (compute + tp_comm + ep_comm + dp_in_slots + pp_comm + fixed + gathers))
-    return StepTime(compute=compute, tp_comm=tp_comm, ep_comm=ep_comm, bubble=bubble,
+              * (compute + tp_comm + ep_comm + cp_comm + dp_in_slots + pp_comm + fixed + gathers))
+    return StepTime(compute=compute, tp_comm=tp_comm, ep_comm=ep_comm, cp_comm=cp_comm,
+                    bubble=bubble,
                     pp_comm=pp_comm, dp_comm=dp_comm,
                     optimizer=_optimizer_seconds(resolved, worst, profile), fixed=fixed,
                     gathers=gathers)
+
+
+def _cp_layer_seconds(m: ModelConfig, lay: Layout, checkpointing: str, token_bytes: float,
+                      profile: ClusterProfile) -> float:
+    """Ulysses' all-to-alls of one layer and microbatch: q, k and v in, the output back, each
+    moving (cp-1)/cp of the rank's shard (heads / tp of them); the backward moves their
+    gradients the same way, and full recomputation runs the forward's again."""
+    if lay.cp == 1:
+        return 0.0
+    d = m.head_dim
+    heads = (2 * m.num_attention_heads + 2 * m.query_groups) * d / lay.tp  # q and out, k and v
+    passes = 3 if checkpointing == "full" else 2
+    return passes * token_bytes * heads * _ring(lay.cp) / _bandwidth(lay.tp * lay.cp, profile)
 
 
 def microbatch_layers(resolved: Resolved) -> float:
@@ -213,7 +233,7 @@ def _optimizer_seconds(resolved: Resolved, worst, profile: ClusterProfile) -> fl
     partition it over the data-parallel group, ZeRO-0 updates every parameter the GPU holds."""
     lay, recipe = resolved.layout, resolved.recipe
     sharded = recipe.zero.stage >= 1
-    params = worst.dense / (lay.dp if sharded else 1) + worst.expert / (lay.edp if sharded else 1)
+    params = worst.dense / (lay.dp_cp if sharded else 1) + worst.expert / (lay.edp if sharded else 1)
     per_param = (profile.optimizer_bytes_per_param_fp32 if recipe.train.precision == "fp32"
                  else profile.optimizer_bytes_per_param)
     return profile.optimizer_fixed_s + params * per_param / profile.gpu.memory_bandwidth
@@ -242,7 +262,7 @@ def _dp_comm(resolved: Resolved, worst, profile: ClusterProfile, grad_bytes: int
     lay, stage = resolved.layout, resolved.recipe.zero.stage
     per_microbatch, per_step = dp_traffic(stage, lay.grad_accum)
     slots = once = 0.0
-    for psi, size, span in ((worst.dense, lay.dp, lay.tp * lay.dp),
+    for psi, size, span in ((worst.dense, lay.dp_cp, lay.tp * lay.dp_cp),
                             (worst.expert, lay.edp, lay.world_size // lay.pp)):
         if psi == 0 or size == 1:
             continue

@@ -63,6 +63,8 @@ WORLD2_DENSE = {
     **{f"pp2_1f1b_zero{s}": _case("parallel.dp=1", "parallel.pp=2", f"zero.stage={s}") for s in (0, 1)},
     **{f"pp2_vpp2_zero{s}": _case("parallel.dp=1", "parallel.pp=2", "parallel.vpp=2", f"zero.stage={s}")
        for s in (0, 1)},
+    # Context parallelism (Ulysses): each rank a zigzag half of every sequence.
+    **{f"cp2_zero{s}": _case("parallel.dp=1", "parallel.cp=2", f"zero.stage={s}") for s in (0, 3)},
 }
 # torch's fused AdamW (adam_impl auto's choice on GPUs; torch runs it on CPUs too) through
 # DeepSpeed at every ZeRO stage, and under the interleaved schedule.
@@ -105,6 +107,11 @@ WORLD4_DENSE = {
     "pp2_vpp2_dp2_zero3_full_ckpt_offload": _case(
         "parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "zero.stage=3",
         "train.activation_checkpointing=full", "zero.offload_optimizer=cpu"),
+    # Context parallelism beside replicas: gradients reduce over dp x cp; with full
+    # recomputation the all-to-alls run again in the backward.
+    "dp2_cp2_zero2": _case("parallel.dp=2", "parallel.cp=2", "zero.stage=2"),
+    "dp2_cp2_zero1_full_ckpt": _case("parallel.dp=2", "parallel.cp=2", "zero.stage=1",
+                                     "train.activation_checkpointing=full"),
 }
 # Not an equivalence (other arithmetic), but the same trajectory within bf16 rounding.
 BF16 = {"dp2_bf16": _case("parallel.dp=2", "train.precision=bf16")}

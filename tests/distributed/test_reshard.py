@@ -53,6 +53,12 @@ PAIRS = {
                                 _layout("parallel.dp=2", "zero.stage=0", "train.precision=bf16"),
                                 _layout("parallel.dp=1", "parallel.tp=2", "zero.stage=2",
                                         "train.precision=bf16"), DENSE),
+    # Off a context-parallel layout (its dp x cp group wrote the ZeRO-3 state) onto replicas.
+    "cp2_zero3_to_dp2": ("cp2_zero3", _layout("parallel.dp=1", "parallel.cp=2", "zero.stage=3"),
+                         _layout("parallel.dp=2", "zero.stage=1"), DENSE),
+    # Onto one: the replicas' state read into dp x cp.
+    "dp2_to_cp2_zero2": ("dp2_zero2", _layout("parallel.dp=2", "zero.stage=2"),
+                         _layout("parallel.dp=1", "parallel.cp=2", "zero.stage=2"), DENSE),
 }
 PAIRS4 = {
     "tp2_pp2_to_pp2_vpp2_dp2": ("tp2_pp2", _layout("parallel.dp=1", "parallel.tp=2", "parallel.pp=2"),

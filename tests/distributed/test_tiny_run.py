@@ -24,6 +24,7 @@ from tests.distributed.test_run import _job_processes
 IN_CI = {
     "13b_8gpu_zero3": 300,  # ZeRO-3 over 8 data-parallel ranks, bf16, full AC
     "moe_8gpu_ep8": 300,  # 8 experts on 8 expert-parallel ranks
+    "8b_32k_cp4": 300,  # context parallelism (cp 4) beside tp 2 + sequence parallelism, bf16
 }
 # 70b_pp4 (tp4 x pp4 x vpp5 x dp2, 32 ranks) with every parallel dimension kept above 1 in a
 # world of 8: interleaved 1F1B with tensor and sequence parallelism, ZeRO-1 over dp2, bf16 and

@@ -5,7 +5,7 @@ The recipes: every one the rule tests accept (test_validate.ACCEPTED) and every 
 at tiny size (recipe/tiny.py, same layout). Each goes through dsforge's own translation and
 model builder: the TransformerConfig at the recipe's real layout (Megatron-Core checks heads,
 query groups, sequence and expert parallelism against tp and ep there), then the GPTModel at
-tp = pp = ep = 1, all a one-rank gloo world can hold, run forward and backward on one tiny
+tp = pp = cp = ep = 1, all a one-rank gloo world can hold, run forward and backward on one tiny
 batch. The CPU backend patches the whole process, so the builds run in one child interpreter
 (`python -m tests.unit.test_accepted_builds FOLDER`), not in pytest's.
 """
@@ -86,8 +86,8 @@ def test_top1_routing_trains_the_router_through_its_gate(built):
 
 
 def _one_rank(resolved: Resolved) -> Resolved:
-    lay = dataclasses.replace(resolved.layout, world_size=1, dp=1, tp=1, pp=1, vpp=1, ep=1, etp=1,
-                              edp=1, sequence_parallel=False)
+    lay = dataclasses.replace(resolved.layout, world_size=1, dp=1, tp=1, pp=1, vpp=1, cp=1, ep=1,
+                              etp=1, edp=1, sequence_parallel=False)
     return dataclasses.replace(resolved, layout=lay)
 
 

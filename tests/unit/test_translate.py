@@ -57,8 +57,10 @@ def _check_with_deepspeed(resolved, device="cuda"):
 
     r, lay = resolved.recipe, resolved.layout
     config = deepspeed_config(model=r.model, train=r.train, zero=r.zero, layout=lay, device=device)
-    ds = DeepSpeedConfig(config, mpu=_DataParallel(lay.dp))
-    assert ds.train_batch_size == lay.global_batch
+    # DeepSpeed's data-parallel group is dp x cp (engine.MegatronMPU): each sequence counts
+    # once a context-parallel rank.
+    ds = DeepSpeedConfig(config, mpu=_DataParallel(lay.dp_cp))
+    assert ds.train_batch_size == lay.global_batch * lay.cp
     assert ds.gradient_accumulation_steps == lay.grad_accum
     assert ds.zero_optimization_stage == r.zero.stage
     assert ds.bfloat16_config.enabled == (r.train.precision == "bf16")

@@ -50,6 +50,12 @@ CROSS_SECTION_CASES = [
     ("L6", ["parallel.pp=4", "train.global_batch=2"], 4, ["parallel.pp=4", "train.global_batch=4"], 4),
     ("T1", ["parallel.tp=8"], 8, ["parallel.tp=4"], 8),  # tiny has 4 heads
     ("T6", ["train.seq_len=512"], 8, ["train.seq_len=256"], 8),
+    # Context parallelism: 2 cp chunks of the sequence, heads and KV heads per tp rank / cp.
+    ("T7", ["parallel.cp=4", "train.seq_len=100", "model.num_kv_heads=4"], 8,
+     ["parallel.cp=4", "train.seq_len=96", "model.num_kv_heads=4"], 8),
+    ("T7", ["parallel.cp=4"], 8, ["parallel.cp=2"], 8),  # tiny has 2 KV heads
+    ("T7", ["parallel.cp=2", "parallel.tp=2"], 8, ["parallel.cp=2", "model.num_kv_heads=4", "parallel.tp=2"], 8),
+    ("T8", [*MOE, "parallel.cp=2"], 8, [*MOE, "parallel.cp=1"], 8),
     ("E1", ["parallel.ep=2"], 8, [*MOE, "parallel.ep=2"], 8),
     ("E3", [*MOE, "parallel.tp=2"], 8, [*MOE, "parallel.tp=2", "parallel.sequence_parallel=true"], 8),
     ("E4", [*MOE, "model.bias=true", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"], 8,
@@ -81,7 +87,7 @@ SECTION_CASES = [
     ("P3", ["parallel.dp=0"], ["parallel.dp=-1"]),
     ("T3", ["parallel.sequence_parallel=true"], ["parallel.sequence_parallel=true", "parallel.tp=2"]),
     ("L3", ["parallel.vpp=2"], ["parallel.vpp=2", "parallel.pp=2"]),
-    ("T5", ["parallel.cp=2"], ["parallel.cp=1"]),
+    ("T5", ["parallel.cp=2", "parallel.pp=2"], ["parallel.cp=2", "parallel.pp=1"]),
     ("T2", ["model.hidden_size=66"], ["model.hidden_size=66", "model.kv_channels=16"]),
     ("M1", ["model.num_layers=0"], ["model.num_layers=2"]),
     ("M2", ["model.num_kv_heads=3"], ["model.num_kv_heads=4"]),
