@@ -62,8 +62,9 @@ def validate(recipe, world_size, hostfile, overrides):
     resolved = _or_exit(resolve_or_refuse, recipe, overrides, world_size, hostfile)
     warn(resolved.warnings, _say)
     lay = resolved.layout
+    cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
     click.echo(f"{recipe}: valid for world size {lay.world_size} (dp {lay.dp} x tp {lay.tp} x "
-               f"pp {lay.pp}, grad_accum {lay.grad_accum})")
+               f"pp {lay.pp}{cp}, grad_accum {lay.grad_accum})")
 
 
 _SEARCH_ONLY = ("gpus", "gpus_per_node", "gpu", "global_batch_tokens", "seq_len", "write", "html",

@@ -69,6 +69,7 @@ def layout_text(lay) -> str:
     parts = [f"{lay.world_size} ranks: dp{lay.dp}", f"tp{lay.tp}"]
     parts += [f"pp{lay.pp}"] if lay.pp > 1 else []
     parts += [f"vpp{lay.vpp}"] if lay.vpp > 1 else []
+    parts += [f"cp{lay.cp}"] if lay.cp > 1 else []
     parts += [f"ep{lay.ep}"] if lay.ep > 1 else []
     return " x ".join(parts) + (" + sequence parallel" if lay.sequence_parallel else "")
 
