@@ -231,7 +231,7 @@ def _expert_width(recipe: Recipe, ctx: Context, etp: int) -> Iterator[Problem]:
 
 def context_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """T7: context parallelism (Ulysses, runtime/build/layers.py) cuts each sequence into
-    2 cp chunks, two per rank (runtime/loop/data.py `context_shard`), and trades the sequence
+    2 cp chunks, two per rank (runtime/context_shards.py), and trades the sequence
     shard for heads / cp of every head: the sequence, the heads and the KV heads each rank
     holds after tp must divide by cp. T8: with MoE, not supported yet."""
     m, p, t = recipe.model, recipe.parallel, recipe.train

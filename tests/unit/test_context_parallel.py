@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from dsforge.recipe import resolve_file
-from dsforge.runtime.build.layers import gathered_order
-from dsforge.runtime.loop.data import context_shard
+from dsforge.runtime.context_shards import context_shard, gathered_order
 from dsforge.search.cost import step_time
 from dsforge.search.profile import default_profile
 from dsforge.translate.deepspeed_config import deepspeed_config

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dsforge.runtime.context_shards import gathered_order
+
 
 class RMSNorm(nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
@@ -81,9 +83,9 @@ class UlyssesAttention(SDPAttention):
     attention on it, and a second all-to-all gives the shards back
     (deepspeed.sequence.layer.DistributedAttention, Megatron's [seq, batch, heads, dim]).
 
-    The shards are the zigzag chunks runtime/loop/data.py `context_shard` cuts (rank r holds
-    chunks r and 2 cp - 1 - r), so the gathered sequence arrives in the ranks' order of
-    chunks; it is put in the sequence's own order for the causal mask and back after."""
+    The shards are the zigzag chunks of runtime/context_shards.py (rank r holds chunks r and
+    2 cp - 1 - r), so the gathered sequence arrives in the ranks' order of chunks; it is put in
+    the sequence's own order for the causal mask and back after."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -93,6 +95,7 @@ class UlyssesAttention(SDPAttention):
         group = ps.get_context_parallel_group()
         self.cp = torch.distributed.get_world_size(group)
         self.exchange = DistributedAttention(self._in_order, group, scatter_idx=2, gather_idx=0)
+        self._orders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -100,20 +103,16 @@ class UlyssesAttention(SDPAttention):
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     def _in_order(self, query, key, value, *args, **kwargs):
-        to_sequence, to_ranks = gathered_order(query.shape[0], self.cp, query.device)
+        to_sequence, to_ranks = self._order(query.shape[0], query.device)
         out = self.attend(*(t.index_select(0, to_sequence) for t in (query, key, value)))
         return out.index_select(0, to_ranks)
 
-
-def gathered_order(seq_len: int, cp: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices that put a sequence gathered from the cp ranks' zigzag shards (rank r: chunks r
-    and 2 cp - 1 - r, ranks in turn) in the sequence's order, and back."""
-    chunk = seq_len // (2 * cp)
-    held = [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]  # chunk at each gathered slot
-    steps = torch.arange(chunk, device=device)
-    to_sequence = torch.cat([steps + held.index(c) * chunk for c in range(2 * cp)])
-    to_ranks = torch.cat([steps + c * chunk for c in held])
-    return to_sequence, to_ranks
+    def _order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """gathered_order on `device`, made once per sequence length and device."""
+        if (seq_len, device) not in self._orders:
+            orders = gathered_order(seq_len, self.cp)
+            self._orders[seq_len, device] = tuple(t.to(device) for t in orders)
+        return self._orders[seq_len, device]
 
 
 GQA_SDPA_BACKENDS = ("auto", "flash", "math")

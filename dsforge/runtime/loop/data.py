@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from dsforge.recipe import Resolved
+from dsforge.runtime.context_shards import context_shard
 
 TRAIN, VALIDATION = 0, 1
 
@@ -157,7 +158,7 @@ def microbatches(source: Source, *, step: int, global_batch: int, micro_batch: i
                  cp_rank: int = 0) -> list[Microbatch]:
     """The grad_accum microbatches data-parallel rank `dp_rank` trains on at `step` (or
     evaluates for validation batch `step`); with context parallelism, context-parallel rank
-    `cp_rank`'s shard of each sequence (`context_shard`)."""
+    `cp_rank`'s shard of each sequence (runtime/context_shards.py)."""
     batches = []
     for k in range(grad_accum):
         first = step * global_batch + (k * dp + dp_rank) * micro_batch
@@ -169,19 +170,6 @@ def microbatches(source: Source, *, step: int, global_batch: int, micro_batch: i
         batches.append(Microbatch(tokens=rows[:, :-1][:, keep].contiguous(),
                                   labels=rows[:, 1:][:, keep].contiguous(), position_ids=positions))
     return batches
-
-
-def context_shard(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
-    """The positions context-parallel rank `cp_rank` of `cp` holds: chunks r and 2 cp - 1 - r
-    of the sequence cut into 2 cp, so every rank does the same causal attention work (a rank
-    with a late chunk also holds an early one). It is the order Megatron-Core's rotary
-    embedding slices its positions in (rope_utils.get_pos_emb_on_this_cp_rank), so the
-    positions follow the tokens without a patch."""
-    if cp == 1:
-        return torch.arange(seq_len)
-    chunk = seq_len // (2 * cp)
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
-                      torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)])
 
 
 def _check_ids(rows: torch.Tensor, source: Source, first: int, vocab_size: int) -> None:
