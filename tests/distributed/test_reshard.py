@@ -145,3 +145,21 @@ def test_a_moe_checkpoint_written_by_tp2_x_pp2_exports_to_mixtral(worlds, tmp_pa
     assert model.config.num_local_experts == 4 and model.config.num_experts_per_tok == 2
     own_logits = torch.load(tmp_path / "own.pt", weights_only=True)["logits"][..., :512]
     assert (hf_logits - own_logits).abs().max().item() <= TOLERANCE
+
+
+def test_a_context_parallel_checkpoint_exports_the_model_a_replica_does(worlds, tmp_path):
+    """dsforge export is unchanged by cp: the cp2 ZeRO-3 run and the dp2 ZeRO-2 run train the
+    same model on the same samples, so their step-3 checkpoints export the same weights (up to
+    reduction order), through the same layout-free reader."""
+    from safetensors.torch import load_file
+
+    from dsforge.hf.export import export
+
+    exported = {}
+    for name in ("cp2_zero3", "dp2_zero2"):
+        export(worlds[0] / "world2" / name / "checkpoints" / "step00000003", tmp_path / name)
+        exported[name] = {key: tensor for shard in sorted((tmp_path / name).glob("*.safetensors"))
+                          for key, tensor in load_file(shard).items()}
+    cp, replicas = exported["cp2_zero3"], exported["dp2_zero2"]
+    assert cp and cp.keys() == replicas.keys()
+    assert max((cp[key] - replicas[key]).abs().max().item() for key in cp) < 1e-5
