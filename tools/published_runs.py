@@ -769,11 +769,6 @@ class Choice:
         return 100 * (self.best.measured - self.pick.measured)
 
 
-def _layout_key(row: Row) -> tuple:
-    return (row.tp, row.pp, row.dp, row.zero, row.micro_batch, row.global_batch,
-            row.checkpointing, row.vpp, row.sequence_parallel)
-
-
 def first_choices(scored: list[Scored]) -> list[Choice]:
     """Every scenario with two or more different scored layouts, in the order of ROWS. Runs
     that differ only in what dsforge does not model (torch.compile, float8, async TP) are one
@@ -785,7 +780,7 @@ def first_choices(scored: list[Scored]) -> list[Choice]:
             scenarios.setdefault((r.source, r.model.name, r.seq_len, r.gpu, r.gpus), []).append(s)
     choices = []
     for (source, model, seq_len, gpu, gpus), runs in scenarios.items():
-        layouts = len({_layout_key(s.row) for s in runs})
+        layouts = len({s.row.layout() for s in runs})
         if layouts < 2:
             continue
         # Equal predictions are the same layout measured twice (or one the model cannot tell

@@ -242,9 +242,8 @@ def context_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
                       message=f"the sequence must cut into 2 x cp = {2 * p.cp} equal chunks",
                       fix=f"use a train.seq_len that is a multiple of {2 * p.cp}, or a smaller "
                           "parallel.cp")
-    groups = m.num_kv_heads or m.num_attention_heads
     for field, heads in (("model.num_attention_heads", m.num_attention_heads),
-                         ("model.num_kv_heads", groups)):
+                         ("model.num_kv_heads", m.query_groups)):
         per_tp = heads // p.tp  # heads % tp is T1's
         if heads % p.tp == 0 and per_tp % p.cp:
             choices = ", ".join(str(d) for d in range(1, per_tp + 1) if per_tp % d == 0)

@@ -41,8 +41,8 @@ def _tiny(*overrides, world):
 def test_deepspeed_counts_each_sequence_once_per_context_parallel_rank():
     """DeepSpeed's data-parallel group is dp x cp (engine.MegatronMPU), and it checks
     train_batch_size = micro x accumulation x that group's size."""
-    lay = _tiny("parallel.cp=2", "parallel.dp=2", world=4).layout
     resolved = _tiny("parallel.cp=2", "parallel.dp=2", world=4)
+    lay = resolved.layout
     config = deepspeed_config(model=resolved.recipe.model, train=resolved.recipe.train,
                               zero=resolved.recipe.zero, layout=lay, device="cpu")
     assert config["train_batch_size"] == lay.micro_batch * lay.grad_accum * lay.dp_cp == 2 * lay.global_batch
