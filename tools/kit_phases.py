@@ -65,7 +65,19 @@ def kit_runs(results: Path = RESULTS) -> list[KitRun]:
                                     run["breakdown_s"] or {}))  # None: DSFORGE_BREAKDOWN=off
         for study in (data.get("studies") or {}):
             found += _cells(session, table.parent / "bench" / study, study, device)
+        found += _by_hand(session, device)
     return found
+
+
+def _by_hand(session: Path, device: str) -> list[KitRun]:
+    """`dsforge run`s started by hand on the kit's machine after its command (a folder named
+    `*by-hand`, one run directory each): the same GPU as the session's kit command."""
+    runs = []
+    for summary in sorted(session.glob("*by-hand/*/summary.json")):
+        data = json.loads(summary.read_text())
+        runs.append(KitRun(session.name, summary.parent.name, summary.parent / "recipe.yaml",
+                           device, data["median_step_time_s"], data["median_breakdown_s"]))
+    return runs
 
 
 def _cells(session: Path, study_dir: Path, study: str, device: str) -> list[KitRun]:
@@ -123,7 +135,7 @@ def table(runs: list[KitRun]) -> str:
 
 def calibration(runs: list[KitRun]):
     """dsforge's own refit (dsforge/search/calibrate.py, what `--measure` runs) on the dense
-    runs: every run predicted by a refit without it. MoE runs are left out of the fit: the
+    runs of one GPU type: every run predicted by a refit without it. MoE runs are left out of the fit: the
     model has no term for the expert loop (58% of the MoE's step), so no coefficient of its
     could absorb it honestly."""
     dense = [r for r in runs if _resolved(r.recipe).recipe.model.moe is None]
@@ -160,8 +172,9 @@ def main() -> None:
     runs = kit_runs()
     text = table(runs)
     if args.loo:
-        text += ("\n## dsforge's refit (--measure's), each dense run left out in turn\n\n"
-                 + leave_one_out(runs))
+        for device in sorted({r.device for r in runs}, reverse=True):
+            text += (f"\n## dsforge's refit (--measure's) on the {device}, each dense run left "
+                     f"out in turn\n\n" + leave_one_out([r for r in runs if r.device == device]))
     if args.out is None:
         print(text, end="")
         return
@@ -172,7 +185,7 @@ def main() -> None:
 HEADER = """# The planner against the GPU kit's runs, phase by phase
 
 Written by `python tools/kit_phases.py --loo --out benchmarks/search/kit_phases.md` from every run in
-benchmarks/gpu/results/ (one H200, 2026-11-26). Measured: the median step and the median of
+benchmarks/gpu/results/ (one H200 and one H100, 2026-11-26). Measured: the median step and the median of
 each phase of dsforge's step breakdown (docs/breakdown.md). Predicted: `dsforge plan`'s step
 time (dsforge/search/cost.py with the GPU's default profile), its compute split by FLOPs
 (forward = model / 3, backward = 2 model / 3, recompute = hardware - model).
@@ -200,14 +213,17 @@ What the tables say (issue 23):
     against 3.6 ms at ZeRO-0. The first 1B ZeRO-3 run (full, mb 2) spent 7.7 ms, against
     4.2 ms. The host's cost a layer is about the same for both models.
   - The 1B at mb 8 (14 ms a layer on the device) pays ZeRO-3 only 1.1 ms a layer.
+  - On the H100 (fifth session) the 3B at mb 2 spends 7.8 ms a layer in each ZeRO-3 forward,
+    against 5.5 ms at ZeRO-0; at ZeRO-0 and mb 1 3.8 ms, where the device needs ~2.8.
 - **Kernels**: torch's kernels cost the 1B 147 ms more backward than Liger's. The model does
   not know the kernels (-9%).
 - **The MoE** is left out of the refit: the model has no term for its expert loop (58% of
   the step), and it is predicted 79% short.
 
 The refit is `dsforge plan --search --measure`'s own (dsforge/search/calibrate.py), fitted
-here to the GPU kit's dense runs with each left out in turn. Left out in turn it is about as good
-as the default profile in-sample (3.0% against 3.1%). Fitted to all of them and shipped as the
+here to the GPU kit's dense runs of one GPU type with each left out in turn. Left out in turn it
+is about as good as the default profile in-sample (H200: 3.0% against 3.1%; H100: 2.8% against
+2.3%). Fitted to all of them and shipped as the
 H200's default, it would move the published comparison's KempnerForge runs (multi-node H200,
 tools/published_compare.py) from a median error of 3.0 to 5.1 MFU points: one GPU's fixed
 costs and gathers are not a cluster's. The GPU profiles dsforge ships therefore keep their

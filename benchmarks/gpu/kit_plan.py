@@ -68,12 +68,13 @@ START_7B = Estimate(50, f"guess: {KIT3}: 116 s with 3 steps of 10.9 s, 83 s with
                         f"less END_S; {_DRAWN_ON_GPU}: -30 s")
 START_7B_Z3 = Estimate(65, f"guess: {KIT3}: 110 s with 3 steps of 4.1 s at ZeRO-3, 98 s "
                            f"without, less END_S; {_DRAWN_ON_GPU}: -30 s")
-START_1B = Estimate(27, f"guess: {KIT3}: 38 s a ZeRO cell with 3 steps of 1.1 s, 35 s without, "
-                        f"less END_S; {_DRAWN_ON_GPU}: -5 s")
-# Interpolated by parameter count between the 1B and 7B figures (1.24B, 6.74B).
-START_3B = Estimate(35, "guess: start-up interpolated by parameters (3.21B) between 1B and 7B")
-START_MOE = Estimate(40, f"guess: {KIT3}: 56 s with 3 steps of 1.8 s, 50 s without, "
-                         f"less END_S; {_DRAWN_ON_GPU} (1.62B): -7 s")
+# KIT4 = the fifth, on an H100 (results/2026-11-26-h100-essential): the draw on the GPU
+# measured (the `weights` start-up phase 0.0 s); each run's seconds less its three steps and
+# END_S. The 1B, 3B and MoE start-ups are the H100's; used for the H200 as well.
+KIT4 = "measured by the kit 2026-11-26 (H100, results/2026-11-26-h100-essential)"
+START_1B = Estimate(26, f"{KIT4}: 130 s for 4 ZeRO cells of 3 steps of 1.15 s")
+START_3B = Estimate(31, f"{KIT4}: 34-42 s with 3 steps of 1.58-1.96 s")
+START_MOE = Estimate(23, f"{KIT4}: 30 s with 3 steps of 1.26 s")
 END_S = 3  # guess: summary, the live-tensor census, teardown after the last step
 STEP_7B_SHIPPED = Estimate(11.07, f"{KIT2}: the shipped 7B, ZeRO-0 none mb 1 at 32 sequences "
                                   "(10.89 s in KIT3)")
@@ -84,8 +85,8 @@ STEP_1B = Estimate(1.13, f"{KIT3}: the 1B as shipped at ZeRO 0-3, 1.09-1.13 s")
 STEP_1B_OTHER = Estimate(1.7, f"{KIT}: the 1B's sweep, 1.22-1.72 s a step")
 STEP_7B_Z0_FULL_MB2 = Estimate(3.66, f"{KIT2}: 7B ZeRO-0 full mb 2 at 8 sequences")
 STEP_7B_SELECTIVE = Estimate(2.92, f"{KIT2}: 7B ZeRO-0 selective mb 1 at 8 sequences")
-STEP_3B = Estimate(2.2, "guess: the planner's 1.6 s for 3B selective mb 1 plus the measured "
-                        "~30% gap between its 7B prediction and the measurement")
+STEP_3B = Estimate(6.07, f"{KIT4}: the 3B as now shipped (none mb 2, 32 sequences), by hand")
+STEP_3B_GB8 = Estimate(1.96, f"{KIT4}: the 3B at 8 sequences, 1.58-1.96 s")
 STEP_MOE = Estimate(1.82, f"{KIT3}: the MoE at 8 layers (1.48 s in KIT2)")
 FUSED_ADAM_JIT_S = 60  # measured 2026-11-26: DeepSpeed's FusedAdam JIT build on the H200
 
@@ -170,17 +171,17 @@ def _run(label: str, recipe: str, *overrides: str, start: Estimate, step: Estima
 
 
 def _sweep(size: str, recipe: str, cells: tuple[tuple[str, int], ...], start: Estimate,
-           step: Estimate) -> tuple[RunSpec, ...]:
+           step: Estimate, *overrides: str) -> tuple[RunSpec, ...]:
     return tuple(_run(f"{size}-{ac}-mb{mb}", recipe, f"train.activation_checkpointing={ac}",
-                      f"train.micro_batch={mb}", start=start, step=step) for ac, mb in cells)
+                      f"train.micro_batch={mb}", *overrides, start=start, step=step)
+                 for ac, mb in cells)
 
 
 _AC_X_MB = tuple((ac, mb) for ac in ("none", "selective", "full") for mb in (1, 2))
-_Z0_NONE = ("zero.stage=0", "train.activation_checkpointing=none")
 
 MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
     Measurement(name="gpu-tests", script="gpu-tests", timeout_s=300,
-                estimate=Estimate(54, f"{KIT3}: three tiny dsforge runs at once"),
+                estimate=Estimate(65, f"{KIT4}: three tiny dsforge runs at once (54 s in KIT3)"),
                 about="pytest tests/gpu: the smoke recipe in bf16 through NCCL, nothing built at "
                       "run time, bf16 against fp32, Liger's kernels against torch's over 30 steps"),
     # The headline: on an H200 the 7B as shipped (ZeRO-0 without checkpointing at mb 1 and 32
@@ -188,19 +189,21 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
     # without checkpointing at mb 1 (118.9 GiB; ZeRO-3's per-module gathers cost the 1B 63% on
     # one GPU, which the default profile does not model: issue 23's calibration point), at 8
     # sequences to fit the command (ZeRO-0 measured 2.87 s a step there).
-    # An 80 GB H100 holds no 7B without offload: the 3B as shipped, without checkpointing at
-    # mb 1 (the planner's first layout, 60.4 GiB), and at mb 2 (the microbatch lever, 73.0 GiB).
+    # An 80 GB H100 holds no 7B without offload: the 3B as shipped (ZeRO-0 without
+    # checkpointing at mb 2 and 32 sequences, the fastest measured: 51.3% MFU, 68.0 GiB), and
+    # at 8 sequences ZeRO-3 (its per-module gathers, issue 23's calibration point) and mb 1
+    # (the fixed cost per microbatch: the forward at mb 1 is host-bound).
     Measurement(name="anchor", about="recipes/7b_1gpu.yaml as shipped and the planner's first "
-                                     "layout, ZeRO-3 (H200); the kit's 3B as shipped and without "
-                                     "checkpointing at mb 1 and 2 (H100); each with its breakdown",
+                                     "layout, ZeRO-3 (H200); the kit's 3B as shipped, at ZeRO-3 "
+                                     "and at mb 1 (H100); each with its breakdown",
                 runs=(_run("7b-shipped", SEVEN_B, gpus=("h200",), start=START_7B, step=STEP_7B_SHIPPED),
                       _run("7b-z3-none-mb1-gb8", SEVEN_B, "zero.stage=3", *GB8, gpus=("h200",),
                            start=START_7B_Z3, step=STEP_7B_Z3_NONE_MB1),
                       _run("3b-shipped", THREE_B, gpus=("h100",), start=START_3B, step=STEP_3B),
-                      _run("3b-z0-none-mb1", THREE_B, *_Z0_NONE, "train.micro_batch=1",
-                           gpus=("h100",), start=START_3B, step=STEP_3B),
-                      _run("3b-z0-none-mb2", THREE_B, *_Z0_NONE, "train.micro_batch=2",
-                           gpus=("h100",), start=START_3B, step=STEP_3B))),
+                      _run("3b-z3-mb2-gb8", THREE_B, "zero.stage=3", *GB8, gpus=("h100",),
+                           start=START_3B, step=STEP_3B_GB8),
+                      _run("3b-mb1-gb8", THREE_B, "train.micro_batch=1", *GB8, gpus=("h100",),
+                           start=START_3B, step=STEP_3B_GB8))),
     Measurement(name="zero", about="dsforge bench: ZeRO 0-3 on the 1B model (dp 1), predicted vs "
                                    "measured memory, the live-tensor census, the breakdown per "
                                    "stage; dsforge report",
@@ -265,9 +268,9 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
                                      "micro-batch 1/2, none at 4 (8 is shipped), seq 4096",
                 runs=_sweep("1b", ONE_B, (*_AC_X_MB, ("none", 4)), START_1B, STEP_1B_OTHER)),
     Measurement(name="mfu-3b", about="~3.2B model: checkpointing none/selective/full at "
-                                     "micro-batch 1, full at 2, seq 4096",
+                                     "micro-batch 1, full at 2, seq 4096, 8 sequences",
                 runs=_sweep("3b", THREE_B, (("none", 1), ("selective", 1), ("full", 1), ("full", 2)),
-                            START_3B, STEP_3B)),
+                            START_3B, STEP_3B_GB8, *GB8)),
 )}
 # In the order to run them. The essential one follows issue 21's order (tests, the headline
 # runs, the ZeRO study, the MoE run); the budget skips from the end when estimates run long.
@@ -369,7 +372,7 @@ def install_requirements() -> list[str]:
 
 
 INSTALL = Estimate(8, f"{KIT}: 6 s, liger-kernel included")
-ENV = Estimate(22, f"{KIT3}: 18-22 s (13-17 s in the first session)")
+ENV = Estimate(26, f"{KIT4}: 26 s (18-22 s in KIT3, 13-17 s in the first session)")
 
 
 def setup_steps(ctx: Context) -> list[Step]:

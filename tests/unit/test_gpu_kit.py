@@ -92,7 +92,7 @@ def test_the_essential_command_fits_8_minutes_with_install_and_environment():
 
 
 def test_a_step_that_breaks_the_essential_budget_fails_the_check(monkeypatch):
-    monkeypatch.setitem(kit_plan.SELECTIONS, "essential", (*kit_plan.SELECTIONS["essential"], "kernels-1b"))
+    monkeypatch.setitem(kit_plan.SELECTIONS, "essential", (*kit_plan.SELECTIONS["essential"], "adam-step"))
     _, problems = kit.selection_check()
     assert [p.split(":")[0] for p in problems] == ["essential on h100", "essential on h200"]
 
@@ -217,7 +217,7 @@ def test_commands_per_gpu():
     h200 = kit_plan.steps(kit_plan.select(["anchor"]), ctx("h200"))
     assert [s.kind for s in h100] == ["install", "env"] + ["plan", "run"] * 3
     assert h100[0].argv[:6] == ("PY", "-m", "pip", "install", "--no-index", "--find-links")
-    assert [s.name for s in h100 if s.kind == "run"] == ["3b-shipped", "3b-z0-none-mb1", "3b-z0-none-mb2"]
+    assert [s.name for s in h100 if s.kind == "run"] == ["3b-shipped", "3b-z3-mb2-gb8", "3b-mb1-gb8"]
     assert [s.name for s in h200 if s.kind == "run"] == ["7b-shipped", "7b-z3-none-mb1-gb8"]
     shipped = next(s for s in h200 if s.name == "7b-shipped")
     assert shipped.argv[:8] == ("PY", "-m", "dsforge", "run", "recipes/7b_1gpu.yaml", "--world-size",
