@@ -112,7 +112,7 @@ def result_json(result: SearchResult, top: int) -> dict[str, Any]:
     }
 
 
-_COLUMNS = ("#", "tp", "pp", "vpp", "ep", "dp", "zero", "mb", "accum", "ckpt", "sp",
+_COLUMNS = ("#", "tp", "cp", "pp", "vpp", "ep", "dp", "zero", "mb", "accum", "ckpt", "sp",
             "mem GiB", "step s", "band s", "tie", "tok/s/GPU", "MFU")
 
 
@@ -193,7 +193,7 @@ def _band_source(profile: ClusterProfile) -> str:
 
 def _row(rank: int, r: Ranked) -> tuple:
     x = r.layout_row()
-    return (rank, x["tp"], x["pp"], x["vpp"], x["ep"], x["dp"], x["zero"], x["micro_batch"],
+    return (rank, x["tp"], x["cp"], x["pp"], x["vpp"], x["ep"], x["dp"], x["zero"], x["micro_batch"],
             x["grad_accum"], x["checkpointing"], "y" if x["sequence_parallel"] else "n",
             f"{r.memory.total / GiB:.1f}", f"{r.time.total:.2f}", _band(r), "tie" if r.tied else "",
             f"{r.tokens_per_s / r.resolved.layout.world_size:,.0f}", f"{r.mfu:.1%}")
@@ -210,7 +210,7 @@ def _nearest_memory_text(result: SearchResult) -> str:
     if r is None:
         return "no valid layout for this model and GPU count."
     x = r.layout_row()
-    return (f"the smallest needs {r.memory.total / GiB:.1f} GiB per GPU (tp {x['tp']}, pp {x['pp']}, "
+    return (f"the smallest needs {r.memory.total / GiB:.1f} GiB per GPU (tp {x['tp']}, cp {x['cp']}, pp {x['pp']}, "
             f"ZeRO-{x['zero']}, checkpointing {x['checkpointing']}); {_inside_the_headroom(r, result.profile)}"
             f"use more GPUs, GPUs with more memory, or a shorter --seq-len (CPU offload is not searched: "
             f"try zero.offload_optimizer in a recipe and `dsforge plan` it)")

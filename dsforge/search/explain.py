@@ -16,6 +16,7 @@ from dsforge.translate.kernels import predicted_memory
 from dsforge.units import GiB, format_bytes
 
 _NAMES = {"compute": "compute", "tp_comm": "tensor-parallel traffic", "ep_comm": "expert all-to-all",
+          "cp_comm": "context-parallel all-to-all",
           "bubble": "pipeline bubble", "pp_comm": "pipeline sends", "dp_comm": "data-parallel traffic",
           "optimizer": "optimizer step"}
 _ZERO_TRAFFIC = {0: "all-reduces gradients once per step", 1: "all-reduces gradients once per step",
@@ -29,7 +30,7 @@ def with_reasons(ranked: list) -> list:
 
 
 # Layout choices a reason may name (the batch and schedule follow from them).
-_CHOICES = ("tp", "pp", "vpp", "ep", "dp", "zero", "micro_batch", "checkpointing",
+_CHOICES = ("tp", "cp", "pp", "vpp", "ep", "dp", "zero", "micro_batch", "checkpointing",
             "sequence_parallel", "grad_accum")
 
 
@@ -64,6 +65,8 @@ def _why(term: str, a, b) -> str:
         return f"fewer pipeline sends (m x v = {la['grad_accum'] * la['vpp']} vs {lb['grad_accum'] * lb['vpp']} per neighbour)"
     if term == "optimizer" and "zero" in differs:
         return f"a smaller optimizer partition to update (ZeRO-{la['zero']} vs ZeRO-{lb['zero']})"
+    if term == "cp_comm" and "cp" in differs:
+        return f"less context-parallel all-to-all traffic (cp {la['cp']} vs {lb['cp']})"
     if term == "ep_comm" and "ep" in differs:
         return f"less expert all-to-all traffic (ep {la['ep']} vs {lb['ep']})"
     changed = ", ".join(f"{k} {la[k]} vs {lb[k]}" for k in sorted(differs)) or "same layout"
@@ -96,8 +99,9 @@ def tie_reason(a, b) -> str:
         won = f"a shallower pipeline (pp {la.pp} vs {lb.pp})"
     elif la.vpp != lb.vpp:
         won = f"fewer virtual stages (vpp {la.vpp} vs {lb.vpp})"
-    elif la.tp * la.ep != lb.tp * lb.ep:
-        won = f"a smaller tensor x expert degree ({la.tp * la.ep} vs {lb.tp * lb.ep})"
+    elif la.tp * la.cp * la.ep != lb.tp * lb.cp * lb.ep:
+        won = (f"a smaller tensor x context x expert degree ({la.tp * la.cp * la.ep} vs "
+               f"{lb.tp * lb.cp * lb.ep})")
     elif a.memory.total != b.memory.total:
         won = f"more memory headroom ({format_bytes(a.memory.total)} vs {format_bytes(b.memory.total)} per GPU)"
     else:

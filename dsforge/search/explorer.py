@@ -32,11 +32,11 @@ COMPARED_MODELS = ("llama2-7b", "llama3-8b", "llama2-13b", "llama3-70b", "mixtra
 
 
 def _rank_coordinates(r: Ranked) -> dict[str, list[int]]:
-    """Each rank's position in its tp, pp, dp (and ep) group, from Megatron's RankGenerator."""
+    """Each rank's position in its tp, cp, pp, dp (and ep) group, from Megatron's RankGenerator."""
     world = r.resolved.layout.world_size
     coords: dict[str, list[int]] = {}
     for name, groups in rank_groups(r.resolved.layout).items():
-        if name not in ("tp", "pp", "dp", "ep"):
+        if name not in ("tp", "cp", "pp", "dp", "ep"):
             continue
         position = [0] * world
         for group in groups:

@@ -16,8 +16,11 @@ from dsforge.recipe.fixes import microbatch_rule
 from dsforge.schema import ModelConfig
 
 
-def shape_refusal(m: ModelConfig, precision: str, *, tp: int, pp: int, sp: bool) -> str | None:
+def shape_refusal(m: ModelConfig, precision: str, seq_len: int, *, tp: int, cp: int, pp: int,
+                  sp: bool) -> str | None:
     """The rule that refuses every variant of a model-parallel shape, or None."""
+    if cp > 1 and (refused := _context_parallel_refusal(m, seq_len, tp=tp, cp=cp)):
+        return refused
     if m.tie_embeddings and pp > 1:
         return "L5"
     if precision == "fp16" and pp > 1:
@@ -32,6 +35,19 @@ def shape_refusal(m: ModelConfig, precision: str, *, tp: int, pp: int, sp: bool)
             return "T1"
         if tp > 1 and not sp:
             return "E3"
+    return None
+
+
+def _context_parallel_refusal(m: ModelConfig, seq_len: int, *, tp: int, cp: int) -> str | None:
+    """T8 (cp with MoE) and T7 (2 cp chunks of the sequence; the heads and KV heads a tensor-
+    parallel rank holds divide by cp). T5 (cp with a pipeline) is the parallel section's."""
+    if m.moe is not None:
+        return "T8"
+    if seq_len % (2 * cp):
+        return "T7"
+    for heads in (m.num_attention_heads, m.query_groups):
+        if heads % tp == 0 and (heads // tp) % cp:
+            return "T7"
     return None
 
 

@@ -45,34 +45,35 @@ class Ranked:
         """Where the measured step time lies for the median published run: t (1 -+ error)."""
         return self.time.total * (1 - self.error), self.time.total * (1 + self.error)
 
-    def parallel_layout(self) -> tuple[int, int, int, int, int]:
-        """(tp, pp, vpp, ep, dp): what a tie is decided on; the ZeRO stage, micro-batch,
+    def parallel_layout(self) -> tuple[int, int, int, int, int, int]:
+        """(tp, cp, pp, vpp, ep, dp): what a tie is decided on; the ZeRO stage, micro-batch,
         checkpointing and sequence parallelism are variants of one layout."""
         lay = self.resolved.layout
-        return lay.tp, lay.pp, lay.vpp, lay.ep, lay.dp
+        return lay.tp, lay.cp, lay.pp, lay.vpp, lay.ep, lay.dp
 
     def parallel_dimensions(self) -> tuple[str, ...]:
-        """The model-parallel dimensions in use: tp, pp, interleaving (vpp), ep. Data
+        """The model-parallel dimensions in use: tp, cp, pp, interleaving (vpp), ep. Data
         parallelism is not counted: every layout replicates over what is left, and it adds
         no collective to the critical path of a layer or a schedule to the step."""
         lay = self.resolved.layout
-        used = (("tp", lay.tp), ("pp", lay.pp), ("vpp", lay.vpp), ("ep", lay.ep))
+        used = (("tp", lay.tp), ("cp", lay.cp), ("pp", lay.pp), ("vpp", lay.vpp), ("ep", lay.ep))
         return tuple(name for name, size in used if size > 1)
 
     def layout_row(self) -> dict:
         """The layout choices that tell candidates apart (JSON output, tables, reasons)."""
         lay, recipe = self.resolved.layout, self.resolved.recipe
-        return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "dp": lay.dp,
+        return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "dp": lay.dp,
                 "zero": recipe.zero.stage, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
                 "global_batch": lay.global_batch, "checkpointing": recipe.train.activation_checkpointing,
                 "sequence_parallel": lay.sequence_parallel, "schedule": lay.schedule}
 
     def shape(self) -> str:
-        """One line, e.g. `tp2 pp8 vpp5 dp2 ZeRO-1 mb1 ckpt none` (vpp and ep shown when > 1)."""
+        """One line, e.g. `tp2 pp8 vpp5 dp2 ZeRO-1 mb1 ckpt none` (cp, vpp and ep shown when > 1)."""
         x = self.layout_row()
+        cp = f" cp{x['cp']}" if x["cp"] > 1 else ""
         vpp = f" vpp{x['vpp']}" if x["vpp"] > 1 else ""
         ep = f" ep{x['ep']}" if x["ep"] > 1 else ""
-        return (f"tp{x['tp']} pp{x['pp']}{vpp}{ep} dp{x['dp']} ZeRO-{x['zero']} "
+        return (f"tp{x['tp']}{cp} pp{x['pp']}{vpp}{ep} dp{x['dp']} ZeRO-{x['zero']} "
                 f"mb{x['micro_batch']} ckpt {x['checkpointing']}")
 
     def to_dict(self) -> dict:
@@ -149,17 +150,17 @@ def _predicted_order(r: Ranked) -> tuple:
 
 def tie_key(r: Ranked) -> tuple:
     """How tied layouts are ordered: fewer model-parallel dimensions, then a shallower
-    pipeline (pp, then vpp), then a smaller tensor x expert degree (its per-layer collectives),
-    then more memory headroom (less memory on the same GPU), then the prediction."""
+    pipeline (pp, then vpp), then a smaller tensor x context x expert degree (their per-layer
+    collectives), then more memory headroom (less memory on the same GPU), then the prediction."""
     lay = r.resolved.layout
-    return (len(r.parallel_dimensions()), lay.pp, lay.vpp, lay.tp * lay.ep, r.memory.total,
+    return (len(r.parallel_dimensions()), lay.pp, lay.vpp, lay.tp * lay.cp * lay.ep, r.memory.total,
             _predicted_order(r))
 
 
 def rank(rows: list[Ranked]) -> list[Ranked]:
     """The candidates in the order shown: first the tied layouts, then the rest, fastest first.
 
-    A layout (tp, pp, vpp, ep, dp) ties when the band of its fastest variant overlaps the band
+    A layout (tp, cp, pp, vpp, ep, dp) ties when the band of its fastest variant overlaps the band
     of the fastest candidate: the published comparison cannot tell them apart. Each tied layout
     is listed once, by its fastest variant, in `tie_key` order; its other variants (ZeRO stage,
     micro-batch, checkpointing, sequence parallelism) follow with everything else by predicted

@@ -1,9 +1,10 @@
 """The layouts a search considers, each checked by the same validator `dsforge run` uses
 (after prune.py's cheap conditions, which drop only layouts that validator refuses).
 
-Axes: tp (powers of two up to the node size and the head count), pp (divisors of the layer
-count), vpp (divisors of the layers per pipeline rank, up to MAX_VPP), ep (MoE: divisors of
-the expert count), dp (the rest), ZeRO stage 0-3, micro-batch (powers of two), activation
+Axes: tp (powers of two up to the node size and the head count), cp (context parallelism:
+powers of two, without a pipeline, rule T5), pp (divisors of the layer count), vpp (divisors
+of the layers per pipeline rank, up to MAX_VPP), ep (MoE: divisors of the expert count), dp
+(the rest), ZeRO stage 0-3, micro-batch (powers of two), activation
 checkpointing none/selective/full, and sequence parallelism with tp >= 2. Which ZeRO stage may
 go with a pipeline (rule Z2: ZeRO-2 and ZeRO-3 yes, fp16 no) is the validator's call, not
 repeated here: ZeRO-2 and ZeRO-3 with pp > 1 are enumerated and pay their per-microbatch
@@ -65,18 +66,22 @@ def _powers_of_two_up_to(limit: int) -> list[int]:
     return [2**k for k in range(limit.bit_length()) if 2**k <= limit]
 
 
-def model_parallel_shapes(recipe: Recipe, space: Space) -> Iterator[tuple[int, int, int, int]]:
-    """(tp, pp, vpp, ep) that can divide this model and world; the validator has the last word."""
+def model_parallel_shapes(recipe: Recipe, space: Space) -> Iterator[tuple[int, int, int, int, int]]:
+    """(tp, cp, pp, vpp, ep) that can divide this model and world; the validator has the last
+    word. cp > 1 only without a pipeline: rule T5 is the parallel section's own, so such a
+    shape would never be a candidate."""
     m = recipe.model
     for tp in _powers_of_two_up_to(min(space.gpus_per_node, m.num_attention_heads)):
         for pp in divisors(m.num_layers):
             if space.gpus % (tp * pp):
                 continue
-            dp = space.gpus // (tp * pp)
+            cps = _powers_of_two_up_to(space.gpus // (tp * pp)) if pp == 1 else [1]
             vpps = [v for v in divisors(m.num_layers // pp) if v <= MAX_VPP] if pp > 1 else [1]
-            eps = [e for e in divisors(m.moe.num_experts) if dp % e == 0] if m.moe else [1]
-            for vpp, ep in itertools.product(vpps, eps):
-                yield tp, pp, vpp, ep
+            for cp in (c for c in cps if space.gpus % (tp * pp * c) == 0):
+                dp = space.gpus // (tp * pp * cp)
+                eps = [e for e in divisors(m.moe.num_experts) if dp % e == 0] if m.moe else [1]
+                for vpp, ep in itertools.product(vpps, eps):
+                    yield tp, cp, pp, vpp, ep
 
 
 def _global_batch(target: int, per_microbatch_step: int) -> int:
@@ -87,6 +92,7 @@ def _global_batch(target: int, per_microbatch_step: int) -> int:
 class Variant(NamedTuple):
     """One point of the space: a model-parallel shape and the choices varied inside it."""
     tp: int
+    cp: int
     pp: int
     vpp: int
     ep: int
@@ -104,11 +110,11 @@ class Variant(NamedTuple):
 
 def variants(base: Recipe, space: Space) -> Iterator[Variant]:
     """Every point of the space, in the order the search lists them."""
-    for tp, pp, vpp, ep in model_parallel_shapes(base, space):
-        dp = space.gpus // (tp * pp)
+    for tp, cp, pp, vpp, ep in model_parallel_shapes(base, space):
+        dp = space.gpus // (tp * pp * cp)
         for sp, stage, micro, checkpointing in itertools.product(
                 (False, True) if tp > 1 else (False,), range(4), MICRO_BATCHES, CHECKPOINTING):
-            yield Variant(tp, pp, vpp, ep, dp, sp, stage, micro, checkpointing,
+            yield Variant(tp, cp, pp, vpp, ep, dp, sp, stage, micro, checkpointing,
                           _global_batch(space.global_batch, micro * dp))
 
 
@@ -133,10 +139,10 @@ class Sections:
         """parallel, zero and train for this variant; None when one of them is refused."""
         b = self.base
         parts = {
-            "parallel": self._once(("parallel", v.tp, v.pp, v.vpp, v.ep, v.sequence_parallel),
+            "parallel": self._once(("parallel", v.tp, v.cp, v.pp, v.vpp, v.ep, v.sequence_parallel),
                                    lambda: dataclasses.replace(
                                        b.parallel, tp=v.tp, pp=v.pp, vpp=v.vpp, ep=v.ep, dp=-1,
-                                       etp=None, cp=1, sequence_parallel=v.sequence_parallel)),
+                                       etp=None, cp=v.cp, sequence_parallel=v.sequence_parallel)),
             "zero": self._once(("zero", v.stage), lambda: dataclasses.replace(
                 b.zero, stage=v.stage, offload_optimizer="none", offload_params="none",
                 offload_ratio=1.0)),
@@ -167,16 +173,17 @@ def enumerate_candidates(base: Recipe, space: Space) -> tuple[list[Candidate], i
     validator, as `dsforge run` uses it, decides what they let through."""
     topology, cluster = space.topology(), space.cluster()
     sections, shape_refused = Sections(base), {}
-    m, precision = base.model, base.train.precision
+    m, precision, seq_len = base.model, base.train.precision, base.train.seq_len
     valid, considered = [], 0
     for v in variants(base, space):
         parts = sections.of(v)
         if parts is None:
             continue
         considered += 1
-        shape = (v.tp, v.pp, v.sequence_parallel)
+        shape = (v.tp, v.cp, v.pp, v.sequence_parallel)
         if shape not in shape_refused:
-            shape_refused[shape] = shape_refusal(m, precision, tp=v.tp, pp=v.pp, sp=v.sequence_parallel)
+            shape_refused[shape] = shape_refusal(m, precision, seq_len, tp=v.tp, cp=v.cp, pp=v.pp,
+                                                 sp=v.sequence_parallel)
         if shape_refused[shape] or variant_refusal(m, pp=v.pp, vpp=v.vpp, ep=v.ep, stage=v.stage,
                                                    microbatches=v.microbatches):
             continue

@@ -98,7 +98,7 @@ def test_controls_switch_scenarios(page):
     assert "on 16 x NVIDIA H100" in dom and "showing ZeRO-3 only" in dom
     assert _cells(dom) == 16
     rows = re.findall(r'<tr class="candidate[^"]*" data-index="\d+">(.*?)</tr>', dom)
-    assert rows and all(re.findall(r"<td>(\d+)</td>", row)[6] == "3" for row in rows)  # ZeRO column
+    assert rows and all(re.findall(r"<td>(\d+)</td>", row)[7] == "3" for row in rows)  # ZeRO column
     other = _dom(path, "#model=llama3-70b&gpus=8&zero=best")
     assert "llama3-70b on 8 x NVIDIA H100" in other
 

@@ -16,7 +16,7 @@ from dsforge.estimate.flops import flops_per_token
 from dsforge.problems import RecipeError
 from dsforge.recipe import load_recipe, resolve, resolve_file
 from dsforge.recipe.loader import build_recipe
-from dsforge.search.command import SearchRequest, base_recipe, search_space, write_recipe
+from dsforge.search.command import SearchRequest, base_recipe, render, search_space, write_recipe
 from dsforge.search.cost import gemm_saturation, step_time
 from dsforge.search.explain import reason
 from dsforge.search.profile import ClusterProfile, ProfileFile, default_profile, load_profile
@@ -63,6 +63,35 @@ def test_search_covers_the_axes():
     assert {rec.zero.stage for _, rec in rows} == {0, 1, 2, 3}
     assert {rec.train.activation_checkpointing for _, rec in rows} == {"none", "selective", "full"}
     assert {lay.sequence_parallel for lay, _ in rows} == {False, True}
+
+
+def _fastest(result):
+    return min(result.ranked, key=lambda r: r.time.total)
+
+
+def test_context_parallelism_is_searched_and_pays_only_for_long_sequences():
+    """Llama-3 8B on 8 H100s: at 32k tokens a layout without context parallelism fits without
+    recomputation only at tp 4 or more (narrower GEMMs, a tensor-parallel all-reduce per
+    layer), and the fastest predicted splits the sequence (cp 4, 14% faster than cp 1's best);
+    at 4k tokens the split buys nothing and the fastest has cp 1. cp > 1 only without a
+    pipeline (T5), and the search's recipe carries it."""
+    space = Space(gpus=8, gpus_per_node=8, global_batch=8, gpu="h100")
+    base = _base("llama3-8b", seq_len=32768)
+    base = dataclasses.replace(base, model=dataclasses.replace(base.model, max_seq_len=32768))
+    long = search(base, space, default_profile("h100"))
+    assert _fastest(long).resolved.layout.cp > 1
+    assert not any(r.resolved.layout.cp == 1 and r.resolved.layout.tp < 4 and
+                   r.resolved.recipe.train.activation_checkpointing == "none" for r in long.ranked)
+    assert all(r.resolved.layout.pp == 1 for r in long.ranked if r.resolved.layout.cp > 1)
+    cp = next(r for r in long.ranked if r.resolved.layout.cp > 1)
+    assert cp.resolved.recipe.parallel.cp == cp.layout_row()["cp"] == cp.resolved.layout.cp
+    assert f" cp{cp.resolved.layout.cp} " in cp.shape() and "cp" in cp.parallel_dimensions()
+    header = next(line for line in render(long, 5, "8b").splitlines() if line.lstrip().startswith("#"))
+    assert header.split()[:4] == ["#", "tp", "cp", "pp"]
+    short = search(_base("llama3-8b"), dataclasses.replace(space, global_batch=64),
+                   default_profile("h100"))
+    assert {r.resolved.layout.cp for r in short.ranked} >= {1, 2, 4, 8}
+    assert _fastest(short).resolved.layout.cp == 1
 
 
 def test_nothing_fits_names_the_smallest():
@@ -470,7 +499,7 @@ def test_ties_between_equally_simple_layouts_go_to_the_smaller_degree_then_more_
     assert tp4.memory.total < tp2.memory.total and tp2.time.total < tp4.time.total
     wide = _search_over(base, [tp4, tp2], monkeypatch, error=0.5)
     assert [r.resolved.layout.tp for r in wide.ranked] == [2, 4]  # tp2 before memory
-    assert wide.ranked[0].reason.startswith("won a tie on a smaller tensor x expert degree (2 vs 4)")
+    assert wide.ranked[0].reason.startswith("won a tie on a smaller tensor x context x expert degree (2 vs 4)")
     # the same dimensions, depth and degree: more headroom decides, even against the faster one
     from dsforge.search.explain import tie_reason
     from dsforge.search.search import tie_key

@@ -32,19 +32,23 @@ MODELS = {
     # MoE every other layer: E3 without sequence parallelism, E6 at ZeRO-3, T1 at tp 8 (expert width)
     "moe": {**_DENSE, "num_kv_heads": 4,
             "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 100, "frequency": 2}},
+    "short-seq": _DENSE,  # at 200 tokens: T7 where 2 cp does not divide the sequence
 }
+SEQ_LEN = {"short-seq": 200}
 # (model, precision, GPUs, global batch): small batches for L6/L4, fp16 for Z2, and a batch
 # over dsforge's limit for some micro-batches (the train section refuses those variants).
 CASES = [
     ("dense", "bf16", 8, 8), ("dense", "bf16", 16, 12), ("dense", "fp16", 8, 64),
     ("tied", "bf16", 16, 32), ("odd-heads", "bf16", 8, 6), ("odd-heads", "bf16", 12, 24),
     ("moe", "bf16", 8, 16), ("moe", "bf16", 16, 64), ("dense", "bf16", 3, 2**24),
+    ("short-seq", "bf16", 16, 32),
 ]
 
 
 def _base(model: str, precision: str):
     return build_recipe({"name": "prune", "model": MODELS[model],
-                         "train": {"seq_len": 256, "steps": 10, "lr": 3e-4, "precision": precision}})
+                         "train": {"seq_len": SEQ_LEN.get(model, 256), "steps": 10, "lr": 3e-4,
+                                   "precision": precision}})
 
 
 def _space(gpus: int, batch: int) -> Space:
@@ -66,7 +70,8 @@ def test_the_fast_path_keeps_exactly_what_the_validator_accepts(model, precision
 
 def _refusal(base, v) -> str | None:
     m = base.model
-    return (shape_refusal(m, base.train.precision, tp=v.tp, pp=v.pp, sp=v.sequence_parallel)
+    return (shape_refusal(m, base.train.precision, base.train.seq_len, tp=v.tp, cp=v.cp, pp=v.pp,
+                          sp=v.sequence_parallel)
             or variant_refusal(m, pp=v.pp, vpp=v.vpp, ep=v.ep, stage=v.stage, microbatches=v.microbatches))
 
 
@@ -84,7 +89,7 @@ def test_every_cheap_refusal_is_the_validators_and_every_rule_is_exercised():
             with pytest.raises(RecipeError) as refused:
                 resolve(dataclasses.replace(base, **parts, cluster=space.cluster()), topology)
             assert rule in {p.rule for p in refused.value.problems if p.severity == "error"}
-    assert named == {"L5", "Z2", "T1", "E3", "E6", "L6", "L4"}
+    assert named == {"L5", "Z2", "T1", "E3", "E6", "L6", "L4", "T7", "T8"}
 
 
 def test_a_section_refused_variant_is_not_considered():
