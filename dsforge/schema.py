@@ -206,9 +206,6 @@ class ParallelConfig:
                   {"parallel.vpp": self.vpp, "parallel.pp": self.pp},
                   "virtual pipeline stages need pipeline parallelism",
                   "set parallel.vpp: 1, or parallel.pp >= 2")
-        c.require(self.cp == 1 or self.pp == 1, "T5", {"parallel.cp": self.cp, "parallel.pp": self.pp},
-                  "context parallelism with pipeline parallelism is not supported by dsforge yet",
-                  "set parallel.cp: 1, or parallel.pp: 1")
         c.raise_if_any()
 
     @property

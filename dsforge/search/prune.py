@@ -39,10 +39,8 @@ def shape_refusal(m: ModelConfig, precision: str, seq_len: int, *, tp: int, cp: 
 
 
 def _context_parallel_refusal(m: ModelConfig, seq_len: int, *, tp: int, cp: int) -> str | None:
-    """T8 (cp with MoE) and T7 (2 cp chunks of the sequence; the heads and KV heads a tensor-
-    parallel rank holds divide by cp). T5 (cp with a pipeline) is the parallel section's."""
-    if m.moe is not None:
-        return "T8"
+    """T7: 2 cp chunks of the sequence; the heads and KV heads a tensor-parallel rank holds
+    divide by cp. (T8, cp with MoE, is space.py's: it never proposes that.)"""
     if seq_len % (2 * cp):
         return "T7"
     for heads in (m.num_attention_heads, m.query_groups):

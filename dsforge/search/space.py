@@ -2,7 +2,7 @@
 (after prune.py's cheap conditions, which drop only layouts that validator refuses).
 
 Axes: tp (powers of two up to the node size and the head count), cp (context parallelism:
-powers of two, without a pipeline, rule T5), pp (divisors of the layer count), vpp (divisors
+powers of two, dense models), pp (divisors of the layer count), vpp (divisors
 of the layers per pipeline rank, up to MAX_VPP), ep (MoE: divisors of the expert count), dp
 (the rest), ZeRO stage 0-3, micro-batch (powers of two), activation
 checkpointing none/selective/full, and sequence parallelism with tp >= 2. Which ZeRO stage may
@@ -68,14 +68,13 @@ def _powers_of_two_up_to(limit: int) -> list[int]:
 
 def model_parallel_shapes(recipe: Recipe, space: Space) -> Iterator[tuple[int, int, int, int, int]]:
     """(tp, cp, pp, vpp, ep) that can divide this model and world; the validator has the last
-    word. cp > 1 only without a pipeline: rule T5 is the parallel section's own, so such a
-    shape would never be a candidate."""
+    word. cp > 1 for dense models only: rule T8 refuses it with MoE layers whatever the rest."""
     m = recipe.model
     for tp in _powers_of_two_up_to(min(space.gpus_per_node, m.num_attention_heads)):
         for pp in divisors(m.num_layers):
             if space.gpus % (tp * pp):
                 continue
-            cps = _powers_of_two_up_to(space.gpus // (tp * pp)) if pp == 1 else [1]
+            cps = [1] if m.moe else _powers_of_two_up_to(space.gpus // (tp * pp))
             vpps = [v for v in divisors(m.num_layers // pp) if v <= MAX_VPP] if pp > 1 else [1]
             for cp in (c for c in cps if space.gpus % (tp * pp * c) == 0):
                 dp = space.gpus // (tp * pp * cp)

@@ -112,6 +112,11 @@ WORLD4_DENSE = {
     "dp2_cp2_zero2": _case("parallel.dp=2", "parallel.cp=2", "zero.stage=2"),
     "dp2_cp2_zero1_full_ckpt": _case("parallel.dp=2", "parallel.cp=2", "zero.stage=1",
                                      "train.activation_checkpointing=full"),
+    # Context parallelism under Megatron's schedules: each stage sends its shard's activations
+    # (seq / cp tokens), and the loss the schedule scales by cp is divided by it again.
+    "pp2_cp2_zero1": _case("parallel.dp=1", "parallel.pp=2", "parallel.cp=2", "zero.stage=1"),
+    "pp2_vpp2_cp2_zero3": _case("parallel.dp=1", "parallel.pp=2", "parallel.vpp=2", "parallel.cp=2",
+                                "zero.stage=3"),
 }
 # Not an equivalence (other arithmetic), but the same trajectory within bf16 rounding.
 BF16 = {"dp2_bf16": _case("parallel.dp=2", "train.precision=bf16")}

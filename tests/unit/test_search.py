@@ -73,8 +73,8 @@ def test_context_parallelism_is_searched_and_pays_only_for_long_sequences():
     """Llama-3 8B on 8 H100s: at 32k tokens a layout without context parallelism fits without
     recomputation only at tp 4 or more (narrower GEMMs, a tensor-parallel all-reduce per
     layer), and the fastest predicted splits the sequence (cp 4, 14% faster than cp 1's best);
-    at 4k tokens the split buys nothing and the fastest has cp 1. cp > 1 only without a
-    pipeline (T5), and the search's recipe carries it."""
+    at 4k tokens the split buys nothing and the fastest has cp 1. cp goes with pipelines too,
+    and the search's recipe carries it."""
     space = Space(gpus=8, gpus_per_node=8, global_batch=8, gpu="h100")
     base = _base("llama3-8b", seq_len=32768)
     base = dataclasses.replace(base, model=dataclasses.replace(base.model, max_seq_len=32768))
@@ -82,7 +82,7 @@ def test_context_parallelism_is_searched_and_pays_only_for_long_sequences():
     assert _fastest(long).resolved.layout.cp > 1
     assert not any(r.resolved.layout.cp == 1 and r.resolved.layout.tp < 4 and
                    r.resolved.recipe.train.activation_checkpointing == "none" for r in long.ranked)
-    assert all(r.resolved.layout.pp == 1 for r in long.ranked if r.resolved.layout.cp > 1)
+    assert any(r.resolved.layout.pp > 1 for r in long.ranked if r.resolved.layout.cp > 1)
     cp = next(r for r in long.ranked if r.resolved.layout.cp > 1)
     assert cp.resolved.recipe.parallel.cp == cp.layout_row()["cp"] == cp.resolved.layout.cp
     assert f" cp{cp.resolved.layout.cp} " in cp.shape() and "cp" in cp.parallel_dimensions()

@@ -87,7 +87,6 @@ SECTION_CASES = [
     ("P3", ["parallel.dp=0"], ["parallel.dp=-1"]),
     ("T3", ["parallel.sequence_parallel=true"], ["parallel.sequence_parallel=true", "parallel.tp=2"]),
     ("L3", ["parallel.vpp=2"], ["parallel.vpp=2", "parallel.pp=2"]),
-    ("T5", ["parallel.cp=2", "parallel.pp=2"], ["parallel.cp=2", "parallel.pp=1"]),
     ("T2", ["model.hidden_size=66"], ["model.hidden_size=66", "model.kv_channels=16"]),
     ("M1", ["model.num_layers=0"], ["model.num_layers=2"]),
     ("M2", ["model.num_kv_heads=3"], ["model.num_kv_heads=4"]),

@@ -237,10 +237,20 @@ def _forward_step(data_iterator, model, device, on_backward=None):
 
     def loss_func(output_tensor):
         loss = _loss_of(output_tensor)
-        # A copy: the schedule divides the returned loss by num_microbatches in place.
-        return loss, {"loss": loss.detach().clone()}
+        # The schedule multiplies the loss it back-propagates by the context-parallel size
+        # (Megatron's loss functions reduce over cp first) and divides it by num_microbatches,
+        # in place. A rank's loss here is its shard's mean, and DeepSpeed averages the
+        # gradients over dp x cp: divided by cp, the gradient is the whole sequence's. The
+        # reported loss is a copy, unscaled.
+        return loss / _context_parallel_size(), {"loss": loss.detach().clone()}
 
     return output, loss_func
+
+
+def _context_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_world_size()
 
 
 def _scale_moe_aux_loss(scale: float, device) -> None:
