@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
+from dsforge.estimate.context_parallel import exchange_bytes, exchange_passes
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.memory import estimate_memory, largest_stage_params
 from dsforge.estimate.memory_fixes import zero_at_stage
@@ -81,9 +82,24 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
         "bubble_fraction": bubble_fraction(layout.pp, layout.vpp, layout.num_microbatches),
         "bubble_share_of_step": bubble_share_of_step(layout.pp, layout.vpp, layout.num_microbatches),
         "data_parallel_traffic": _data_parallel_traffic(resolved),
+        "context_parallel_traffic": _context_parallel_traffic(resolved),
         "warnings": warnings,
     }
     return plan
+
+
+def _context_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
+    """Ulysses' all-to-alls (estimate/context_parallel.py): the bytes one rank sends in one
+    layer's forward for one microbatch, and per step over its pipeline rank's layers."""
+    recipe, lay = resolved.recipe, resolved.layout
+    train = recipe.train
+    element_bytes = 4 if train.precision == "fp32" else 2
+    per_layer = exchange_bytes(recipe.model, lay, lay.micro_batch * train.seq_len / lay.cp,
+                               element_bytes)
+    passes = exchange_passes(train.activation_checkpointing)
+    layers = recipe.model.num_layers / lay.pp
+    return {"bytes_per_layer_forward": per_layer, "passes": passes,
+            "bytes_per_step": per_layer * passes * layers * lay.grad_accum}
 
 
 def _data_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
@@ -172,15 +188,20 @@ def _render_layout(plan: dict[str, Any]) -> str:
             f"  sequence parallel: {'on' if lay['sequence_parallel'] else 'off'}; schedule: {lay['schedule']}\n"
             f"  batch: global {lay['global_batch']} = micro {lay['micro_batch']} x grad_accum "
             f"{lay['grad_accum']} x dp {lay['dp']}; {lay['num_microbatches']} microbatches per step\n"
-            + _render_context_parallel(lay) + _render_implementations(plan["implementations"]))
+            + _render_context_parallel(lay, plan["context_parallel_traffic"])
+            + _render_implementations(plan["implementations"]))
 
 
-def _render_context_parallel(lay: dict) -> str:
+def _render_context_parallel(lay: dict, traffic: dict) -> str:
     if lay["cp"] == 1:
         return ""
+    again = " and recompute" if traffic["passes"] == 3 else ""
     return (f"  context parallel: each sequence split over cp {lay['cp']} ranks (Ulysses), "
             f"{lay['cp']} x fewer activations a rank; DeepSpeed's data-parallel group is dp x cp "
-            f"= {lay['dp'] * lay['cp']} (its train_batch_size counts each sequence once a cp rank)\n")
+            f"= {lay['dp'] * lay['cp']} (its train_batch_size counts each sequence once a cp rank)\n"
+            f"  context-parallel exchange: {format_bytes(traffic['bytes_per_layer_forward'])} sent "
+            f"a rank per layer and microbatch in the forward, as much in the backward{again}: "
+            f"{format_bytes(traffic['bytes_per_step'])} a step\n")
 
 
 _ADAM = {"fused": "torch's fused AdamW", "foreach": "torch's foreach AdamW",

@@ -51,6 +51,10 @@ SEARCHES = (
     _anchor("llama3-70b", 32, "h200", 128),
     _anchor("llama3-8b", 8, "h100", 64),
     _anchor("mixtral-8x7b", 32, "h100", 128),
+    # Long sequences, where the search has a cp axis (space.CP_MIN_SEQ_LEN)
+    "recipes/8b_32k_cp4.yaml",
+    "recipes/8b_32k_cp4.yaml --gpus 64 --global-batch-tokens 4194304",
+    "mixtral-8x7b --gpus 64 --seq-len 32768 --global-batch-tokens 4194304",
 )
 
 

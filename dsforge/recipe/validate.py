@@ -233,7 +233,7 @@ def context_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """T7: context parallelism (Ulysses, runtime/build/layers.py) cuts each sequence into
     2 cp chunks, two per rank (runtime/context_shards.py), and trades the sequence
     shard for heads / cp of every head: the sequence, the heads and the KV heads each rank
-    holds after tp must divide by cp. T8: with MoE, not supported yet."""
+    holds after tp must divide by cp."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     if p.cp == 1:
         return
@@ -253,10 +253,6 @@ def context_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
                                   f"{p.tp * p.cp}",
                           fix=f"use a parallel.cp that divides the {per_tp} each tensor-parallel "
                               f"rank holds ({choices}), or more {field.split('.')[1]}")
-    if m.moe is not None:
-        yield Problem(rule="T8", fields={"parallel.cp": p.cp, "model.moe": "set"},
-                      message="context parallelism with MoE layers is not supported by dsforge "
-                              "yet", fix="set parallel.cp: 1 for an MoE model")
 
 
 def sequence_length(recipe: Recipe, ctx: Context) -> Iterator[Problem]:

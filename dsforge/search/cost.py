@@ -13,6 +13,7 @@ import functools
 from dataclasses import asdict, dataclass
 
 from dsforge.estimate.bubble import bubble_fraction
+from dsforge.estimate.context_parallel import exchange_bytes, exchange_passes
 from dsforge.estimate.flops import pipeline_rank_flops
 from dsforge.estimate.memory import largest_stage_params
 from dsforge.recipe.resolve import Layout, Resolved
@@ -89,7 +90,7 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
         ep_comm = moe_layers * lay.grad_accum * 4 * m.moe.top_k * activation * _ring(lay.ep) / ep_bw
 
     cp_comm = lay.grad_accum * m.num_layers / lay.pp * _cp_layer_seconds(
-        m, lay, t.activation_checkpointing, microbatch_tokens * half, profile)
+        m, lay, t.activation_checkpointing, microbatch_tokens, half, profile)
 
     worst = largest_stage_params(resolved.recipe.model, resolved.layout)
     dp_comm, dp_in_slots = _dp_comm(resolved, worst, profile, half, compute)
@@ -112,17 +113,12 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
                     gathers=gathers)
 
 
-def _cp_layer_seconds(m: ModelConfig, lay: Layout, checkpointing: str, token_bytes: float,
-                      profile: ClusterProfile) -> float:
-    """Ulysses' all-to-alls of one layer and microbatch: q, k and v in, the output back, each
-    moving (cp-1)/cp of the rank's shard (heads / tp of them); the backward moves their
-    gradients the same way, and full recomputation runs the forward's again."""
-    if lay.cp == 1:
-        return 0.0
-    d = m.head_dim
-    heads = (2 * m.num_attention_heads + 2 * m.query_groups) * d / lay.tp  # q and out, k and v
-    passes = 3 if checkpointing == "full" else 2
-    return passes * token_bytes * heads * _ring(lay.cp) / _bandwidth(lay.tp * lay.cp, profile)
+def _cp_layer_seconds(m: ModelConfig, lay: Layout, checkpointing: str, tokens: float,
+                      element_bytes: int, profile: ClusterProfile) -> float:
+    """Ulysses' all-to-alls of one layer and microbatch over the cp group's bandwidth, in
+    every pass that sends them (estimate/context_parallel.py)."""
+    sent = exchange_bytes(m, lay, tokens, element_bytes) * exchange_passes(checkpointing)
+    return sent / _bandwidth(lay.tp * lay.cp, profile)
 
 
 def microbatch_layers(resolved: Resolved) -> float:

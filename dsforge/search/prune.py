@@ -40,7 +40,7 @@ def shape_refusal(m: ModelConfig, precision: str, seq_len: int, *, tp: int, cp: 
 
 def _context_parallel_refusal(m: ModelConfig, seq_len: int, *, tp: int, cp: int) -> str | None:
     """T7: 2 cp chunks of the sequence; the heads and KV heads a tensor-parallel rank holds
-    divide by cp. (T8, cp with MoE, is space.py's: it never proposes that.)"""
+    divide by cp."""
     if seq_len % (2 * cp):
         return "T7"
     for heads in (m.num_attention_heads, m.query_groups):

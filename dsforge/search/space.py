@@ -2,7 +2,7 @@
 (after prune.py's cheap conditions, which drop only layouts that validator refuses).
 
 Axes: tp (powers of two up to the node size and the head count), cp (context parallelism:
-powers of two, dense models), pp (divisors of the layer count), vpp (divisors
+powers of two, from CP_MIN_SEQ_LEN tokens a sequence), pp (divisors of the layer count), vpp (divisors
 of the layers per pipeline rank, up to MAX_VPP), ep (MoE: divisors of the expert count), dp
 (the rest), ZeRO stage 0-3, micro-batch (powers of two), activation
 checkpointing none/selective/full, and sequence parallelism with tp >= 2. Which ZeRO stage may
@@ -30,6 +30,11 @@ from dsforge.search.prune import shape_refusal, variant_refusal
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 MAX_VPP = 8
+# Context parallelism is searched from this sequence length up. Below it the split saves
+# activations a layout rarely needs and costs its all-to-alls and shorter GEMMs (Megatron's
+# and the Ultra-Scale Playbook's advice: cp for long sequences); searching it at 4,096 tokens
+# doubled the search's layouts without one ranking first. A recipe may still set cp anywhere.
+CP_MIN_SEQ_LEN = 8192
 CHECKPOINTING = ("none", "selective", "full")
 
 
@@ -39,6 +44,7 @@ class Space:
     gpus_per_node: int
     global_batch: int  # target, sequences per optimizer step
     gpu: str | None = None  # a key of dsforge.hardware.GPUS
+    cp_min_seq_len: int = CP_MIN_SEQ_LEN  # the cp axis exists from this sequence length up
 
     @property
     def node_slots(self) -> tuple[int, ...] | None:
@@ -68,13 +74,14 @@ def _powers_of_two_up_to(limit: int) -> list[int]:
 
 def model_parallel_shapes(recipe: Recipe, space: Space) -> Iterator[tuple[int, int, int, int, int]]:
     """(tp, cp, pp, vpp, ep) that can divide this model and world; the validator has the last
-    word. cp > 1 for dense models only: rule T8 refuses it with MoE layers whatever the rest."""
+    word."""
     m = recipe.model
     for tp in _powers_of_two_up_to(min(space.gpus_per_node, m.num_attention_heads)):
         for pp in divisors(m.num_layers):
             if space.gpus % (tp * pp):
                 continue
-            cps = [1] if m.moe else _powers_of_two_up_to(space.gpus // (tp * pp))
+            cps = (_powers_of_two_up_to(space.gpus // (tp * pp))
+                   if recipe.train.seq_len >= space.cp_min_seq_len else [1])
             vpps = [v for v in divisors(m.num_layers // pp) if v <= MAX_VPP] if pp > 1 else [1]
             for cp in (c for c in cps if space.gpus % (tp * pp * c) == 0):
                 dp = space.gpus // (tp * pp * cp)

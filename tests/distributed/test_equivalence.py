@@ -50,7 +50,10 @@ def _moe(*overrides: str, evaluate: bool = True) -> list[str]:
     return _case("model.moe.aux_loss_coeff=1.0", *overrides, evaluate=evaluate)
 
 
+# Four KV heads instead of the tiny model's 2: what cp 4, and tp 2 x cp 2, need (rule T7).
+MHA = "model.num_kv_heads=4"
 REFERENCE = {"dense": _case("parallel.dp=1"), "moe": _moe("parallel.dp=1", "parallel.ep=1"),
+             "dense_mha": _case("parallel.dp=1", MHA),
              "dense_file": _case("parallel.dp=1", data=[f"data.source={TEXT}"])}
 
 WORLD2_DENSE = {
@@ -86,6 +89,9 @@ WORLD2_MOE = {
     "moe_dp2": _moe("parallel.dp=2", "parallel.ep=1"),
     "moe_pp2": _moe("parallel.dp=1", "parallel.ep=1", "parallel.pp=2"),
     "moe_dp2_zero3": _moe("parallel.dp=2", "parallel.ep=1", "zero.stage=3"),
+    # Context parallelism: the router counts tokens over tp x cp, each rank's aux loss is its
+    # share of the sequence's, and the shares' gradients add over cp.
+    "moe_cp2": _moe("parallel.dp=1", "parallel.ep=1", "parallel.cp=2"),
 }
 WORLD2_MOE_NO_EVAL = {"moe_ep2_zero1_no_eval": _moe("parallel.dp=2", "parallel.ep=2", "zero.stage=1",
                                                     evaluate=False)}
@@ -128,6 +134,13 @@ BF16 = {"dp2_bf16": _case("parallel.dp=2", "train.precision=bf16")}
 BF16_FUSED = {f"dp2_bf16_zero{s}{impl}": _case("parallel.dp=2", "train.precision=bf16",
                                                f"zero.stage={s}", f"train.adam_impl={adam}")
               for s in (0, 3) for impl, adam in (("", "for-loop"), ("_fused_adam", "fused"))}
+# Four context-parallel ranks (the zigzag's 8 chunks), and cp beside tp with sequence
+# parallelism: heads / (tp x cp) of every head around each attention.
+WORLD4_MHA = {
+    "cp4_zero1": _case("parallel.dp=1", "parallel.cp=4", "zero.stage=1", MHA),
+    "tp2_sp_cp2": _case("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                        "parallel.cp=2", MHA),
+}
 WORLD4_MOE = {
     "moe_tp2_sp_ep2": _moe("parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                            "parallel.ep=2"),
@@ -135,6 +148,10 @@ WORLD4_MOE = {
     "moe_pp2_ep2_zero2": _moe("parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "zero.stage=2"),
     "moe_pp2_vpp2_dp2_zero3": _moe("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.ep=1",
                                    "zero.stage=3"),
+    # Experts over ep 2 of dp 2, each sequence over cp 2; and cp under Megatron's schedule,
+    # which sets the aux loss's scale itself.
+    "moe_dp2_cp2_ep2": _moe("parallel.dp=2", "parallel.cp=2", "parallel.ep=2"),
+    "moe_pp2_cp2": _moe("parallel.dp=1", "parallel.ep=1", "parallel.pp=2", "parallel.cp=2"),
 }
 
 
@@ -162,12 +179,13 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("equivalence")
     DATA[:] = _blend(out)
     found = {}
-    worlds = [(1, {"ref_dense": REFERENCE["dense"], "ref_dense_file": REFERENCE["dense_file"]}, DENSE),
+    worlds = [(1, {"ref_dense": REFERENCE["dense"], "ref_dense_file": REFERENCE["dense_file"],
+                   "ref_dense_mha": REFERENCE["dense_mha"]}, DENSE),
               (1, {"ref_moe": REFERENCE["moe"]}, MOE),
               (2, {**WORLD2_DENSE, **WORLD2_FUSED, **BF16, **BF16_FUSED, **WORLD2_NO_EVAL,
                    **WORLD2_FILE}, DENSE),
               (2, {**WORLD2_MOE, **WORLD2_MOE_NO_EVAL}, MOE),
-              (4, {**WORLD4_DENSE, **WORLD4_FUSED}, DENSE), (4, WORLD4_MOE, MOE)]
+              (4, {**WORLD4_DENSE, **WORLD4_FUSED, **WORLD4_MHA}, DENSE), (4, WORLD4_MOE, MOE)]
     for i, (size, cases, recipe) in enumerate(worlds):
         found.update(run_world(size, _cases(cases), recipe=recipe, out=out / f"world{i}"))
     return found
@@ -218,6 +236,11 @@ def test_bf16_fused_adam_follows_the_for_loop_one(results, stage):
 @pytest.mark.parametrize("name", [*WORLD2_DENSE, *WORLD2_FUSED, *WORLD4_DENSE, *WORLD4_FUSED])
 def test_dense_layout_matches_single_process(results, name):
     _assert_matches(results, name, "ref_dense")
+
+
+@pytest.mark.parametrize("name", WORLD4_MHA)
+def test_four_kv_head_layout_matches_single_process(results, name):
+    _assert_matches(results, name, "ref_dense_mha")
 
 
 @pytest.mark.parametrize("name", [*WORLD2_MOE, *WORLD4_MOE])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsforge.plan import build_plan
 from dsforge.recipe import resolve_file
 from dsforge.runtime.context_shards import context_shard, gathered_order
 from dsforge.search.cost import step_time
@@ -65,3 +66,18 @@ def test_the_step_time_charges_the_shards_compute_and_ulysses_all_to_alls():
     assert one.cp_comm == 0 and two.cp_comm > 0
     # half the tokens a rank, at a rate that falls a little with the shorter microbatch
     assert one.compute / 2 < two.compute < one.compute
+
+
+def test_the_plan_and_the_step_time_count_the_same_exchange():
+    """recipes/8b_32k_cp4.yaml by hand: a rank's shard of 8,192 tokens, q and the output over
+    32 / tp heads and k and v over 8 / tp, 128 channels, 2 bytes, 3/4 of it sent: 60 MiB a layer
+    in the forward; forward and backward, 32 layers, 8 microbatches a step."""
+    resolved = resolve_file(REPO / "recipes" / "8b_32k_cp4.yaml")
+    traffic = build_plan(resolved)["context_parallel_traffic"]
+    assert traffic["bytes_per_layer_forward"] == 8192 * (2 * 32 + 2 * 8) * 128 / 2 * 2 * 3 / 4
+    assert traffic["bytes_per_layer_forward"] == 60 * 2**20
+    assert traffic["passes"] == 2 and traffic["bytes_per_step"] == 60 * 2**20 * 2 * 32 * 8
+    profile = default_profile("h100", 8)
+    bandwidth = profile.intra_node_gbps * 1e9  # the tp x cp group of 8 fills one node
+    assert step_time(resolved, profile).cp_comm == pytest.approx(traffic["bytes_per_step"] / bandwidth)
+    assert build_plan(_tiny(world=2))["context_parallel_traffic"]["bytes_per_step"] == 0

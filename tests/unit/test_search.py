@@ -72,9 +72,9 @@ def _fastest(result):
 def test_context_parallelism_is_searched_and_pays_only_for_long_sequences():
     """Llama-3 8B on 8 H100s: at 32k tokens a layout without context parallelism fits without
     recomputation only at tp 4 or more (narrower GEMMs, a tensor-parallel all-reduce per
-    layer), and the fastest predicted splits the sequence (cp 4, 14% faster than cp 1's best);
-    at 4k tokens the split buys nothing and the fastest has cp 1. cp goes with pipelines too,
-    and the search's recipe carries it."""
+    layer), and the fastest predicted splits the sequence (cp 4, 14% faster than cp 1's best).
+    cp goes with pipelines too, and the search's recipe carries it. At 4k tokens the axis is
+    not searched (CP_MIN_SEQ_LEN), and where it is anyway, the fastest has cp 1."""
     space = Space(gpus=8, gpus_per_node=8, global_batch=8, gpu="h100")
     base = _base("llama3-8b", seq_len=32768)
     base = dataclasses.replace(base, model=dataclasses.replace(base.model, max_seq_len=32768))
@@ -88,7 +88,12 @@ def test_context_parallelism_is_searched_and_pays_only_for_long_sequences():
     assert f" cp{cp.resolved.layout.cp} " in cp.shape() and "cp" in cp.parallel_dimensions()
     header = next(line for line in render(long, 5, "8b").splitlines() if line.lstrip().startswith("#"))
     assert header.split()[:4] == ["#", "tp", "cp", "pp"]
-    short = search(_base("llama3-8b"), dataclasses.replace(space, global_batch=64),
+    # Below CP_MIN_SEQ_LEN the axis is not searched; searched anyway at 4k tokens, cp buys
+    # nothing and the fastest has cp 1.
+    short_space = dataclasses.replace(space, global_batch=64)
+    assert {r.resolved.layout.cp for r in search(_base("llama3-8b"), short_space,
+                                                 default_profile("h100")).ranked} == {1}
+    short = search(_base("llama3-8b"), dataclasses.replace(short_space, cp_min_seq_len=0),
                    default_profile("h100"))
     assert {r.resolved.layout.cp for r in short.ranked} >= {1, 2, 4, 8}
     assert _fastest(short).resolved.layout.cp == 1

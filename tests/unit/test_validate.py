@@ -55,7 +55,6 @@ CROSS_SECTION_CASES = [
      ["parallel.cp=4", "train.seq_len=96", "model.num_kv_heads=4"], 8),
     ("T7", ["parallel.cp=4"], 8, ["parallel.cp=2"], 8),  # tiny has 2 KV heads
     ("T7", ["parallel.cp=2", "parallel.tp=2"], 8, ["parallel.cp=2", "model.num_kv_heads=4", "parallel.tp=2"], 8),
-    ("T8", [*MOE, "parallel.cp=2"], 8, [*MOE, "parallel.cp=1"], 8),
     ("E1", ["parallel.ep=2"], 8, [*MOE, "parallel.ep=2"], 8),
     ("E3", [*MOE, "parallel.tp=2"], 8, [*MOE, "parallel.tp=2", "parallel.sequence_parallel=true"], 8),
     ("E4", [*MOE, "model.bias=true", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"], 8,

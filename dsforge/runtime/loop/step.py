@@ -70,7 +70,7 @@ def step_unpipelined(engine, batches: list[Microbatch], device, census: Census |
                      clock=OFF) -> torch.Tensor:
     """`clock` (runtime/loop/breakdown.py) marks each microbatch's forward, backward and
     `engine.step()` (the optimizer phase: an update only after the last microbatch)."""
-    _scale_moe_aux_loss(1.0 / len(batches), device)
+    _scale_moe_aux_loss(_context_parallel_size() / len(batches), device)
     losses = []
     for i, mb in enumerate(batches):
         last = i == len(batches) - 1
@@ -256,7 +256,10 @@ def _context_parallel_size() -> int:
 def _scale_moe_aux_loss(scale: float, device) -> None:
     """engine.backward() divides the loss by the accumulation steps; Megatron's MoE auxiliary
     (load-balancing) loss gets its gradient scale from a class-level setting that only
-    Megatron's own schedules set. Match them, or the aux loss would weigh grad_accum x more."""
+    Megatron's own schedules set. Match them, or the aux loss would weigh grad_accum x more.
+    With context parallelism each rank's aux loss is its share of the whole sequence's (the
+    router counts tokens over tp x cp), so the shares' gradients must add over cp where
+    DeepSpeed averages them: the scale is cp / grad_accum, as Megatron's schedules set it."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), scale, device=device))
