@@ -135,9 +135,9 @@ def table(runs: list[KitRun]) -> str:
 
 def calibration(runs: list[KitRun]):
     """dsforge's own refit (dsforge/search/calibrate.py, what `--measure` runs) on the dense
-    runs of one GPU type: every run predicted by a refit without it. MoE runs are left out of the fit: the
-    model has no term for the expert loop (58% of the MoE's step), so no coefficient of its
-    could absorb it honestly."""
+    runs of one GPU type: every run predicted by a refit without it. MoE runs are left out of
+    the fit: the model has no term for the expert loop (58% of the MoE's step), so no
+    coefficient of its could absorb it honestly."""
     dense = [r for r in runs if _resolved(r.recipe).recipe.model.moe is None]
     profile = default_profile(gpu_for_device_name(runs[0].device).key, gpus_per_node=1)
     points = [Point(r.label, _resolved(r.recipe), r.step_s, r.phases or None) for r in dense]

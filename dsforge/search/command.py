@@ -210,8 +210,9 @@ def _nearest_memory_text(result: SearchResult) -> str:
     if r is None:
         return "no valid layout for this model and GPU count."
     x = r.layout_row()
-    return (f"the smallest needs {r.memory.total / GiB:.1f} GiB per GPU (tp {x['tp']}, cp {x['cp']}, pp {x['pp']}, "
-            f"ZeRO-{x['zero']}, checkpointing {x['checkpointing']}); {_inside_the_headroom(r, result.profile)}"
+    return (f"the smallest needs {r.memory.total / GiB:.1f} GiB per GPU (tp {x['tp']}, cp {x['cp']}, "
+            f"pp {x['pp']}, ZeRO-{x['zero']}, checkpointing {x['checkpointing']}); "
+            f"{_inside_the_headroom(r, result.profile)}"
             f"use more GPUs, GPUs with more memory, or a shorter --seq-len (CPU offload is not searched: "
             f"try zero.offload_optimizer in a recipe and `dsforge plan` it)")
 

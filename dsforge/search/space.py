@@ -2,9 +2,9 @@
 (after prune.py's cheap conditions, which drop only layouts that validator refuses).
 
 Axes: tp (powers of two up to the node size and the head count), cp (context parallelism:
-powers of two, from CP_MIN_SEQ_LEN tokens a sequence), pp (divisors of the layer count), vpp (divisors
-of the layers per pipeline rank, up to MAX_VPP), ep (MoE: divisors of the expert count), dp
-(the rest), ZeRO stage 0-3, micro-batch (powers of two), activation
+powers of two, from CP_MIN_SEQ_LEN tokens a sequence), pp (divisors of the layer count), vpp
+(divisors of the layers per pipeline rank, up to MAX_VPP), ep (MoE: divisors of the expert
+count), dp (the rest), ZeRO stage 0-3, micro-batch (powers of two), activation
 checkpointing none/selective/full, and sequence parallelism with tp >= 2. Which ZeRO stage may
 go with a pipeline (rule Z2: ZeRO-2 and ZeRO-3 yes, fp16 no) is the validator's call, not
 repeated here: ZeRO-2 and ZeRO-3 with pp > 1 are enumerated and pay their per-microbatch
