@@ -52,9 +52,10 @@ def point(run) -> Point:
     resolved = _resolved(run.recipe)
     recipe = resolved.recipe
     predicted = step_time(resolved, default_profile(gpu_for_device_name(run.device).key, 1))
-    flops = flops_per_token(recipe.model, recipe.train.seq_len, recipe.train.activation_checkpointing)
+    train = recipe.train
+    flops = flops_per_token(recipe.model, train.seq_len, train.activation_checkpointing)
     layers = microbatch_layers(resolved)
-    full = recipe.train.activation_checkpointing == "full"
+    full = train.activation_checkpointing == "full"
     share = (flops.hardware - flops.model) if full else flops.model / 3  # recompute, or forward
     return Point(run.label, run.step_s, predicted.total, predicted.compute, layers,
                  predicted.compute * share / flops.hardware / layers, recipe.zero.stage == 3)
@@ -66,9 +67,10 @@ def predict(p: Point, a: float, h0: float, h3: float) -> float:
 
 
 def fit(points: list[Point]) -> tuple[float, float, float]:
-    """(a, h0, h3) with the smallest median relative error; the first of equals (smaller h)."""
+    """(a, h0, h3) with the smallest mean relative error; the first of equals (smaller h). A
+    median would be degenerate: any floor that leaves half the runs exact would do."""
     def error(params):
-        return statistics.median(abs(predict(p, *params) / p.measured_s - 1) for p in points)
+        return statistics.fmean(abs(predict(p, *params) / p.measured_s - 1) for p in points)
     return min(itertools.product(COMPUTE, HOST_S, HOST_S), key=error)
 
 
@@ -83,7 +85,8 @@ def report(device: str, points: list[Point]) -> str:
              f"h {h0 * 1e3:.0f} ms (ZeRO 0-2) and {h3 * 1e3:.0f} ms (ZeRO-3); median |error| "
              f"{statistics.median(map(abs, inside)):.1%} in sample, "
              f"{statistics.median(map(abs, left)):.1%} left out in turn (largest "
-             f"{max(map(abs, left)):.1%}); the default profile {statistics.median(map(abs, default)):.1%}"]
+             f"{max(map(abs, left)):.1%}); the default profile "
+             f"{statistics.median(map(abs, default)):.1%}"]
     lines += [f"  {p.label}: left out {e:+.1%}" for p, e in zip(points, left) if abs(e) > 0.05]
     return "\n".join(lines)
 
