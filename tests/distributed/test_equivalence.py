@@ -92,6 +92,8 @@ WORLD2_MOE = {
     # Context parallelism: the router counts tokens over tp x cp, each rank's aux loss is its
     # share of the sequence's, and the shares' gradients add over cp.
     "moe_cp2": _moe("parallel.dp=1", "parallel.ep=1", "parallel.cp=2"),
+    # Megatron's expert grid takes ep out of dp x cp: here out of cp alone.
+    "moe_cp2_ep2": _moe("parallel.dp=1", "parallel.ep=2", "parallel.cp=2"),
 }
 WORLD2_MOE_NO_EVAL = {"moe_ep2_zero1_no_eval": _moe("parallel.dp=2", "parallel.ep=2", "zero.stage=1",
                                                     evaluate=False)}
