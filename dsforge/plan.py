@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
-from dsforge.estimate.context_parallel import exchange_bytes, exchange_passes
+from dsforge.estimate.context_parallel import exchange_bytes, exchange_passes, step_exchange_bytes
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.memory import estimate_memory, largest_stage_params
 from dsforge.estimate.memory_fixes import zero_at_stage
@@ -91,15 +91,13 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
 def _context_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
     """Ulysses' all-to-alls (estimate/context_parallel.py): the bytes one rank sends in one
     layer's forward for one microbatch, and per step over its pipeline rank's layers."""
-    recipe, lay = resolved.recipe, resolved.layout
-    train = recipe.train
+    m, lay, train = resolved.recipe.model, resolved.layout, resolved.recipe.train
     element_bytes = 4 if train.precision == "fp32" else 2
-    per_layer = exchange_bytes(recipe.model, lay, lay.micro_batch * train.seq_len / lay.cp,
-                               element_bytes)
-    passes = exchange_passes(train.activation_checkpointing)
-    layers = recipe.model.num_layers / lay.pp
-    return {"bytes_per_layer_forward": per_layer, "passes": passes,
-            "bytes_per_step": per_layer * passes * layers * lay.grad_accum}
+    tokens = lay.micro_batch * train.seq_len // lay.cp
+    return {"bytes_per_layer_forward": exchange_bytes(m, lay, tokens, element_bytes),
+            "passes": exchange_passes(train.activation_checkpointing),
+            "bytes_per_step": step_exchange_bytes(m, lay, train.seq_len, element_bytes,
+                                                  train.activation_checkpointing)}
 
 
 def _data_parallel_traffic(resolved: Resolved) -> dict[str, Any]:

@@ -22,3 +22,12 @@ def exchange_passes(checkpointing: str) -> int:
     """How many times a step sends each layer's exchange: forward and backward, and the
     forward's again when full checkpointing recomputes it."""
     return 3 if checkpointing == "full" else 2
+
+
+def step_exchange_bytes(m: ModelConfig, lay: Layout, seq_len: int, element_bytes: int,
+                        checkpointing: str) -> float:
+    """Bytes one rank of the busiest pipeline stage sends in a step: every pass of each of its
+    layers, for every microbatch of its shard (micro_batch x seq_len / cp tokens)."""
+    tokens = lay.micro_batch * seq_len // lay.cp
+    return (exchange_bytes(m, lay, tokens, element_bytes) * exchange_passes(checkpointing)
+            * lay.grad_accum * m.num_layers / lay.pp)

@@ -13,7 +13,7 @@ import functools
 from dataclasses import asdict, dataclass
 
 from dsforge.estimate.bubble import bubble_fraction
-from dsforge.estimate.context_parallel import exchange_bytes, exchange_passes
+from dsforge.estimate.context_parallel import step_exchange_bytes
 from dsforge.estimate.flops import pipeline_rank_flops
 from dsforge.estimate.memory import largest_stage_params
 from dsforge.recipe.resolve import Layout, Resolved
@@ -89,8 +89,9 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
         ep_bw = _bandwidth(lay.tp * lay.ep, profile)
         ep_comm = moe_layers * lay.grad_accum * 4 * m.moe.top_k * activation * _ring(lay.ep) / ep_bw
 
-    cp_comm = lay.grad_accum * m.num_layers / lay.pp * _cp_layer_seconds(
-        m, lay, t.activation_checkpointing, microbatch_tokens, half, profile)
+    # Ulysses' all-to-alls over the cp group's bandwidth (estimate/context_parallel.py)
+    cp_comm = (step_exchange_bytes(m, lay, t.seq_len, half, t.activation_checkpointing)
+               / _bandwidth(lay.tp * lay.cp, profile))
 
     worst = largest_stage_params(resolved.recipe.model, resolved.layout)
     dp_comm, dp_in_slots = _dp_comm(resolved, worst, profile, half, compute)
@@ -111,14 +112,6 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
                     pp_comm=pp_comm, dp_comm=dp_comm,
                     optimizer=_optimizer_seconds(resolved, worst, profile), fixed=fixed,
                     gathers=gathers)
-
-
-def _cp_layer_seconds(m: ModelConfig, lay: Layout, checkpointing: str, tokens: float,
-                      element_bytes: int, profile: ClusterProfile) -> float:
-    """Ulysses' all-to-alls of one layer and microbatch over the cp group's bandwidth, in
-    every pass that sends them (estimate/context_parallel.py)."""
-    sent = exchange_bytes(m, lay, tokens, element_bytes) * exchange_passes(checkpointing)
-    return sent / _bandwidth(lay.tp * lay.cp, profile)
 
 
 def microbatch_layers(resolved: Resolved) -> float:
