@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,17 @@ from dsforge.problems import RecipeError
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))  # studies live in recipes/bench
 HOSTFILES = sorted((REPO / "hostfiles").glob("*"))
+
+
+def load_tool(name: str):
+    """tools/NAME.py as a module, registered under its name: the dataclasses a tool defines
+    look their module up while it runs, and a tool importing another finds it there."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 # A small valid dense recipe; tests change it with dotted overrides.
 BASE = {

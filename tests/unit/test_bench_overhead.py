@@ -3,13 +3,9 @@ tests/distributed/test_overhead_bench.py runs the tool itself."""
 
 from __future__ import annotations
 
-import importlib.util
-
-from tests.conftest import REPO
+from tests.conftest import load_tool
 
 
 def test_overhead_periods_skip_warmup_steps():
-    spec = importlib.util.spec_from_file_location("bench_overhead", REPO / "tools" / "bench_overhead.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("bench_overhead")
     assert tool.periods([0.0, 5.0, 6.0, 6.5, 7.5], skip=1) == [1.0, 0.5, 1.0]

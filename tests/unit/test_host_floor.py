@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import load_tool
 
 
 @pytest.fixture(scope="module")
 def host_floor():
-    sys.path.insert(0, str(REPO / "tools"))  # it imports kit_phases beside it
-    spec = importlib.util.spec_from_file_location("host_floor", REPO / "tools" / "host_floor.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("host_floor")
 
 
 def test_the_floor_charges_only_the_host_bound_layers(host_floor):

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import load_tool
 
 
 @pytest.fixture(scope="module")
 def kit_phases():
-    spec = importlib.util.spec_from_file_location("kit_phases", REPO / "tools" / "kit_phases.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("kit_phases")
 
 
 def test_every_run_of_the_h200_session_is_read_with_its_phases(kit_phases):

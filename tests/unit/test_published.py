@@ -5,14 +5,13 @@ MFU is dsforge's formula applied to the published tokens/s."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import statistics
 import sys
 
 import pytest
 
 from dsforge.problems import RecipeError
-from tests.conftest import REPO
+from tests.conftest import REPO, load_tool
 
 # The comparison's data and scoring are tools, not the product: imported from tools/ as
 # tools/published_compare.py imports them (its own folder on sys.path).
@@ -212,9 +211,7 @@ def test_spearman_by_hand():
 
 
 def test_tool_writes_sections_and_keeps_the_other(tmp_path):
-    spec = importlib.util.spec_from_file_location("published_compare", REPO / "tools" / "published_compare.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("published_compare")
     out = tmp_path / "published.md"
     out.write_text(tool.merge("", "before", "## before\n\nold figures"))
     tool.main(["--out", str(out), "--stats-only"])

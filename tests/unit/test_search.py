@@ -4,9 +4,7 @@ the written recipe, the CLI, and the published orderings (tools/search_anchors.p
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 
 import pytest
 from click.testing import CliRunner
@@ -22,7 +20,7 @@ from dsforge.search.explain import reason
 from dsforge.search.profile import ClusterProfile, ProfileFile, default_profile, load_profile
 from dsforge.search.search import evaluate, search
 from dsforge.search.space import Candidate, Space
-from tests.conftest import REPO
+from tests.conftest import REPO, load_tool
 
 
 def _base(preset="llama2-7b", seq_len=4096):
@@ -316,11 +314,7 @@ def test_cli_search_json_and_errors(tmp_path):
 
 
 def _anchors():
-    spec = importlib.util.spec_from_file_location("search_anchors", REPO / "tools" / "search_anchors.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("search_anchors")
 
 
 def test_published_orderings_hold():

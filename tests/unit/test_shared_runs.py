@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load_tool
 
 
 @pytest.fixture(scope="module")
 def shared_runs():
-    spec = importlib.util.spec_from_file_location("shared_runs", REPO / "tools" / "shared_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_tool("shared_runs")
     if not module.SHARED.is_dir():
         pytest.skip(f"needs {module.SHARED}")
     return module
