@@ -21,9 +21,15 @@ layouts that differ only where the model sees no difference determine one term, 
 many they are). A term whose coefficient would come out negative is dropped and the rest
 refitted; compute is never dropped (when it alone comes out negative, the last other term is).
 
+On a GPU (`host_floors`) the host launches kernels beside the device, so its cost is a floor
+under each layer's grad-enabled forward (cost.host_wait), not an addition: the two floors
+(ZeRO 0-2's and ZeRO-3's) are fitted in place of f and g, right after compute, each only where
+the points determine it (search/floor_fit.py searches them; the linear terms are solved at
+each).
+
 The refitted profile: compute_efficiency / a (and a measured attention_efficiency / a: the
 compute term holds the attention), microbatch_layer_s = f, zero3_gather_layer_s =
-g, the optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With
+g (or the floors, host_layer_s and host_layer_zero3_s), the optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With
 3 or more points each is predicted from a refit without it (leave-one-out); the median of
 those errors becomes the profile's prediction_error, the band `dsforge plan --search` draws
 and breaks ties with. Fewer points keep the band it had.
@@ -39,10 +45,13 @@ import numpy as np
 
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.recipe.resolve import Resolved
-from dsforge.search.cost import gather_count, microbatch_layers, step_time
+from dsforge.search.cost import forward_share, gather_count, microbatch_layers, step_time
+from dsforge.search.floor_fit import Waits, fit_floors
 from dsforge.search.profile import ClusterProfile
 
 TERMS = ("compute", "fixed", "gathers", "optimizer", "communication")  # the order they are fitted
+FLOOR_REPLACES = ("fixed", "gathers")  # on a GPU the host's cost is a floor, not an addition
+FLOOR_NAMES = ("host", "host_zero3")  # the floors' coefficients: ZeRO 0-2's and ZeRO-3's seconds
 LEAVE_ONE_OUT_MIN = 3  # points needed for a band from leave-one-out residuals
 
 
@@ -78,9 +87,10 @@ class Calibration:
 
 
 def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
-    """The prediction's terms under `profile` without its fixed cost; `fixed` counts the
-    microbatch-layers (seconds come from the coefficient)."""
-    unfixed = dataclasses.replace(profile, microbatch_layer_s=0.0, zero3_gather_layer_s=0.0)
+    """The prediction's terms under `profile` without its fixed costs and host floors; `fixed`
+    counts the microbatch-layers (seconds come from the coefficient)."""
+    unfixed = dataclasses.replace(profile, microbatch_layer_s=0.0, zero3_gather_layer_s=0.0,
+                                  host_layer_s=0.0, host_layer_zero3_s=0.0)
     t = step_time(resolved, unfixed)
     lay = resolved.layout
     bubble = bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
@@ -94,38 +104,109 @@ def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
             "optimizer": t.optimizer, "communication": communication}
 
 
-def fit(points: list[Point], profile: ClusterProfile) -> dict[str, float]:
+def fit(points: list[Point], profile: ClusterProfile, host_floors: bool = False) -> dict[str, float]:
     """Coefficients of the terms the points determine (docstring above); the rest keep 1
-    (fixed: the profile's microbatch_layer_s)."""
+    (fixed, gathers and the floors: the profile's seconds). With `host_floors` (the points ran
+    on a GPU) the floors are fitted and replace the fixed and gather costs."""
     rows = [features(p.resolved, profile) for p in points]
     relative = np.array([[r[t] / p.measured_s for t in TERMS] for r, p in zip(rows, points)])
-    chosen: list[str] = []
-    for i, term in enumerate(TERMS):
-        columns = [TERMS.index(t) for t in chosen] + [i]
-        tolerance = 1e-9 * np.abs(relative).max()
-        if np.linalg.matrix_rank(relative[:, columns], tol=tolerance) == len(columns):
-            chosen.append(term)
     coefficients = {"compute": 1.0, "fixed": profile.microbatch_layer_s,
-                    "gathers": profile.zero3_gather_layer_s, "optimizer": 1.0, "communication": 1.0}
+                    "gathers": profile.zero3_gather_layer_s, "optimizer": 1.0, "communication": 1.0,
+                    "host": profile.host_layer_s, "host_zero3": profile.host_layer_zero3_s}
+    columns = {t: relative[:, i] for i, t in enumerate(TERMS)}
+    order = list(TERMS)
+    if host_floors:
+        coefficients.update(fixed=0.0, gathers=0.0)
+        waits = host_waits(points, profile)
+        # Where a floor binds, its wait is microbatch-layers x the floor: that is its feature.
+        columns.update(host=np.where(waits.zero3, 0.0, waits.layers) / waits.measured_s,
+                       host_zero3=np.where(waits.zero3, waits.layers, 0.0) / waits.measured_s)
+        order = ["compute", *FLOOR_NAMES, *(t for t in TERMS[1:] if t not in FLOOR_REPLACES)]
     measured_optimizer = optimizer_from_breakdowns(points, rows)
     if measured_optimizer is not None:  # the breakdowns time the optimizer step itself
         coefficients["optimizer"] = measured_optimizer
-        chosen = [t for t in chosen if t != "optimizer"]
+        order.remove("optimizer")
+    chosen = _determined(columns, order)
+    floors = [name for name in chosen if name in FLOOR_NAMES]
+    chosen = [name for name in chosen if name not in FLOOR_NAMES]
+    if floors:
+        fitted = _fit_with_floors(waits, profile, relative, coefficients, chosen, floors)
+        if fitted is not None:
+            return fitted
+    return {**coefficients, **_solve(relative, coefficients, chosen, 0.0)}
+
+
+def _fit_with_floors(waits: Waits, profile: ClusterProfile, relative: np.ndarray,
+                     coefficients: dict[str, float], chosen: list[str],
+                     floors: list[str]) -> dict[str, float] | None:
+    """The chosen terms and the floors (search/floor_fit.py); a term whose coefficient would
+    be negative is dropped and the rest refitted, as in _solve. None: no fit is allowed."""
+    fitted = tuple(name in floors for name in FLOOR_NAMES)
+    kept_floors = tuple(coefficients[name] for name in FLOOR_NAMES)
+    chosen = list(chosen)
+    while chosen and chosen[0] == "compute":
+        kept = sum(coefficients[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen)
+        x = relative[:, [TERMS.index(t) for t in chosen]]
+        found = fit_floors(x, 1.0 - kept, waits, fitted, kept_floors, profile.compute_efficiency)
+        if found.solution is not None:
+            return {**coefficients, **dict(zip(chosen, (float(v) for v in found.solution))),
+                    "host": found.host, "host_zero3": found.host_zero3}
+        if len(chosen) == 1:
+            return None
+        chosen.pop(found.most_negative if found.most_negative is not None else -1)
+    return None
+
+
+def host_waits(points: list[Point], profile: ClusterProfile) -> Waits:
+    """What cost.host_wait reads, for every point (floor_fit.Waits), under `profile`."""
+    zero3, layers, pass_s = [], [], []
+    for p in points:
+        resolved, lay, t = p.resolved, p.resolved.layout, p.resolved.recipe.train
+        bubble = bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
+        compute = features(resolved, profile)["compute"] / (1 + bubble)
+        count = microbatch_layers(resolved)
+        share = forward_share(resolved.recipe.model, t.seq_len, t.activation_checkpointing)
+        zero3.append(resolved.recipe.zero.stage == 3)
+        layers.append(count * (1 + bubble))
+        pass_s.append(compute * share / count)
+    return Waits(np.array(zero3), np.array(layers), np.array(pass_s),
+                 np.array([p.measured_s for p in points]))
+
+
+def _determined(columns: dict[str, np.ndarray], order: list[str]) -> list[str]:
+    """The terms of `order`, in order, each only if it raises the rank of the points'
+    features: layouts that differ only where the model sees no difference determine one term,
+    however many they are."""
+    chosen: list[str] = []
+    tolerance = 1e-9 * max(np.abs(c).max() for c in columns.values())
+    for term in order:
+        matrix = np.column_stack([columns[t] for t in chosen + [term]])
+        if np.linalg.matrix_rank(matrix, tol=tolerance) == len(chosen) + 1:
+            chosen.append(term)
+    return chosen
+
+
+def _solve(relative: np.ndarray, coefficients: dict[str, float], chosen: list[str],
+           offset) -> dict[str, float]:
+    """Least squares of the chosen terms on what the rest (and `offset`, relative seconds the
+    floors add) leave of each point: compute first, a negative coefficient dropped and the rest
+    refitted; {} where compute alone comes out <= 0."""
+    chosen = list(chosen)
     while chosen and chosen[0] == "compute":
         # The terms left out keep their coefficients: what they predict leaves the target.
         kept = sum(coefficients[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen)
         x = relative[:, [TERMS.index(t) for t in chosen]]
-        solution, *_ = np.linalg.lstsq(x, 1.0 - kept, rcond=None)
+        solution, *_ = np.linalg.lstsq(x, 1.0 - kept - offset, rcond=None)
         value = dict(zip(chosen, (float(v) for v in solution)))
         negative = [t for t in chosen[1:] if value[t] < 0]
         if value["compute"] > 0 and not negative:
-            return {**coefficients, **value}
+            return value
         if len(chosen) == 1:
             break  # compute alone comes out <= 0: nothing to fit
         # Drop the most negative term; when only compute is negative, the terms after it bent
         # it there, so drop the last of them.
         chosen.remove(min(negative, key=value.get) if negative else chosen[-1])
-    return coefficients
+    return {}
 
 
 def optimizer_from_breakdowns(points: list[Point], rows: list[dict[str, float]]) -> float | None:
@@ -150,6 +231,8 @@ def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterPro
         profile, compute_efficiency=min(1.0, profile.compute_efficiency / a),
         attention_efficiency=attention,
         microbatch_layer_s=coefficients["fixed"], zero3_gather_layer_s=coefficients["gathers"],
+        host_layer_s=coefficients.get("host", profile.host_layer_s),
+        host_layer_zero3_s=coefficients.get("host_zero3", profile.host_layer_zero3_s),
         optimizer_bytes_per_param=profile.optimizer_bytes_per_param * b,
         optimizer_bytes_per_param_fp32=profile.optimizer_bytes_per_param_fp32 * b,
         optimizer_fixed_s=profile.optimizer_fixed_s * b,
@@ -157,11 +240,13 @@ def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterPro
         p2p_latency_s=profile.p2p_latency_s * c)
 
 
-def calibrate(points: list[Point], profile: ClusterProfile, measured_on: str) -> Calibration:
-    """The refitted profile, every point predicted before and after, and left out in turn."""
-    coefficients = fit(points, profile)
+def calibrate(points: list[Point], profile: ClusterProfile, measured_on: str,
+              host_floors: bool = False) -> Calibration:
+    """The refitted profile, every point predicted before and after, and left out in turn;
+    `host_floors`: the points ran on a GPU, whose host works beside it (fit)."""
+    coefficients = fit(points, profile, host_floors)
     after = apply(profile, coefficients)
-    left_out = [_left_out(points, i, profile) for i in range(len(points))]
+    left_out = [_left_out(points, i, profile, host_floors) for i in range(len(points))]
     calibration = Calibration(
         before=profile, after=after, coefficients=coefficients,
         rows=[Row(p.label, p.measured_s, step_time(p.resolved, profile).total,
@@ -173,11 +258,12 @@ def calibrate(points: list[Point], profile: ClusterProfile, measured_on: str) ->
     return dataclasses.replace(calibration, after=after)
 
 
-def _left_out(points: list[Point], i: int, profile: ClusterProfile) -> float | None:
+def _left_out(points: list[Point], i: int, profile: ClusterProfile,
+              host_floors: bool) -> float | None:
     if len(points) < LEAVE_ONE_OUT_MIN:
         return None
     others = points[:i] + points[i + 1:]
-    return step_time(points[i].resolved, apply(profile, fit(others, profile))).total
+    return step_time(points[i].resolved, apply(profile, fit(others, profile, host_floors))).total
 
 
 def render(calibration: Calibration) -> str:
@@ -186,7 +272,8 @@ def render(calibration: Calibration) -> str:
     lines = [f"refit on {len(calibration.rows)} measured trial(s): compute x{c['compute']:.3g} "
              f"(efficiency {before.compute_efficiency:.3g} -> {after.compute_efficiency:.3g}), "
              f"{c['fixed'] * 1e3:.3g} ms per microbatch and layer, {c['gathers'] * 1e3:.3g} ms per "
-             f"ZeRO-3 layer gather, optimizer x{c['optimizer']:.3g}, "
+             f"ZeRO-3 layer gather, host floor {c['host'] * 1e3:.3g} ms a layer "
+             f"({c['host_zero3'] * 1e3:.3g} at ZeRO-3), optimizer x{c['optimizer']:.3g}, "
              f"communication x{c['communication']:.3g}",
              "  layout                                          measured ms  before ms  error   "
              "after ms  error   left out ms  error"]

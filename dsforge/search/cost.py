@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.estimate.context_parallel import step_exchange_bytes
-from dsforge.estimate.flops import pipeline_rank_flops
+from dsforge.estimate.flops import flops_per_token, pipeline_rank_flops
 from dsforge.estimate.memory import largest_stage_params
 from dsforge.recipe.resolve import Layout, Resolved
 from dsforge.schema import ModelConfig
@@ -38,11 +38,13 @@ class StepTime:
     optimizer: float = 0.0
     fixed: float = 0.0  # the profile's cost per microbatch and layer (0 until measured)
     gathers: float = 0.0  # ZeRO-3's per-layer fetches beyond their bytes (0 until measured)
+    host: float = 0.0  # the wait for the host where a layer's forward is shorter than its floor
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.ep_comm + self.cp_comm + self.bubble
-                + self.pp_comm + self.dp_comm + self.optimizer + self.fixed + self.gathers)
+                + self.pp_comm + self.dp_comm + self.optimizer + self.fixed + self.gathers
+                + self.host)
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}
@@ -103,21 +105,50 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
     # and under ZeRO-3 each of their fetches (docs/search.md).
     fixed = microbatch_layers(resolved) * profile.microbatch_layer_s
     gathers = gather_count(resolved) * profile.zero3_gather_layer_s
+    host = host_wait(resolved, host_floor_s(resolved, profile), compute)
     # Every slot of the pipeline carries its sends and fixed costs too (blocking p2p), so they
     # fill and drain with the compute.
     bubble = (bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
-              * (compute + tp_comm + ep_comm + cp_comm + dp_in_slots + pp_comm + fixed + gathers))
+              * (compute + tp_comm + ep_comm + cp_comm + dp_in_slots + pp_comm + fixed + gathers
+                 + host))
     return StepTime(compute=compute, tp_comm=tp_comm, ep_comm=ep_comm, cp_comm=cp_comm,
                     bubble=bubble,
                     pp_comm=pp_comm, dp_comm=dp_comm,
                     optimizer=_optimizer_seconds(resolved, worst, profile), fixed=fixed,
-                    gathers=gathers)
+                    gathers=gathers, host=host)
 
 
 def microbatch_layers(resolved: Resolved) -> float:
     """Microbatches a step times the layers of the busiest pipeline rank."""
     lay = resolved.layout
     return lay.grad_accum * resolved.recipe.model.num_layers / lay.pp
+
+
+def host_floor_s(resolved: Resolved, profile: ClusterProfile) -> float:
+    """The profile's floor under a layer's grad-enabled forward at the recipe's ZeRO stage."""
+    return profile.host_layer_zero3_s if resolved.recipe.zero.stage == 3 else profile.host_layer_s
+
+
+def host_wait(resolved: Resolved, floor_s: float, compute: float) -> float:
+    """Seconds a step waits for the host (docs/search.md, "host"): for every microbatch and
+    layer of the busiest rank, what its grad-enabled forward (the forward; under full
+    checkpointing the recompute, while the first forward runs without autograd) falls short
+    of the floor. The device's time of that pass is its share of the FLOPs of `compute`."""
+    if floor_s <= 0:
+        return 0.0
+    layers = microbatch_layers(resolved)
+    t = resolved.recipe.train
+    share = forward_share(resolved.recipe.model, t.seq_len, t.activation_checkpointing)
+    return layers * max(0.0, floor_s - compute * share / layers)
+
+
+@functools.lru_cache(maxsize=1024)
+def forward_share(m: ModelConfig, seq_len: int, checkpointing: str) -> float:
+    """The grad-enabled forward's share of a step's FLOPs (docs/flops.md: forward = model / 3,
+    recompute = hardware - model)."""
+    flops = flops_per_token(m, seq_len, checkpointing)
+    forward = flops.hardware - flops.model if checkpointing == "full" else flops.model / 3
+    return forward / flops.hardware
 
 
 def gather_count(resolved: Resolved) -> float:

@@ -140,10 +140,19 @@ def refit_from_trials(base: Recipe, result: SearchResult, trials: list, out: Pat
               for t in trials if t.measured_step_s is not None]
     if not points:
         return None
-    calibration = calibrate(points, result.profile, measured_on=measured_on())
+    calibration = calibrate(points, result.profile, measured_on=measured_on(),
+                            host_floors=trials_ran_on_a_gpu())
     path = out / "profile.yaml"
     write_atomic(path, profile_text(calibration.after, provenance(calibration)))
     return Refit(calibration, result, search(base, result.space, calibration.after), path)
+
+
+def trials_ran_on_a_gpu() -> bool:
+    """Whether the trials ran on a GPU, whose host launches kernels beside it: the refit then
+    fits the host floors; on a CPU the host's costs add to the compute (calibrate.fit)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def measured_on() -> str:

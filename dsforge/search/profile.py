@@ -85,6 +85,15 @@ class ClusterProfile:
     # per-module bookkeeping, and on one GPU the copy it still makes): per layer and pass.
     # 0 until a calibration measures it.
     zero3_gather_layer_s: float = 0.0
+    # A floor under each layer's grad-enabled forward (the forward, or the recompute under full
+    # checkpointing), seconds per layer and microbatch: Megatron's layers launch their kernels
+    # from Python, so a layer whose kernels take less than the host needs to launch them waits
+    # for the host (cost.py `host`). On a GPU the host's work overlaps the device's, so the
+    # larger of the two counts, not their sum. One figure for ZeRO 0-2 and one for ZeRO-3, whose
+    # per-module fetches are host work too. 0: no floor (a GPU never measured, and the CPU,
+    # where the host is the device and the fixed cost above adds instead).
+    host_layer_s: float = 0.0
+    host_layer_zero3_s: float = 0.0
     # Where the coefficients were measured ("" = nowhere: the GPU's defaults and the
     # published comparison's band) and from how many runs (calibrate.py writes both).
     measured_on: str = ""
@@ -111,6 +120,16 @@ _DEFAULTS: dict[str, tuple[float, float, float]] = {
 }
 
 
+# Per GPU: the host floors (host_layer_s, host_layer_zero3_s) measured on it. Fitted beside the
+# compute's scale (x0.994 and x0.993, so the efficiencies above stand) to the GPU kit's dense runs
+# of 2026-11-26 by --measure's own refit (`python tools/kit_phases.py --loo`): 27 runs on one
+# H200, 10 on one H100, 1.24B to 6.74B parameters, ZeRO 0-3. No other GPU has been measured.
+_HOST_FLOORS: dict[str, tuple[float, float]] = {
+    "h200": (0.00238, 0.00815),
+    "h100": (0.00342, 0.00695),
+}
+
+
 def default_profile(gpu_key: str, gpus_per_node: int = 8) -> ClusterProfile:
     if gpu_key not in GPU_KEYS:
         raise RecipeError([Problem(rule="S1", fields={"--gpu": gpu_key},
@@ -118,9 +137,11 @@ def default_profile(gpu_key: str, gpus_per_node: int = 8) -> ClusterProfile:
                                    fix="pick one of the known GPUs, or describe yours in --profile."
                                        f"{did_you_mean(gpu_key, GPU_KEYS)}")])
     intra, inter, efficiency = _DEFAULTS[gpu_key]
+    host, host_zero3 = _HOST_FLOORS.get(gpu_key, (0.0, 0.0))
     return ClusterProfile(gpu=gpu_by_key(gpu_key), gpus_per_node=gpus_per_node,
                           intra_node_gbps=intra, inter_node_gbps=inter,
-                          compute_efficiency=efficiency)
+                          compute_efficiency=efficiency, host_layer_s=host,
+                          host_layer_zero3_s=host_zero3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +165,8 @@ class ProfileFile:
     optimizer_bytes_per_param_fp32: float | None = None
     microbatch_layer_s: float | None = None
     zero3_gather_layer_s: float | None = None
+    host_layer_s: float | None = None
+    host_layer_zero3_s: float | None = None
     measured_on: str | None = None
     measured_runs: int | None = None
 
@@ -175,6 +198,8 @@ _RANGES = {
     "optimizer_bytes_per_param_fp32": (lambda v: v > 0, "> 0"),
     "microbatch_layer_s": (lambda v: v >= 0, ">= 0"),
     "zero3_gather_layer_s": (lambda v: v >= 0, ">= 0"),
+    "host_layer_s": (lambda v: v >= 0, ">= 0"),
+    "host_layer_zero3_s": (lambda v: v >= 0, ">= 0"),
     "measured_on": (lambda v: True, "any text"),
     "measured_runs": (lambda v: v >= 0, ">= 0"),
 }

@@ -28,3 +28,14 @@ def test_the_gemm_table_sets_an_efficiency_above_the_default(shared_runs):
     profile = shared_runs.gemm_profile(by_recipe)
     # 706-731 TFLOP/s measured, 71-74% of the peak: above the default's modelled 62% x saturation
     assert 0.62 < profile.compute_efficiency <= 1.0
+
+
+def test_each_run_is_predicted_from_the_other_three_within_5_percent(shared_runs):
+    """Issue 23's first target: the GEMM table's profile with the H200's measured host floors,
+    refitted on any three runs, predicts the fourth within 5%. Without the floors three runs
+    cannot tell ZeRO-3's host cost from the compute, and the 7B pair misses."""
+    _, calibration = shared_runs.left_out()
+    errors = [row.left_out_s / row.measured_s - 1 for row in calibration.rows]
+    assert len(errors) == 4 and max(map(abs, errors)) < 0.05
+    _, bare = shared_runs.left_out(include_gpu_floors=False)
+    assert max(abs(row.left_out_s / row.measured_s - 1) for row in bare.rows) > 0.10

@@ -1,0 +1,113 @@
+"""The host floor under each layer's grad-enabled forward: its wait in the step time
+(dsforge/search/cost.py) and its fit in the refit (search/calibrate.py, search/floor_fit.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dsforge.recipe import resolve_file
+from dsforge.search import calibrate as cal
+from dsforge.search.cost import forward_share, step_time
+from dsforge.search.floor_fit import Waits, fit_floors
+from dsforge.search.profile import default_profile
+from tests.conftest import REPO
+
+ONE_B = REPO / "benchmarks" / "gpu" / "recipes" / "1b_1gpu.yaml"
+BARE = dataclasses.replace(default_profile("h200", gpus_per_node=1), host_layer_s=0.0,
+                           host_layer_zero3_s=0.0)
+FLOORED = dataclasses.replace(BARE, host_layer_s=0.003, host_layer_zero3_s=0.008)
+# A machine the tests "measure": compute 10% slower than the profile, floors of 3 and 8 ms.
+TRUE = {"compute": 1.1, "fixed": 0.0, "gathers": 0.0, "optimizer": 1.0, "communication": 1.0,
+        "host": 0.003, "host_zero3": 0.008}
+# The floors bind where the 1B's layers are short (micro-batch 1, or the recompute at 2): two
+# such runs at each ZeRO floor, so that each run left out leaves one that determines it.
+LAYOUTS = [("train.micro_batch=1",), ("train.micro_batch=2",), ("train.micro_batch=4",),
+           ("train.micro_batch=1", "train.activation_checkpointing=selective"),
+           ("train.micro_batch=2", "train.activation_checkpointing=full"),
+           ("zero.stage=3", "train.micro_batch=1"), ("zero.stage=3", "train.micro_batch=4"),
+           ("zero.stage=3", "train.micro_batch=2", "train.activation_checkpointing=full")]
+
+
+def _layout(*overrides):
+    return resolve_file(ONE_B, list(overrides), world_size=1)
+
+
+def _points(*layouts, machine=TRUE) -> list[cal.Point]:
+    truth = cal.apply(BARE, machine)
+    return [cal.Point(" ".join(o), r := _layout(*o), step_time(r, truth).total) for o in layouts]
+
+
+def _pass_s(resolved, profile) -> float:
+    """The device's seconds of one layer's grad-enabled forward, one microbatch."""
+    t = resolved.recipe.train
+    layers = resolved.layout.grad_accum * resolved.recipe.model.num_layers
+    share = forward_share(resolved.recipe.model, t.seq_len, t.activation_checkpointing)
+    return step_time(resolved, profile).compute * share / layers
+
+
+def test_the_wait_is_what_each_layers_forward_falls_short_of_its_floor():
+    for overrides, floor in ((("train.micro_batch=1",), 0.003),
+                             (("zero.stage=3", "train.micro_batch=1"), 0.008),
+                             (("train.micro_batch=2", "train.activation_checkpointing=full"), 0.003)):
+        resolved = _layout(*overrides)
+        layers = resolved.layout.grad_accum * resolved.recipe.model.num_layers
+        pass_s = _pass_s(resolved, BARE)
+        assert 0 < pass_s < floor  # the 1B's layers are short: the floor binds
+        with_floor, without = step_time(resolved, FLOORED), step_time(resolved, BARE)
+        assert with_floor.host == pytest.approx(layers * (floor - pass_s), rel=1e-9)
+        assert with_floor.total == pytest.approx(without.total + with_floor.host, rel=1e-9)
+    long = _layout("train.micro_batch=8")
+    hidden = dataclasses.replace(FLOORED, host_layer_s=0.9 * _pass_s(long, BARE))
+    assert step_time(long, hidden).host == 0.0  # a forward longer than the floor hides it
+
+
+def test_the_refit_recovers_the_floors_and_the_compute_scale():
+    points = _points(*LAYOUTS)
+    coefficients = cal.fit(points, BARE, host_floors=True)
+    assert coefficients["compute"] == pytest.approx(TRUE["compute"], rel=1e-3)
+    assert coefficients["host"] == pytest.approx(TRUE["host"], abs=1e-4)
+    assert coefficients["host_zero3"] == pytest.approx(TRUE["host_zero3"], abs=1e-4)
+    assert coefficients["fixed"] == coefficients["gathers"] == 0.0  # the floors replace them
+    calibration = cal.calibrate(points, BARE, measured_on="test", host_floors=True)
+    assert all(r.left_out_s == pytest.approx(r.measured_s, rel=5e-3) for r in calibration.rows)
+    assert calibration.after.host_layer_zero3_s == pytest.approx(0.008, abs=1e-4)
+
+
+def test_without_host_floors_the_refit_leaves_them_and_fits_additive_costs():
+    """On a CPU the host is the device: its costs add, and the floors are not fitted."""
+    coefficients = cal.fit(_points(*LAYOUTS), FLOORED)
+    assert (coefficients["host"], coefficients["host_zero3"]) == (0.003, 0.008)
+    assert coefficients["fixed"] > 0
+
+
+def test_a_floor_no_run_determines_keeps_the_profiles():
+    points = _points(*(o for o in LAYOUTS if "zero.stage=3" not in o))
+    coefficients = cal.fit(points, FLOORED, host_floors=True)
+    assert coefficients["host"] == pytest.approx(TRUE["host"], abs=1e-4)
+    assert coefficients["host_zero3"] == FLOORED.host_layer_zero3_s
+
+
+def test_runs_that_repeat_a_layout_determine_one_floor_not_two():
+    """On one GPU ZeRO-0 and ZeRO-1 differ in nothing the model sees: with one ZeRO-3 run they
+    are two distinct points, enough for the compute and one floor (the first: ZeRO 0-2's)."""
+    full = ("train.activation_checkpointing=full", "train.micro_batch=1")
+    points = _points(("zero.stage=0", *full), ("zero.stage=1", *full), ("zero.stage=3", *full))
+    coefficients = cal.fit(points, FLOORED, host_floors=True)
+    assert coefficients["host_zero3"] == FLOORED.host_layer_zero3_s
+    assert coefficients["host"] > 0
+
+
+def test_no_floor_may_run_the_gemms_faster_than_the_peak():
+    """Two points a floor alone could explain (compute scale 0.5): refused where the profile's
+    efficiency of 0.8 would go above 1; the fit keeps the scale at or above it."""
+    waits = Waits(zero3=np.array([False, False]), layers=np.array([10.0, 20.0]),
+                  pass_s=np.array([0.001, 0.001]), measured_s=np.array([1.0, 1.0]))
+    x = np.array([[1.0], [0.5]])  # compute's share of each measured step at scale 1
+    target = 0.5 * x[:, 0] + waits.relative(np.array([0.02]), np.array([0.0]), np.array([0.5]))[:, 0]
+    free = fit_floors(x, target, waits, (True, False), (0.0, 0.0), min_compute=0.0)
+    assert free.solution[0] == pytest.approx(0.5, rel=1e-6) and free.host == pytest.approx(0.02)
+    bound = fit_floors(x, target, waits, (True, False), (0.0, 0.0), min_compute=0.8)
+    assert bound.solution is None or bound.solution[0] >= 0.8
