@@ -107,7 +107,8 @@ def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
 def fit(points: list[Point], profile: ClusterProfile, host_floors: bool = False) -> dict[str, float]:
     """Coefficients of the terms the points determine (docstring above); the rest keep 1
     (fixed, gathers and the floors: the profile's seconds). With `host_floors` (the points ran
-    on a GPU) the floors are fitted and replace the fixed and gather costs."""
+    on a GPU) the floors are fitted and replace the fixed and gather costs; without, the
+    floors are 0 (a CPU's host costs add to its compute)."""
     rows = [features(p.resolved, profile) for p in points]
     relative = np.array([[r[t] / p.measured_s for t in TERMS] for r, p in zip(rows, points)])
     coefficients = {"compute": 1.0, "fixed": profile.microbatch_layer_s,
@@ -122,6 +123,8 @@ def fit(points: list[Point], profile: ClusterProfile, host_floors: bool = False)
         columns.update(host=np.where(waits.zero3, 0.0, waits.layers) / waits.measured_s,
                        host_zero3=np.where(waits.zero3, waits.layers, 0.0) / waits.measured_s)
         order = ["compute", *FLOOR_NAMES, *(t for t in TERMS[1:] if t not in FLOOR_REPLACES)]
+    else:  # the host is the device (a CPU): its costs add, as f and g; no floor
+        coefficients.update(host=0.0, host_zero3=0.0)
     measured_optimizer = optimizer_from_breakdowns(points, rows)
     if measured_optimizer is not None:  # the breakdowns time the optimizer step itself
         coefficients["optimizer"] = measured_optimizer

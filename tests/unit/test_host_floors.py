@@ -76,10 +76,10 @@ def test_the_refit_recovers_the_floors_and_the_compute_scale():
     assert calibration.after.host_layer_zero3_s == pytest.approx(0.008, abs=1e-4)
 
 
-def test_without_host_floors_the_refit_leaves_them_and_fits_additive_costs():
-    """On a CPU the host is the device: its costs add, and the floors are not fitted."""
+def test_without_host_floors_the_refit_clears_them_and_fits_additive_costs():
+    """On a CPU the host is the device: its costs add, and a GPU profile's floors go."""
     coefficients = cal.fit(_points(*LAYOUTS), FLOORED)
-    assert (coefficients["host"], coefficients["host_zero3"]) == (0.003, 0.008)
+    assert (coefficients["host"], coefficients["host_zero3"]) == (0.0, 0.0)
     assert coefficients["fixed"] > 0
 
 
