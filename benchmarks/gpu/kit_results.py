@@ -373,7 +373,8 @@ def _render_profile(result: dict) -> str:
     if not p:
         return ""
     fields = ("compute_efficiency", "attention_efficiency", "gemm_knee_tokens",
-              "optimizer_bytes_per_param", "optimizer_bytes_per_param_fp32", "optimizer_fixed_s")
+              "optimizer_bytes_per_param", "optimizer_bytes_per_param_fp32", "optimizer_fixed_s",
+              "host_layer_s", "host_layer_zero3_s")
     lines = ["| field | measured |", "|---|---:|"] + [f"| {f} | {_num(p.get(f), '.4g')} |"
                                                      for f in fields]
     return (f"### The profile dsforge calibrate measured ({p['measured_on']}, "

@@ -111,3 +111,35 @@ def test_no_floor_may_run_the_gemms_faster_than_the_peak():
     assert free.solution[0] == pytest.approx(0.5, rel=1e-6) and free.host == pytest.approx(0.02)
     bound = fit_floors(x, target, waits, (True, False), (0.0, 0.0), min_compute=0.8)
     assert bound.solution is None or bound.solution[0] >= 0.8
+
+
+def test_calibrate_times_the_floor_on_the_recipes_own_layers_at_few_tokens():
+    """search/host_timing.py: the recipe's model at 1 and 3 layers on one device, one
+    microbatch of a few tokens, at each ZeRO stage; MoE layers stay MoE."""
+    from dsforge.search.host_timing import HOST_SEQ_LEN, small_recipe
+
+    for path in ("recipes/70b_pp4.yaml", "recipes/moe_32gpu_tp4_ep2.yaml"):
+        resolved = resolve_file(REPO / path)
+        for layers, stage in ((1, 0), (3, 3)):
+            small = small_recipe(resolved, layers, stage)
+            m, lay = small.recipe.model, small.layout
+            assert (m.num_layers, small.recipe.zero.stage) == (layers, stage)
+            assert (m.hidden_size, m.ffn_hidden_size) == (resolved.recipe.model.hidden_size,
+                                                          resolved.recipe.model.ffn_hidden_size)
+            assert (lay.world_size, lay.tp, lay.pp, lay.micro_batch, lay.grad_accum) == (1, 1, 1, 1, 1)
+            assert small.recipe.train.seq_len == HOST_SEQ_LEN
+            assert (m.moe is None) == (resolved.recipe.model.moe is None)
+
+
+def test_the_measured_floors_go_into_a_gpus_profile_and_not_a_cpus():
+    from dsforge.search.calibrate_command import _floor_lines, floor_fields
+
+    floors = {0: {"forward_s": {1: 0.010, 3: 0.016}, "per_layer_s": 0.003},
+              3: {"forward_s": {1: 0.020, 3: 0.036}, "per_layer_s": 0.008}}
+    assert floor_fields(floors, "cuda") == {"host_layer_s": 0.003, "host_layer_zero3_s": 0.008}
+    assert floor_fields(floors, "cpu") == {"host_layer_s": 0.0, "host_layer_zero3_s": 0.0}
+    assert floor_fields("RuntimeError: no room", "cuda") == {}  # the GPU's defaults stay
+    measured = dataclasses.replace(FLOORED, **floor_fields(floors, "cuda"))
+    assert "ZeRO-0 3 ms a layer (1 layer 10 ms, 3 layers 16 ms)" in _floor_lines(floors, measured)[0]
+    failed = _floor_lines("RuntimeError: no room", FLOORED)[0]
+    assert "not measured (RuntimeError: no room)" in failed and "3 ms and 8 ms" in failed

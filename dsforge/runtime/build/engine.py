@@ -63,6 +63,20 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
     the engine are ready.
     """
     startup = startup or StartupClock()
+    container, has_experts, kernels = build_model(resolved, device=device, backend=backend,
+                                                  timeout_s=timeout_s, startup=startup)
+    recipe = resolved.recipe
+    ds_config = deepspeed_config(model=recipe.model, train=recipe.train, zero=recipe.zero,
+                                 layout=resolved.layout, device=device.type)
+    engine = initialize_deepspeed(container, ds_config, has_experts)
+    startup.mark("engine")
+    return RankParts(chunks=list(container.chunks), engine=engine, kernels=kernels)
+
+
+def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeout_s: float,
+                startup: StartupClock) -> tuple[ModelChunks, bool, KernelChoice]:
+    """Steps 1-5 of build_rank: (the chunks as one module, whether it has experts, the
+    kernels). `dsforge calibrate` times this model's forward under an engine of its own."""
     recipe, layout = resolved.recipe, resolved.layout
     megatron_fixes.apply()
     if device.type == "cpu":
@@ -89,12 +103,7 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
                               num_layers=recipe.model.num_layers)
     startup.mark("weights")
     container = ModelChunks(chunks)
-    has_experts = attach_gradient_hooks(container)
-    ds_config = deepspeed_config(model=recipe.model, train=recipe.train, zero=recipe.zero,
-                                 layout=layout, device=device.type)
-    engine = initialize_deepspeed(container, ds_config, has_experts)
-    startup.mark("engine")
-    return RankParts(chunks=chunks, engine=engine, kernels=kernels)
+    return container, attach_gradient_hooks(container), kernels
 
 
 class MegatronMPU:
@@ -203,7 +212,7 @@ def _count_replicated_grads_once_per_stage(engine) -> None:
     follows). Stages 1 and 2 ask for the *tensor*-parallel rank, which is what is meant: a
     replicated parameter is a copy across tp, never across pp. (The mpu's own answer stays the
     tp x pp rank: DeepSpeed names its checkpoint files by it.)"""
-    if engine.zero_optimization_stage() == 3:
+    if engine.zero_optimization_stage() == 3 and engine.optimizer is not None:
         engine.optimizer.model_parallel_rank = MegatronMPU().get_tensor_model_parallel_rank()
 
 
