@@ -120,13 +120,18 @@ _DEFAULTS: dict[str, tuple[float, float, float]] = {
 }
 
 
-# Per GPU: the host floors (host_layer_s, host_layer_zero3_s) measured on it. Fitted beside the
-# compute's scale (x0.994 and x0.993, so the efficiencies above stand) to the GPU kit's dense runs
-# of 2026-11-26 by --measure's own refit (`python tools/kit_phases.py --loo`): 27 runs on one
-# H200, 10 on one H100, 1.24B to 6.74B parameters, ZeRO 0-3. No other GPU has been measured.
-_HOST_FLOORS: dict[str, tuple[float, float]] = {
-    "h200": (0.00238, 0.00815),
-    "h100": (0.00342, 0.00695),
+# Per GPU measured by the GPU kit: the host floors (host_layer_s, host_layer_zero3_s) and where
+# they (and the optimizer's coefficients above) come from, the profile's `measured_on`. The
+# floors are --measure's own refit of the kit's dense runs (`python tools/kit_phases.py
+# --loo`; tests/unit/test_kit_phases.py holds them to it), fitted beside the compute's scale
+# (x0.994 and x0.993, so the efficiencies above stand). No other GPU has been measured.
+_KIT = ("2026-11-26, torch 2.11 + CUDA 13.0, DeepSpeed 0.19.8, Megatron-Core 0.16.1, Liger "
+        "0.8.5: python tools/kit_phases.py --loo")
+_MEASURED: dict[str, tuple[float, float, str]] = {
+    "h200": (0.00238, 0.00815, f"the GPU kit's 27 dense runs on one NVIDIA H200 (the optimizer "
+                               f"step and the host floors; {_KIT})"),
+    "h100": (0.00342, 0.00695, f"the GPU kit's 10 dense runs on one NVIDIA H100 80GB HBM3 (the "
+                               f"host floors; the optimizer step is the H200's; {_KIT})"),
 }
 
 
@@ -137,11 +142,11 @@ def default_profile(gpu_key: str, gpus_per_node: int = 8) -> ClusterProfile:
                                    fix="pick one of the known GPUs, or describe yours in --profile."
                                        f"{did_you_mean(gpu_key, GPU_KEYS)}")])
     intra, inter, efficiency = _DEFAULTS[gpu_key]
-    host, host_zero3 = _HOST_FLOORS.get(gpu_key, (0.0, 0.0))
+    host, host_zero3, measured_on = _MEASURED.get(gpu_key, (0.0, 0.0, ""))
     return ClusterProfile(gpu=gpu_by_key(gpu_key), gpus_per_node=gpus_per_node,
                           intra_node_gbps=intra, inter_node_gbps=inter,
                           compute_efficiency=efficiency, host_layer_s=host,
-                          host_layer_zero3_s=host_zero3)
+                          host_layer_zero3_s=host_zero3, measured_on=measured_on)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,3 +55,6 @@ def test_the_shipped_host_floors_are_the_refit_of_the_kits_runs(kit_phases):
         assert c["host"] == pytest.approx(shipped.host_layer_s, abs=1e-5)
         assert c["host_zero3"] == pytest.approx(shipped.host_layer_zero3_s, abs=1e-5)
         assert c["compute"] == pytest.approx(1.0, abs=0.01)
+        assert shipped.measured_on.startswith(f"the GPU kit's {len(calibration.rows)} dense runs "
+                                              f"on one {device}")
+    assert default_profile("a100").measured_on == ""  # never measured: the search says so
