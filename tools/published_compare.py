@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from published_runs import (ROWS, Choice,  # beside this file: python puts its folder on sys.path
-                            Scored, Stats, first_choices, fit_rejections, score_all,
-                            statistics_table)
+                            ScaleOut, Scored, Stats, first_choices, fit_rejections,
+                            scale_out_pairs, score_all, statistics_table)
 
 from dsforge.hardware import gpu_by_key
 from dsforge.units import GiB
@@ -147,6 +147,20 @@ def choice_lines(choices: list[Choice]) -> list[str]:
     return lines
 
 
+def scale_out_lines(pairs: list[ScaleOut]) -> list[str]:
+    """Each run on one node and on several: the share of its MFU it kept, measured and
+    predicted, and the mean gap."""
+    if not pairs:
+        return ["None."]
+    gaps = [abs(p.predicted_ratio - p.measured_ratio) for p in pairs]
+    lines = [f"{len(pairs)} pairs: mean |predicted - measured share kept| {statistics.fmean(gaps):.3f}, "
+             f"largest {max(gaps):.3f}.", "",
+             "| source | run | measured: share kept | predicted: share kept |", "|---|---|---|---|"]
+    lines += [f"| {p.source} | {p.run} | {p.measured_ratio:.3f} | {p.predicted_ratio:.3f} |"
+              for p in pairs]
+    return lines
+
+
 def _code_version() -> str:
     """The commit the scoring ran on, and whether the tree had local changes."""
     def git(*args: str) -> str:
@@ -176,6 +190,11 @@ def section(label: str, stats_only: bool) -> str:
               "dsforge's pick is the one it predicts fastest. Regret = the best measured MFU of "
               "the scenario less the pick's, in MFU points.", "",
               *choice_lines(first_choices(scored)), ""]
+    parts += ["### Scaling out across nodes", "",
+              "Each run measured on one node and again on several with the same per-GPU layout: "
+              "the share of its one-node MFU it kept, measured and predicted. The inter-node "
+              "bandwidth model decides the prediction (docs/search.md, \"The step-time model\").",
+              "", *scale_out_lines(scale_out_pairs(scored)), ""]
     if not stats_only:
         parts += ["### Every row", "", *row_lines(scored), ""]
     return "\n".join(parts)

@@ -13,8 +13,8 @@ torch.compile, Transformer Engine, FP8, async TP, Composer, NeMo-style communica
 and other model shapes (MPT is GPT-style with a GELU MLP, not Llama). It calibrates orders
 and magnitudes of the prediction, not identity with any one engine.
 
-Rows are never dropped: a row dsforge cannot score (FP8, context parallelism) carries the
-reason in `unscorable`; a layout the validator refuses is scored at the nearest layout it
+Rows are never dropped: a row dsforge cannot score (FP8, ring-attention context
+parallelism) carries the reason in `unscorable`; a layout the validator refuses is scored at the nearest layout it
 accepts where there is one and the row says which (`scored_as`): ZeRO-3 with pp > 1 at ZeRO-2,
 which only happens in the "before" run (commit 5b31f63, before rule Z2 accepted it).
 
@@ -511,7 +511,8 @@ _SAC_MEMORY = ("torchtitan's per-op selective checkpointing stores only every ot
                "scores, which flash attention never stores, so it keeps every activation; and these "
                "GPUs have 96 GB, the fit is checked against 80")
 FP8 = "Float8 linears (torchao): dsforge models BF16 only"
-CP = "context parallelism: dsforge does not support cp > 1"
+CP = ("context parallelism by ring attention (dsforge's cp is Ulysses' all-to-all, a "
+      "different exchange)")
 
 
 def _tt(ref: str, label: str, model: Model, gpus: int, tp: int, pp: int, local_batch: int,
@@ -802,6 +803,46 @@ def first_choices(scored: list[Scored]) -> list[Choice]:
     return choices
 
 
+@dataclass(frozen=True)
+class ScaleOut:
+    """One published run measured on one node and again on several, nothing else changed:
+    how much of its MFU it kept, measured and predicted."""
+
+    source: str
+    run: str
+    one: Scored  # on one node
+    many: Scored  # on several
+
+    @property
+    def measured_ratio(self) -> float:
+        return self.many.measured / self.one.measured
+
+    @property
+    def predicted_ratio(self) -> float:
+        return self.many.predicted / self.one.predicted
+
+
+def scale_out_pairs(scored: list[Scored]) -> list[ScaleOut]:
+    """Every scored run measured on one node and on more with the same per-GPU layout
+    (model, sequence, GPU, tp, pp, micro-batch, checkpointing, ZeRO): what data parallelism
+    across nodes costs it, the figure the inter-node bandwidth model decides."""
+    runs: dict[tuple, list[Scored]] = {}
+    for s in scored:
+        if s.predicted is not None:
+            r = s.row
+            key = (r.source, r.label, r.model.name, r.seq_len, r.gpu, r.tp, r.pp, r.micro_batch,
+                   r.checkpointing, r.zero)
+            runs.setdefault(key, []).append(s)
+    pairs = []
+    for (source, label, *_), group in runs.items():
+        one = [s for s in group if s.row.gpus <= s.row.gpus_per_node]
+        if one:
+            pairs += [ScaleOut(source, f"{label} {one[0].row.gpus} -> {s.row.gpus} {s.row.gpu.upper()}",
+                               one[0], s)
+                      for s in group if s.row.gpus > s.row.gpus_per_node]
+    return pairs
+
+
 def with_source(rows: tuple[Row, ...], source: str) -> tuple[Row, ...]:
     return tuple(r for r in rows if r.source == source)
 
@@ -811,12 +852,14 @@ __all__ = [
     "Choice",
     "Model",
     "Row",
+    "ScaleOut",
     "Scored",
     "Stats",
     "fit_rejections",
     "first_choices",
     "megatron_gpt_flops_per_token",
     "predict",
+    "scale_out_pairs",
     "score",
     "score_all",
     "spearman",

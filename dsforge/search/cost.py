@@ -61,6 +61,19 @@ def _bandwidth(span: int, profile: ClusterProfile) -> float:
     return gbps * GB
 
 
+def ring_bandwidth(size: int, span: int, profile: ClusterProfile) -> float:
+    """Bus bytes/s per GPU of a ring collective (all-reduce, all-gather, reduce-scatter) over a
+    group of `size` ranks spanning `span` consecutive ranks. Across nodes NCCL runs one ring per
+    NIC, and each GPU of a node has its own (rail-optimised nodes): a group with k ranks in each
+    node drives k NICs, so its bus bandwidth is k x the inter-node figure, at most the
+    intra-node one (docs/search.md)."""
+    if span <= profile.gpus_per_node:
+        return profile.intra_node_gbps * GB
+    nodes = -(-span // profile.gpus_per_node)
+    per_node = max(1, size // nodes)
+    return min(profile.intra_node_gbps, per_node * profile.inter_node_gbps) * GB
+
+
 def _ring(size: int) -> float:
     return (size - 1) / size if size > 1 else 0.0
 
@@ -186,7 +199,7 @@ def _tp_layer_seconds(m: ModelConfig, lay: Layout, checkpointing: str, activatio
     parallelism the row-parallel layers' output-gradient all-gathers (u in all) come first."""
     if lay.tp == 1:
         return 0.0
-    unit = 2 * _ring(lay.tp) * activation / _bandwidth(lay.tp, profile)
+    unit = 2 * _ring(lay.tp) * activation / ring_bandwidth(lay.tp, lay.tp, profile)
     exposed = (4 if checkpointing == "full" else 2) * unit + (unit if lay.sequence_parallel else 0.0)
     q_width, kv_width = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
     ffn = m.ffn_hidden_size if m.moe is None else m.moe.top_k * m.moe.ffn_hidden_size
@@ -286,7 +299,7 @@ def _dp_comm(resolved: Resolved, worst, profile: ClusterProfile, grad_bytes: int
                             (worst.expert, lay.edp, lay.world_size // lay.pp)):
         if psi == 0 or size == 1:
             continue
-        unit = grad_bytes * psi * _ring(size) / _bandwidth(span, profile)
+        unit = grad_bytes * psi * _ring(size) / ring_bandwidth(size, span, profile)
         slots += per_microbatch * unit
         once += per_step * unit
         if lay.pp > 1 and per_microbatch:

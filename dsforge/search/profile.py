@@ -31,7 +31,7 @@ from dsforge.problems import Checks, Problem, RecipeError, did_you_mean
 from dsforge.recipe.loader import build_dataclass, read_yaml
 
 DEFAULT_MEMORY_HEADROOM = HEADROOM
-PREDICTION_ERROR = 0.127
+PREDICTION_ERROR = 0.108
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -198,10 +198,23 @@ def test_tensor_parallel_across_nodes_is_slower():
     slow_nodes = dataclasses.replace(profile, gpus_per_node=4)  # the same tp 8 now spans 2 nodes
     across = step_time(_layout(_base(), 16, tp=8, global_batch=16).resolved, slow_nodes).tp_comm
     # Inside the node the backward all-reduces hide behind the weight-gradient GEMMs and only
-    # the two forward ones per layer count; across nodes the forward ones take 9 x longer and
-    # the backward ones outgrow their GEMMs, partly exposed.
-    ratio = profile.intra_node_gbps / profile.inter_node_gbps
+    # the two forward ones per layer count; across nodes the ring runs over the 4 NICs of the
+    # group's 4 ranks in each node (rails: 4 x 40 GB/s against 360), so the forward ones take
+    # 2.25 x longer and the backward ones outgrow their GEMMs, partly exposed.
+    ratio = profile.intra_node_gbps / (4 * profile.inter_node_gbps)
     assert inside * ratio < across < 2 * inside * ratio
+
+
+def test_a_ring_across_nodes_drives_one_nic_per_rank_of_its_group_in_each_node():
+    from dsforge.search.cost import ring_bandwidth
+
+    profile = default_profile("h100")  # 8 a node, 360 GB/s inside, 40 GB/s a NIC
+    assert ring_bandwidth(8, 8, profile) == 360e9  # one node
+    assert ring_bandwidth(16, 16, profile) == 320e9  # 8 ranks a node: 8 NICs, under NVLink's 360
+    assert ring_bandwidth(8, 64, profile) == 40e9  # dp 8 over tp 8: one rank, one NIC a node
+    assert ring_bandwidth(16, 32, profile) == 160e9  # tp 2: 4 ranks of the group a node
+    wide = dataclasses.replace(profile, inter_node_gbps=50.0)
+    assert ring_bandwidth(64, 64, wide) == 360e9  # 8 x 50 would exceed the node's own
 
 
 def test_reasons_name_the_difference():
