@@ -28,9 +28,9 @@ the points determine it (search/floor_fit.py searches them; the linear terms are
 each).
 
 The refitted profile: compute_efficiency / a (and a measured attention_efficiency / a: the
-compute term holds the attention), microbatch_layer_s = f, zero3_gather_layer_s =
-g (or the floors, host_layer_s and host_layer_zero3_s), the optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With
-3 or more points each is predicted from a refit without it (leave-one-out); the median of
+compute term holds the attention), microbatch_layer_s = f, zero3_gather_layer_s = g (or the
+floors, host_layer_s and host_layer_zero3_s), the optimizer's fixed cost and bytes x b, the
+bandwidths / c and the p2p latency x c. With 3 or more points each is predicted from a refit without it (leave-one-out); the median of
 those errors becomes the profile's prediction_error, the band `dsforge plan --search` draws
 and breaks ties with. Fewer points keep the band it had.
 """
@@ -45,7 +45,7 @@ import numpy as np
 
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.recipe.resolve import Resolved
-from dsforge.search.cost import forward_share, gather_count, microbatch_layers, step_time
+from dsforge.search.cost import forward_pass, gather_count, microbatch_layers, step_time
 from dsforge.search.floor_fit import Waits, fit_floors
 from dsforge.search.profile import ClusterProfile
 
@@ -164,14 +164,13 @@ def host_waits(points: list[Point], profile: ClusterProfile) -> Waits:
     """What cost.host_wait reads, for every point (floor_fit.Waits), under `profile`."""
     zero3, layers, pass_s = [], [], []
     for p in points:
-        resolved, lay, t = p.resolved, p.resolved.layout, p.resolved.recipe.train
+        lay = p.resolved.layout
         bubble = bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
-        compute = features(resolved, profile)["compute"] / (1 + bubble)
-        count = microbatch_layers(resolved)
-        share = forward_share(resolved.recipe.model, t.seq_len, t.activation_checkpointing)
-        zero3.append(resolved.recipe.zero.stage == 3)
-        layers.append(count * (1 + bubble))
-        pass_s.append(compute * share / count)
+        count, seconds = forward_pass(p.resolved, features(p.resolved, profile)["compute"]
+                                      / (1 + bubble))
+        zero3.append(p.resolved.recipe.zero.stage == 3)
+        layers.append(count * (1 + bubble))  # the wait fills and drains with the pipeline
+        pass_s.append(seconds)
     return Waits(np.array(zero3), np.array(layers), np.array(pass_s),
                  np.array([p.measured_s for p in points]))
 

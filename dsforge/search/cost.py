@@ -149,10 +149,17 @@ def host_wait(resolved: Resolved, floor_s: float, compute: float) -> float:
     of the floor. The device's time of that pass is its share of the FLOPs of `compute`."""
     if floor_s <= 0:
         return 0.0
+    layers, pass_s = forward_pass(resolved, compute)
+    return layers * max(0.0, floor_s - pass_s)
+
+
+def forward_pass(resolved: Resolved, compute: float) -> tuple[float, float]:
+    """(the busiest rank's microbatch-layers, the device's seconds of one layer's grad-enabled
+    forward): that pass's share of the FLOPs of `compute` (a step's), per microbatch-layer."""
     layers = microbatch_layers(resolved)
     t = resolved.recipe.train
     share = forward_share(resolved.recipe.model, t.seq_len, t.activation_checkpointing)
-    return layers * max(0.0, floor_s - compute * share / layers)
+    return layers, compute * share / layers
 
 
 @functools.lru_cache(maxsize=1024)

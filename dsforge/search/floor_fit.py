@@ -3,10 +3,10 @@ docs/search.md "Calibration").
 
 A floor is not a linear term: a layer's grad-enabled forward costs max(floor, the device's
 time of it), and the device's time scales with the compute's coefficient a. So the floors are
-searched on a grid (0.1 ms steps up to 30 ms, both floors at once; then 0.01 ms steps
-around the best), and at each the linear
-terms are solved by least squares, a few times over, each from the last solve's a. Every grid
-point is solved at once: the terms' matrix is the same for all, only the target moves.
+searched on a grid (0.1 ms steps up to 30 ms, both floors at once, then 0.01 ms steps around
+the best), and at each grid point the linear terms are solved by least squares, a few times
+over, each from the last solve's a. Every grid point is solved at once: the terms' matrix is
+the same for all, only the target moves.
 
 A floor joins the fit only where the runs determine it (calibrate.py ranks its feature, the
 microbatch-layers of the runs at its ZeRO stage, with the terms'). Where it binds in none of
