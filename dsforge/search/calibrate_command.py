@@ -280,7 +280,7 @@ def _side_figures(resolved: Resolved, on, reps: int) -> tuple[dict, float]:
 
 
 def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, attention: dict,
-            bandwidth: float, floors: dict[int, dict]) -> list[str]:
+            bandwidth: float, floors: dict[int, dict] | str) -> list[str]:
     """What was measured, for the terminal and the profile's comments."""
     [(backend, timed)] = attention["backends"].items()
     attention_text = (f"{timed['tflops_full_matrix']:.3g} TFLOP/s (full-matrix count): "

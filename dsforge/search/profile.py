@@ -94,8 +94,9 @@ class ClusterProfile:
     # where the host is the device and the fixed cost above adds instead).
     host_layer_s: float = 0.0
     host_layer_zero3_s: float = 0.0
-    # Where the coefficients were measured ("" = nowhere: the GPU's defaults and the
-    # published comparison's band) and from how many runs (calibrate.py writes both).
+    # Where the coefficients were measured ("" = nowhere: the defaults of a GPU the kit never
+    # ran, and the published comparison's band) and from how many runs (calibrate.py writes
+    # both; the H200's and H100's defaults name the GPU kit's runs).
     measured_on: str = ""
     measured_runs: int = 0
 
