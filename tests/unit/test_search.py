@@ -598,3 +598,16 @@ def test_the_16_bit_optimizer_step_is_the_measured_one(tmp_path):
     assert halved == pytest.approx((step_time(seven_b, h200).optimizer - 0.008) / 2)
     fp32 = resolve_file(REPO / "recipes" / "7b_1gpu.yaml", ["train.precision=fp32"])
     assert step_time(fp32, h200).optimizer == pytest.approx(0.008 + 35 * 6.738e9 / 4.8e12, rel=1e-3)
+
+
+def test_the_explorers_time_bars_draw_every_step_time_term():
+    """The page's stacked step-time bars add up to the total only if they draw every term."""
+    import re
+    from dataclasses import fields
+    from pathlib import Path
+
+    from dsforge.search.cost import StepTime
+
+    page = (Path(__file__).resolve().parents[2] / "dsforge" / "search" / "explorer.html").read_text()
+    parts = re.search(r"const TIME_PARTS = \[(.*?)\];", page, re.DOTALL).group(1)
+    assert set(re.findall(r'\["(\w+)", "#', parts)) == {f.name for f in fields(StepTime)}
