@@ -45,11 +45,16 @@ import numpy as np
 
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.recipe.resolve import Resolved
-from dsforge.search.cost import forward_pass, gather_count, microbatch_layers, step_time
+from dsforge.search.cost import (forward_pass, gather_count, microbatch_layers, other_units,
+                                 step_time)
 from dsforge.search.floor_fit import Waits, fit_floors
 from dsforge.search.profile import ClusterProfile
 
-TERMS = ("compute", "fixed", "gathers", "optimizer", "communication")  # the order they are fitted
+# The order they are fitted. `other` comes after the fixed costs: within one model it differs
+# from compute only by the GEMMs' saturation, so it needs runs of different widths.
+TERMS = ("compute", "fixed", "gathers", "other", "optimizer", "communication")
+DEVICE_TERMS = ("compute", "other")  # the device's work in a layer's forward (the host floor's)
+DISTINCT = 0.05  # the share of a term's feature the terms before it must leave unexplained
 FLOOR_REPLACES = ("fixed", "gathers")  # on a GPU the host's cost is a floor, not an addition
 FLOOR_NAMES = ("host", "host_zero3")  # the floors' coefficients: ZeRO 0-2's and ZeRO-3's seconds
 LEAVE_ONE_OUT_MIN = 3  # points needed for a band from leave-one-out residuals
@@ -90,7 +95,8 @@ def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
     """The prediction's terms under `profile` without its fixed costs and host floors; `fixed`
     counts the microbatch-layers (seconds come from the coefficient)."""
     unfixed = dataclasses.replace(profile, microbatch_layer_s=0.0, zero3_gather_layer_s=0.0,
-                                  host_layer_s=0.0, host_layer_zero3_s=0.0)
+                                  host_layer_s=0.0, host_layer_zero3_s=0.0,
+                                  other_s_per_token_hidden=0.0)
     t = step_time(resolved, unfixed)
     lay = resolved.layout
     bubble = bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
@@ -101,19 +107,24 @@ def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
     return {"compute": t.compute * (1 + bubble),
             "fixed": microbatch_layers(resolved) * (1 + bubble),
             "gathers": gather_count(resolved) * (1 + bubble),
+            "other": other_units(resolved) * (1 + bubble),
             "optimizer": t.optimizer, "communication": communication}
 
 
-def fit(points: list[Point], profile: ClusterProfile, host_floors: bool = False) -> dict[str, float]:
+def fit(points: list[Point], profile: ClusterProfile, host_floors: bool = False,
+        keep: tuple[str, ...] = ()) -> dict[str, float]:
     """Coefficients of the terms the points determine (docstring above); the rest keep 1
-    (fixed, gathers and the floors: the profile's seconds). With `host_floors` (the points ran
-    on a GPU) the floors are fitted and replace the fixed and gather costs; without, the
-    floors are 0 (a CPU's host costs add to its compute)."""
+    (fixed, gathers, other and the floors: the profile's seconds). With `host_floors` (the
+    points ran on a GPU) the floors are fitted and replace the fixed and gather costs; without,
+    the floors are 0 (a CPU's host costs add to its compute). The terms in `keep` are not
+    fitted (the profile's coefficient stays)."""
     rows = [features(p.resolved, profile) for p in points]
     relative = np.array([[r[t] / p.measured_s for t in TERMS] for r, p in zip(rows, points)])
     coefficients = {"compute": 1.0, "fixed": profile.microbatch_layer_s,
-                    "gathers": profile.zero3_gather_layer_s, "optimizer": 1.0, "communication": 1.0,
-                    "host": profile.host_layer_s, "host_zero3": profile.host_layer_zero3_s}
+                    "gathers": profile.zero3_gather_layer_s,
+                    "other": profile.other_s_per_token_hidden, "optimizer": 1.0,
+                    "communication": 1.0, "host": profile.host_layer_s,
+                    "host_zero3": profile.host_layer_zero3_s}
     columns = {t: relative[:, i] for i, t in enumerate(TERMS)}
     order = list(TERMS)
     if host_floors:
@@ -129,7 +140,7 @@ def fit(points: list[Point], profile: ClusterProfile, host_floors: bool = False)
     if measured_optimizer is not None:  # the breakdowns time the optimizer step itself
         coefficients["optimizer"] = measured_optimizer
         order.remove("optimizer")
-    chosen = _determined(columns, order)
+    chosen = _determined(columns, [t for t in order if t not in keep])
     floors = [name for name in chosen if name in FLOOR_NAMES]
     chosen = [name for name in chosen if name not in FLOOR_NAMES]
     if floors:
@@ -139,7 +150,7 @@ def fit(points: list[Point], profile: ClusterProfile, host_floors: bool = False)
     return {**coefficients, **_solve(relative, coefficients, chosen, 0.0)}
 
 
-def _fit_with_floors(waits: Waits, profile: ClusterProfile, relative: np.ndarray,
+def _fit_with_floors(waits: HostWaits, profile: ClusterProfile, relative: np.ndarray,
                      coefficients: dict[str, float], chosen: list[str],
                      floors: list[str]) -> dict[str, float] | None:
     """The chosen terms and the floors (search/floor_fit.py); a term whose coefficient would
@@ -150,7 +161,9 @@ def _fit_with_floors(waits: Waits, profile: ClusterProfile, relative: np.ndarray
     while chosen and chosen[0] == "compute":
         kept = sum(coefficients[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen)
         x = relative[:, [TERMS.index(t) for t in chosen]]
-        found = fit_floors(x, 1.0 - kept, waits, fitted, kept_floors, profile.compute_efficiency)
+        start = np.array([coefficients[t] for t in chosen])
+        found = fit_floors(x, 1.0 - kept, waits.for_terms(chosen, coefficients), fitted,
+                           kept_floors, start, profile.compute_efficiency)
         if found.solution is not None:
             return {**coefficients, **dict(zip(chosen, (float(v) for v in found.solution))),
                     "host": found.host, "host_zero3": found.host_zero3}
@@ -160,30 +173,61 @@ def _fit_with_floors(waits: Waits, profile: ClusterProfile, relative: np.ndarray
     return None
 
 
-def host_waits(points: list[Point], profile: ClusterProfile) -> Waits:
-    """What cost.host_wait reads, for every point (floor_fit.Waits), under `profile`."""
-    zero3, layers, pass_s = [], [], []
+@dataclass(frozen=True)
+class HostWaits:
+    """What cost.host_wait reads, for every point, under the profile: whether it ran at ZeRO-3,
+    its microbatch-layers (with the bubble's share: the wait fills and drains with the
+    pipeline), and the device's seconds of one layer's grad-enabled forward per unit
+    coefficient of each of the device's terms (DEVICE_TERMS)."""
+
+    zero3: np.ndarray
+    layers: np.ndarray
+    pass_per_unit: dict[str, np.ndarray]
+    measured_s: np.ndarray
+
+    def for_terms(self, chosen: list[str], coefficients: dict[str, float]) -> Waits:
+        """floor_fit.Waits for these fitted terms; the device's terms not among them at their
+        coefficients."""
+        zero = np.zeros_like(self.measured_s)
+        per_term = np.column_stack([self.pass_per_unit.get(t, zero) for t in chosen])
+        kept = sum((coefficients[t] * self.pass_per_unit[t] for t in DEVICE_TERMS
+                    if t not in chosen), zero)
+        return Waits(self.zero3, self.layers, per_term, kept, self.measured_s)
+
+
+def host_waits(points: list[Point], profile: ClusterProfile) -> HostWaits:
+    zero3, layers, per_unit = [], [], {t: [] for t in DEVICE_TERMS}
     for p in points:
         lay = p.resolved.layout
         bubble = bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
-        count, seconds = forward_pass(p.resolved, features(p.resolved, profile)["compute"]
-                                      / (1 + bubble))
+        row = features(p.resolved, profile)
+        for term in DEVICE_TERMS:
+            count, seconds = forward_pass(p.resolved, row[term] / (1 + bubble))
+            per_unit[term].append(seconds)
         zero3.append(p.resolved.recipe.zero.stage == 3)
-        layers.append(count * (1 + bubble))  # the wait fills and drains with the pipeline
-        pass_s.append(seconds)
-    return Waits(np.array(zero3), np.array(layers), np.array(pass_s),
-                 np.array([p.measured_s for p in points]))
+        layers.append(count * (1 + bubble))
+    return HostWaits(np.array(zero3), np.array(layers),
+                     {t: np.array(v) for t, v in per_unit.items()},
+                     np.array([p.measured_s for p in points]))
 
 
 def _determined(columns: dict[str, np.ndarray], order: list[str]) -> list[str]:
-    """The terms of `order`, in order, each only if it raises the rank of the points'
-    features: layouts that differ only where the model sees no difference determine one term,
-    however many they are."""
+    """The terms of `order`, in order, each only if the points tell it apart from the terms
+    before it: at least DISTINCT of its feature (over the points) lies outside what theirs
+    can make. Layouts that differ only where the model sees no difference determine one term,
+    however many they are, and a term the points barely tell apart (its least-squares
+    coefficient would swing with the noise of a run) waits for points that do."""
     chosen: list[str] = []
-    tolerance = 1e-9 * max(np.abs(c).max() for c in columns.values())
     for term in order:
-        matrix = np.column_stack([columns[t] for t in chosen + [term]])
-        if np.linalg.matrix_rank(matrix, tol=tolerance) == len(chosen) + 1:
+        column = columns[term]
+        norm = np.linalg.norm(column)
+        if norm == 0:
+            continue
+        if chosen:
+            basis = np.column_stack([columns[t] for t in chosen])
+            fitted, *_ = np.linalg.lstsq(basis, column, rcond=None)
+            column = column - basis @ fitted
+        if np.linalg.norm(column) >= DISTINCT * norm:
             chosen.append(term)
     return chosen
 
@@ -233,6 +277,7 @@ def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterPro
         profile, compute_efficiency=min(1.0, profile.compute_efficiency / a),
         attention_efficiency=attention,
         microbatch_layer_s=coefficients["fixed"], zero3_gather_layer_s=coefficients["gathers"],
+        other_s_per_token_hidden=coefficients.get("other", profile.other_s_per_token_hidden),
         host_layer_s=coefficients.get("host", profile.host_layer_s),
         host_layer_zero3_s=coefficients.get("host_zero3", profile.host_layer_zero3_s),
         optimizer_bytes_per_param=profile.optimizer_bytes_per_param * b,

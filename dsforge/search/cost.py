@@ -27,6 +27,10 @@ _GEMM_KNEE = 256.0
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
     compute: float
+    # The work outside the GEMMs and attention (norms, SwiGLU, rotary, residuals, the loss's
+    # share), per token, layer and hidden unit (0 until measured: the default profiles'
+    # efficiencies absorb it).
+    other: float = 0.0
     tp_comm: float
     ep_comm: float
     bubble: float
@@ -42,7 +46,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_comm + self.ep_comm + self.cp_comm + self.bubble
+        return (self.compute + self.other + self.tp_comm + self.ep_comm + self.cp_comm + self.bubble
                 + self.pp_comm + self.dp_comm + self.optimizer + self.fixed + self.gathers
                 + self.host)
 
@@ -93,6 +97,7 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
                       else profile.gpu.peak_bf16_flops * profile.attention_efficiency)
     compute = (lay.grad_accum * microbatch_tokens / lay.tp
                * (dense / flop_rate + attention / attention_rate))
+    other = other_units(resolved) * profile.other_s_per_token_hidden
 
     activation = microbatch_tokens * m.hidden_size * half
     tp_comm = lay.grad_accum * m.num_layers / lay.pp * _tp_layer_seconds(
@@ -118,13 +123,13 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
     # and under ZeRO-3 each of their fetches (docs/search.md).
     fixed = microbatch_layers(resolved) * profile.microbatch_layer_s
     gathers = gather_count(resolved) * profile.zero3_gather_layer_s
-    host = host_wait(resolved, host_floor_s(resolved, profile), compute)
+    host = host_wait(resolved, host_floor_s(resolved, profile), compute + other)
     # Every slot of the pipeline carries its sends and fixed costs too (blocking p2p), so they
     # fill and drain with the compute.
     bubble = (bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
-              * (compute + tp_comm + ep_comm + cp_comm + dp_in_slots + pp_comm + fixed + gathers
-                 + host))
-    return StepTime(compute=compute, tp_comm=tp_comm, ep_comm=ep_comm, cp_comm=cp_comm,
+              * (compute + other + tp_comm + ep_comm + cp_comm + dp_in_slots + pp_comm + fixed
+                 + gathers + host))
+    return StepTime(compute=compute, other=other, tp_comm=tp_comm, ep_comm=ep_comm, cp_comm=cp_comm,
                     bubble=bubble,
                     pp_comm=pp_comm, dp_comm=dp_comm,
                     optimizer=_optimizer_seconds(resolved, worst, profile), fixed=fixed,
@@ -137,6 +142,23 @@ def microbatch_layers(resolved: Resolved) -> float:
     return lay.grad_accum * resolved.recipe.model.num_layers / lay.pp
 
 
+def other_units(resolved: Resolved) -> float:
+    """Tokens x hidden units x layers a step of the busiest rank works through outside the
+    GEMMs and attention (docs/search.md, "other"): each microbatch's tokens (a context-parallel
+    rank's shard) over the rank's layers, the hidden width split by tp, and the forward again
+    where recomputation repeats it (the FLOPs' hardware / model ratio)."""
+    lay, m, t = resolved.layout, resolved.recipe.model, resolved.recipe.train
+    tokens = lay.micro_batch * t.seq_len / lay.cp
+    return (microbatch_layers(resolved) * tokens * m.hidden_size / lay.tp
+            * _recompute_factor(m, t.seq_len, t.activation_checkpointing))
+
+
+@functools.lru_cache(maxsize=1024)
+def _recompute_factor(m: ModelConfig, seq_len: int, checkpointing: str) -> float:
+    flops = flops_per_token(m, seq_len, checkpointing)
+    return flops.hardware / flops.model
+
+
 def host_floor_s(resolved: Resolved, profile: ClusterProfile) -> float:
     """The profile's floor under a layer's grad-enabled forward at the recipe's ZeRO stage."""
     return profile.host_layer_zero3_s if resolved.recipe.zero.stage == 3 else profile.host_layer_s
@@ -146,7 +168,8 @@ def host_wait(resolved: Resolved, floor_s: float, compute: float) -> float:
     """Seconds a step waits for the host (docs/search.md, "host"): for every microbatch and
     layer of the busiest rank, what its grad-enabled forward (the forward; under full
     checkpointing the recompute, while the first forward runs without autograd) falls short
-    of the floor. The device's time of that pass is its share of the FLOPs of `compute`."""
+    of the floor. The device's time of that pass is its share of `compute` (the device's
+    seconds of a step's layers: the compute and other rows)."""
     if floor_s <= 0:
         return 0.0
     layers, pass_s = forward_pass(resolved, compute)

@@ -47,6 +47,12 @@ class ClusterProfile:
     # assumes. `dsforge calibrate` measures it (an H200 at 4,096 tokens: 0.66, while its GEMMs
     # reached 0.77 there).
     attention_efficiency: float | None = None
+    # The work outside the GEMMs and attention (norms, SwiGLU, rotary, residuals, the loss's
+    # share), in seconds per token, layer and hidden unit (cost.py `other`). 0: the efficiency
+    # above absorbs it, as in every default profile. --measure's refit fits it where runs of
+    # different widths tell it from the GEMMs: the GPU kit's H200 runs (hidden 2,048 to 4,096)
+    # give 1.27e-10 s beside a compute_efficiency of 0.813 (benchmarks/search/kit_phases.md).
+    other_s_per_token_hidden: float = 0.0
     # Tokens of a microbatch at which its GEMMs reach half their full rate (cost.py
     # gemm_saturation): 256 for a GPU; `dsforge calibrate` measures it (a CPU's is near 0).
     gemm_knee_tokens: float = 256.0
@@ -161,6 +167,7 @@ class ProfileFile:
     inter_node_gbps: float | None = None
     compute_efficiency: float | None = None
     attention_efficiency: float | None = None
+    other_s_per_token_hidden: float | None = None
     gemm_knee_tokens: float | None = None
     memory_margin: float | None = None
     prediction_error: float | None = None
@@ -194,6 +201,7 @@ _RANGES = {
     "inter_node_gbps": (lambda v: v > 0, "> 0"),
     "compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),  # a share of the peak
     "attention_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "other_s_per_token_hidden": (lambda v: v >= 0, ">= 0"),
     "gemm_knee_tokens": (lambda v: v >= 0, ">= 0"),
     "memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),  # 1 would leave no memory
     "prediction_error": (lambda v: 0 <= v < 1, "in [0, 1)"),  # a band reaching 0 s means nothing

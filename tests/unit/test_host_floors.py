@@ -104,12 +104,14 @@ def test_no_floor_may_run_the_gemms_faster_than_the_peak():
     """Two points a floor alone could explain (compute scale 0.5): refused where the profile's
     efficiency of 0.8 would go above 1; the fit keeps the scale at or above it."""
     waits = Waits(zero3=np.array([False, False]), layers=np.array([10.0, 20.0]),
-                  pass_s=np.array([0.001, 0.001]), measured_s=np.array([1.0, 1.0]))
+                  pass_per_term=np.array([[0.001], [0.001]]), pass_kept=np.zeros(2),
+                  measured_s=np.array([1.0, 1.0]))
     x = np.array([[1.0], [0.5]])  # compute's share of each measured step at scale 1
-    target = 0.5 * x[:, 0] + waits.relative(np.array([0.02]), np.array([0.0]), np.array([0.5]))[:, 0]
-    free = fit_floors(x, target, waits, (True, False), (0.0, 0.0), min_compute=0.0)
+    target = 0.5 * x[:, 0] + waits.relative(np.array([0.02]), np.array([0.0]),
+                                            np.array([[0.5]]))[:, 0]
+    free = fit_floors(x, target, waits, (True, False), (0.0, 0.0), np.ones(1), min_compute=0.0)
     assert free.solution[0] == pytest.approx(0.5, rel=1e-6) and free.host == pytest.approx(0.02)
-    bound = fit_floors(x, target, waits, (True, False), (0.0, 0.0), min_compute=0.8)
+    bound = fit_floors(x, target, waits, (True, False), (0.0, 0.0), np.ones(1), min_compute=0.8)
     assert bound.solution is None or bound.solution[0] >= 0.8
 
 

@@ -42,19 +42,20 @@ def test_the_refit_leaves_each_dense_run_out_and_the_moe_out_of_the_fit(kit_phas
 
 def test_the_shipped_host_floors_are_the_refit_of_the_kits_runs(kit_phases):
     """dsforge/search/profile.py's floors for the H200 and the H100 are what --measure's refit
-    gives the kit's dense runs of that GPU (to 0.01 ms), with the compute's scale within 1% of
-    the default's, so the shipped efficiencies stand beside them."""
+    gives the kit's dense runs of that GPU in the default profile's form (one compute
+    efficiency, no `other` term) to 0.01 ms, with the compute's scale within 1% of the
+    default's, so the shipped efficiencies stand beside them."""
     from dsforge.hardware import gpu_for_device_name
     from dsforge.search.profile import default_profile
 
     runs = kit_phases.kit_runs()
     for device in {r.device for r in runs}:
-        calibration = kit_phases.calibration([r for r in runs if r.device == device])
+        c = kit_phases.default_form_fit([r for r in runs if r.device == device])
         shipped = default_profile(gpu_for_device_name(device).key)
-        c = calibration.coefficients
         assert c["host"] == pytest.approx(shipped.host_layer_s, abs=1e-5)
         assert c["host_zero3"] == pytest.approx(shipped.host_layer_zero3_s, abs=1e-5)
         assert c["compute"] == pytest.approx(1.0, abs=0.01)
-        assert shipped.measured_on.startswith(f"the GPU kit's {len(calibration.rows)} dense runs "
+        dense = kit_phases.dense_points([r for r in runs if r.device == device])
+        assert shipped.measured_on.startswith(f"the GPU kit's {len(dense)} dense runs "
                                               f"on one {device}")
     assert default_profile("a100").measured_on == ""  # never measured: the search says so
