@@ -319,15 +319,16 @@ def _floor_lines(floors: dict[int, dict] | str, profile: ClusterProfile) -> list
         return (f"ZeRO-{stage} {floors[stage]['per_layer_s'] * 1e3:.3g} ms a layer (" + ", ".join(
             f"{n} layer{'s' if n > 1 else ''} {t * 1e3:.3g} ms" for n, t in seconds.items()) + ")")
 
-    band = f"the band (+-{profile.prediction_error:.1%} kept)"
+    band = ("the work outside the GEMMs and attention (other_s_per_token_hidden, fitted from "
+            f"runs of different widths) and the band (+-{profile.prediction_error:.1%} kept)")
     if isinstance(floors, str):
         return [f"the host floors: not measured ({floors}); kept: {profile.host_layer_s * 1e3:.3g} "
                 f"ms and {profile.host_layer_zero3_s * 1e3:.3g} ms at ZeRO-3",
-                f"not measured here: {band}: dsforge plan --search --measure refits it"]
+                f"not measured here: {band}: dsforge plan --search --measure refits them"]
     lines = [f"the forward at {HOST_SEQ_LEN} tokens: {per_layer(0)}, {per_layer(3)}"]
     if profile.host_layer_s or profile.host_layer_zero3_s:
         lines[0] += ": host_layer_s and host_layer_zero3_s, the floors under each layer's forward"
-        return lines + [f"not measured here: {band}: dsforge plan --search --measure refits it"]
+        return lines + [f"not measured here: {band}: dsforge plan --search --measure refits them"]
     lines[0] += ": on a CPU the host is the device, so these add to the compute (no floors)"
-    return lines + [f"not measured here: the fixed cost per microbatch, ZeRO-3's gathers and {band}: "
+    return lines + [f"not measured here: the fixed cost per microbatch, ZeRO-3's gathers, {band}: "
                     "dsforge plan --search --measure refits them"]
