@@ -235,13 +235,13 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
     # Issue 23: a profile measured on the kit's GPU at the 7B's shapes (its GEMMs at three
     # sizes, DeepSpeed's optimizer step at two), the basis of a shipped H100/H200 profile.
     Measurement(name="calibrate", script="calibrate", timeout_s=300,
-                estimate=Estimate(52, f"{KIT3}: the GEMMs at three sizes, two optimizer "
-                                      "engines (32 s); guess: 20 s more for the host floors' "
-                                      "four small engines"),
+                estimate=Estimate(65, f"{KIT3}: the GEMMs at three sizes, two optimizer "
+                                      "engines (32 s); guess: 33 s more for the six small "
+                                      "engines of the layer timing (floors and the layer's work)"),
                 about="dsforge calibrate recipes/7b_1gpu.yaml on the kit's GPU: the GEMMs' rate "
                       "and knee, the optimizer step's fixed cost and bytes a parameter, "
-                      "attention, memory bandwidth, the host floors at ZeRO-0 and ZeRO-3, as a "
-                      "--profile file"),
+                      "attention, memory bandwidth, the host floors at ZeRO-0 and ZeRO-3 and the "
+                      "layer's work outside its GEMMs, as a --profile file"),
     Measurement(name="7b-levers", about="the 7B: the shipped layout at global batch 16; full "
                                         "checkpointing at mb 2 and selective at mb 1, at 8 "
                                         "sequences (H200); with the optimizer offloaded (H100)",

@@ -374,7 +374,7 @@ def _render_profile(result: dict) -> str:
         return ""
     fields = ("compute_efficiency", "attention_efficiency", "gemm_knee_tokens",
               "optimizer_bytes_per_param", "optimizer_bytes_per_param_fp32", "optimizer_fixed_s",
-              "host_layer_s", "host_layer_zero3_s")
+              "host_layer_s", "host_layer_zero3_s", "other_s_per_token_hidden")
     lines = ["| field | measured |", "|---|---:|"] + [f"| {f} | {_num(p.get(f), '.4g')} |"
                                                      for f in fields]
     return (f"### The profile dsforge calibrate measured ({p['measured_on']}, "

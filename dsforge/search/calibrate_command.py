@@ -34,6 +34,7 @@ from dsforge.files import write_atomic
 from dsforge.hardware import gpu_for_device_name
 from dsforge.problems import EXIT_INVALID
 from dsforge.recipe.resolve import Resolved
+from dsforge.search.calibrate_layers import layer_fields, layer_lines, measure_layers
 from dsforge.search.cost import gemm_saturation
 from dsforge.search.kernel_timing import device_name, measured_on
 from dsforge.search.profile import ClusterProfile, default_profile, profile_text, provenance_lines
@@ -57,15 +58,15 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
     gemms = gemm_rate(resolved, on, reps)
     optimizer = optimizer_cost(resolved, on, reps)
     attention, bandwidth = _side_figures(resolved, on, reps)
-    floors = host_floor_cost(resolved, on, reps)  # last: on a CPU it installs the CPU backend
+    layers = measure_layers(resolved, on, reps)  # last: on a CPU it installs the CPU backend
     profile = dataclasses.replace(profile, gemm_knee_tokens=gemms["knee"])
     measured = dataclasses.replace(
         profile, compute_efficiency=min(1.0, gemms["rate"] / _modelled_rate(resolved, profile, 1.0)),
         attention_efficiency=attention_efficiency(attention, profile),
         measured_on=measured_on(on),
         measured_runs=0, **optimizer_fields(resolved, profile, optimizer),
-        **floor_fields(floors, on.type))
-    lines = _report(resolved, measured, gemms, optimizer, attention, bandwidth, floors)
+        **layer_fields(layers, on.type, resolved, gemms["rate"], attention))
+    lines = _report(resolved, measured, gemms, optimizer, attention, bandwidth, layers, on.type)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, profile_text(measured, "\n".join(lines)))
     click.echo("\n".join(lines + [f"wrote {out}: use it with dsforge plan --search --profile {out}"]))
@@ -233,32 +234,6 @@ def optimizer_fields(resolved: Resolved, profile: ClusterProfile, optimizer: dic
     return {name: max(per_param, 1e-3), "optimizer_fixed_s": optimizer["fixed_s"]}
 
 
-def host_floor_cost(resolved: Resolved, on, reps: int) -> dict[int, dict] | str:
-    """The host's seconds a layer's forward, at ZeRO-0 and ZeRO-3 (search/host_timing.py), or
-    why they could not be measured: the figures before them still make a profile. Megatron's
-    import warnings (no Transformer Engine, no Apex) are not this command's lines."""
-    import warnings
-
-    from dsforge.search.host_timing import host_floors
-
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    try:
-        return host_floors(resolved, on, reps)
-    except Exception as exc:  # reported, and the profile keeps the GPU's defaults
-        return f"{type(exc).__name__}: {exc}"
-
-
-def floor_fields(floors: dict[int, dict] | str, device_type: str) -> dict:
-    """The profile's floors: measured on a GPU, whose host launches kernels beside it (the
-    GPU's defaults where they could not be); none on a CPU, where the host is the device and
-    its costs add (the refit fits those)."""
-    if device_type != "cuda":
-        return {"host_layer_s": 0.0, "host_layer_zero3_s": 0.0}
-    if isinstance(floors, str):
-        return {}
-    return {"host_layer_s": floors[0]["per_layer_s"], "host_layer_zero3_s": floors[3]["per_layer_s"]}
-
-
 def attention_efficiency(attention: dict, profile: ClusterProfile) -> float | None:
     """The measured attention's share of the peak, on the FLOPs dsforge counts for it (the
     full score matrix, as the cost model charges them); None where the backend had no kernel
@@ -280,7 +255,7 @@ def _side_figures(resolved: Resolved, on, reps: int) -> tuple[dict, float]:
 
 
 def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, attention: dict,
-            bandwidth: float, floors: dict[int, dict] | str) -> list[str]:
+            bandwidth: float, layers: dict | str, device_type: str) -> list[str]:
     """What was measured, for the terminal and the profile's comments."""
     [(backend, timed)] = attention["backends"].items()
     attention_text = (f"{timed['tflops_full_matrix']:.3g} TFLOP/s (full-matrix count): "
@@ -307,28 +282,10 @@ def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, att
               f"attention ({backend}), forward and backward: {attention_text}",
               f"memory bandwidth (a copy): {bandwidth / 1e9:.3g} GB/s; not a term of the cost "
               "model yet"]
-    lines += _floor_lines(floors, profile)
-    return lines
-
-
-def _floor_lines(floors: dict[int, dict] | str, profile: ClusterProfile) -> list[str]:
-    from dsforge.search.host_timing import HOST_SEQ_LEN
-
-    def per_layer(stage: int) -> str:
-        seconds = floors[stage]["forward_s"]
-        return (f"ZeRO-{stage} {floors[stage]['per_layer_s'] * 1e3:.3g} ms a layer (" + ", ".join(
-            f"{n} layer{'s' if n > 1 else ''} {t * 1e3:.3g} ms" for n, t in seconds.items()) + ")")
-
-    band = ("the work outside the GEMMs and attention (other_s_per_token_hidden, fitted from "
-            f"runs of different widths) and the band (+-{profile.prediction_error:.1%} kept)")
-    if isinstance(floors, str):
-        return [f"the host floors: not measured ({floors}); kept: {profile.host_layer_s * 1e3:.3g} "
-                f"ms and {profile.host_layer_zero3_s * 1e3:.3g} ms at ZeRO-3",
-                f"not measured here: {band}: dsforge plan --search --measure refits them"]
-    lines = [f"the forward at {HOST_SEQ_LEN} tokens: {per_layer(0)}, {per_layer(3)}"]
-    if profile.host_layer_s or profile.host_layer_zero3_s:
-        lines[0] += ": host_layer_s and host_layer_zero3_s, the floors under each layer's forward"
-        return lines + [f"not measured here: {band}: dsforge plan --search --measure refits them"]
-    lines[0] += ": on a CPU the host is the device, so these add to the compute (no floors)"
-    return lines + [f"not measured here: the fixed cost per microbatch, ZeRO-3's gathers, {band}: "
-                    "dsforge plan --search --measure refits them"]
+    on_gpu = device_type == "cuda"
+    lines += layer_lines(layers, profile, resolved, gemms["rate"], attention, on_gpu)
+    band = f"the band (+-{profile.prediction_error:.1%} kept)"
+    if on_gpu:
+        return lines + [f"not measured here: {band}: dsforge plan --search --measure refits it"]
+    return lines + [f"not measured here: the fixed cost per microbatch, ZeRO-3's gathers and "
+                    f"{band}: dsforge plan --search --measure refits them"]

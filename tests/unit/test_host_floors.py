@@ -116,9 +116,9 @@ def test_no_floor_may_run_the_gemms_faster_than_the_peak():
 
 
 def test_calibrate_times_the_floor_on_the_recipes_own_layers_at_few_tokens():
-    """search/host_timing.py: the recipe's model at 1 and 3 layers on one device, one
+    """search/layer_timing.py: the recipe's model at 1 and 3 layers on one device, one
     microbatch of a few tokens, at each ZeRO stage; MoE layers stay MoE."""
-    from dsforge.search.host_timing import HOST_SEQ_LEN, small_recipe
+    from dsforge.search.layer_timing import HOST_SEQ_LEN, small_recipe
 
     for path in ("recipes/70b_pp4.yaml", "recipes/moe_32gpu_tp4_ep2.yaml"):
         resolved = resolve_file(REPO / path)
@@ -133,15 +133,50 @@ def test_calibrate_times_the_floor_on_the_recipes_own_layers_at_few_tokens():
             assert (m.moe is None) == (resolved.recipe.model.moe is None)
 
 
-def test_the_measured_floors_go_into_a_gpus_profile_and_not_a_cpus():
-    from dsforge.search.calibrate_command import _floor_lines, floor_fields
+def _measured_layers(forward_per_layer_s: float = 0.010) -> dict:
+    """What search/layer_timing.py returns, made up: floors of 3 and 8 ms; a layer of the 1B
+    at 8,192 tokens taking 30 ms forward and backward."""
+    return {"floors": {0: {"forward_s": {1: 0.010, 3: 0.016}, "per_layer_s": 0.003},
+                       3: {"forward_s": {1: 0.020, 3: 0.036}, "per_layer_s": 0.008}},
+            "work": {"tokens": 8192, "forward_s": {}, "forward_backward_s": {},
+                     "forward_per_layer_s": forward_per_layer_s, "per_layer_s": 0.030}}
 
-    floors = {0: {"forward_s": {1: 0.010, 3: 0.016}, "per_layer_s": 0.003},
-              3: {"forward_s": {1: 0.020, 3: 0.036}, "per_layer_s": 0.008}}
-    assert floor_fields(floors, "cuda") == {"host_layer_s": 0.003, "host_layer_zero3_s": 0.008}
-    assert floor_fields(floors, "cpu") == {"host_layer_s": 0.0, "host_layer_zero3_s": 0.0}
-    assert floor_fields("RuntimeError: no room", "cuda") == {}  # the GPU's defaults stay
-    measured = dataclasses.replace(FLOORED, **floor_fields(floors, "cuda"))
-    assert "ZeRO-0 3 ms a layer (1 layer 10 ms, 3 layers 16 ms)" in _floor_lines(floors, measured)[0]
-    failed = _floor_lines("RuntimeError: no room", FLOORED)[0]
+
+ATTENTION = {"backends": {"auto": {"seconds": 0.004, "tflops_full_matrix": 300.0}}}
+
+
+def test_the_measured_floors_and_other_work_go_into_a_gpus_profile_and_not_a_cpus():
+    from dsforge.search.calibrate_layers import layer_fields, layer_lines, other_work
+    from dsforge.search.kernel_timing import model_gemms
+
+    resolved = _layout("train.micro_batch=2")
+    layers, rate = _measured_layers(), 600e12
+    gemm_s = 3 * sum(g.flops for g in model_gemms(resolved.recipe.model, 8192)
+                     if g.name != "logits") / rate
+    other = other_work(resolved, layers, rate, ATTENTION)
+    assert other["rest_s"] == pytest.approx(0.030 - gemm_s - 0.004)
+    assert other["per_token_hidden_s"] == pytest.approx(other["rest_s"] / (8192 * 2048))
+    fields = layer_fields(layers, "cuda", resolved, rate, ATTENTION)
+    assert fields == {"host_layer_s": 0.003, "host_layer_zero3_s": 0.008,
+                      "other_s_per_token_hidden": other["per_token_hidden_s"]}
+    assert layer_fields(layers, "cpu", resolved, rate, ATTENTION) == {
+        "host_layer_s": 0.0, "host_layer_zero3_s": 0.0, "other_s_per_token_hidden": 0.0}
+    assert layer_fields("RuntimeError: no room", "cuda", resolved, rate, ATTENTION) == {}
+    measured = dataclasses.replace(FLOORED, **fields)
+    lines = layer_lines(layers, measured, resolved, rate, ATTENTION, on_gpu=True)
+    assert "ZeRO-0 3 ms a layer (1 layer 10 ms, 3 layers 16 ms)" in lines[0]
+    assert "(other_s_per_token_hidden)" in lines[1]
+    failed = layer_lines("RuntimeError: no room", FLOORED, resolved, rate, ATTENTION, on_gpu=True)[0]
     assert "not measured (RuntimeError: no room)" in failed and "3 ms and 8 ms" in failed
+
+
+def test_the_other_work_is_not_measured_where_the_host_paces_the_layer_or_experts_run():
+    from dsforge.search.calibrate_layers import layer_fields, other_work
+
+    resolved = _layout("train.micro_batch=2")
+    host_bound = _measured_layers(forward_per_layer_s=0.004)  # within 1.5 x the 3 ms floor
+    assert "host-bound" in other_work(resolved, host_bound, 600e12, ATTENTION)
+    assert "other_s_per_token_hidden" not in layer_fields(host_bound, "cuda", resolved, 600e12,
+                                                          ATTENTION)
+    moe = resolve_file(REPO / "recipes" / "moe_1gpu.yaml")
+    assert "experts" in other_work(moe, _measured_layers(), 600e12, ATTENTION)

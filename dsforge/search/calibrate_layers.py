@@ -1,0 +1,103 @@
+"""`dsforge calibrate`'s figures from the recipe's own layers (search/layer_timing.py): the host
+floors and the work outside the GEMMs and attention, as profile fields and report lines.
+
+On a GPU the host launches kernels beside the device, so a layer's forward at a handful of
+tokens is the host's floor (`host_layer_s`, `host_layer_zero3_s`), and a layer's forward and
+backward at the recipe's shapes, less its GEMMs and attention, is the `other` row's work
+(`other_s_per_token_hidden`). On a CPU the host is the device: both are reported, and the
+profile keeps neither (the refit's additive costs stand for them there).
+"""
+
+from __future__ import annotations
+
+from dsforge.recipe.resolve import Resolved
+from dsforge.search.profile import ClusterProfile
+
+# A layer whose forward at the recipe's shapes takes less than this many times the host's
+# floor is launched as fast as the host can: its time is the host's, not the device's work.
+HOST_BOUND = 1.5
+
+
+def measure_layers(resolved: Resolved, on, reps: int) -> dict | str:
+    """{"floors": per ZeRO stage, "work": the layer at the recipe's shapes}, or why they could
+    not be measured: the figures before them still make a profile. Megatron's import warnings
+    (no Transformer Engine, no Apex) are not this command's lines."""
+    import warnings
+
+    from dsforge.search.layer_timing import host_floors, layer_work
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    try:
+        return {"floors": host_floors(resolved, on, reps), "work": layer_work(resolved, on, reps)}
+    except Exception as exc:  # reported, and the profile keeps the GPU's defaults
+        return f"{type(exc).__name__}: {exc}"
+
+
+def layer_fields(layers: dict | str, device_type: str, resolved: Resolved, gemm_rate: float,
+                 attention: dict) -> dict:
+    """The profile's floors and `other`: measured on a GPU (the GPU's defaults where they could
+    not be); on a CPU no floors and no `other` (0: the compute row and the refit's additive
+    costs stand for them)."""
+    if device_type != "cuda":
+        return {"host_layer_s": 0.0, "host_layer_zero3_s": 0.0, "other_s_per_token_hidden": 0.0}
+    if isinstance(layers, str):
+        return {}
+    floors = layers["floors"]
+    fields = {"host_layer_s": floors[0]["per_layer_s"], "host_layer_zero3_s": floors[3]["per_layer_s"]}
+    other = other_work(resolved, layers, gemm_rate, attention)
+    if isinstance(other, dict):
+        fields["other_s_per_token_hidden"] = other["per_token_hidden_s"]
+    return fields
+
+
+def other_work(resolved: Resolved, layers: dict, gemm_rate: float, attention: dict) -> dict | str:
+    """One layer's forward and backward at the recipe's shapes less its GEMMs (their FLOPs at
+    the measured rate) and its attention (timed alone), per token and hidden unit; or why it
+    is not measured: a model with experts (its expert loop is not the dense GEMMs), an
+    attention without a kernel here, or a layer the host's launching paces."""
+    from dsforge.search.kernel_timing import model_gemms
+
+    m, work = resolved.recipe.model, layers["work"]
+    if m.moe is not None:
+        return "the model has experts; its expert loop is not the dense GEMMs this subtracts"
+    [timed] = attention["backends"].values()
+    if "seconds" not in timed:
+        return "the attention had no kernel at these shapes"
+    floor = layers["floors"][0]["per_layer_s"]
+    if work["forward_per_layer_s"] < HOST_BOUND * floor:
+        return (f"the layer's forward ({work['forward_per_layer_s'] * 1e3:.3g} ms) is within "
+                f"{HOST_BOUND}x the host's floor ({floor * 1e3:.3g} ms): host-bound at these shapes")
+    gemm_s = 3 * sum(g.flops for g in model_gemms(m, work["tokens"]) if g.name != "logits") / gemm_rate
+    rest = max(0.0, work["per_layer_s"] - gemm_s - timed["seconds"])
+    return {"gemm_s": gemm_s, "attention_s": timed["seconds"], "rest_s": rest,
+            "per_token_hidden_s": rest / (work["tokens"] * m.hidden_size)}
+
+
+def layer_lines(layers: dict | str, profile: ClusterProfile, resolved: Resolved, gemm_rate: float,
+                attention: dict, on_gpu: bool) -> list[str]:
+    """What was measured of the layers, for the terminal and the profile's comments."""
+    from dsforge.search.layer_timing import HOST_SEQ_LEN
+
+    if isinstance(layers, str):
+        return [f"the recipe's layers: not measured ({layers}); kept: host floors "
+                f"{profile.host_layer_s * 1e3:.3g} ms and {profile.host_layer_zero3_s * 1e3:.3g} "
+                f"ms at ZeRO-3, other_s_per_token_hidden {profile.other_s_per_token_hidden:.3g}"]
+    floors = layers["floors"]
+    lines = [f"the forward at {HOST_SEQ_LEN} tokens: " + ", ".join(
+        f"ZeRO-{stage} {floors[stage]['per_layer_s'] * 1e3:.3g} ms a layer ("
+        + ", ".join(f"{n} layer{'s' if n > 1 else ''} {t * 1e3:.3g} ms"
+                    for n, t in floors[stage]["forward_s"].items()) + ")" for stage in (0, 3))
+        + (": host_layer_s and host_layer_zero3_s, the floors under each layer's forward" if on_gpu
+           else ": on a CPU the host is the device, so these add to the compute (no floors)")]
+    work = layers["work"]
+    other = other_work(resolved, layers, gemm_rate, attention)
+    text = (f"{other['rest_s'] * 1e3:.3g} ms beyond its GEMMs ({other['gemm_s'] * 1e3:.3g} ms at "
+            f"the rate above) and attention ({other['attention_s'] * 1e3:.3g} ms): "
+            f"{other['per_token_hidden_s']:.3g} s a token and hidden unit"
+            if isinstance(other, dict) else f"the rest not measured: {other}")
+    kept = ("other_s_per_token_hidden" if on_gpu and isinstance(other, dict)
+            else "not in the profile" if not on_gpu else "other_s_per_token_hidden kept")
+    lines.append(f"a layer at {work['tokens']:,} tokens (ZeRO-0): forward "
+                 f"{work['forward_per_layer_s'] * 1e3:.3g} ms, with the backward "
+                 f"{work['per_layer_s'] * 1e3:.3g} ms; {text} ({kept})")
+    return lines
