@@ -2,23 +2,24 @@
 --measure`, docs/search.md "Calibration").
 
 A measured run is a point: its resolved recipe and its median step time. Under the profile the
-prediction splits into terms (cost.StepTime); the refit scales five of them, each >= 0:
+prediction splits into terms (cost.StepTime); the refit scales six of them, each >= 0:
 
-    measured ~ a x compute + f x microbatch-layers + g x gathers + b x optimizer
-               + c x communication
+    measured ~ a x compute + f x microbatch-layers + g x gathers + o x other-units
+               + b x optimizer + c x communication
 
-Each term carries its share of the pipeline bubble. compute is the GEMM work (the model's one
-compute rate); the microbatch-layers are the microbatches a step times the busiest rank's
-layers (each pays a fixed cost: launching its kernels); gathers are ZeRO-3's per-layer
-parameter fetches (a layer's forward, backward and recompute each fetch it); optimizer is the
+Each term carries its share of the pipeline bubble. compute is the GEMM and attention work;
+the microbatch-layers are the microbatches a step times the busiest rank's layers (each pays
+a fixed cost: launching its kernels); gathers are ZeRO-3's per-layer parameter fetches (a
+layer's forward, backward and recompute each fetch it); other-units are the tokens x hidden
+units x layers of the work outside the GEMMs and attention (cost.other_units); optimizer is the
 16-bit optimizer step; communication is every collective and pipeline send the model counts.
 Where points have a step breakdown, the optimizer's coefficient comes from its own phase in
 them instead (measured over modelled seconds), and the step's fit leaves it out: a run
 without one (DSFORGE_BREAKDOWN=off) still counts in the step's fit.
 The fit minimises the relative error and takes the terms in that order, each only if the
-points tell it apart from the terms before it (it raises the rank of the points' features:
-layouts that differ only where the model sees no difference determine one term, however
-many they are). A term whose coefficient would come out negative is dropped and the rest
+points tell it apart from the terms before it (_determined: at least DISTINCT of its feature
+lies outside what theirs can make; layouts that differ only where the model sees no
+difference determine one term, however many they are). A term whose coefficient would come out negative is dropped and the rest
 refitted; compute is never dropped (when it alone comes out negative, the last other term is).
 
 On a GPU (`host_floors`) the host launches kernels beside the device, so its cost is a floor
@@ -29,7 +30,7 @@ each).
 
 The refitted profile: compute_efficiency / a (and a measured attention_efficiency / a: the
 compute term holds the attention), microbatch_layer_s = f, zero3_gather_layer_s = g (or the
-floors, host_layer_s and host_layer_zero3_s), the optimizer's fixed cost and bytes x b, the
+floors, host_layer_s and host_layer_zero3_s), other_s_per_token_hidden = o, the optimizer's fixed cost and bytes x b, the
 bandwidths / c and the p2p latency x c. With 3 or more points each is predicted from a refit without it (leave-one-out); the median of
 those errors becomes the profile's prediction_error, the band `dsforge plan --search` draws
 and breaks ties with. Fewer points keep the band it had.
