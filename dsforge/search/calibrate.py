@@ -19,8 +19,9 @@ without one (DSFORGE_BREAKDOWN=off) still counts in the step's fit.
 The fit minimises the relative error and takes the terms in that order, each only if the
 points tell it apart from the terms before it (_determined: at least DISTINCT of its feature
 lies outside what theirs can make; layouts that differ only where the model sees no
-difference determine one term, however many they are). A term whose coefficient would come out negative is dropped and the rest
-refitted; compute is never dropped (when it alone comes out negative, the last other term is).
+difference determine one term, however many they are). A term whose coefficient would come
+out negative is dropped and the rest refitted; compute is never dropped (when it alone comes
+out negative, the last other term is).
 
 On a GPU (`host_floors`) the host launches kernels beside the device, so its cost is a floor
 under each layer's grad-enabled forward (cost.host_wait), not an addition: the two floors
