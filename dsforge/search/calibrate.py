@@ -94,8 +94,9 @@ class Calibration:
 
 
 def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
-    """The prediction's terms under `profile` without its fixed costs and host floors; `fixed`
-    counts the microbatch-layers (seconds come from the coefficient)."""
+    """The prediction's terms under `profile` without its fixed costs, host floors and other
+    work; `fixed` counts the microbatch-layers and `other` the other row's units (seconds come
+    from the coefficients)."""
     unfixed = dataclasses.replace(profile, microbatch_layer_s=0.0, zero3_gather_layer_s=0.0,
                                   host_layer_s=0.0, host_layer_zero3_s=0.0,
                                   other_s_per_token_hidden=0.0)
@@ -131,7 +132,7 @@ def fit(points: list[Point], profile: ClusterProfile, host_floors: bool = False,
     order = list(TERMS)
     if host_floors:
         coefficients.update(fixed=0.0, gathers=0.0)
-        waits = host_waits(points, profile)
+        waits = host_waits(points, rows)
         # Where a floor binds, its wait is microbatch-layers x the floor: that is its feature.
         columns.update(host=np.where(waits.zero3, 0.0, waits.layers) / waits.measured_s,
                        host_zero3=np.where(waits.zero3, waits.layers, 0.0) / waits.measured_s)
@@ -197,12 +198,12 @@ class HostWaits:
         return Waits(self.zero3, self.layers, per_term, kept, self.measured_s)
 
 
-def host_waits(points: list[Point], profile: ClusterProfile) -> HostWaits:
+def host_waits(points: list[Point], rows: list[dict[str, float]]) -> HostWaits:
+    """HostWaits of the points, from their features (rows, as `features` gives them)."""
     zero3, layers, per_unit = [], [], {t: [] for t in DEVICE_TERMS}
-    for p in points:
+    for p, row in zip(points, rows):
         lay = p.resolved.layout
         bubble = bubble_fraction(lay.pp, lay.vpp, lay.num_microbatches)
-        row = features(p.resolved, profile)
         for term in DEVICE_TERMS:
             count, seconds = forward_pass(p.resolved, row[term] / (1 + bubble))
             per_unit[term].append(seconds)
