@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,33 +148,63 @@ def fit(points: list[Point], profile: ClusterProfile, host_floors: bool = False,
     floors = [name for name in chosen if name in FLOOR_NAMES]
     chosen = [name for name in chosen if name not in FLOOR_NAMES]
     if floors:
-        fitted = _fit_with_floors(waits, profile, relative, coefficients, chosen, floors)
-        if fitted is not None:
-            return fitted
-    return {**coefficients, **_solve(relative, coefficients, chosen, 0.0)}
+        with_floors = _refit(relative, coefficients, chosen,
+                             _floor_solver(waits, profile, coefficients, floors))
+        if with_floors is not None:
+            return {**coefficients, **with_floors}
+    return {**coefficients, **(_refit(relative, coefficients, chosen, _least_squares) or {})}
 
 
-def _fit_with_floors(waits: HostWaits, profile: ClusterProfile, relative: np.ndarray,
-                     coefficients: dict[str, float], chosen: list[str],
-                     floors: list[str]) -> dict[str, float] | None:
-    """The chosen terms and the floors (search/floor_fit.py); a term whose coefficient would
-    be negative is dropped and the rest refitted, as in _solve. None: no fit is allowed."""
-    fitted = tuple(name in floors for name in FLOOR_NAMES)
-    kept_floors = tuple(coefficients[name] for name in FLOOR_NAMES)
+# A solver of the chosen terms (names, their features' matrix, the target): their fitted
+# values, or None and which term to drop (an index into the names; None: the last).
+Solver = Callable[[list[str], np.ndarray, np.ndarray], tuple[dict[str, float] | None, int | None]]
+
+
+def _refit(relative: np.ndarray, coefficients: dict[str, float], chosen: list[str],
+           solve: Solver) -> dict[str, float] | None:
+    """The chosen terms solved on what the rest leave of each point (the terms left out keep
+    their coefficients: what they predict leaves the target), compute first. Where the solver
+    allows no fit, the term it names is dropped and the rest refitted; None where compute
+    alone allows none."""
     chosen = list(chosen)
     while chosen and chosen[0] == "compute":
         kept = sum(coefficients[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen)
-        x = relative[:, [TERMS.index(t) for t in chosen]]
-        start = np.array([coefficients[t] for t in chosen])
-        found = fit_floors(x, 1.0 - kept, waits.for_terms(chosen, coefficients), fitted,
-                           kept_floors, start, profile.compute_efficiency)
-        if found.solution is not None:
-            return {**coefficients, **dict(zip(chosen, (float(v) for v in found.solution))),
-                    "host": found.host, "host_zero3": found.host_zero3}
+        values, drop = solve(chosen, relative[:, [TERMS.index(t) for t in chosen]], 1.0 - kept)
+        if values is not None:
+            return values
         if len(chosen) == 1:
-            return None
-        chosen.pop(found.most_negative if found.most_negative is not None else -1)
+            return None  # compute alone comes out <= 0: nothing to fit
+        chosen.pop(drop if drop is not None else -1)
     return None
+
+
+def _least_squares(chosen: list[str], x: np.ndarray, target: np.ndarray):
+    """Least squares; refused where compute comes out <= 0 or another term negative. The most
+    negative term is dropped; when only compute is negative, the terms after it bent it there,
+    so the last of them."""
+    solution, *_ = np.linalg.lstsq(x, target, rcond=None)
+    negative = [i for i in range(1, len(chosen)) if solution[i] < 0]
+    if solution[0] > 0 and not negative:
+        return dict(zip(chosen, (float(v) for v in solution))), None
+    return None, min(negative, key=lambda i: solution[i]) if negative else None
+
+
+def _floor_solver(waits: HostWaits, profile: ClusterProfile, coefficients: dict[str, float],
+                  floors: list[str]) -> Solver:
+    """The chosen terms beside the floors (search/floor_fit.py), searched where `floors` names
+    them, the others at the profile's."""
+    fitted = tuple(name in floors for name in FLOOR_NAMES)
+    kept_floors = tuple(coefficients[name] for name in FLOOR_NAMES)
+
+    def solve(chosen: list[str], x: np.ndarray, target: np.ndarray):
+        start = np.array([coefficients[t] for t in chosen])
+        found = fit_floors(x, target, waits.for_terms(chosen, coefficients), fitted, kept_floors,
+                           start, profile.compute_efficiency)
+        if found.solution is None:
+            return None, found.most_negative
+        return {**dict(zip(chosen, (float(v) for v in found.solution))), "host": found.host,
+                "host_zero3": found.host_zero3}, None
+    return solve
 
 
 @dataclass(frozen=True)
@@ -233,29 +264,6 @@ def _determined(columns: dict[str, np.ndarray], order: list[str]) -> list[str]:
         if np.linalg.norm(column) >= DISTINCT * norm:
             chosen.append(term)
     return chosen
-
-
-def _solve(relative: np.ndarray, coefficients: dict[str, float], chosen: list[str],
-           offset) -> dict[str, float]:
-    """Least squares of the chosen terms on what the rest (and `offset`, relative seconds the
-    floors add) leave of each point: compute first, a negative coefficient dropped and the rest
-    refitted; {} where compute alone comes out <= 0."""
-    chosen = list(chosen)
-    while chosen and chosen[0] == "compute":
-        # The terms left out keep their coefficients: what they predict leaves the target.
-        kept = sum(coefficients[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen)
-        x = relative[:, [TERMS.index(t) for t in chosen]]
-        solution, *_ = np.linalg.lstsq(x, 1.0 - kept - offset, rcond=None)
-        value = dict(zip(chosen, (float(v) for v in solution)))
-        negative = [t for t in chosen[1:] if value[t] < 0]
-        if value["compute"] > 0 and not negative:
-            return value
-        if len(chosen) == 1:
-            break  # compute alone comes out <= 0: nothing to fit
-        # Drop the most negative term; when only compute is negative, the terms after it bent
-        # it there, so drop the last of them.
-        chosen.remove(min(negative, key=value.get) if negative else chosen[-1])
-    return {}
 
 
 def optimizer_from_breakdowns(points: list[Point], rows: list[dict[str, float]]) -> float | None:

@@ -28,8 +28,7 @@ _GEMM_KNEE = 256.0
 class StepTime:
     compute: float
     # The work outside the GEMMs and attention (norms, SwiGLU, rotary, residuals, the loss's
-    # share), per token, layer and hidden unit (0 until measured: the default profiles'
-    # efficiencies absorb it).
+    # share): 0 until measured, where the profile's efficiency absorbs it.
     other: float = 0.0
     tp_comm: float
     ep_comm: float
@@ -46,6 +45,9 @@ class StepTime:
 
     @property
     def total(self) -> float:
+        # Written out, not summed over fields(): it is read in the search's hot path (a loop
+        # over fields cost the slowest search a few percent). tests/unit/test_search.py holds
+        # it to them.
         return (self.compute + self.other + self.tp_comm + self.ep_comm + self.cp_comm + self.bubble
                 + self.pp_comm + self.dp_comm + self.optimizer + self.fixed + self.gathers
                 + self.host)

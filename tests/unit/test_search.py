@@ -611,3 +611,13 @@ def test_the_explorers_time_bars_draw_every_step_time_term():
     page = (Path(__file__).resolve().parents[2] / "dsforge" / "search" / "explorer.html").read_text()
     parts = re.search(r"const TIME_PARTS = \[(.*?)\];", page, re.DOTALL).group(1)
     assert set(re.findall(r'\["(\w+)", "#', parts)) == {f.name for f in fields(StepTime)}
+
+
+def test_the_step_time_is_the_sum_of_every_term():
+    from dataclasses import fields
+
+    from dsforge.search.cost import StepTime
+
+    names = [f.name for f in fields(StepTime)]
+    terms = StepTime(**{name: 2.0 ** i for i, name in enumerate(names)})  # each term one bit
+    assert terms.total == 2.0 ** len(names) - 1
