@@ -18,8 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from published_runs import (ROWS, Choice,  # beside this file: python puts its folder on sys.path
-                            ScaleOut, Scored, Stats, first_choices, fit_rejections,
+# Beside this file: python puts its folder on sys.path.
+from published_refit import MIN_MODELS, GroupFit, Refitted, group_fits, refit_all
+from published_runs import (ROWS, Choice, ScaleOut, Scored, Stats, first_choices, fit_rejections,
                             scale_out_pairs, score_all, statistics_table)
 
 from dsforge.hardware import gpu_by_key
@@ -94,19 +95,48 @@ def _published_note(s: Scored) -> str:
     return f"{_pct(p)}{flag}"
 
 
-def row_lines(scored: list[Scored]) -> list[str]:
+def _refit_cell(r: Refitted) -> str:
+    if not r.refitted:
+        return "-"
+    return f"{_pct(r.scored.predicted)} ({100 * r.scored.error:+.1f})"
+
+
+def row_lines(scored: list[Scored], refits: list[Refitted]) -> list[str]:
     header = ("| source | run | model | GPUs | layout | published MFU | measured MFU | predicted MFU | "
-              "error | fits? | notes |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for s in scored:
+              "error | refitted (error) | fits? | notes |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s, refit in zip(scored, refits):
         r = s.row
         error = "-" if s.error is None else f"{100 * s.error:+.1f}"
         notes = "; ".join(filter(None, [f"scored as {s.scored_as}" if s.scored_as else "",
                                         f"NOT SCORED: {s.reason}" if s.reason else "", r.note]))
         lines.append(f"| {r.source} | {r.label} | {r.model.describe()} s{r.seq_len} | {r.gpus} {r.gpu.upper()} | "
                      f"{r.layout()} | {_published_note(s)} | {_pct(s.measured)} | {_pct(s.predicted)} | "
-                     f"{error} | {_fits(s)} | {notes} |")
+                     f"{error} | {_refit_cell(refit)} | {_fits(s)} | {notes} |")
     return lines
+
+
+def _group_fit_line(g: GroupFit) -> str:
+    c, after = g.coefficients, g.after
+    communication = "hidden (0)" if c["communication"] < 1e-3 else f"x{c['communication']:.2f}"
+    return (f"| {g.source} | {g.gpu.upper()} | {g.models} | {g.runs} | {after.compute_efficiency:.3f} | "
+            f"{after.attention_efficiency:.3f} | {c['other']:.3g} | {c['fixed'] * 1e3:.3g} | "
+            f"{communication} |")
+
+
+def refit_lines(refits: list[Refitted], fits: list[GroupFit]) -> list[str]:
+    """The runs predicted after a refit on their engine's other models: the statistics, then
+    what each group's refit on all its runs finds."""
+    lines = stats_lines(statistics_table([r.scored for r in refits]))
+    kept = sum(1 for r in refits if r.scored.predicted is not None and not r.refitted)
+    lines += ["", f"{kept} scored runs are in groups of fewer than {MIN_MODELS} models and keep "
+              "the default profile's prediction (torchtitan: two models; the playbook: one).", "",
+              "Each group refitted on all its runs (the engine on that GPU as dsforge's terms "
+              "see it; the default profiles' figures are the GPUs' defaults above):", "",
+              "| source | GPU | models | runs | compute_efficiency | attention_efficiency | "
+              "other s a token, layer and hidden unit | fixed ms a microbatch and layer | "
+              "communication |", "|---|---|---|---|---|---|---|---|---|"]
+    return lines + [_group_fit_line(g) for g in fits]
 
 
 def _rejection(s: Scored) -> str:
@@ -195,8 +225,17 @@ def section(label: str, stats_only: bool) -> str:
               "the share of its one-node MFU it kept, measured and predicted. The inter-node "
               "bandwidth model decides the prediction (docs/search.md, \"The step-time model\").",
               "", *scale_out_lines(scale_out_pairs(scored)), ""]
+    refits = refit_all(scored)
+    parts += ["### Refitted on each engine's other models", "",
+              "The loop `dsforge plan --search --measure` runs (predict, measure, refit, predict "
+              "again) with the published runs as the measured ones: the runs are grouped by "
+              "source and GPU type (one engine on one GPU), and each run is predicted by "
+              "`dsforge.search.calibrate.fit` refitted on its group's runs of other models "
+              "(leave one model out), from the GPU's default profile with the attention at a "
+              "rate of its own (tools/published_refit.py). Nothing of the row predicted enters "
+              "its refit.", "", *refit_lines(refits, group_fits(scored)), ""]
     if not stats_only:
-        parts += ["### Every row", "", *row_lines(scored), ""]
+        parts += ["### Every row", "", *row_lines(scored, refits), ""]
     return "\n".join(parts)
 
 

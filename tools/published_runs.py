@@ -35,7 +35,7 @@ from dsforge.problems import RecipeError
 from dsforge.recipe.layout import Topology
 from dsforge.recipe.loader import build_recipe
 from dsforge.recipe.presets import PRESETS
-from dsforge.recipe.resolve import resolve
+from dsforge.recipe.resolve import Resolved, resolve
 from dsforge.schema import ModelConfig, divisors
 from dsforge.search.profile import default_profile
 from dsforge.search.search import Ranked, evaluate
@@ -598,6 +598,8 @@ class Scored:
     usable_gib: float | None  # the GPU's memory less the search's default headroom
     scored_as: str = ""  # the nearest accepted layout when the published one is refused
     reason: str = ""  # why it is not scored
+    # The scored layout as dsforge resolved it (None: not scored): what a refit reads.
+    resolved: Resolved | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def error(self) -> float | None:
@@ -683,7 +685,7 @@ def score(row: Row) -> Scored:
         scored_as = "; ".join(filter(None, [scored_as, f"vpp {vpp} (not published; fastest in dsforge)"]))
     usable = default_profile(row.gpu, row.gpus_per_node).usable_memory_bytes
     return Scored(row, measured, ranked.mfu, ranked.memory.total <= usable, ranked.memory.total / GiB,
-                  usable / GiB, scored_as=scored_as)
+                  usable / GiB, scored_as=scored_as, resolved=ranked.resolved)
 
 
 def score_all(rows: tuple[Row, ...] = ROWS) -> list[Scored]:

@@ -2,12 +2,14 @@
 --measure`, docs/search.md "Calibration").
 
 A measured run is a point: its resolved recipe and its median step time. Under the profile the
-prediction splits into terms (cost.StepTime); the refit scales six of them, each >= 0:
+prediction splits into terms (cost.StepTime); the refit scales seven of them:
 
     measured ~ a x compute + f x microbatch-layers + g x gathers + o x other-units
-               + b x optimizer + c x communication
+               + d x attention + b x optimizer + c x communication
 
-Each term carries its share of the pipeline bubble. compute is the GEMM and attention work;
+Each term carries its share of the pipeline bubble. compute is the GEMM and attention work,
+and where the profile has a rate of its own for the attention, attention is its share again:
+d corrects a on it alone (d may be negative, a + d > 0);
 the microbatch-layers are the microbatches a step times the busiest rank's layers (each pays
 a fixed cost: launching its kernels); gathers are ZeRO-3's per-layer parameter fetches (a
 layer's forward, backward and recompute each fetch it); other-units are the tokens x hidden
@@ -20,8 +22,9 @@ The fit minimises the relative error and takes the terms in that order, each onl
 points tell it apart from the terms before it (_determined: at least DISTINCT of its feature
 lies outside what theirs can make; layouts that differ only where the model sees no
 difference determine one term, however many they are). A term whose coefficient would come
-out negative is dropped and the rest refitted; compute is never dropped (when it alone comes
-out negative, the last other term is).
+out negative is held at 0 and the rest refitted (non-negative least squares: communication at
+0 is an engine that hides it all); compute never is (when it alone comes out negative, the
+last other term is left out at the profile's coefficient).
 
 On a GPU (`host_floors`) the host launches kernels beside the device, so its cost is a floor
 under each layer's grad-enabled forward (cost.host_wait), not an addition: the two floors
@@ -29,8 +32,8 @@ under each layer's grad-enabled forward (cost.host_wait), not an addition: the t
 the points determine it (search/floor_fit.py searches them; the linear terms are solved at
 each).
 
-The refitted profile: compute_efficiency / a (and a measured attention_efficiency / a: the
-compute term holds the attention), microbatch_layer_s = f, zero3_gather_layer_s = g (or the
+The refitted profile: compute_efficiency / a (and a measured attention_efficiency / (a + d):
+the compute term holds the attention), microbatch_layer_s = f, zero3_gather_layer_s = g (or the
 floors, host_layer_s and host_layer_zero3_s), other_s_per_token_hidden = o, the optimizer's fixed cost and bytes x b, the
 bandwidths / c and the p2p latency x c. With 3 or more points each is predicted from a refit without it (leave-one-out); the median of
 those errors becomes the profile's prediction_error, the band `dsforge plan --search` draws
@@ -48,15 +51,20 @@ import numpy as np
 
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.recipe.resolve import Resolved
-from dsforge.search.cost import (forward_pass, gather_count, microbatch_layers, other_units,
-                                 step_time)
+from dsforge.search.cost import (compute_split, forward_pass, gather_count, microbatch_layers,
+                                 other_units, step_time)
 from dsforge.search.floor_fit import Waits, fit_floors
 from dsforge.search.profile import ClusterProfile
 
 # The order they are fitted. `other` comes after the fixed costs: within one model it differs
 # from compute only by the GEMMs' saturation, so it needs runs of different widths.
-TERMS = ("compute", "fixed", "gathers", "other", "optimizer", "communication")
-DEVICE_TERMS = ("compute", "other")  # the device's work in a layer's forward (the host floor's)
+# `attention` corrects compute's coefficient on the attention's share alone, after `other`: at
+# one sequence length that share varies with the width as other's does (as s / h against
+# 1 / h), so it needs runs of different sequence lengths.
+TERMS = ("compute", "fixed", "gathers", "other", "attention", "optimizer", "communication")
+# Terms whose coefficient may be negative: attention's is added to compute's (their sum > 0).
+SIGNED = ("attention",)
+DEVICE_TERMS = ("compute", "attention", "other")  # the device's work in a layer's forward
 DISTINCT = 0.05  # the share of a term's feature the terms before it must leave unexplained
 FLOOR_REPLACES = ("fixed", "gathers")  # on a GPU the host's cost is a floor, not an addition
 FLOOR_NAMES = ("host", "host_zero3")  # the floors' coefficients: ZeRO 0-2's and ZeRO-3's seconds
@@ -97,7 +105,9 @@ class Calibration:
 def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
     """The prediction's terms under `profile` without its fixed costs, host floors and other
     work; `fixed` counts the microbatch-layers and `other` the other row's units (seconds come
-    from the coefficients)."""
+    from the coefficients). `compute` holds the attention too; `attention` is the attention's
+    seconds again, where the profile has a rate of its own for it (else 0: it runs at the
+    GEMMs' rate, which compute's coefficient scales)."""
     unfixed = dataclasses.replace(profile, microbatch_layer_s=0.0, zero3_gather_layer_s=0.0,
                                   host_layer_s=0.0, host_layer_zero3_s=0.0,
                                   other_s_per_token_hidden=0.0)
@@ -108,7 +118,9 @@ def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
     # the fixed and gather terms at 0, what is not compute's share is communication's.
     communication = (t.tp_comm + t.ep_comm + t.cp_comm + t.pp_comm + t.dp_comm + t.bubble
                      - bubble * t.compute)
-    return {"compute": t.compute * (1 + bubble),
+    attention = (0.0 if profile.attention_efficiency is None
+                 else compute_split(resolved, unfixed)[1])
+    return {"compute": t.compute * (1 + bubble), "attention": attention * (1 + bubble),
             "fixed": microbatch_layers(resolved) * (1 + bubble),
             "gathers": gather_count(resolved) * (1 + bubble),
             "other": other_units(resolved) * (1 + bubble),
@@ -124,7 +136,7 @@ def fit(points: list[Point], profile: ClusterProfile, host_floors: bool = False,
     fitted (the profile's coefficient stays)."""
     rows = [features(p.resolved, profile) for p in points]
     relative = np.array([[r[t] / p.measured_s for t in TERMS] for r, p in zip(rows, points)])
-    coefficients = {"compute": 1.0, "fixed": profile.microbatch_layer_s,
+    coefficients = {"compute": 1.0, "attention": 0.0, "fixed": profile.microbatch_layer_s,
                     "gathers": profile.zero3_gather_layer_s,
                     "other": profile.other_s_per_token_hidden, "optimizer": 1.0,
                     "communication": 1.0, "host": profile.host_layer_s,
@@ -164,29 +176,45 @@ def _refit(relative: np.ndarray, coefficients: dict[str, float], chosen: list[st
            solve: Solver) -> dict[str, float] | None:
     """The chosen terms solved on what the rest leave of each point (the terms left out keep
     their coefficients: what they predict leaves the target), compute first. Where the solver
-    allows no fit, the term it names is dropped and the rest refitted; None where compute
-    alone allows none."""
-    chosen = list(chosen)
+    allows no fit, the term it names (the points push it below 0) is held at 0, its bound (a
+    signed term's correction: none), and the rest refitted, as non-negative least squares
+    would; where it names none (compute alone came out <= 0), the last term is left out with
+    the profile's coefficient. None where compute alone allows no fit."""
+    chosen, held = list(chosen), {}
     while chosen and chosen[0] == "compute":
-        kept = sum(coefficients[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen)
+        current = {**coefficients, **held}
+        kept = sum((current[t] * relative[:, i] for i, t in enumerate(TERMS) if t not in chosen),
+                   np.zeros(len(relative)))
         values, drop = solve(chosen, relative[:, [TERMS.index(t) for t in chosen]], 1.0 - kept)
         if values is not None:
-            return values
+            return {**held, **values}
         if len(chosen) == 1:
             return None  # compute alone comes out <= 0: nothing to fit
-        chosen.pop(drop if drop is not None else -1)
+        if drop is None:
+            chosen.pop()
+        else:
+            held[chosen.pop(drop)] = 0.0
     return None
 
 
 def _least_squares(chosen: list[str], x: np.ndarray, target: np.ndarray):
-    """Least squares; refused where compute comes out <= 0 or another term negative. The most
-    negative term is dropped; when only compute is negative, the terms after it bent it there,
-    so the last of them."""
+    """Least squares; refused where compute comes out <= 0 or another term negative (a signed
+    term: its sum with compute). The most negative term is dropped; when only compute is
+    negative, the terms after it bent it there, so the last of them."""
     solution, *_ = np.linalg.lstsq(x, target, rcond=None)
-    negative = [i for i in range(1, len(chosen)) if solution[i] < 0]
+    margins = term_margins(chosen, solution)
+    negative = [i for i in range(1, len(chosen)) if margins[i] < 0]
     if solution[0] > 0 and not negative:
         return dict(zip(chosen, (float(v) for v in solution))), None
-    return None, min(negative, key=lambda i: solution[i]) if negative else None
+    return None, min(negative, key=lambda i: margins[i]) if negative else None
+
+
+def term_margins(chosen: list[str], solution: np.ndarray) -> np.ndarray:
+    """Each coefficient as a fit must keep it >= 0: a signed term's with compute's (the first)
+    added. `solution` may hold one column of coefficients per fit (floor_fit's grid)."""
+    signed = np.array([t in SIGNED for t in chosen])
+    shape = (-1,) + (1,) * (solution.ndim - 1)
+    return solution + np.where(signed.reshape(shape), solution[0], 0.0)
 
 
 def _floor_solver(waits: HostWaits, profile: ClusterProfile, coefficients: dict[str, float],
@@ -199,7 +227,8 @@ def _floor_solver(waits: HostWaits, profile: ClusterProfile, coefficients: dict[
     def solve(chosen: list[str], x: np.ndarray, target: np.ndarray):
         start = np.array([coefficients[t] for t in chosen])
         found = fit_floors(x, target, waits.for_terms(chosen, coefficients), fitted, kept_floors,
-                           start, profile.compute_efficiency)
+                           start, profile.compute_efficiency,
+                           lambda solution: term_margins(chosen, solution))
         if found.solution is None:
             return None, found.most_negative
         return {**dict(zip(chosen, (float(v) for v in found.solution))), "host": found.host,
@@ -281,9 +310,11 @@ def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterPro
     a = coefficients["compute"]
     # A coefficient of exactly 0 would leave a bandwidth or a byte count no profile may hold.
     b, c = (max(coefficients[t], 1e-6) for t in ("optimizer", "communication"))
-    # compute holds the attention too: a measured attention rate scales with the GEMMs'.
+    # compute holds the attention too: a measured attention rate scales with the GEMMs', and
+    # with attention's own correction where the points determined one.
     attention = (None if profile.attention_efficiency is None
-                 else min(1.0, profile.attention_efficiency / a))
+                 else min(1.0, profile.attention_efficiency / max(a + coefficients.get("attention", 0.0),
+                                                                  1e-6)))
     return dataclasses.replace(
         profile, compute_efficiency=min(1.0, profile.compute_efficiency / a),
         attention_efficiency=attention,
@@ -324,15 +355,26 @@ def _left_out(points: list[Point], i: int, profile: ClusterProfile,
     return step_time(points[i].resolved, apply(profile, fit(others, profile, host_floors))).total
 
 
+def _coefficients_line(calibration: Calibration) -> str:
+    """What the refit found, term by term."""
+    c, before, after = calibration.coefficients, calibration.before, calibration.after
+    parts = [f"compute x{c['compute']:.3g} (efficiency {before.compute_efficiency:.3g} -> "
+             f"{after.compute_efficiency:.3g})"]
+    if c.get("attention"):
+        parts.append(f"attention x{c['compute'] + c['attention']:.3g} (efficiency "
+                     f"{before.attention_efficiency:.3g} -> {after.attention_efficiency:.3g})")
+    parts += [f"{c['other'] * 1e12:.3g} ps a token, layer and hidden unit outside them",
+              f"{c['fixed'] * 1e3:.3g} ms per microbatch and layer",
+              f"{c['gathers'] * 1e3:.3g} ms per ZeRO-3 layer gather",
+              f"host floor {c['host'] * 1e3:.3g} ms a layer ({c['host_zero3'] * 1e3:.3g} at ZeRO-3)",
+              f"optimizer x{c['optimizer']:.3g}", f"communication x{c['communication']:.3g}"]
+    return f"refit on {len(calibration.rows)} measured trial(s): " + ", ".join(parts)
+
+
 def render(calibration: Calibration) -> str:
     """Predicted against measured for each point, before and after the refit."""
-    c, before, after = calibration.coefficients, calibration.before, calibration.after
-    lines = [f"refit on {len(calibration.rows)} measured trial(s): compute x{c['compute']:.3g} "
-             f"(efficiency {before.compute_efficiency:.3g} -> {after.compute_efficiency:.3g}), "
-             f"{c['fixed'] * 1e3:.3g} ms per microbatch and layer, {c['gathers'] * 1e3:.3g} ms per "
-             f"ZeRO-3 layer gather, host floor {c['host'] * 1e3:.3g} ms a layer "
-             f"({c['host_zero3'] * 1e3:.3g} at ZeRO-3), optimizer x{c['optimizer']:.3g}, "
-             f"communication x{c['communication']:.3g}",
+    after = calibration.after
+    lines = [_coefficients_line(calibration),
              "  layout                                          measured ms  before ms  error   "
              "after ms  error   left out ms  error"]
     for r in calibration.rows:

@@ -89,16 +89,8 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
     m, t = recipe.model, recipe.train
     half = 2 if t.precision != "fp32" else 4
     microbatch_tokens = lay.micro_batch * t.seq_len // lay.cp  # a context-parallel rank's shard
-    efficiency = (profile.compute_efficiency * gemm_saturation(m.hidden_size / lay.tp)
-                  * gemm_saturation(microbatch_tokens, profile.gemm_knee_tokens))
-    flop_rate = profile.gpu.peak_bf16_flops * efficiency
-    # The pipeline runs at the pace of its busiest rank (the last: it adds the output layer).
-    # Its attention runs at its own measured rate where the profile has one.
-    dense, attention = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)
-    attention_rate = (flop_rate if profile.attention_efficiency is None
-                      else profile.gpu.peak_bf16_flops * profile.attention_efficiency)
-    compute = (lay.grad_accum * microbatch_tokens / lay.tp
-               * (dense / flop_rate + attention / attention_rate))
+    flop_rate = _flop_rate(resolved, profile)
+    compute = sum(compute_split(resolved, profile, flop_rate))
     other = other_units(resolved) * profile.other_s_per_token_hidden
 
     activation = microbatch_tokens * m.hidden_size * half
@@ -136,6 +128,30 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
                     pp_comm=pp_comm, dp_comm=dp_comm,
                     optimizer=_optimizer_seconds(resolved, worst, profile), fixed=fixed,
                     gathers=gathers, host=host)
+
+
+def _flop_rate(resolved: Resolved, profile: ClusterProfile) -> float:
+    """FLOP/s of the layout's GEMMs: the profile's efficiency, less where a tensor-parallel
+    shard's width or a microbatch's tokens leave them short of saturating the GPU."""
+    lay, m, t = resolved.layout, resolved.recipe.model, resolved.recipe.train
+    microbatch_tokens = lay.micro_batch * t.seq_len // lay.cp
+    efficiency = (profile.compute_efficiency * gemm_saturation(m.hidden_size / lay.tp)
+                  * gemm_saturation(microbatch_tokens, profile.gemm_knee_tokens))
+    return profile.gpu.peak_bf16_flops * efficiency
+
+
+def compute_split(resolved: Resolved, profile: ClusterProfile,
+                  flop_rate: float | None = None) -> tuple[float, float]:
+    """The compute row's seconds as (matrix products, attention): the busiest pipeline rank's
+    (the last: it adds the output layer) FLOPs at the GEMMs' rate, its attention at its own
+    measured rate where the profile has one (else at the GEMMs')."""
+    lay, m, t = resolved.layout, resolved.recipe.model, resolved.recipe.train
+    flop_rate = _flop_rate(resolved, profile) if flop_rate is None else flop_rate
+    dense, attention = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)
+    attention_rate = (flop_rate if profile.attention_efficiency is None
+                      else profile.gpu.peak_bf16_flops * profile.attention_efficiency)
+    tokens = lay.grad_accum * (lay.micro_batch * t.seq_len // lay.cp) / lay.tp
+    return tokens * dense / flop_rate, tokens * attention / attention_rate
 
 
 def microbatch_layers(resolved: Resolved) -> float:

@@ -17,9 +17,13 @@ efficiency) or give another term a negative coefficient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+# The fitted coefficients (terms x fits) as each must stay >= 0: calibrate.term_margins.
+Margins = Callable[[np.ndarray], np.ndarray]
 
 STEP_S, MAX_S = 0.0001, 0.030  # the floors' grid, seconds a layer
 ITERATIONS = 4  # least-squares solves per grid point, each from the last one's coefficients
@@ -58,22 +62,24 @@ class FloorFit:
 
 
 def fit_floors(x: np.ndarray, target: np.ndarray, waits: Waits, fitted: tuple[bool, bool],
-               kept: tuple[float, float], start: np.ndarray, min_compute: float) -> FloorFit:
+               kept: tuple[float, float], start: np.ndarray, min_compute: float,
+               margins: Margins) -> FloorFit:
     """Floors (host, host_zero3) and coefficients of x's columns (compute first, from `start`)
     that fit x @ c + wait = target, the floors flagged in `fitted` searched, the others at
-    `kept`: on the grid, then on one ten times finer around its choice."""
+    `kept`: on the grid, then on one ten times finer around its choice. `margins` gives the
+    coefficients as each must stay >= 0 (calibrate.term_margins)."""
     grids = [np.arange(0.0, MAX_S + STEP_S / 2, STEP_S) if fit else np.array([value])
              for fit, value in zip(fitted, kept)]
-    found = _best_on(grids, x, target, waits, start, min_compute)
+    found = _best_on(grids, x, target, waits, start, min_compute, margins)
     if found.solution is None:
         return found
     finer = [np.arange(max(0.0, v - STEP_S), v + STEP_S * 1.05, STEP_S / 10) if fit
              else np.array([v]) for fit, v in zip(fitted, (found.host, found.host_zero3))]
-    return _best_on(finer, x, target, waits, start, min_compute)
+    return _best_on(finer, x, target, waits, start, min_compute, margins)
 
 
 def _best_on(grids: list[np.ndarray], x: np.ndarray, target: np.ndarray, waits: Waits,
-             start: np.ndarray, min_compute: float) -> FloorFit:
+             start: np.ndarray, min_compute: float, margins: Margins) -> FloorFit:
     host, host_zero3 = (g.ravel() for g in np.meshgrid(*grids, indexing="ij"))
     solution = np.repeat(start[:, None], len(host), axis=1)
     for _ in range(ITERATIONS):
@@ -81,10 +87,11 @@ def _best_on(grids: list[np.ndarray], x: np.ndarray, target: np.ndarray, waits: 
         solution, *_ = np.linalg.lstsq(x, target[:, None] - offset, rcond=None)
     a = solution[0]
     error = np.sum((x @ solution + offset - target[:, None]) ** 2, axis=0)
-    allowed = (a >= min_compute) & np.all(solution[1:] >= 0, axis=0)
+    kept_positive = margins(solution)[1:]
+    allowed = (a >= min_compute) & np.all(kept_positive >= 0, axis=0)
     if not allowed.any():
         nearest = int(np.argmin(error))
-        negative = solution[1:, nearest]
+        negative = kept_positive[:, nearest]
         worst = int(np.argmin(negative)) + 1 if (negative < 0).any() else None
         return FloorFit(float(host[nearest]), float(host_zero3[nearest]), None, worst)
     # A floor that binds nowhere leaves the error flat: the smallest of equal fits.

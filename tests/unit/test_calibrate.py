@@ -64,7 +64,7 @@ def test_layouts_the_model_cannot_tell_apart_determine_one_term():
         assert step_time(p.resolved, after).total == pytest.approx(p.measured_s, rel=1e-6)
 
 
-def test_the_term_that_would_come_out_negative_is_the_one_dropped():
+def test_the_term_that_would_come_out_negative_is_the_one_held_at_zero():
     """A machine faster at more microbatches than the model can say: no negative fixed cost,
     and the ZeRO-3 gathers (a later term, positive) are still fitted."""
     points = _points(*MB, *ZERO3)
@@ -72,8 +72,73 @@ def test_the_term_that_would_come_out_negative_is_the_one_dropped():
     unconstrained = cal.fit(points[1:], H200)  # without the odd point: all three terms
     assert unconstrained["fixed"] > 0 and unconstrained["gathers"] > 0
     coefficients = cal.fit(points, H200)
-    assert coefficients["fixed"] == H200.microbatch_layer_s  # dropped: kept as it was
+    assert coefficients["fixed"] == 0.0  # held at its bound
     assert coefficients["gathers"] > 0 and coefficients["compute"] > 0
+
+
+# The 1B at three sequence lengths and two micro-batches (its max_seq_len is 8,192).
+SEQ_LENS = [(f"train.seq_len={s}", f"train.micro_batch={mb}") for s in (1024, 2048, 4096)
+            for mb in (1, 2)]
+
+
+def _from_features(profile, layouts, **coefficients) -> list[cal.Point]:
+    """Points whose measured step is `coefficients` x the profile's features (terms not named
+    at the profile's: compute and optimizer 1, the rest 0)."""
+    points = []
+    for overrides in layouts:
+        resolved = _layout(*overrides)
+        f = cal.features(resolved, profile)
+        scale = {"compute": 1.0, "optimizer": 1.0, **coefficients}
+        points.append(cal.Point(" ".join(overrides), resolved,
+                                sum(scale.get(t, 0.0) * f[t] for t in cal.TERMS)))
+    return points
+
+
+@pytest.mark.parametrize("correction", [0.8, -0.4])
+def test_runs_at_several_sequence_lengths_fit_the_attention_apart(correction):
+    """With an attention rate of its own in the profile, runs at several sequence lengths
+    tell its share from the GEMMs': `attention` corrects compute's coefficient on it (either
+    way), and the refitted rate is the profile's over their sum."""
+    profile = dataclasses.replace(H200, attention_efficiency=0.5)
+    points = _from_features(profile, SEQ_LENS, compute=1.2, attention=correction, fixed=0.003)
+    coefficients = cal.fit(points, profile)
+    assert coefficients["compute"] == pytest.approx(1.2, rel=1e-6)
+    assert coefficients["attention"] == pytest.approx(correction, rel=1e-6)
+    after = cal.apply(profile, coefficients)
+    assert after.attention_efficiency == pytest.approx(0.5 / (1.2 + correction))
+    for p in points:
+        assert step_time(p.resolved, after).total == pytest.approx(p.measured_s, rel=1e-6)
+    shown = cal.render(cal.calibrate(points, profile, measured_on="test"))
+    assert f"attention x{1.2 + correction:.3g} (efficiency 0.5 -> {0.5 / (1.2 + correction):.3g})" in shown
+
+
+def test_one_sequence_length_leaves_the_attention_with_the_gemms():
+    """At one sequence length (and one width) the attention's share is the same in every run:
+    not determined, it keeps compute's coefficient. Without a rate of its own it has no
+    feature at all."""
+    profile = dataclasses.replace(H200, attention_efficiency=0.5)
+    points = _from_features(profile, [o for o in SEQ_LENS if "train.seq_len=2048" in o],
+                            compute=1.2, attention=0.8)
+    assert cal.fit(points, profile)["attention"] == 0.0
+    assert cal.features(points[0].resolved, H200)["attention"] == 0.0
+
+
+def test_communication_an_engine_hides_is_held_at_zero_not_kept():
+    """Runs faster than even hiding all their communication would make them: the fit wants a
+    negative communication coefficient and holds it at 0 (an engine that overlaps all of it),
+    not at the profile's 1 (all of it exposed), and refits compute beside it."""
+    profile = dataclasses.replace(H200, inter_node_gbps=0.5, intra_node_gbps=0.5)
+    layouts = [("parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=false",
+                f"train.micro_batch={mb}", *vpp)
+               for mb in (1, 2, 4) for vpp in ((), ("parallel.vpp=2",))]
+    points = []
+    for overrides in layouts:
+        resolved = resolve_file(ONE_B, list(overrides), world_size=2)
+        f = cal.features(resolved, profile)
+        points.append(cal.Point(" ".join(overrides), resolved,
+                                1.2 * f["compute"] + f["optimizer"] - 0.1 * f["communication"]))
+    coefficients = cal.fit(points, profile)
+    assert coefficients["communication"] == 0.0 and coefficients["compute"] > 0
 
 
 def test_with_a_pipeline_the_refitted_profile_predicts_the_fitted_step():

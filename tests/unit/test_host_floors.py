@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import numpy as np
 import pytest
 
 from dsforge.recipe import resolve_file
 from dsforge.search import calibrate as cal
+from dsforge.search.calibrate import term_margins
 from dsforge.search.cost import forward_share, step_time
 from dsforge.search.floor_fit import Waits, fit_floors
 from dsforge.search.profile import default_profile
@@ -109,9 +111,12 @@ def test_no_floor_may_run_the_gemms_faster_than_the_peak():
     x = np.array([[1.0], [0.5]])  # compute's share of each measured step at scale 1
     target = 0.5 * x[:, 0] + waits.relative(np.array([0.02]), np.array([0.0]),
                                             np.array([[0.5]]))[:, 0]
-    free = fit_floors(x, target, waits, (True, False), (0.0, 0.0), np.ones(1), min_compute=0.0)
+    compute_only = partial(term_margins, ["compute"])
+    free = fit_floors(x, target, waits, (True, False), (0.0, 0.0), np.ones(1), min_compute=0.0,
+                      margins=compute_only)
     assert free.solution[0] == pytest.approx(0.5, rel=1e-6) and free.host == pytest.approx(0.02)
-    bound = fit_floors(x, target, waits, (True, False), (0.0, 0.0), np.ones(1), min_compute=0.8)
+    bound = fit_floors(x, target, waits, (True, False), (0.0, 0.0), np.ones(1), min_compute=0.8,
+                       margins=compute_only)
     assert bound.solution is None or bound.solution[0] >= 0.8
 
 
