@@ -128,15 +128,25 @@ def refit_lines(refits: list[Refitted], fits: list[GroupFit]) -> list[str]:
     """The runs predicted after a refit on their engine's other models: the statistics, then
     what each group's refit on all its runs finds."""
     lines = stats_lines(statistics_table([r.scored for r in refits]))
-    kept = sum(1 for r in refits if r.scored.predicted is not None and not r.refitted)
-    lines += ["", f"{kept} scored runs are in groups of fewer than {MIN_MODELS} models and keep "
-              "the default profile's prediction (torchtitan: two models; the playbook: one).", "",
+    kept = [r.scored for r in refits if r.scored.predicted is not None and not r.refitted]
+    models: dict[str, set[str]] = {}
+    for s in kept:
+        models.setdefault(f"{s.row.source} on {s.row.gpu.upper()}", set()).add(s.row.model.name)
+    groups = "; ".join(f"{group}: {len(names)}" for group, names in models.items())
+    lines += ["", f"{len(kept)} scored runs are in groups of fewer than {MIN_MODELS} models and "
+              f"keep the default profile's prediction (models: {groups or 'none'}).", "",
               "Each group refitted on all its runs (the engine on that GPU as dsforge's terms "
               "see it; the default profiles' figures are the GPUs' defaults above):", "",
               "| source | GPU | models | runs | compute_efficiency | attention_efficiency | "
               "other s a token, layer and hidden unit | fixed ms a microbatch and layer | "
               "communication |", "|---|---|---|---|---|---|---|---|---|"]
-    return lines + [_group_fit_line(g) for g in fits]
+    lines += [_group_fit_line(g) for g in fits]
+    choices = first_choices([r.scored for r in refits])
+    if choices:
+        regrets = [c.regret for c in choices]
+        lines += ["", f"First choices with the refitted predictions: {len(choices)} scenarios, median "
+                  f"regret {statistics.median(regrets):.1f}, worst {max(regrets):.1f} MFU points."]
+    return lines
 
 
 def _rejection(s: Scored) -> str:
