@@ -10,7 +10,8 @@ the same for all, only the target moves.
 
 A floor joins the fit only where the runs determine it (calibrate.py ranks its feature, the
 microbatch-layers of the runs at its ZeRO stage, with the terms'). Where it binds in none of
-them the error is flat in it, and the smallest floor of the equal fits is taken. A fit is
+them the error is flat in it, and of the equal fits the one nearest the profile's floor is
+taken: the runs say only that the floor is no higher than their layers' forward. A fit is
 refused where it would run the GEMMs faster than the peak (a below the profile's compute
 efficiency) or give another term a negative coefficient.
 """
@@ -70,16 +71,17 @@ def fit_floors(x: np.ndarray, target: np.ndarray, waits: Waits, fitted: tuple[bo
     coefficients as each must stay >= 0 (calibrate.term_margins)."""
     grids = [np.arange(0.0, MAX_S + STEP_S / 2, STEP_S) if fit else np.array([value])
              for fit, value in zip(fitted, kept)]
-    found = _best_on(grids, x, target, waits, start, min_compute, margins)
+    found = _best_on(grids, x, target, waits, start, min_compute, margins, kept)
     if found.solution is None:
         return found
     finer = [np.arange(max(0.0, v - STEP_S), v + STEP_S * 1.05, STEP_S / 10) if fit
              else np.array([v]) for fit, v in zip(fitted, (found.host, found.host_zero3))]
-    return _best_on(finer, x, target, waits, start, min_compute, margins)
+    return _best_on(finer, x, target, waits, start, min_compute, margins, kept)
 
 
 def _best_on(grids: list[np.ndarray], x: np.ndarray, target: np.ndarray, waits: Waits,
-             start: np.ndarray, min_compute: float, margins: Margins) -> FloorFit:
+             start: np.ndarray, min_compute: float, margins: Margins,
+             prior: tuple[float, float]) -> FloorFit:
     host, host_zero3 = (g.ravel() for g in np.meshgrid(*grids, indexing="ij"))
     solution = np.repeat(start[:, None], len(host), axis=1)
     for _ in range(ITERATIONS):
@@ -87,14 +89,16 @@ def _best_on(grids: list[np.ndarray], x: np.ndarray, target: np.ndarray, waits: 
         solution, *_ = np.linalg.lstsq(x, target[:, None] - offset, rcond=None)
     a = solution[0]
     error = np.sum((x @ solution + offset - target[:, None]) ** 2, axis=0)
-    kept_positive = margins(solution)[1:]
-    allowed = (a >= min_compute) & np.all(kept_positive >= 0, axis=0)
+    margin = margins(solution)[1:]
+    allowed = (a >= min_compute) & np.all(margin >= 0, axis=0)
     if not allowed.any():
         nearest = int(np.argmin(error))
-        negative = kept_positive[:, nearest]
+        negative = margin[:, nearest]
         worst = int(np.argmin(negative)) + 1 if (negative < 0).any() else None
         return FloorFit(float(host[nearest]), float(host_zero3[nearest]), None, worst)
-    # A floor that binds nowhere leaves the error flat: the smallest of equal fits.
+    # A floor that binds nowhere leaves the error flat: of the equal fits, the one nearest the
+    # profile's floors (what the runs cannot tell stays as it was).
     equal = allowed & (error <= error[allowed].min() * (1 + 1e-9) + 1e-15)
-    choice = min(np.flatnonzero(equal), key=lambda i: (host[i] + host_zero3[i], error[i]))
+    choice = min(np.flatnonzero(equal),
+                 key=lambda i: (abs(host[i] - prior[0]) + abs(host_zero3[i] - prior[1]), error[i]))
     return FloorFit(float(host[choice]), float(host_zero3[choice]), solution[:, choice], None)

@@ -92,6 +92,22 @@ def test_a_floor_no_run_determines_keeps_the_profiles():
     assert coefficients["host_zero3"] == FLOORED.host_layer_zero3_s
 
 
+def test_a_floor_that_binds_in_no_run_keeps_the_profiles_where_the_runs_allow_it():
+    """Runs whose layers are all longer than the ZeRO 0-2 floor (the 1B at micro-batch 4 and
+    8) say only that it is no higher than their forward: the profile's floor stays, not 0; a
+    profile's floor above what the runs allow comes down to it."""
+    long = [("train.micro_batch=4",), ("train.micro_batch=8",),
+            ("zero.stage=3", "train.micro_batch=1"), ("zero.stage=3", "train.micro_batch=2")]
+    points = _points(*long)
+    assert all(step_time(p.resolved, cal.apply(BARE, TRUE)).host == 0.0 for p in points[:2])
+    coefficients = cal.fit(points, FLOORED, host_floors=True)
+    assert coefficients["host"] == pytest.approx(FLOORED.host_layer_s, abs=1e-5)
+    assert coefficients["host_zero3"] == pytest.approx(TRUE["host_zero3"], abs=1e-4)
+    shortest = min(_pass_s(p.resolved, cal.apply(BARE, coefficients)) for p in points[:2])
+    high = dataclasses.replace(FLOORED, host_layer_s=5 * shortest)
+    assert cal.fit(points, high, host_floors=True)["host"] <= shortest * 1.01
+
+
 def test_runs_that_repeat_a_layout_determine_one_floor_not_two():
     """On one GPU ZeRO-0 and ZeRO-1 differ in nothing the model sees: with one ZeRO-3 run they
     are two distinct points, enough for the compute and one floor (the first: ZeRO 0-2's)."""
