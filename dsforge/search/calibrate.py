@@ -33,9 +33,10 @@ the points determine it (search/floor_fit.py searches them; the linear terms are
 each).
 
 The refitted profile: compute_efficiency / a (and a measured attention_efficiency / (a + d):
-the compute term holds the attention), microbatch_layer_s = f, zero3_gather_layer_s = g (or the
-floors, host_layer_s and host_layer_zero3_s), other_s_per_token_hidden = o, the optimizer's fixed cost and bytes x b, the
-bandwidths / c and the p2p latency x c. With 3 or more points each is predicted from a refit without it (leave-one-out); the median of
+the compute term holds the attention), microbatch_layer_s = f, zero3_gather_layer_s = g (or
+the floors, host_layer_s and host_layer_zero3_s), other_s_per_token_hidden = o, the
+optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With 3 or
+more points each is predicted from a refit without it (leave-one-out); the median of
 those errors becomes the profile's prediction_error, the band `dsforge plan --search` draws
 and breaks ties with. Fewer points keep the band it had.
 """
@@ -199,8 +200,8 @@ def _refit(relative: np.ndarray, coefficients: dict[str, float], chosen: list[st
 
 def _least_squares(chosen: list[str], x: np.ndarray, target: np.ndarray):
     """Least squares; refused where compute comes out <= 0 or another term negative (a signed
-    term: its sum with compute). The most negative term is dropped; when only compute is
-    negative, the terms after it bent it there, so the last of them."""
+    term: its sum with compute), naming the most negative term (_refit holds it at 0); when
+    only compute is negative, the terms after it bent it there, and none is named."""
     solution, *_ = np.linalg.lstsq(x, target, rcond=None)
     margins = term_margins(chosen, solution)
     negative = [i for i in range(1, len(chosen)) if margins[i] < 0]
@@ -312,9 +313,9 @@ def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterPro
     b, c = (max(coefficients[t], 1e-6) for t in ("optimizer", "communication"))
     # compute holds the attention too: a measured attention rate scales with the GEMMs', and
     # with attention's own correction where the points determined one.
+    attention_scale = max(a + coefficients.get("attention", 0.0), 1e-6)
     attention = (None if profile.attention_efficiency is None
-                 else min(1.0, profile.attention_efficiency / max(a + coefficients.get("attention", 0.0),
-                                                                  1e-6)))
+                 else min(1.0, profile.attention_efficiency / attention_scale))
     return dataclasses.replace(
         profile, compute_efficiency=min(1.0, profile.compute_efficiency / a),
         attention_efficiency=attention,
