@@ -123,17 +123,23 @@ def test_one_sequence_length_leaves_the_attention_with_the_gemms():
     assert cal.features(points[0].resolved, H200)["attention"] == 0.0
 
 
+def _pipelines():
+    """The 1B on pp 2 (two GPUs of a node), at three micro-batches, with and without vpp 2:
+    (its overrides, resolved)."""
+    for mb in (1, 2, 4):
+        for vpp in ((), ("parallel.vpp=2",)):
+            overrides = ("parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=false",
+                         f"train.micro_batch={mb}", *vpp)
+            yield overrides, resolve_file(ONE_B, list(overrides), world_size=2)
+
+
 def test_communication_an_engine_hides_is_held_at_zero_not_kept():
     """Runs faster than even hiding all their communication would make them: the fit wants a
     negative communication coefficient and holds it at 0 (an engine that overlaps all of it),
     not at the profile's 1 (all of it exposed), and refits compute beside it."""
     profile = dataclasses.replace(H200, inter_node_gbps=0.5, intra_node_gbps=0.5)
-    layouts = [("parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=false",
-                f"train.micro_batch={mb}", *vpp)
-               for mb in (1, 2, 4) for vpp in ((), ("parallel.vpp=2",))]
     points = []
-    for overrides in layouts:
-        resolved = resolve_file(ONE_B, list(overrides), world_size=2)
+    for overrides, resolved in _pipelines():
         f = cal.features(resolved, profile)
         points.append(cal.Point(" ".join(overrides), resolved,
                                 1.2 * f["compute"] + f["optimizer"] - 0.1 * f["communication"]))
@@ -146,12 +152,8 @@ def test_with_a_pipeline_the_refitted_profile_predicts_the_fitted_step():
     sends with communication, as the refitted profile then predicts them."""
     true = {**TRUE, "gathers": 0.0, "communication": 3.0}
     profile = dataclasses.replace(H200, inter_node_gbps=0.5, intra_node_gbps=0.5)  # sends matter
-    layouts = [("parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=false",
-                f"train.micro_batch={mb}", *vpp)
-               for mb in (1, 2, 4) for vpp in ((), ("parallel.vpp=2",))]
     points = []
-    for overrides in layouts:
-        resolved = resolve_file(ONE_B, list(overrides), world_size=2)
+    for overrides, resolved in _pipelines():
         points.append(cal.Point(" ".join(overrides), resolved,
                                 step_time(resolved, cal.apply(profile, true)).total))
     calibration = cal.calibrate(points, profile, measured_on="test")
