@@ -304,18 +304,14 @@ def calibrate(recipe, world_size, hostfile, overrides, **options):
 @click.argument("results", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="The refitted profile to write (a --profile file for dsforge plan --search).")
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="The profile to refit [the GPU's default].")
-@click.option("--gpu", type=click.Choice(GPU_KEYS),
-              help="The GPU the profile plans for [the one the cells ran on; on CPU the recipes', "
-                   "else h100].")
+@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
+              help="The profile to refit [the default of the GPU the cells ran on].")
 @click.option("--study", help="Only this study's cells [every study in RESULTS].")
-def refit(results, out, profile_path, gpu, study):
-    """Refit the planner's profile from the measured cells of bench studies (RESULTS.db), print
-    each cell predicted before and after, and write the profile (docs/search.md
-    "Calibration"). Exit status: 0 written, 2 refused (nothing written)."""
+def refit(results, **options):
+    """Refit the planner's profile from the finished cells of bench studies (RESULTS.db) and
+    write it (docs/search.md). Exit status: 0 written, 2 refused (nothing written)."""
     from dsforge.search.study_refit import refit_main
-    sys.exit(refit_main(results, out, profile_path, gpu, study))
+    sys.exit(refit_main(results, **options))
 
 
 @main.command()

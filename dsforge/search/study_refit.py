@@ -10,8 +10,9 @@ breakdown where the runs timed one. Cells that did not finish are listed with th
 The cells must have run on one kind of device: on a GPU the refit fits the host floors, on a
 CPU it does not (calibrate.fit), and a profile is true of one machine.
 
-The profile refitted is `--profile` (else the GPU's default): the GPU the cells ran on, or on
-a CPU the one the recipes name (`--gpu` overrides both), with the recipes' GPUs per node.
+The profile refitted is `--profile` (else the GPU's default), for the GPU it names, else the
+GPU the cells ran on, else (on a CPU) the one the recipes name, with the recipes' GPUs per
+node.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from dsforge.problems import EXIT_INVALID, RecipeError
 from dsforge.recipe.loader import build_recipe, parse_yaml
 from dsforge.recipe.resolve import Resolved, resolve, topology_for
 from dsforge.search.calibrate import Calibration, Point, calibrate, render
-from dsforge.search.profile import ClusterProfile, load_profile, profile_text, provenance_lines
+from dsforge.search.profile import (ClusterProfile, load_profile, profile_text, provenance_lines,
+                                    read_profile)
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,15 @@ def _resolved(recipe_text: str) -> Resolved:
     return resolve(recipe, topology)
 
 
-def starting_profile(cells: list[Cell], path: Path | None, gpu: str | None) -> ClusterProfile:
-    """`--profile` or the GPU's default (docstring above)."""
+def starting_profile(cells: list[Cell], path: Path | None) -> ClusterProfile:
+    """`--profile` (its GPU where it names one), else the default of the GPU the cells ran on,
+    else of the recipes' GPU (docstring above)."""
     first = cells[0]
-    if gpu is None and first.on_gpu and gpu_for_device_name(first.device):
-        gpu = gpu_for_device_name(first.device).key
     cluster = first.point.resolved.recipe.cluster
-    if gpu is None and cluster is not None:
-        gpu = cluster.gpu
+    ran_on = gpu_for_device_name(first.device) if first.on_gpu else None
+    gpu = ran_on.key if ran_on else cluster.gpu if cluster else None
+    if path is not None and read_profile(path).gpu is not None:
+        gpu = None  # the file's
     return load_profile(path, gpu, cluster.gpus_per_node if cluster else None)
 
 
@@ -126,8 +129,7 @@ def _check(cells: Cells, results: Path, study: str | None) -> None:
                          fix="pick the studies of one machine with --study")
 
 
-def refit_main(results: Path, out: Path, profile_path: Path | None, gpu: str | None,
-               study: str | None) -> int:
+def refit_main(results: Path, out: Path, profile: Path | None, study: str | None) -> int:
     """Read RESULTS, refit, print the table and write OUT; 2 with the reason where it cannot."""
     try:
         store = Store(results, argument="RESULTS", read_only=True)
@@ -137,7 +139,7 @@ def refit_main(results: Path, out: Path, profile_path: Path | None, gpu: str | N
             store.close()
         cells = read_cells(rows, study)
         _check(cells, results, study)
-        calibration = refit_cells(cells, starting_profile(cells.used, profile_path, gpu))
+        calibration = refit_cells(cells, starting_profile(cells.used, profile))
         _write(out, calibration, cells)
     except BenchError as exc:
         click.echo(f"dsforge refit: {exc}", err=True)

@@ -126,3 +126,15 @@ def test_a_file_that_is_not_a_results_database_is_refused(tmp_path):
     bogus.write_text("not sqlite")
     result = _refit(bogus, "--out", tmp_path / "p.yaml")
     assert result.exit_code == 2 and "RESULTS=" in result.output
+
+
+def test_a_profile_given_is_the_one_refitted_for_the_gpu_it_names(tmp_path):
+    db = _store(tmp_path / "results.db", [_row(o, profile=_cpu_profile()) for o in LAYOUTS])
+    named, bare = tmp_path / "a100.yaml", tmp_path / "bare.yaml"
+    named.write_text("gpu: a100\nintra_node_gbps: 100\n")
+    bare.write_text("intra_node_gbps: 100\n")
+    for given, gpu in ((named, "a100"), (bare, "h100")):  # else the recipes' cluster.gpu
+        out = tmp_path / f"out-{gpu}.yaml"
+        assert _refit(db, "--out", out, "--profile", given).exit_code == 0
+        written = load_profile(out, None, None)
+        assert written.gpu.key == gpu and written.intra_node_gbps == pytest.approx(100.0)
