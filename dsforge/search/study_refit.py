@@ -18,6 +18,7 @@ node.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ class Cell:
     device: str  # the device its ranks ran on, as the run's manifest names it
     on_gpu: bool
     point: Point
+    finished: float | None  # unix time its last repeat ended
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,9 @@ def _cell(label: str, repeats: list[Row]) -> tuple[Cell | None, str]:
     steps = [t for r in ok for t in r.figures["step_times_s"]]
     breakdown = median_breakdown(r.figures.get("breakdown_s") for r in ok)
     point = Point(label, resolved, statistics.median(steps), breakdown)
+    finished = max((r.finished for r in ok if r.finished), default=None)
     return Cell(label, device.get("name") or device.get("type") or "unknown",
-                device.get("type") == "cuda", point), ""
+                device.get("type") == "cuda", point, finished), ""
 
 
 def _resolved(recipe_text: str) -> Resolved:
@@ -110,8 +113,11 @@ def starting_profile(cells: list[Cell], path: Path | None) -> ClusterProfile:
 
 
 def refit_cells(cells: Cells, profile: ClusterProfile) -> Calibration:
+    """The refit, measured on the cells' device and the day the last of them finished."""
     on = cells.used[0]
-    return calibrate([c.point for c in cells.used], profile, measured_on=on.device,
+    last = max((c.finished for c in cells.used if c.finished), default=None)
+    day = f", {time.strftime('%Y-%m-%d', time.gmtime(last))}" if last else ""
+    return calibrate([c.point for c in cells.used], profile, measured_on=on.device + day,
                      host_floors=on.on_gpu)
 
 

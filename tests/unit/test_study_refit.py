@@ -24,6 +24,7 @@ H200 = {"type": "cuda", "name": "NVIDIA H200"}
 # The CPU's additive costs, as test_calibrate's machine: compute 20% slower, 3 ms a
 # microbatch and layer, 2.5 ms a ZeRO-3 gather.
 TRUE = {"compute": 1.2, "fixed": 0.003, "gathers": 0.0025, "optimizer": 1.0, "communication": 1.0}
+FINISHED = 1795651200.0  # 2026-11-26 00:00 UTC
 LAYOUTS = [("train.micro_batch=1",), ("train.micro_batch=2",), ("train.micro_batch=4",),
            ("zero.stage=3", "train.micro_batch=2"), ("zero.stage=3", "train.micro_batch=4")]
 
@@ -41,7 +42,8 @@ def _row(overrides, *, status="ok", device=CPU, profile=None, study="sweep", rep
         step = step_time(resolved, truth).total
         figures = {"step_times_s": [step * 0.99, step, step * 1.01], "breakdown_s": None}
     return Row(study=study, cell=" ".join(overrides), repeat=repeat, axes=axes, status=status,
-               recipe=dump_recipe(resolved.recipe), manifest={"device": device}, figures=figures)
+               recipe=dump_recipe(resolved.recipe), manifest={"device": device}, figures=figures,
+               finished=FINISHED)
 
 
 def _cpu_profile():
@@ -94,7 +96,7 @@ def test_gpu_cells_refit_the_gpu_they_ran_on_with_its_floors(tmp_path):
     result = _refit(_store(tmp_path / "results.db", rows), "--out", out)
     assert result.exit_code == 0, result.output
     written = load_profile(out, None, None)
-    assert written.gpu.key == "h200" and written.measured_on == "NVIDIA H200"
+    assert written.gpu.key == "h200" and written.measured_on == "NVIDIA H200, 2026-11-26"
     assert written.compute_efficiency == pytest.approx(h200.compute_efficiency, rel=1e-3)
     assert written.host_layer_zero3_s == pytest.approx(h200.host_layer_zero3_s, abs=1e-4)
 
