@@ -47,6 +47,7 @@ class Cell:
     on_gpu: bool
     point: Point
     finished: float | None  # unix time its last repeat ended
+    versions: dict[str, str]  # the packages its run ran with (the run's manifest)
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,10 @@ def _cell(label: str, repeats: list[Row]) -> tuple[Cell | None, str]:
     steps = [t for r in ok for t in r.figures["step_times_s"]]
     breakdown = median_breakdown(r.figures.get("breakdown_s") for r in ok)
     point = Point(label, resolved, statistics.median(steps), breakdown)
-    finished = max((r.finished for r in ok if r.finished), default=None)
     return Cell(label, device.get("name") or device.get("type") or "unknown",
-                device.get("type") == "cuda", point, finished), ""
+                on_gpu=device.get("type") == "cuda", point=point,
+                finished=max((r.finished for r in ok if r.finished), default=None),
+                versions=ok[0].manifest.get("versions") or {}), ""
 
 
 def _resolved(recipe_text: str) -> Resolved:
@@ -124,10 +126,10 @@ def refit_cells(cells: Cells, profile: ClusterProfile) -> Calibration:
 def _check(cells: Cells, results: Path, study: str | None) -> None:
     if not cells.used:
         where = f"study {study!r}" if study else "any study"
-        raise BenchError(f"no finished cell in {where} to refit from",
-                         argument="RESULTS", value=results,
-                         fix="run the study with dsforge bench first, or name one that finished "
-                             "with --study" + (": " + "; ".join(cells.skipped[:3]) if cells.skipped else ""))
+        why = ": " + "; ".join(cells.skipped[:3]) if cells.skipped else ""
+        raise BenchError(f"no finished cell in {where} to refit from", argument="RESULTS",
+                         value=results, fix="run the study with dsforge bench first, or name one "
+                                            f"that finished with --study{why}")
     devices = sorted({c.device for c in cells.used})
     if len(devices) > 1:
         raise BenchError(f"its cells ran on {len(devices)} kinds of device ({', '.join(devices)}); "
@@ -156,13 +158,18 @@ def refit_main(results: Path, out: Path, profile: Path | None, study: str | None
     for line in cells.skipped:
         click.echo(f"not used: {line}")
     click.echo(render(calibration))
-    click.echo(f"refitted profile written to {out}: use it with dsforge plan --search --profile {out}")
+    click.echo(f"refitted profile written to {out}: use it with "
+               f"dsforge plan --search --profile {out}")
     return 0
 
 
 def _write(out: Path, calibration: Calibration, cells: Cells) -> None:
-    lines = provenance_lines("Refitted by dsforge refit from bench cells", calibration.after.measured_on)
-    lines += ["Use it with --profile; it is true of this machine.", "", render(calibration)]
+    lines = provenance_lines("Refitted by dsforge refit from bench cells",
+                             calibration.after.measured_on)
+    ran = ", ".join(f"{k} {v}" for k, v in cells.used[0].versions.items() if v)
+    lines += [f"The cells ran with: {ran or 'versions not recorded'}.",
+              "Use it with --profile; it is true of the machine the cells ran on.", "",
+              render(calibration)]
     lines += [f"Not used: {s}" for s in cells.skipped]
     try:
         write_atomic(out, profile_text(calibration.after, "\n".join(lines)))
