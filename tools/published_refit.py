@@ -96,8 +96,8 @@ def group_fits(scored: list[Scored]) -> list[GroupFit]:
         if models >= MIN_MODELS:
             profile = start_profile(runs[0])
             coefficients = fit([point(s) for s in runs], profile, keep=KEEP)
-            fits.append(GroupFit(source, gpu, models, len(runs), profile, apply(profile, coefficients),
-                                 coefficients))
+            fits.append(GroupFit(source, gpu, models, len(runs), profile,
+                                 apply(profile, coefficients), coefficients))
     return fits
 
 
@@ -106,13 +106,12 @@ def refit_all(scored: list[Scored]) -> list[Refitted]:
     out: dict[int, Refitted] = {}
     for runs in groups_of(scored).values():
         models = {s.row.model.name for s in runs}
-        for s in runs:
-            out[id(s)] = Refitted(s, refitted=False)
         if len(models) < MIN_MODELS:
             continue
         profile = start_profile(runs[0])
         for model in models:
-            coefficients = fit([point(s) for s in runs if s.row.model.name != model], profile, keep=KEEP)
+            others = [point(s) for s in runs if s.row.model.name != model]
+            coefficients = fit(others, profile, keep=KEEP)
             after = apply(profile, coefficients)
             for s in runs:
                 if s.row.model.name == model:
