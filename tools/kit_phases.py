@@ -212,7 +212,7 @@ def main() -> None:
 HEADER = """# The planner against the GPU kit's runs, phase by phase
 
 Written by `python tools/kit_phases.py --loo --out benchmarks/search/kit_phases.md` from every run in
-benchmarks/gpu/results/ (one H200 and one H100, 2026-11-26). Measured: the median step and the median of
+benchmarks/gpu/results/ (one H200 and one H100, 2026-11-26 and 27). Measured: the median step and the median of
 each phase of dsforge's step breakdown (docs/breakdown.md). Predicted: `dsforge plan`'s step
 time (dsforge/search/cost.py with the GPU's default profile), its compute split by FLOPs
 (forward = model / 3, backward = 2 model / 3, recompute = hardware - model).
@@ -220,7 +220,7 @@ time (dsforge/search/cost.py with the GPU's default profile), its compute split 
 """
 FOOTER = """
 What the tables say (issue 23):
-- **The default profile** predicts the dense runs with a median error of 2.3% (2.6% on the
+- **The default profile** predicts the dense runs with a median error of 2.1% (2.6% on the
   H200, 1.5% on the H100), with the host floors these runs measured (the largest errors left
   are ZeRO-3's two early runs and torch's kernels). Before the floors it was 3.1%: the
   optimizer term is measured (commit 89a52d2: 8 ms + 109 bytes a parameter at the GPU's
@@ -244,6 +244,12 @@ What the tables say (issue 23):
   - The 1B at mb 8 (14 ms a layer on the device) pays ZeRO-3 only 1.1 ms a layer.
   - On the H100 (fifth session) the 3B at mb 2 spends 7.8 ms a layer in each ZeRO-3 forward,
     against 5.5 ms at ZeRO-0; at ZeRO-0 and mb 1 3.8 ms, where the device needs ~2.8.
+  - The floor is the host's, and hosts differ: the 7B at ZeRO-3, mb 1 took 4.10 s a step on
+    2026-11-26 and 4.44 s on 2026-11-27 (an H200 each, the same code), its forward 2,012 and
+    2,084 ms, while the ZeRO-0 runs of both days agree within 1%. `dsforge calibrate` timed the
+    floors on a bare layer at 128 tokens: 1.37 ms (5.26 at ZeRO-3), below the 2.39 (8.51) the
+    runs give: a layer in a whole run asks more of the host than a bare one (DeepSpeed's
+    module hooks are the likely difference; not measured apart).
 - **Kernels**: torch's kernels cost the 1B 147 ms more backward than Liger's. The model does
   not know the kernels (-9%).
 - **The MoE** is left out of the refit: the model has no term for its expert loop (58% of
@@ -253,11 +259,14 @@ The refit is `dsforge plan --search --measure`'s own on a GPU (dsforge/search/ca
 the compute's scale, the work outside the GEMMs and attention where runs of different widths
 tell it apart (`other`), and the two host floors, search/floor_fit.py), fitted here to the GPU
 kit's dense runs of one GPU type with each left out in turn. Left out in turn it is better
-than the refit with the additive per-microbatch and gather costs it replaced (H200: 2.1%
-against 3.0%, the largest 15.2% against 23.1%; H100: 1.6% against 2.8%). On the H200, whose
-runs span hidden sizes 2,048 to 4,096, it separates the GEMMs (compute_efficiency 0.813, near
-the 0.83-0.88 the GEMMs measured alone) from the rest (1.27e-10 s a token, layer and hidden
-unit); the H100's runs (2,048 and 3,072) do not tell the two apart by the refit's 5%. In the
+than the refit with the additive per-microbatch and gather costs it replaced (H200, the 27
+runs of 2026-11-26: 2.1% against 3.0%, the largest 15.2% against 23.1%; H100: 1.6% against
+2.8%). On the H200, whose runs span hidden sizes 2,048 to 4,096, it separates the GEMMs
+(compute_efficiency 0.777 on all 33 runs, 0.813 on the first 27) from the rest (1.05e-10 s a
+token, layer and hidden unit; 1.27e-10). `dsforge calibrate` timed both directly on the H200
+on 2026-11-27: the 7B's GEMMs at 0.90 in the same form (78% of peak) and 1.34e-10 s for the
+rest of a layer; in a whole run the GEMMs run slower than alone. The H100's runs (2,048 and
+3,072) do not tell the two apart by the refit's 5%. In the
 default profiles' form (one efficiency for all of it) its floors are the H200's and the H100's
 defaults (dsforge/search/profile.py; the compute's scale comes out at x0.99, so the
 efficiencies stand), and the "predicted" columns above use them. The published comparison
