@@ -59,15 +59,13 @@ KIT = "measured by the kit 2026-11-26 (H200, results/2026-11-26-h200)"
 KIT2 = "measured by the kit 2026-11-26 (H200, results/2026-11-26-h200-targets)"
 # KIT3 = the fourth (results/2026-11-26-h200-essential): the essential command, 520 s in all
 KIT3 = "measured by the kit 2026-11-26 (H200, results/2026-11-26-h200-essential)"
-# Start-up, from KIT3 (each run's seconds less its three steps and END_S), less the weight
-# draw that runtime/build/init.py has made on the GPU since: a rank drew its weights on the
-# CPU, ~4.5 s a billion parameters there (the MoE's and the 7B's start-ups against their
-# parameters), and a GPU draw takes milliseconds. The draw's saving is not measured yet.
-_DRAWN_ON_GPU = "less ~4.5 s a billion parameters for the draw now on the GPU (not yet measured)"
-START_7B = Estimate(50, f"guess: {KIT3}: 116 s with 3 steps of 10.9 s, 83 s without, "
-                        f"less END_S; {_DRAWN_ON_GPU}: -30 s")
-START_7B_Z3 = Estimate(65, f"guess: {KIT3}: 110 s with 3 steps of 4.1 s at ZeRO-3, 98 s "
-                           f"without, less END_S; {_DRAWN_ON_GPU}: -30 s")
+# KIT5 = the sixth, on an H200 (results/2026-11-27-h200): the essential command since the
+# weight draw moved to the GPU, with the calibration; each run's seconds less its three steps
+# and END_S.
+KIT5 = "measured by the kit 2026-11-27 (H200, results/2026-11-27-h200)"
+START_7B = Estimate(28, f"{KIT5}: 64 s with 3 steps of 10.9 s (116 s in KIT3, before the "
+                        "weight draw moved to the GPU)")
+START_7B_Z3 = Estimate(48, f"{KIT5}: 64 s with 3 steps of 4.4 s at ZeRO-3 (110 s in KIT3)")
 # KIT4 = the fifth, on an H100 (results/2026-11-26-h100-essential): the draw on the GPU
 # measured (the `weights` start-up phase 0.0 s); each run's seconds less its three steps and
 # END_S. The 1B, 3B and MoE start-ups are the H100's; used for the H200 as well.
@@ -235,9 +233,7 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
     # Issue 23: a profile measured on the kit's GPU at the 7B's shapes (its GEMMs at three
     # sizes, DeepSpeed's optimizer step at two), the basis of a shipped H100/H200 profile.
     Measurement(name="calibrate", script="calibrate", timeout_s=300,
-                estimate=Estimate(65, f"{KIT3}: the GEMMs at three sizes, two optimizer "
-                                      "engines (32 s); guess: 33 s more for the six small "
-                                      "engines of the layer timing (floors and the layer's work)"),
+                estimate=Estimate(50, f"{KIT5}: 47 s, the layer timing included"),
                 about="dsforge calibrate recipes/7b_1gpu.yaml on the kit's GPU: the GEMMs' rate "
                       "and knee, the optimizer step's fixed cost and bytes a parameter, "
                       "attention, memory bandwidth, the host floors at ZeRO-0 and ZeRO-3 and the "
