@@ -50,8 +50,10 @@ class ClusterProfile:
     # The work outside the GEMMs and attention (norms, SwiGLU, rotary, residuals, the loss's
     # share), in seconds per token, layer and hidden unit (cost.py `other`). 0: the efficiency
     # above absorbs it, as in every default profile. --measure's refit fits it where runs of
-    # different widths tell it from the GEMMs: the GPU kit's H200 runs (hidden 2,048 to 4,096)
-    # give 1.27e-10 s beside a compute_efficiency of 0.813 (benchmarks/search/kit_phases.md).
+    # different widths tell it from the GEMMs: the GPU kit's 33 H200 runs (hidden 2,048 to
+    # 4,096) give 1.05e-10 s beside a compute_efficiency of 0.777
+    # (benchmarks/search/kit_phases.md); `dsforge calibrate` times it in one of the recipe's
+    # layers (1.34e-10 s in a 7B layer on an H200).
     other_s_per_token_hidden: float = 0.0
     # Tokens of a microbatch at which its GEMMs reach half their full rate (cost.py
     # gemm_saturation): 256 for a GPU; `dsforge calibrate` measures it (a CPU's is near 0).
