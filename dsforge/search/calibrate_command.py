@@ -18,13 +18,18 @@ at RECIPE's shapes, term by term (docs/search.md "Calibration").
   as a share of the peak.
 - The memory bandwidth (a copy) is measured and written beside the profile; the cost model has
   no term of its own for it yet.
+- The recipe's own layers (search/calibrate_layers.py): on a GPU the host floors and the work
+  outside the GEMMs and attention.
 
-The costs that show only in a whole run (per microbatch, ZeRO-3's gathers) and the band come
-from `dsforge plan --search --measure`, which refits this profile from trials.
+The band, and on a CPU the costs that show only in a whole run (per microbatch, ZeRO-3's
+gathers), come from `dsforge plan --search --measure`, which refits this profile from trials.
+What the engines print while they are timed goes to PROFILE's `.engines.log` beside it
+(engine_log), as a run's engine lines go to its job.log: the terminal shows dsforge's lines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -55,10 +60,8 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
     profile = _base_profile(resolved, gpu, on)
     click.echo(f"dsforge: calibrating {resolved.recipe.name} on {device_name(on)} for a "
                f"{profile.gpu.name} profile", err=True)
-    gemms = gemm_rate(resolved, on, reps)
-    optimizer = optimizer_cost(resolved, on, reps)
-    attention, bandwidth = _side_figures(resolved, on, reps)
-    layers = measure_layers(resolved, on, reps)  # last: on a CPU it installs the CPU backend
+    log = engine_log(out)
+    gemms, optimizer, attention, bandwidth, layers = _measure(resolved, on, reps, log)
     profile = dataclasses.replace(profile, gemm_knee_tokens=gemms["knee"])
     measured = dataclasses.replace(
         profile, compute_efficiency=min(1.0, gemms["rate"] / _modelled_rate(resolved, profile, 1.0)),
@@ -69,7 +72,37 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
     lines = _report(resolved, measured, gemms, optimizer, attention, bandwidth, layers, on.type)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, profile_text(measured, "\n".join(lines)))
-    click.echo("\n".join(lines + [f"wrote {out}: use it with dsforge plan --search --profile {out}"]))
+    click.echo("\n".join(lines + [f"wrote {out}: use it with dsforge plan --search --profile {out}",
+                                  f"the engines' own output: {log}"]))
+
+
+def engine_log(out: Path) -> Path:
+    """Where the engines' output goes: beside the profile, e.g. h200.yaml -> h200.engines.log."""
+    return out.with_suffix(".engines.log")
+
+
+def _measure(resolved: Resolved, on, reps: int, log: Path) -> tuple:
+    """Every term's timing, with what the engines print sent to `log`, and the one-rank world
+    the engines needed torn down after, however the timing ends."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as sink, contextlib.redirect_stdout(sink):
+        try:
+            gemms = gemm_rate(resolved, on, reps)
+            optimizer = optimizer_cost(resolved, on, reps)
+            attention, bandwidth = _side_figures(resolved, on, reps)
+            layers = measure_layers(resolved, on, reps)  # last: on a CPU it installs the CPU backend
+        finally:
+            leave_world()
+    return gemms, optimizer, attention, bandwidth, layers
+
+
+def leave_world() -> None:
+    """DeepSpeed's engines (the optimizer step, the layers) needed a process group of one; a
+    process that ends without destroying it gets NCCL's warning about leaked resources."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def refuse_a_long_cpu_calibration(resolved: Resolved, on, reps: int) -> None:

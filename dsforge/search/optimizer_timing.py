@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -95,8 +96,8 @@ def build_environment(resolved) -> dict[str, str]:
     from dsforge.translate.build_env import arch_list_for_rank
 
     mapped, line = arch_list_for_rank(resolved, "cuda", os.environ)
-    if line:
-        print(line)
+    if line:  # dsforge's own line, to the terminal: stdout goes to the engine log meanwhile
+        print(line, file=sys.stderr)
     return mapped
 
 

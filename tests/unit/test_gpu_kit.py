@@ -397,7 +397,7 @@ def test_adam_step_builds_fused_adam_in_the_environment_a_rank_gives_it(monkeypa
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     fused_adam = adam_step.resolve("benchmarks/gpu/recipes/1b_1gpu.yaml", 1, "deepspeed")
     assert build_environment(fused_adam) == {"TORCH_CUDA_ARCH_LIST": "9.0"}
-    assert "TORCH_CUDA_ARCH_LIST='9.0a' is '9.0'" in capsys.readouterr().out
+    assert "TORCH_CUDA_ARCH_LIST='9.0a' is '9.0'" in capsys.readouterr().err
     torch_adamw = adam_step.resolve("benchmarks/gpu/recipes/1b_1gpu.yaml", 1, "fused")
     assert build_environment(torch_adamw) == {}  # nothing is built
 
