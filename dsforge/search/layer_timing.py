@@ -14,6 +14,10 @@ between the two layer counts is one layer's cost; the embedding and the output l
 - The layer's work: the forward and the backward at the recipe's micro-batch and sequence at
   ZeRO-0; less the layer's GEMMs and attention (timed by calibrate on their own), it is the
   work the `other` row stands for.
+- The ZeRO-3 forward at the recipe's micro-batch and sequence: set beside the ZeRO-0 one, it
+  says whether ZeRO-3's fetches pace the layer at the recipe's own shapes, where a bare layer
+  at a handful of tokens asks less of the host than the recipe's does
+  (calibrate_layers.zero3_floor).
 
 A tensor-parallel layer's collectives launch from the host too and are in neither figure. On
 a CPU the host is the device: the figures are measured and reported, and the profile keeps
@@ -60,6 +64,15 @@ def layer_work(resolved: Resolved, device: torch.device, reps: int) -> dict:
     both = {n: t["forward_backward_s"] for n, t in timed.items()}
     return {"tokens": b * s, "forward_s": forward, "forward_backward_s": both,
             "forward_per_layer_s": _slope(forward), "per_layer_s": _slope(both)}
+
+
+def zero3_forward(resolved: Resolved, device: torch.device, reps: int) -> dict:
+    """At the recipe's micro-batch and sequence, ZeRO-3: the seconds of the forward at each
+    layer count, and one layer's (the slope)."""
+    b, s = resolved.layout.micro_batch, resolved.recipe.train.seq_len
+    forward = {n: time_passes(small_recipe(resolved, n, 3, micro_batch=b, seq_len=s), device,
+                              reps, backward=False)["forward_s"] for n in LAYER_COUNTS}
+    return {"tokens": b * s, "forward_s": forward, "per_layer_s": _slope(forward)}
 
 
 def _slope(seconds: dict[int, float]) -> float:

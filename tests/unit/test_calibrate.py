@@ -221,6 +221,7 @@ def test_dsforge_calibrate_writes_a_profile_the_search_reads(tmp_path):
     # The host floors are timed here too, and reported; a CPU's profile has none.
     assert "the forward at 128 tokens: ZeRO-0 " in done.stdout and "ZeRO-3 " in done.stdout
     assert "a layer at 256 tokens (ZeRO-0): forward " in done.stdout  # and the layer's work
+    assert "a layer at 256 tokens at ZeRO-3: forward " in done.stdout  # and its ZeRO-3 forward
     assert written.host_layer_s == written.host_layer_zero3_s == 0.0
     assert written.other_s_per_token_hidden == 0.0
     searched = subprocess.run([sys.executable, "-m", "dsforge", "plan", "--search", "recipes/tiny.yaml",

@@ -154,13 +154,14 @@ def test_calibrate_times_the_floor_on_the_recipes_own_layers_at_few_tokens():
             assert (m.moe is None) == (resolved.recipe.model.moe is None)
 
 
-def _measured_layers(forward_per_layer_s: float = 0.010) -> dict:
+def _measured_layers(forward_per_layer_s: float = 0.010, zero3_per_layer_s: float = 0.0105) -> dict:
     """What search/layer_timing.py returns, made up: floors of 3 and 8 ms; a layer of the 1B
-    at 8,192 tokens taking 30 ms forward and backward."""
+    at 8,192 tokens taking 30 ms forward and backward, its forward 10.5 ms at ZeRO-3."""
     return {"floors": {0: {"forward_s": {1: 0.010, 3: 0.016}, "per_layer_s": 0.003},
                        3: {"forward_s": {1: 0.020, 3: 0.036}, "per_layer_s": 0.008}},
             "work": {"tokens": 8192, "forward_s": {}, "forward_backward_s": {},
-                     "forward_per_layer_s": forward_per_layer_s, "per_layer_s": 0.030}}
+                     "forward_per_layer_s": forward_per_layer_s, "per_layer_s": 0.030},
+            "zero3": {"tokens": 8192, "forward_s": {}, "per_layer_s": zero3_per_layer_s}}
 
 
 ATTENTION = {"backends": {"auto": {"seconds": 0.004, "tflops_full_matrix": 300.0}}}
@@ -187,8 +188,32 @@ def test_the_measured_floors_and_other_work_go_into_a_gpus_profile_and_not_a_cpu
     lines = layer_lines(layers, measured, resolved, rate, ATTENTION, on_gpu=True)
     assert "ZeRO-0 3 ms a layer (1 layer 10 ms, 3 layers 16 ms)" in lines[0]
     assert "(other_s_per_token_hidden)" in lines[1]
+    assert "paced by the device's work: host_layer_zero3_s is the bare layer's" in lines[2]
     failed = layer_lines("RuntimeError: no room", FLOORED, resolved, rate, ATTENTION, on_gpu=True)[0]
     assert "not measured (RuntimeError: no room)" in failed and "3 ms and 8 ms" in failed
+
+
+def test_a_zero3_forward_the_host_paces_at_the_recipes_shapes_sets_the_zero3_floor():
+    """The bare layer's 8 ms bounds the ZeRO-3 floor from below. Where the recipe's own ZeRO-3
+    forward takes 10% or more over its ZeRO-0 forward (10 ms), the host's fetches pace it, and
+    its time a layer is the floor at these shapes; within 10% the device's work paces it, and
+    the bare layer's floor stands (the recipe's forward bounds it only from above)."""
+    from dsforge.search.calibrate_layers import layer_fields, layer_lines, zero3_floor
+
+    resolved = _layout("train.micro_batch=2")
+    assert zero3_floor(_measured_layers(zero3_per_layer_s=0.0105)) == 0.008  # device-paced
+    assert zero3_floor(_measured_layers(zero3_per_layer_s=0.013)) == 0.013  # host-paced
+    short = _measured_layers(forward_per_layer_s=0.003, zero3_per_layer_s=0.005)
+    assert zero3_floor(short) == 0.008  # paced, yet under the bare floor: the larger
+    paced = _measured_layers(zero3_per_layer_s=0.013)
+    assert layer_fields(paced, "cuda", resolved, 600e12, ATTENTION)["host_layer_zero3_s"] == 0.013
+    assert layer_fields(paced, "cpu", resolved, 600e12, ATTENTION)["host_layer_zero3_s"] == 0.0
+    line = layer_lines(paced, FLOORED, resolved, 600e12, ATTENTION, on_gpu=True)[2]
+    assert line == ("a layer at 8,192 tokens at ZeRO-3: forward 13 ms against 10 ms at ZeRO-0, "
+                    "paced by the host's fetches: host_layer_zero3_s 13 ms, the larger of it and "
+                    "the bare layer's")
+    cpu = layer_lines(paced, FLOORED, resolved, 600e12, ATTENTION, on_gpu=False)[2]
+    assert cpu.endswith("not in a CPU's profile (--measure's gathers term stands for it)")
 
 
 def test_the_other_work_is_not_measured_where_the_host_paces_the_layer_or_experts_run():
