@@ -90,7 +90,8 @@ def _measure(resolved: Resolved, on, reps: int, log: Path) -> tuple:
             gemms = gemm_rate(resolved, on, reps)
             optimizer = optimizer_cost(resolved, on, reps)
             attention, bandwidth = _side_figures(resolved, on, reps)
-            layers = measure_layers(resolved, on, reps)  # last: on a CPU it installs the CPU backend
+            # last: on a CPU it installs the CPU backend
+            layers = measure_layers(resolved, on, reps)
         finally:
             leave_world()
     return gemms, optimizer, attention, bandwidth, layers

@@ -133,7 +133,7 @@ _DEFAULTS: dict[str, tuple[float, float, float]] = {
 # they (and the optimizer's coefficients above) come from, the profile's `measured_on`. The
 # floors are --measure's own refit of the kit's dense runs (`python tools/kit_phases.py
 # --loo`; tests/unit/test_kit_phases.py holds them to it), fitted beside the compute's scale
-# (x0.994 and x0.993, so the efficiencies above stand). No other GPU has been measured.
+# (x0.991 and x0.993, so the efficiencies above stand). No other GPU has been measured.
 _KIT = ("2026-11-26 and 27, torch 2.11 + CUDA 13.0, DeepSpeed 0.19.8, Megatron-Core 0.16.1, Liger "
         "0.8.5: python tools/kit_phases.py --loo")
 _MEASURED: dict[str, tuple[float, float, str]] = {
