@@ -140,3 +140,24 @@ def test_a_profile_given_is_the_one_refitted_for_the_gpu_it_names(tmp_path):
         assert _refit(db, "--out", out, "--profile", given).exit_code == 0
         written = load_profile(out, None, None)
         assert written.gpu.key == gpu and written.intra_node_gbps == pytest.approx(100.0)
+
+
+def test_the_gpu_trials_of_the_search_refit_here_as_they_did_on_the_gpu():
+    """`dsforge plan --search --measure` on one H200 (benchmarks/gpu/results/2026-11-27-h200/
+    2-search-measure): its three trials, read back from the committed results.db, refit to the
+    profile the GPU wrote beside them (compute's efficiency and the band), on any machine."""
+    from dsforge.search.profile import read_profile
+    from dsforge.search.study_refit import refit_cells, starting_profile
+
+    folder = REPO / "benchmarks" / "gpu" / "results" / "2026-11-27-h200" / "2-search-measure"
+    store = Store(folder / "results.db")
+    try:
+        cells = read_cells(store.rows())
+    finally:
+        store.close()
+    assert [c.device for c in cells.used] == ["NVIDIA H200"] * 3 and not cells.skipped
+    result = refit_cells(cells, starting_profile(cells.used, None))
+    on_the_gpu = read_profile(folder / "profile.yaml")
+    assert result.after.compute_efficiency == pytest.approx(on_the_gpu.compute_efficiency, rel=1e-3)
+    assert result.after.prediction_error == pytest.approx(on_the_gpu.prediction_error, rel=1e-2)
+    assert result.after.measured_on == "NVIDIA H200, 2026-11-27"
