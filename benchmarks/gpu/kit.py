@@ -449,6 +449,8 @@ def run_step(step: Step, ctx: Context, env: dict, deadline: float, log: Log) -> 
                                              f"needed, {left:.0f} s left)"}
     if step.kind == "run":  # an earlier command's run on this machine: dsforge wants it empty
         shutil.rmtree(ctx.work / "runs" / step.spec.label, ignore_errors=True)
+    if step.kind == "search":  # --measure would reuse an earlier command's finished trials
+        shutil.rmtree(ctx.work / kit_plan.LOOP_OUT, ignore_errors=True)
     log_path = ctx.work / "logs" / f"{step.name}.log"
     started = time.monotonic()
     with SmiSampler(step.kind in SAMPLED) as smi:

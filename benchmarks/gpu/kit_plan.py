@@ -122,7 +122,7 @@ class Measurement:
     about: str
     runs: tuple[RunSpec, ...] = ()
     studies: tuple[StudySpec, ...] = ()
-    script: str | None = None  # "gpu-tests", "gemm", "adam-step" or "calibrate"
+    script: str | None = None  # "gpu-tests", "gemm", "adam-step", "calibrate" or "search"
     estimate: Estimate | None = None  # for a script
     timeout_s: float = 0.0
 
@@ -130,7 +130,7 @@ class Measurement:
 @dataclass(frozen=True, kw_only=True)
 class Step:
     name: str  # unique in a command; names its log file
-    kind: str  # install | env | pytest | gemm | adam | calibrate | plan | run | bench | report | skip
+    kind: str  # install | env | pytest | gemm | adam | calibrate | search | plan | run | bench | report | skip
     argv: tuple[str, ...] = ()
     expected_s: float = 0.0
     basis: str = ""  # where expected_s comes from
@@ -240,6 +240,15 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
                       "and knee, the optimizer step's fixed cost and bytes a parameter, "
                       "attention, memory bandwidth, the host floors at ZeRO-0 and ZeRO-3 and the "
                       "layer's work outside its GEMMs, as a --profile file"),
+    # Issue 23's loop on the kit's GPU, after `calibrate` in `profiles`: dsforge plan --search
+    # --measure from the profile calibrate wrote (LOOP_RECIPES, loop_argv).
+    Measurement(name="loop", script="search", timeout_s=420,
+                estimate=Estimate(240, f"{KIT5}: 174 s for the 7B's top 3 at 8 sequences with "
+                                       "the install; guess: ~60 s for a fourth trial"),
+                about="dsforge plan --search --measure on the kit's GPU from the profile "
+                      "calibrate wrote: the top 4 layouts of the 7B (H200) or the 3B (H100) at 8 "
+                      "sequences run as trials; predicted against measured before and after the "
+                      "refit"),
     Measurement(name="7b-levers", about="the 7B: the shipped layout at global batch 16; full "
                                         "checkpointing at mb 2 and selective at mb 1, at 8 "
                                         "sequences (H200); with the optimizer offloaded (H100)",
@@ -279,7 +288,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "essential": ("gpu-tests", "anchor", "zero", "moe"),
     "levers": ("gemm", "kernels-1b", "adam-step", "7b-levers", "breakdown-cost"),
     "sweeps": ("mfu-1b", "mfu-3b"),
-    "profiles": ("calibrate",),
+    "profiles": ("calibrate", "loop"),
 }
 
 
@@ -354,7 +363,8 @@ def steps(measurements: list[Measurement], ctx: Context) -> list[Step]:
     out = setup_steps(ctx)
     for m in measurements:
         if m.script is not None:
-            out.append(script_step(m, ctx))
+            calibrated = any(s.kind == "calibrate" for s in out)
+            out.append(script_step(m, ctx, calibrated))
         for spec in m.runs:
             out += run_steps(spec, m.name, ctx)
         for study in m.studies:
@@ -387,11 +397,14 @@ def setup_steps(ctx: Context) -> list[Step]:
                  argv=(ctx.python, f"{KIT_DIR}/probe_env.py", "--out", str(ctx.work / "env.json")))]
 
 
-def script_step(m: Measurement, ctx: Context) -> Step:
+def script_step(m: Measurement, ctx: Context, calibrated: bool = False) -> Step:
+    """`calibrated`: a calibrate step runs earlier in the same command (the loop starts from
+    its profile)."""
     argv = {"gpu-tests": _pytest_argv, "gemm": _gemm_argv, "adam-step": _adam_argv,
-            "calibrate": _calibrate_argv}[m.script](ctx)
+            "calibrate": _calibrate_argv,
+            "search": lambda c: loop_argv(c, calibrated)}[m.script](ctx)
     kind = {"gpu-tests": "pytest", "gemm": "gemm", "adam-step": "adam",
-            "calibrate": "calibrate"}[m.script]
+            "calibrate": "calibrate", "search": "search"}[m.script]
     return Step(name=m.name, kind=kind, argv=argv, expected_s=m.estimate.seconds,
                 basis=m.estimate.basis, timeout_s=m.timeout_s, measurement=m.name)
 
@@ -423,6 +436,22 @@ CALIBRATED = "profile-7b.yaml"  # in the work folder, archived with it
 def _calibrate_argv(ctx: Context) -> tuple[str, ...]:
     return (ctx.python, "-m", "dsforge", "calibrate", SEVEN_B, "--gpu", ctx.gpu, "--out",
             str(ctx.work / CALIBRATED))
+
+
+# The loop's model per GPU: one that fills it at 8 sequences a step, whose top layouts differ
+# in what the cost model tells apart (checkpointing, micro-batch, ZeRO-3).
+LOOP_RECIPES = {"h200": SEVEN_B, "h100": THREE_B}
+LOOP_TOP = 4
+LOOP_TOKENS = 8 * 4096
+LOOP_OUT = "search-loop"  # in the work folder: the trials' runs, results.db, profile.yaml
+
+
+def loop_argv(ctx: Context, calibrated: bool) -> tuple[str, ...]:
+    """The search with --measure on this GPU; its --json ends the step's log (kit_results)."""
+    profile = ("--profile", str(ctx.work / CALIBRATED)) if calibrated else ()
+    return (ctx.python, "-m", "dsforge", "plan", "--search", LOOP_RECIPES[ctx.gpu], "--gpus", "1",
+            "--gpu", ctx.gpu, "--top", str(LOOP_TOP), "--global-batch-tokens", str(LOOP_TOKENS),
+            "--measure", "--measure-out", str(ctx.work / LOOP_OUT), "--json", *profile)
 
 
 def run_steps(spec: RunSpec, measurement: str, ctx: Context) -> list[Step]:

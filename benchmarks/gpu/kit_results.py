@@ -18,6 +18,7 @@ V D, D the hidden size). They differ only where heads x head_dim != hidden size.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 import xml.etree.ElementTree as ET
@@ -26,7 +27,7 @@ from pathlib import Path
 from dsforge.hardware import gpu_by_key, gpu_for_device_name
 from dsforge.job.metrics_file import PHASES, is_validation
 from dsforge.units import GiB
-from kit_plan import CALIBRATED, RunSpec, Step, StudySpec, prediction, resolve_run
+from kit_plan import CALIBRATED, LOOP_TOP, RunSpec, Step, StudySpec, prediction, resolve_run
 
 PRECISION_TOLERANCE = 0.05  # |bf16 - fp32| / fp32 of the last-10-step mean loss
 KERNEL_RTOL, KERNEL_ATOL = 1e-2, 1e-3  # Liger's own bf16 loss tolerance (tests/gpu)
@@ -163,7 +164,7 @@ def collect(steps: list[Step], records: dict[str, dict], work: Path, gpu: str) -
               "env": read_json(work / "env.json"), "gemm": read_json(work / "gemm.json"),
               "gpu_tests": junit_counts(work / "gpu-tests.xml"), "precision": precision_row(work),
               "kernels": kernels_row(work), "adam": read_json(work / "adam_step.json"),
-              "profile": calibrated_profile(work),
+              "profile": calibrated_profile(work), "loop": loop_result(work),
               "runs": [], "studies": {}}
     for step in steps:
         if step.kind in ("run", "skip") and isinstance(step.spec, RunSpec):
@@ -199,7 +200,8 @@ def render(result: dict, *, fake: bool = False) -> str:
     sections = [_render_head(result, fake), _render_steps(result), _render_correctness(result),
                 _render_runs(result), _render_breakdown(result), _render_startup(result),
                 _render_gemm(result),
-                _render_adam(result), _render_profile(result), _render_studies(result)]
+                _render_adam(result), _render_profile(result), _render_loop(result),
+                _render_studies(result)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -381,6 +383,43 @@ def _render_profile(result: dict) -> str:
             f"{CALIBRATED}; its comments hold every figure)\n" + "\n".join(lines))
 
 
+def _render_loop(result: dict) -> str:
+    """The search's trials, predicted (by the calibrated profile where calibrate ran first)
+    against measured, and each predicted again by the refit on the others."""
+    loop = result.get("loop")
+    if not loop:
+        return ""
+    refit = loop.get("refit") or {}
+    left_out = {row["label"]: row["left_out_s"] for row in refit.get("trials", [])}
+    lines = ["| # | layout | status | predicted s | measured s | error | refit without it s | error |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for t in loop.get("measured", []):
+        shape, measured = _shape(t["layout"]), t["measured_step_s"]
+        alone = next((s for label, s in left_out.items() if label == shape), None)
+        lines.append(f"| {t['predicted_rank']} | {shape} | {t['status']} "
+                     f"| {t['predicted_step_s']:.3f} | {_num(measured, '.3f')} "
+                     f"| {_error(t['predicted_step_s'], measured)} | {_num(alone, '.3f')} "
+                     f"| {_error(alone, measured)} |")
+    tail = [f"- {loop.get('measured_verdict', 'no trial finished')}"]
+    if refit:
+        tail.append(f"- refit: band +-{refit['prediction_error']:.1%} (each trial predicted from "
+                    "the others); coefficients " + ", ".join(
+                        f"{k} {v:.3g}" for k, v in refit["coefficients"].items()))
+    return (f"### The loop: dsforge plan --search --measure, top {LOOP_TOP} (the profile it "
+            f"started from: {loop['profile_measured_on']})\n" + "\n".join(lines + [""] + tail))
+
+
+def _shape(layout: dict) -> str:
+    """The layout as calibrate's rows label it (search.Ranked.shape)."""
+    from dsforge.search.search import shape_of
+
+    return shape_of(layout)
+
+
+def _error(predicted, measured) -> str:
+    return f"{predicted / measured - 1:+.1%}" if predicted and measured else "-"
+
+
 def _render_studies(result: dict) -> str:
     out = []
     for label, cells in result["studies"].items():
@@ -429,6 +468,8 @@ def write_fake_inputs(steps: list[Step], work: Path, gpu: str) -> dict[str, dict
             _fake_adam(work, gpu)
         elif step.kind == "calibrate":
             _fake_profile(work, gpu)
+        elif step.kind == "search":
+            _fake_loop(step, work)
         if step.kind != "skip":
             records.setdefault(step.name, {"status": "fake", "seconds": step.expected_s})
     return records
@@ -442,6 +483,52 @@ def calibrated_profile(work: Path) -> dict | None:
 
     path = work / CALIBRATED
     return dataclasses.asdict(read_profile(path)) if path.is_file() else None
+
+
+def loop_result(work: Path) -> dict | None:
+    """The loop step's `plan --search --json`, which ends its log (dsforge's progress lines
+    come first), with where the profile it started from was measured; None where there is none."""
+    path = work / "logs" / "loop.log"
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    start = re.search(r"^\{$", text, flags=re.MULTILINE)
+    if start is None:
+        return None
+    try:
+        data, _ = json.JSONDecoder().raw_decode(text, start.start())
+    except json.JSONDecodeError:
+        return None
+    return {**data, "profile_measured_on": data["profile"]["measured_on"] or "the default"}
+
+
+def _fake_loop(step: Step, work: Path) -> None:
+    """The search the step names, run here without --measure (its layouts and predictions, and
+    a check of its arguments), with invented trials 5% slower than predicted and a refit."""
+    from click.testing import CliRunner
+
+    from dsforge.cli import main
+
+    argv = list(step.argv[step.argv.index("plan"):])
+    at = argv.index("--measure-out")
+    del argv[at:at + 2]
+    argv.remove("--measure")
+    if "--profile" in argv:  # the fake calibrate step's, in this dry run's work folder
+        argv[argv.index("--profile") + 1] = str(work / CALIBRATED)
+    done = CliRunner().invoke(main, argv)
+    if done.exit_code != 0:
+        raise RuntimeError(f"the loop's search failed here: {done.output[-2000:]}")
+    data = json.loads(done.stdout)
+    trials = [{"predicted_rank": i, "layout": c["layout"],
+               "predicted_step_s": c["step_time_s"]["total"],
+               "measured_step_s": 1.05 * c["step_time_s"]["total"], "status": "ok", "reason": None}
+              for i, c in enumerate(data["candidates"], start=1)]
+    data["measured"] = trials
+    data["measured_verdict"] = "FAKE: the measurement keeps the search's answer"
+    data["refit"] = {"coefficients": {"compute": 0.95}, "prediction_error": 0.02,
+                     "trials": [{"label": _shape(t["layout"]), "measured_s": t["measured_step_s"],
+                                 "left_out_s": t["measured_step_s"] * 1.01} for t in trials]}
+    path = work / "logs" / "loop.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("measuring the top layouts on this machine (FAKE)\n" + json.dumps(data, indent=2))
 
 
 def _fake_profile(work: Path, gpu: str) -> None:

@@ -68,13 +68,8 @@ class Ranked:
                 "sequence_parallel": lay.sequence_parallel, "schedule": lay.schedule}
 
     def shape(self) -> str:
-        """One line, e.g. `tp2 pp8 vpp5 dp2 ZeRO-1 mb1 ckpt none` (cp, vpp and ep shown when > 1)."""
-        x = self.layout_row()
-        cp = f" cp{x['cp']}" if x["cp"] > 1 else ""
-        vpp = f" vpp{x['vpp']}" if x["vpp"] > 1 else ""
-        ep = f" ep{x['ep']}" if x["ep"] > 1 else ""
-        return (f"tp{x['tp']}{cp} pp{x['pp']}{vpp}{ep} dp{x['dp']} ZeRO-{x['zero']} "
-                f"mb{x['micro_batch']} ckpt {x['checkpointing']}")
+        """One line, e.g. `tp2 pp8 vpp5 dp2 ZeRO-1 mb1 ckpt none` (shape_of)."""
+        return shape_of(self.layout_row())
 
     def to_dict(self) -> dict:
         """The candidate in `plan --search --json` and on the explorer page."""
@@ -84,6 +79,16 @@ class Ranked:
                 "tokens_per_s_per_gpu": self.tokens_per_s / self.resolved.layout.world_size,
                 "step_time_band_s": list(self.band), "tied_with_fastest": self.tied,
                 "mfu": self.mfu, "exact_batch": self.exact_batch, "why_above_next": self.reason}
+
+
+def shape_of(x: dict) -> str:
+    """A layout row (Ranked.layout_row, `plan --search --json`'s "layout") in one line, e.g.
+    `tp2 pp8 vpp5 dp2 ZeRO-1 mb1 ckpt none` (cp, vpp and ep shown when > 1)."""
+    cp = f" cp{x['cp']}" if x["cp"] > 1 else ""
+    vpp = f" vpp{x['vpp']}" if x["vpp"] > 1 else ""
+    ep = f" ep{x['ep']}" if x["ep"] > 1 else ""
+    return (f"tp{x['tp']}{cp} pp{x['pp']}{vpp}{ep} dp{x['dp']} ZeRO-{x['zero']} "
+            f"mb{x['micro_batch']} ckpt {x['checkpointing']}")
 
 
 @dataclass

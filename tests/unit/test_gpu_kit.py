@@ -423,3 +423,41 @@ def test_the_calibrate_step_writes_a_profile_the_table_shows(tmp_path):
     table = kit_results.render(kit_results.collect([step], {}, tmp_path, "h200"))
     assert "### The profile dsforge calibrate measured (FAKE (dry run)" in table
     assert "| gemm_knee_tokens | 256 |" in table
+
+
+def test_the_loop_starts_from_the_profile_calibrate_wrote_in_the_same_command(tmp_path):
+    """Issue 23's loop on the kit's GPU (`profiles`): the search's top layouts of the model that
+    fills the GPU, measured as trials and refitted, from calibrate's profile where calibrate
+    runs first, else from the GPU's default profile."""
+    ctx = kit.Context(gpu="h100", python="PY", work=tmp_path)
+    steps = kit_plan.steps(kit_plan.select(["profiles"]), ctx)
+    assert [s.kind for s in steps] == ["install", "env", "calibrate", "search"]
+    loop = steps[-1]
+    assert loop.argv[:6] == ("PY", "-m", "dsforge", "plan", "--search", kit_plan.THREE_B)
+    assert loop.argv[-2:] == ("--profile", str(tmp_path / kit_plan.CALIBRATED))
+    assert "--measure" in loop.argv and "--json" in loop.argv
+    [alone] = [s for s in kit_plan.steps(kit_plan.select(["loop"]), ctx) if s.kind == "search"]
+    assert "--profile" not in alone.argv
+    h200 = kit.Context(gpu="h200", python="PY", work=tmp_path)
+    [seven_b] = [s for s in kit_plan.steps(kit_plan.select(["loop"]), h200) if s.kind == "search"]
+    assert kit_plan.SEVEN_B in seven_b.argv
+
+
+def test_the_loops_table_reads_the_search_json_at_the_end_of_its_log(tmp_path):
+    """The dry run runs the step's own search here (its arguments checked by dsforge's CLI) and
+    invents the trials; the table reads the JSON after the progress lines of the log."""
+    ctx = kit.Context(gpu="h100", python="PY", work=tmp_path)
+    steps = [s for s in kit_plan.steps(kit_plan.select(["profiles"]), ctx)
+             if s.kind in ("calibrate", "search")]
+    kit_results.write_fake_inputs(steps, tmp_path, "h100")
+    loop = kit_results.loop_result(tmp_path)
+    assert len(loop["measured"]) == kit_plan.LOOP_TOP and loop["refit"]["prediction_error"] == 0.02
+    table = kit_results.render(kit_results.collect(steps, {}, tmp_path, "h100"))
+    assert "### The loop: dsforge plan --search --measure, top 4 (the profile it started from: " \
+           "FAKE (dry run))" in table
+    assert "| 1 | tp1 pp1 dp1 ZeRO-0 mb1 ckpt none | ok |" in table
+    log = tmp_path / "logs" / "loop.log"
+    log.write_text("trial 1/4: failed (oom)\n")  # no JSON: the command died before printing it
+    assert kit_results.loop_result(tmp_path) is None
+    log.unlink()
+    assert kit_results.loop_result(tmp_path) is None
