@@ -130,7 +130,8 @@ class Measurement:
 @dataclass(frozen=True, kw_only=True)
 class Step:
     name: str  # unique in a command; names its log file
-    kind: str  # install | env | pytest | gemm | adam | calibrate | search | plan | run | bench | report | skip
+    # install | env | pytest | gemm | adam | calibrate | search | plan | run | bench | report | skip
+    kind: str
     argv: tuple[str, ...] = ()
     expected_s: float = 0.0
     basis: str = ""  # where expected_s comes from

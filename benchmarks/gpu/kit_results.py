@@ -395,7 +395,7 @@ def _render_loop(result: dict) -> str:
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for t in loop.get("measured", []):
         shape, measured = _shape(t["layout"]), t["measured_step_s"]
-        alone = next((s for label, s in left_out.items() if label == shape), None)
+        alone = left_out.get(shape)
         lines.append(f"| {t['predicted_rank']} | {shape} | {t['status']} "
                      f"| {t['predicted_step_s']:.3f} | {_num(measured, '.3f')} "
                      f"| {_error(t['predicted_step_s'], measured)} | {_num(alone, '.3f')} "
