@@ -46,6 +46,7 @@ for _path in (str(KIT), str(REPO)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import kit_fake
 import kit_plan
 import kit_results
 import kit_wheels
@@ -274,7 +275,7 @@ def fake_table(steps: list[Step], gpu: str, selected: list[str]) -> str:
 
     with tempfile.TemporaryDirectory(prefix="dsforge-kit-dry-") as tmp:
         work = Path(tmp)
-        records = kit_results.write_fake_inputs(steps, work, gpu)
+        records = kit_fake.write_fake_inputs(steps, work, gpu)
         records.update({s.name: {"status": "fake", "seconds": s.expected_s} for s in steps
                         if s.kind in ("install", "env")})
         facts = probe_env.collect(quick=True)

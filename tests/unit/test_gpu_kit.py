@@ -31,6 +31,7 @@ def _load_kit():
 
 kit = _load_kit()
 kit_plan, kit_results, kit_wheels = kit.kit_plan, kit.kit_results, kit.kit_wheels
+kit_fake = kit.kit_fake
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
@@ -256,16 +257,16 @@ def test_table_from_fake_inputs(tmp_path):
     from dsforge.job.metrics_file import PHASES
 
     steps = kit_plan.steps(kit_plan.select(["all"]), kit.Context(gpu="h200", python="PY", work=tmp_path))
-    records = kit_results.write_fake_inputs(steps, tmp_path, "h200")
+    records = kit_fake.write_fake_inputs(steps, tmp_path, "h200")
     result = kit_results.collect(steps, records, tmp_path, "h200")
     table = kit_results.render(result, fake=True)
     assert [r["label"] for r in result["runs"]] == [s.name for s in steps if s.kind in ("run", "skip")]
     for row in result["runs"]:
-        assert row["mfu"] == pytest.approx(kit_results.FAKE_MFU)
+        assert row["mfu"] == pytest.approx(kit_fake.FAKE_MFU)
         if row["label"].startswith("moe"):  # KempnerForge's formula is for dense models
             assert row["mfu_kempnerforge"] is None
         else:
-            assert row["mfu_kempnerforge"] == pytest.approx(kit_results.FAKE_MFU)
+            assert row["mfu_kempnerforge"] == pytest.approx(kit_fake.FAKE_MFU)
         assert row["allocated_bytes"] / row["predicted_bytes"] == pytest.approx(0.9, abs=1e-6)
         assert sum(row["breakdown_s"].values()) == pytest.approx(row["step_s"])
     assert result["gpu_tests"]["counts"]["passed"] == 4 and result["precision"]["within_tolerance"]
@@ -284,7 +285,7 @@ def test_table_leaves_out_the_breakdown_of_a_run_without_one(tmp_path):
     """Runs of a dsforge that measured no breakdown (DSFORGE_BREAKDOWN=off, or older) render
     without that section instead of failing."""
     steps = kit_plan.steps(kit_plan.select(["moe"]), kit.Context(gpu="h100", python="PY", work=tmp_path))
-    records = kit_results.write_fake_inputs(steps, tmp_path, "h100")
+    records = kit_fake.write_fake_inputs(steps, tmp_path, "h100")
     summary = tmp_path / "runs" / "moe-8l" / "summary.json"
     data = json.loads(summary.read_text())
     data.pop("median_breakdown_s")
@@ -419,7 +420,7 @@ def test_the_calibrate_step_writes_a_profile_the_table_shows(tmp_path):
     [step] = [s for s in kit_plan.steps(kit_plan.select(["calibrate"]), ctx) if s.kind == "calibrate"]
     assert step.argv == ("PY", "-m", "dsforge", "calibrate", "recipes/7b_1gpu.yaml", "--gpu",
                          "h200", "--out", str(tmp_path / kit_plan.CALIBRATED))
-    kit_results.write_fake_inputs([step], tmp_path, "h200")
+    kit_fake.write_fake_inputs([step], tmp_path, "h200")
     table = kit_results.render(kit_results.collect([step], {}, tmp_path, "h200"))
     assert "### The profile dsforge calibrate measured (FAKE (dry run)" in table
     assert "| gemm_knee_tokens | 256 |" in table
@@ -449,7 +450,7 @@ def test_the_loops_table_reads_the_search_json_at_the_end_of_its_log(tmp_path):
     ctx = kit.Context(gpu="h100", python="PY", work=tmp_path)
     steps = [s for s in kit_plan.steps(kit_plan.select(["profiles"]), ctx)
              if s.kind in ("calibrate", "search")]
-    kit_results.write_fake_inputs(steps, tmp_path, "h100")
+    kit_fake.write_fake_inputs(steps, tmp_path, "h100")
     loop = kit_results.loop_result(tmp_path)
     assert len(loop["measured"]) == kit_plan.LOOP_TOP and loop["refit"]["prediction_error"] == 0.02
     table = kit_results.render(kit_results.collect(steps, {}, tmp_path, "h100"))
