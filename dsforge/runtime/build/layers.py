@@ -59,7 +59,12 @@ class SDPAttention(nn.Module):
     def attend(self, query, key, value):
         """Causal attention over the whole sequence, [seq, batch, heads, head_dim] in and out."""
         # Megatron passes [seq, batch, heads, head_dim]; SDPA wants [batch, heads, seq, head_dim].
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # Rotary gave Q and K storage of their own, but V is still a view of the fused QKV
+        # projection's output: the kernel would save it for the backward and keep that whole
+        # output alive, its Q and K parts too (2 (heads + groups) head_dim bytes a token and
+        # layer). V's own copy costs 2 groups head_dim and lets the rest go
+        # (tests/unit/test_saved_activations.py).
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value.contiguous()))
         grouped = k.shape[1] != q.shape[1]
         native = self.native_gqa and (q.device.type == "cpu" or q.dtype != torch.float32)
         if grouped and not native:  # share each KV head by repeating it
