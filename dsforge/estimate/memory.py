@@ -263,10 +263,11 @@ def logits_bytes(m: ModelConfig, tokens: int, tp: int, fused_loss: bool) -> floa
     gradient in 16 bits (Liger's chunk: tokens / ceil(V / h), up to a power of two).
     Measured on one H200 (benchmarks/gpu/results/2026-11-26-h200), the 1B (V 128,256): with
     it every run within 3.1% (28.3 GiB predicted at 8,192 tokens, 29.2 measured; 6 bytes a
-    logit predicted 33.5). Without it the same run measured 38.3 GiB: about 11 bytes a
-    logit, not 6 (the fp32 copy's shifted values are a second fp32 tensor). Not changed
-    here on one measurement: the published runs' fit depends on it; a CPU run of the same
-    cross-entropy can settle it."""
+    logit predicted 33.5). Without it the same run measured 38.3 GiB, as if a logit took
+    11 bytes. The same unfused path on the CPU backend (Megatron's output layer and
+    vocab-parallel cross-entropy, 1,024-4,096 tokens at V 32,768-131,072; peak RSS) peaks
+    at 5.6-6.1 bytes a logit, so the 6 stand and that run's extra lies elsewhere: torch's
+    RMSNorm and SwiGLU keep more than Liger's (docs/memory-and-bubble.md)."""
     vocab = padded_vocab_size(m.vocab_size, tp)
     if not fused_loss:
         return 6 * tokens * vocab / tp
