@@ -1,0 +1,72 @@
+"""The unfused loss's peak memory per logit on the CPU backend: Megatron's output layer and
+vocab-parallel cross-entropy in bf16 (`model.kernels: torch`), one layer of the tiny model at a
+large vocabulary, so the logits dominate the process's peak RSS.
+
+    python tools/loss_peak_memory.py --vocab 65536 --tokens 2048
+
+Prints the rise of the peak RSS over the forward and over the backward, per logit; the memory
+model counts 6 bytes (estimate/memory.py logits_bytes). Its own process: the model needs a
+process group, and the peak RSS is the process's."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from dsforge.recipe import resolve_file  # noqa: E402
+from dsforge.runtime.build.engine import build_model  # noqa: E402
+from dsforge.runtime.startup import StartupClock  # noqa: E402
+from dsforge.search.layer_timing import small_recipe  # noqa: E402
+from dsforge.search.optimizer_timing import init_world  # noqa: E402
+
+SEQ_LEN = 512
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def measure(vocab: int, tokens: int) -> dict[str, float]:
+    micro_batch = max(1, tokens // SEQ_LEN)
+    resolved = resolve_file(REPO / "recipes" / "tiny.yaml",
+                            ["parallel.dp=1", f"model.vocab_size={vocab}", "model.kernels=torch",
+                             f"model.max_seq_len={SEQ_LEN}", f"train.seq_len={SEQ_LEN}",
+                             f"train.micro_batch={micro_batch}", "train.precision=bf16"],
+                            world_size=1)
+    init_world(torch.device("cpu"))
+    one = small_recipe(resolved, 1, 0, micro_batch=micro_batch, seq_len=SEQ_LEN)
+    model, _, _ = build_model(one, device=torch.device("cpu"), backend="gloo", timeout_s=120,
+                              startup=StartupClock())
+    model = model.to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (micro_batch, SEQ_LEN))
+    positions = torch.arange(SEQ_LEN).expand(micro_batch, SEQ_LEN)
+    gc.collect()
+    start = peak_rss()
+    loss = model(ids, positions, None, labels=ids)
+    forward = peak_rss()
+    loss.float().mean().backward()
+    logits = micro_batch * SEQ_LEN * vocab
+    return {"forward": (forward - start) / logits, "backward": (peak_rss() - start) / logits}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=65536)
+    parser.add_argument("--tokens", type=int, default=2048)
+    args = parser.parse_args()
+    rise = measure(args.vocab, args.tokens)
+    print(f"V {args.vocab:,}, {args.tokens:,} tokens: the peak RSS rose {rise['forward']:.2f} "
+          f"bytes a logit in the forward, {rise['backward']:.2f} by the end of the backward "
+          "(the memory model: 6)")
+
+
+if __name__ == "__main__":
+    main()
