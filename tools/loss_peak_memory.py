@@ -4,7 +4,8 @@ large vocabulary, so the logits dominate the process's peak RSS.
 
     python tools/loss_peak_memory.py --vocab 65536 --tokens 2048
 
-Prints the rise of the peak RSS over the forward and over the backward, per logit; the memory
+Prints the rise of the resident set's high-water mark (reset just before the forward) over
+the forward and over the backward, per logit; the memory
 model counts 6 bytes (estimate/memory.py logits_bytes). Its own process: the model needs a
 process group, and the peak RSS is the process's."""
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import resource
 import sys
 from pathlib import Path
 
@@ -30,8 +30,18 @@ from dsforge.search.optimizer_timing import init_world  # noqa: E402
 SEQ_LEN = 512
 
 
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def _status_bytes(field: str) -> int:
+    """A size from /proc/self/status (VmRSS: resident now, VmHWM: its high-water mark), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
+
+
+def reset_peak() -> None:
+    """Start the high-water mark afresh from what is resident now (Linux 4.0+): the peak of
+    the imports and the model's build would otherwise hide the loss's."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def measure(vocab: int, tokens: int) -> dict[str, float]:
@@ -49,12 +59,14 @@ def measure(vocab: int, tokens: int) -> dict[str, float]:
     ids = torch.randint(0, vocab, (micro_batch, SEQ_LEN))
     positions = torch.arange(SEQ_LEN).expand(micro_batch, SEQ_LEN)
     gc.collect()
-    start = peak_rss()
+    reset_peak()
+    start = _status_bytes("VmRSS")
     loss = model(ids, positions, None, labels=ids)
-    forward = peak_rss()
+    forward = _status_bytes("VmHWM")
     loss.float().mean().backward()
     logits = micro_batch * SEQ_LEN * vocab
-    return {"forward": (forward - start) / logits, "backward": (peak_rss() - start) / logits}
+    return {"forward": (forward - start) / logits,
+            "backward": (_status_bytes("VmHWM") - start) / logits}
 
 
 def main() -> None:

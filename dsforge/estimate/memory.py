@@ -265,9 +265,9 @@ def logits_bytes(m: ModelConfig, tokens: int, tp: int, fused_loss: bool) -> floa
     it every run within 3.1% (28.3 GiB predicted at 8,192 tokens, 29.2 measured; 6 bytes a
     logit predicted 33.5). Without it the same run measured 38.3 GiB, as if a logit took
     11 bytes. The same unfused path on the CPU backend (Megatron's output layer and
-    vocab-parallel cross-entropy, 1,024-4,096 tokens at V 32,768-131,072; peak RSS,
-    tools/loss_peak_memory.py) peaks at 5.6-6.1 bytes a logit, so the 6 stand and that run's
-    extra lies elsewhere: torch's RMSNorm and SwiGLU keep more than Liger's
+    vocab-parallel cross-entropy, 1,024-2,048 tokens at V 32,768-131,072; the resident set's
+    peak, tools/loss_peak_memory.py) peaks at 6.1-6.2 bytes a logit, so the 6 stand and that
+    run's extra lies elsewhere: torch's RMSNorm and SwiGLU keep more than Liger's
     (docs/memory-and-bubble.md)."""
     vocab = padded_vocab_size(m.vocab_size, tp)
     if not fused_loss:
