@@ -22,9 +22,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from dsforge.recipe import resolve_file  # noqa: E402
-from dsforge.runtime.build.engine import build_model  # noqa: E402
-from dsforge.runtime.startup import StartupClock  # noqa: E402
-from dsforge.search.layer_timing import small_recipe  # noqa: E402
+from dsforge.search.layer_timing import build_layers, recipe_shaped, synthetic_batch  # noqa: E402
 from dsforge.search.optimizer_timing import init_world  # noqa: E402
 
 SEQ_LEN = 512
@@ -52,19 +50,17 @@ def measure(vocab: int, tokens: int) -> dict[str, float]:
                              f"train.micro_batch={micro_batch}", "train.precision=bf16"],
                             world_size=1)
     init_world(torch.device("cpu"))
-    one = small_recipe(resolved, 1, 0, micro_batch=micro_batch, seq_len=SEQ_LEN)
-    model, _, _ = build_model(one, device=torch.device("cpu"), backend="gloo", timeout_s=120,
-                              startup=StartupClock())
+    one = recipe_shaped(resolved, 1, 0)
+    model, _ = build_layers(one, torch.device("cpu"))
     model = model.to(torch.bfloat16)
-    ids = torch.randint(0, vocab, (micro_batch, SEQ_LEN))
-    positions = torch.arange(SEQ_LEN).expand(micro_batch, SEQ_LEN)
+    ids, positions = synthetic_batch(one, torch.device("cpu"))
     gc.collect()
     reset_peak()
     start = _status_bytes("VmRSS")
     loss = model(ids, positions, None, labels=ids)
     forward = _status_bytes("VmHWM")
     loss.float().mean().backward()
-    logits = micro_batch * SEQ_LEN * vocab
+    logits = ids.numel() * vocab
     return {"forward": (forward - start) / logits,
             "backward": (_status_bytes("VmHWM") - start) / logits}
 

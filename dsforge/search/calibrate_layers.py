@@ -62,10 +62,12 @@ def zero3_floor(layers: dict) -> float:
     layer took 5.26 ms at ZeRO-3, while the GPU kit's 7B runs at ZeRO-3 and micro-batch 1 spent
     ~8 ms a layer in the forward and their refit puts the floor at 8.5 ms."""
     bare = layers["floors"][3]["per_layer_s"]
-    at_shape = layers["zero3"]["per_layer_s"]
-    if at_shape >= ZERO3_PACED * layers["work"]["forward_per_layer_s"]:
-        return max(bare, at_shape)
-    return bare
+    return max(bare, layers["zero3"]["per_layer_s"]) if zero3_paced(layers) else bare
+
+
+def zero3_paced(layers: dict) -> bool:
+    """Whether the recipe's ZeRO-3 forward takes ZERO3_PACED times its ZeRO-0 forward or more."""
+    return layers["zero3"]["per_layer_s"] >= ZERO3_PACED * layers["work"]["forward_per_layer_s"]
 
 
 def other_work(resolved: Resolved, layers: dict, gemm_rate: float, attention: dict) -> dict | str:
@@ -127,7 +129,7 @@ def _zero3_line(layers: dict, on_gpu: bool) -> str:
             f"{zero3 * 1e3:.3g} ms against {zero0 * 1e3:.3g} ms at ZeRO-0")
     if not on_gpu:
         return head + ": not in a CPU's profile (--measure's gathers term stands for it)"
-    if zero3 >= ZERO3_PACED * zero0:
+    if zero3_paced(layers):
         return (head + f", paced by the host's fetches: host_layer_zero3_s "
                 f"{zero3_floor(layers) * 1e3:.3g} ms, the larger of it and the bare layer's")
     return head + ", paced by the device's work: host_layer_zero3_s is the bare layer's"

@@ -57,22 +57,30 @@ def host_floors(resolved: Resolved, device: torch.device, reps: int) -> dict[int
 def layer_work(resolved: Resolved, device: torch.device, reps: int) -> dict:
     """At the recipe's micro-batch and sequence, ZeRO-0: the seconds of the forward and of the
     forward with the backward at each layer count, and one layer's (the slopes)."""
-    b, s = resolved.layout.micro_batch, resolved.recipe.train.seq_len
-    timed = {n: time_passes(small_recipe(resolved, n, 0, micro_batch=b, seq_len=s), device, reps,
-                            backward=True) for n in LAYER_COUNTS}
+    timed = {n: time_passes(recipe_shaped(resolved, n, 0), device, reps, backward=True)
+             for n in LAYER_COUNTS}
     forward = {n: t["forward_s"] for n, t in timed.items()}
     both = {n: t["forward_backward_s"] for n, t in timed.items()}
-    return {"tokens": b * s, "forward_s": forward, "forward_backward_s": both,
+    return {"tokens": _tokens(resolved), "forward_s": forward, "forward_backward_s": both,
             "forward_per_layer_s": _slope(forward), "per_layer_s": _slope(both)}
 
 
 def zero3_forward(resolved: Resolved, device: torch.device, reps: int) -> dict:
     """At the recipe's micro-batch and sequence, ZeRO-3: the seconds of the forward at each
     layer count, and one layer's (the slope)."""
-    b, s = resolved.layout.micro_batch, resolved.recipe.train.seq_len
-    forward = {n: time_passes(small_recipe(resolved, n, 3, micro_batch=b, seq_len=s), device,
-                              reps, backward=False)["forward_s"] for n in LAYER_COUNTS}
-    return {"tokens": b * s, "forward_s": forward, "per_layer_s": _slope(forward)}
+    forward = {n: time_passes(recipe_shaped(resolved, n, 3), device, reps,
+                              backward=False)["forward_s"] for n in LAYER_COUNTS}
+    return {"tokens": _tokens(resolved), "forward_s": forward, "per_layer_s": _slope(forward)}
+
+
+def recipe_shaped(resolved: Resolved, layers: int, stage: int) -> Resolved:
+    """small_recipe at the recipe's own micro-batch and sequence."""
+    return small_recipe(resolved, layers, stage, micro_batch=resolved.layout.micro_batch,
+                        seq_len=resolved.recipe.train.seq_len)
+
+
+def _tokens(resolved: Resolved) -> int:
+    return resolved.layout.micro_batch * resolved.recipe.train.seq_len
 
 
 def _slope(seconds: dict[int, float]) -> float:
@@ -106,23 +114,18 @@ def time_passes(resolved: Resolved, device: torch.device, reps: int, backward: b
     the engine, its process groups and its memory freed after."""
     from megatron.core import parallel_state
 
-    from dsforge.runtime.build.engine import build_model, initialize_deepspeed
-    from dsforge.runtime.startup import StartupClock
+    from dsforge.runtime.build.engine import initialize_deepspeed
     from dsforge.translate.deepspeed_config import deepspeed_config
 
     r = resolved.recipe
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    container, has_experts, _ = build_model(resolved, device=device, backend=backend,
-                                            timeout_s=600, startup=StartupClock())
+    container, has_experts = build_layers(resolved, device)
     config = deepspeed_config(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
                               device=device.type)
     config.pop("optimizer", None)
     config.pop("scheduler", None)
     engine = initialize_deepspeed(container, config, has_experts)
     try:
-        shape = (resolved.layout.micro_batch, r.train.seq_len)
-        tokens = torch.randint(0, r.model.vocab_size, shape, device=device)
-        positions = torch.arange(r.train.seq_len, device=device).expand(shape)
+        tokens, positions = synthetic_batch(resolved, device)
         kinds = (False, True) if backward else (False,)
         medians = {}
         for with_backward in kinds:
@@ -138,6 +141,27 @@ def time_passes(resolved: Resolved, device: torch.device, reps: int, backward: b
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return medians
+
+
+def build_layers(resolved: Resolved, device: torch.device):
+    """(the rank's model chunks as one module, whether it has experts): the resolved recipe's
+    model as a rank builds it, on one device; init_world first. Also what
+    tools/loss_peak_memory.py and tests/unit/helpers/saved_activations.py measure."""
+    from dsforge.runtime.build.engine import build_model
+    from dsforge.runtime.startup import StartupClock
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    container, has_experts, _ = build_model(resolved, device=device, backend=backend,
+                                            timeout_s=600, startup=StartupClock())
+    return container, has_experts
+
+
+def synthetic_batch(resolved: Resolved, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One microbatch of random token ids and their positions, [micro_batch, seq_len] each."""
+    r = resolved.recipe
+    shape = (resolved.layout.micro_batch, r.train.seq_len)
+    tokens = torch.randint(0, r.model.vocab_size, shape, device=device)
+    return tokens, torch.arange(r.train.seq_len, device=device).expand(shape)
 
 
 def _timed(engine, tokens, positions, device, backward: bool) -> float:

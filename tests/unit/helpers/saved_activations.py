@@ -13,9 +13,7 @@ import sys
 import torch
 
 from dsforge.recipe import resolve_file
-from dsforge.runtime.build.engine import build_model
-from dsforge.runtime.startup import StartupClock
-from dsforge.search.layer_timing import small_recipe
+from dsforge.search.layer_timing import build_layers, recipe_shaped, synthetic_batch
 from dsforge.search.optimizer_timing import init_world
 from tests.conftest import REPO
 
@@ -26,12 +24,9 @@ def attention_saved_bytes(overrides: list[str]) -> dict:
     resolved = resolve_file(REPO / "recipes" / "tiny.yaml", ["parallel.dp=1", *overrides],
                             world_size=1)
     init_world(torch.device("cpu"))
-    r, lay = resolved.recipe, resolved.layout
-    one = small_recipe(resolved, 1, 0, micro_batch=lay.micro_batch, seq_len=r.train.seq_len)
-    container, _, _ = build_model(one, device=torch.device("cpu"), backend="gloo", timeout_s=120,
-                                  startup=StartupClock())
-    model = container  # ModelChunks: forward runs its only chunk
-    if r.train.precision == "bf16":
+    one = recipe_shaped(resolved, 1, 0)
+    model, _ = build_layers(one, torch.device("cpu"))  # ModelChunks: forward runs its only chunk
+    if resolved.recipe.train.precision == "bf16":
         model = model.to(torch.bfloat16)
     inside = []
     for name, module in model.named_modules():
@@ -47,12 +42,10 @@ def attention_saved_bytes(overrides: list[str]) -> dict:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    shape = (lay.micro_batch, r.train.seq_len)
-    tokens = torch.randint(0, r.model.vocab_size, shape)
-    positions = torch.arange(r.train.seq_len).expand(shape)
+    tokens, positions = synthetic_batch(one, torch.device("cpu"))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tokens, positions, None, labels=tokens)
-    n = shape[0] * shape[1]
+    n = tokens.numel()
     return {"tokens": n, "bytes_per_token": sum(saved.values()) / n}
 
 
