@@ -32,13 +32,20 @@ Written by `tools/published_compare.py` (data and scoring: tools/published_runs.
 
 ```bash
 python tools/published_compare.py --out benchmarks/search/published.md            # section "after"
-# "before": the same two files in a worktree of the baseline commit (from the repository root)
+# "before": written once, by the scoring of b8eacba (2026-11-22; its data and scoring lived in
+# dsforge/search/published.py) in a worktree of the baseline commit (from the repository root)
 git worktree add ../dsforge-before 5b31f63e76a8e04a20ac8bfc955a64aaa49b3298
-cp tools/published_runs.py tools/published_compare.py ../dsforge-before/tools/
+git show b8eacba:dsforge/search/published.py > ../dsforge-before/dsforge/search/published.py
+git show b8eacba:tools/published_compare.py > ../dsforge-before/tools/published_compare.py
 (cd ../dsforge-before && PYTHONPATH=. python tools/published_compare.py \\
     --label before --stats-only --out "$OLDPWD/benchmarks/search/published.md")
 git worktree remove --force ../dsforge-before
 ```
+
+The "before" section keeps that day's data and scoring (today's tools import modules the
+baseline lacks); both changed since (`git log --follow tools/published_runs.py`). Among the
+changes: torchtitan's per-op selective checkpointing is charged the matmuls it recomputes
+(`per_op_sac_flops`), which the "before" figures do not count.
 
 Each row is a published run with its full layout (source file and commit in
 tools/published_runs.py). dsforge builds the recipe of exactly that layout, validates it

@@ -148,6 +148,9 @@ class Row:
     # Why the source's run needs less memory than dsforge's engine would for the same layout
     # (the fit is dsforge's memory, DeepSpeed and Megatron-Core's, not the source's).
     memory_note: str = ""
+    # torchtitan's per-op selective checkpointing: scored with its extra matmul recompute
+    # (`per_op_sac_flops`), which dsforge's selective does not run.
+    per_op_sac: bool = False
 
     @property
     def measured_mfu(self) -> float:
@@ -505,7 +508,8 @@ TT_ASYNC = "pytorch/torchtitan:benchmarks/asyncTP_llama3_h100_2025-06_torchtitan
 TT_TRAINY = "pytorch/torchtitan:benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md@b5bcd76"
 TT_NOTE = ("PyTorch FSDP2, seq 8192 (train_configs at the benchmark's date); H100 at 500 W with "
            "96 GB, below the SXM peak dsforge divides by; the fit is checked against 80 GB")
-_SAC = "; torchtitan's selective AC is per-op (saves matmuls), dsforge's recomputes attention only"
+_SAC = ("; torchtitan's selective AC is per-op: it recomputes each layer's 2nd, 4th and 6th matmul "
+        "(wk, wo, w3) in the backward, scored as dsforge's selective plus those forwards")
 _SAC_MEMORY = ("torchtitan's per-op selective checkpointing stores only every other matmul output and "
                "recomputes the rest; dsforge's selective (Megatron's) drops only the s x s attention "
                "scores, which flash attention never stores, so it keeps every activation; and these "
@@ -522,7 +526,7 @@ def _tt(ref: str, label: str, model: Model, gpus: int, tp: int, pp: int, local_b
     return Row("torchtitan", ref, label, model, seq, gpu, gpus, 8, tp, pp, dp, 3, 1 if pp > 1 else local_batch,
                dp * local_batch, checkpointing, tokens_per_gpu * gpus, None, f"{TT_NOTE}; {note}",
                vpp=vpp, sequence_parallel=tp > 1, unscorable=unscorable,
-               memory_note=_SAC_MEMORY if _SAC in note else "")
+               memory_note=_SAC_MEMORY if _SAC in note else "", per_op_sac=_SAC in note)
 
 
 TORCHTITAN = (
@@ -628,7 +632,35 @@ def predict(row: Row, zero: int | None = None, vpp: int | None = None) -> Ranked
     recipe = _recipe(row, row.zero if zero is None else zero, row.vpp if vpp is None else vpp)
     slots = (min(row.gpus, row.gpus_per_node),) * max(1, row.gpus // row.gpus_per_node)
     resolved = resolve(recipe, Topology(world_size=row.gpus, node_slots=slots, source="published"))
-    return evaluate(Candidate(resolved=resolved, exact_batch=True), engine_profile(row))
+    ranked = evaluate(Candidate(resolved=resolved, exact_batch=True), engine_profile(row))
+    return _with_per_op_sac(row, ranked) if row.per_op_sac else ranked
+
+
+def per_op_sac_flops(m: ModelConfig) -> float:
+    """Forward FLOPs per token that torchtitan's per-op selective checkpointing runs again in
+    the backward and dsforge's selective does not. Its policy (torchtitan's
+    parallelize_llama.py at the benchmarks' dates) saves every matmul output but every second
+    one of a layer's forward, counted afresh each time the layer runs: in Llama's order wq wk
+    wv wo w1 w3 w2 it recomputes wk, wo and w3 (36.5% of a llama3-8b layer's matmuls). Every
+    other op is recomputed as well: elementwise work, which the default profiles' efficiency
+    stands for."""
+    kv_width = m.query_groups * m.head_dim
+    return 2.0 * m.num_layers * m.hidden_size * (kv_width + m.num_attention_heads * m.head_dim
+                                                 + m.ffn_hidden_size)
+
+
+def _with_per_op_sac(row: Row, ranked: Ranked) -> Ranked:
+    """`ranked` with the recompute `per_op_sac_flops` counts added to its compute, at the rate
+    of the layers' other matmuls: the compute term's hardware FLOPs grow by that share. Only
+    for layouts without a pipeline, whose compute term is the whole model's."""
+    assert row.pp == 1, "per-op SAC is scored without pipelines only"
+    config = row.model.config(row.seq_len)
+    hardware = flops_per_token(config, row.seq_len, row.checkpointing).hardware
+    extra = ranked.time.compute * per_op_sac_flops(config) / hardware
+    time = dataclasses.replace(ranked.time, compute=ranked.time.compute + extra)
+    slower = ranked.time.total / time.total
+    return dataclasses.replace(ranked, time=time, tokens_per_s=ranked.tokens_per_s * slower,
+                               mfu=ranked.mfu * slower)
 
 
 def engine_profile(row: Row):
