@@ -263,6 +263,9 @@ def data_inspect(prefix, scan):
 @click.option("--retry-failed", is_flag=True, help="Run oom/timeout/crashed cells again.")
 @click.option("--tiny", is_flag=True, help="Every cell's layout at tiny size on CPU ranks (a "
               "dry run of the study); recorded as study NAME-tiny.")
+@click.option("--skip-fit-check", is_flag=True,
+              help="Run every valid cell, even one whose ranks or memory do not fit this machine "
+                   "(rejected by default, as dsforge run refuses it).")
 @click.option("--db-timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="Wait this long for a lock on results.db [default: as long as cells may run].")
 def bench(study, **options):

@@ -16,13 +16,14 @@ if TYPE_CHECKING:
 
 
 def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
-               db_timeout: float | None = None,
+               skip_fit_check: bool = False, db_timeout: float | None = None,
                step_time_model: StepTimeModel | None = None) -> int:
     """Refuse an invalid study before any cell runs; run the others' cells into
     OUT/results.db, a tiny study under its own name (NAME-tiny), waiting up to `db_timeout`
     seconds [as long as the study's cells may run] for another process's lock on it. Each
     cell's row stores `step_time_model`'s prediction (bench/run.py StepTimeModel) where the
-    cell runs on a GPU."""
+    cell runs on a GPU. A cell whose job does not fit this machine is rejected unless
+    `skip_fit_check` (bench/run.py `fit_refusal`)."""
     from dsforge.bench.run import bench_study
     from dsforge.bench.study import check_study, load_study
 
@@ -39,7 +40,7 @@ def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
         parsed = dataclasses.replace(parsed, name=f"{parsed.name}-tiny")
     out = out or Path("benchmarks") / parsed.name
     code = bench_study(parsed, recipe_path, out, retry_failed=retry_failed, tiny=tiny,
-                       db_timeout=db_timeout, log=lambda line: click.echo(line, err=True),
+                       check_fit=not skip_fit_check, db_timeout=db_timeout, log=lambda line: click.echo(line, err=True),
                        step_time_model=step_time_model)
     if code != EXIT_INVALID:
         click.echo(f"results: {out / 'results.db'}; report: dsforge report {out / 'results.db'}")

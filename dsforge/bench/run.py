@@ -2,7 +2,8 @@
 
 Each cell and repeat is its own `dsforge` job (DeepSpeed's launcher, its own process group,
 reaped afterwards) with a wall-clock timeout. Outcomes: ok, oom, timeout, crashed (read from
-the exit code and the ranks' failure records), or rejected (invalid recipe, never started).
+the exit code and the ranks' failure records), or rejected (never started: an invalid recipe,
+or, for a study on this machine, a job that does not fit it, as `dsforge run` would refuse it).
 
 A cell's directory, OUT/cells/KEY/repeatN, has one owner at a time (dsforge/lock.py): a cell
 whose lock another live bench holds, or whose earlier job still runs, is `busy` - not run and
@@ -44,7 +45,9 @@ from dsforge.job.metrics_file import median_breakdown, read_metrics
 from dsforge.job.run_dir import RunDir
 from dsforge.launch.commands import Placement, job_spec, launch_command
 from dsforge.launch.diagnose import explain
+from dsforge.launch.fit import Machine, device_for, fit_problems
 from dsforge.launch.local import free_port, run_job
+from dsforge.launch.probe import probe
 from dsforge.problems import RecipeError, errors
 from dsforge.recipe import Resolved, resolve_file
 from dsforge.recipe.loader import dump_recipe
@@ -91,7 +94,7 @@ def db_timeout_s(study: Study) -> float:
 
 
 def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed: bool = False,
-                tiny: bool = False, db_timeout: float | None = None,
+                tiny: bool = False, check_fit: bool = True, db_timeout: float | None = None,
                 log: Callable[[str], None] = print,
                 step_time_model: StepTimeModel | None = None) -> int:
     """`dsforge bench`: run_study with its store in OUT/results.db, as an exit status:
@@ -108,7 +111,7 @@ def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed:
         return exc.exit_code
     try:
         outcome = run_study(study, recipe_path, store, out_dir, retry_failed=retry_failed,
-                            tiny=tiny, log=log, step_time_model=step_time_model)
+                            tiny=tiny, check_fit=check_fit, log=log, step_time_model=step_time_model)
     except Interrupted as stop:
         log(f"dsforge bench: stopped while {_label(stop.cell)} repeat {stop.repeat} ran; it has "
             "no result and runs when the study is run again")
@@ -136,7 +139,7 @@ def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed:
 
 
 def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
-              retry_failed: bool = False, tiny: bool = False,
+              retry_failed: bool = False, tiny: bool = False, check_fit: bool = True,
               log: Callable[[str], None] = print,
               step_time_model: StepTimeModel | None = None) -> Outcome:
     """Every cell and repeat that has no finished row for this study's base; raises
@@ -157,7 +160,7 @@ def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
                 continue
             try:
                 row = run_cell(study, recipe_path, cell, repeat, out_dir, tiny=tiny,
-                               step_time_model=step_time_model)
+                               check_fit=check_fit, step_time_model=step_time_model)
             except lock.Busy as busy:
                 outcome.busy.append(where)
                 log(f"{where}: busy, not run ({busy})")
@@ -205,8 +208,10 @@ def _label(cell: Cell) -> str:
 
 
 def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: Path, *,
-             tiny: bool = False, step_time_model: StepTimeModel | None = None) -> Row:
-    """One repeat of one cell: `rejected` without a job if its recipe is invalid; otherwise
+             tiny: bool = False, check_fit: bool = True,
+             step_time_model: StepTimeModel | None = None) -> Row:
+    """One repeat of one cell: `rejected` without a job if its recipe is invalid, or if
+    `check_fit` and its job, on this machine, does not fit it (`fit_refusal`); otherwise
     its job, run while this process owns the cell's directory. Raises lock.Busy if another
     owner holds it and Interrupted if dsforge is stopped meanwhile. The row's prediction has
     the step time of `step_time_model` where the cell ran on a GPU (step_time_prediction)."""
@@ -216,12 +221,15 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
     except RecipeError as exc:
         reason = "; ".join(str(p) for p in errors(exc.problems))
         return Row(**base, status="rejected", reason=reason, finished=time.time())
+    device = "cpu" if tiny else study.device
+    refusal = fit_refusal(resolved, device) if check_fit and study.hostfile is None else None
+    if refusal:
+        return Row(**base, status="rejected", reason=refusal, finished=time.time())
     run_dir = cell_dir(out_dir, cell, repeat)
     with lock.hold_directory(run_dir, what=f"dsforge bench {study.name} cell {cell.key} repeat {repeat}"):
         shutil.rmtree(run_dir, ignore_errors=True)  # an earlier attempt's files
         run_dir.mkdir(parents=True)
         started = time.monotonic()
-        device = "cpu" if tiny else study.device
         code = launch_cell(study, resolved, run_dir, device=device)
         if code in STOPPED:
             raise Interrupted(code, cell, repeat)
@@ -236,6 +244,20 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
                   finished=time.time())
         write_atomic(RunDir(run_dir).bench_result, json.dumps(dataclasses.asdict(row)))
     return row
+
+
+def fit_refusal(resolved: Resolved, device: str) -> str | None:
+    """Why this machine cannot run the cell's job, as `dsforge run` would refuse it
+    (launch/fit.py: more ranks than GPUs, a rank's memory over its GPU's, or CPU ranks over the
+    host's available memory), or None. Checked before each cell: CPU ranks share the host's
+    memory, and a job larger than it takes that memory from everything else on the machine
+    until the kernel kills something. A hostfile's hosts are not probed here."""
+    machine = Machine.from_probe("this machine", probe())
+    refusals = errors(fit_problems(resolved, machine, device=device_for(device, machine)))
+    if not refusals:
+        return None
+    # Without the fixes: they point at `dsforge run`'s ways forward, which a row does not have.
+    return "does not fit this machine: " + "; ".join(str(dataclasses.replace(p, fix="")) for p in refusals)
 
 
 def resolve_cell(study: Study, recipe_path: Path, cell: Cell, tiny: bool = False) -> Resolved:

@@ -156,7 +156,8 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
     if not result.ranked:
         lines.append("no layout fits: " + _nearest_memory_text(result))
         return "\n".join(lines)
-    rows = [_COLUMNS] + [_row(i + 1, r) for i, r in enumerate(result.ranked[:top])]
+    ties = tied_layouts(result) >= 2  # #1 alone is no tie: its column stays empty
+    rows = [_COLUMNS] + [_row(i + 1, r, ties) for i, r in enumerate(result.ranked[:top])]
     widths = [max(len(str(row[c])) for row in rows) for c in range(len(_COLUMNS))]
     for row in rows:
         lines.append("  ".join(str(v).rjust(w) for v, w in zip(row, widths)))
@@ -171,7 +172,9 @@ def render(result: SearchResult, top: int, model_name: str) -> str:
         lines += ["", "ZeRO-2/3 with pipelines (collectives every microbatch, docs/search.md):"]
         lines += [f"  {i}: {n}" for i, n in notes]
     note = tie_note(result)
-    lines += ["", note if note else "no tie: only #1's band overlaps the fastest one's"]
+    lines += ["", note if note else (
+        "no tie: no other layout's band overlaps #1's (rows of #1's own layout with another "
+        "ZeRO stage, micro-batch or checkpointing are its variants, ordered by step time)")]
     best = shown[0]
     lines += ["", "step time of #1: " + ", ".join(
         f"{k} {format_duration(v)}" for k, v in best.time.to_dict().items() if v > 0 or k == "total")]
@@ -191,11 +194,11 @@ def _band_source(profile: ClusterProfile) -> str:
             "or --measure, measures them here")
 
 
-def _row(rank: int, r: Ranked) -> tuple:
+def _row(rank: int, r: Ranked, ties: bool) -> tuple:
     x = r.layout_row()
     return (rank, x["tp"], x["cp"], x["pp"], x["vpp"], x["ep"], x["dp"], x["zero"], x["micro_batch"],
             x["grad_accum"], x["checkpointing"], "y" if x["sequence_parallel"] else "n",
-            f"{r.memory.total / GiB:.1f}", f"{r.time.total:.2f}", _band(r), "tie" if r.tied else "",
+            f"{r.memory.total / GiB:.1f}", f"{r.time.total:.2f}", _band(r), "tie" if ties and r.tied else "",
             f"{r.tokens_per_s / r.resolved.layout.world_size:,.0f}", f"{r.mfu:.1%}")
 
 

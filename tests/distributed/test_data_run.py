@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from dsforge.job.metrics_file import read_metrics
+from dsforge.recipe import load_recipe
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(400)
@@ -87,3 +88,7 @@ def test_the_smoke_recipe_reports_a_falling_held_out_loss(tmp_path):
     steps, evals = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in evals] == [19, 39]
     assert evals[1]["val_loss"] < evals[0]["val_loss"] < steps[0]["loss"]
+    # The warmup, as the ranks ran it: step k at k / warmup_steps of the peak (one step at 0).
+    train = load_recipe(REPO / "recipes" / "smoke.yaml").train
+    assert [r["lr"] for r in steps[:3]] == pytest.approx([0.0, train.lr / train.warmup_steps,
+                                                          2 * train.lr / train.warmup_steps])

@@ -357,6 +357,46 @@ def test_rejected_cells_are_checked_again_and_run_once_valid(tmp_path, monkeypat
     assert len(jobs.launched) == 1 and _rows(db) == [(cell.key, 0, "crashed")]
 
 
+def _machine(monkeypatch, memory_available, gpus=()):
+    monkeypatch.setattr(bench_run, "probe", lambda: {"cpus": 2, "memory_available": memory_available,
+                                                      "gpus": list(gpus)})
+
+
+def test_a_cell_this_machine_cannot_hold_is_rejected_before_its_job(tmp_path, monkeypatch):
+    """As `dsforge run` refuses it: CPU ranks over the host's available memory (FIT2; the
+    ranks would take it from everything else on the machine), or a cuda study with more ranks
+    than GPUs (FIT1). --skip-fit-check runs it anyway."""
+    path, study, recipe = _study(tmp_path, axes="{zero.stage: [1]}")
+    jobs = FakeJobs(monkeypatch)
+    _machine(monkeypatch, memory_available=64 * 2**20)
+    messages = []
+    assert bench_study(study, recipe, tmp_path / "out", log=messages.append) == 0
+    (row,) = Store(tmp_path / "out" / "results.db").rows()
+    assert jobs.launched == [] and row.status == "rejected"
+    assert row.reason.startswith("does not fit this machine: [FIT2]") and "available RAM" in row.reason
+    assert any("rejected (does not fit this machine" in m for m in messages)
+
+    gpu_study = dataclasses.replace(study, device="cuda", name="s-gpu")
+    _machine(monkeypatch, memory_available=64 * 2**30)
+    assert bench_study(gpu_study, recipe, tmp_path / "out", log=lambda _: None) == 0
+    gpu_row = next(r for r in Store(tmp_path / "out" / "results.db").rows() if r.study == "s-gpu")
+    assert jobs.launched == [] and "[FIT1]" in gpu_row.reason
+
+    _machine(monkeypatch, memory_available=64 * 2**20)
+    assert bench_study(study, recipe, tmp_path / "out", check_fit=False, log=lambda _: None) == 0
+    assert len(jobs.launched) == 1  # the rejected row is checked again, and this time it runs
+
+
+def test_bench_takes_skip_fit_check(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench_run, "bench_study", lambda *a, **k: seen.update(k) or 0)
+    path, _, _ = _study(tmp_path, axes="{zero.stage: [1]}")
+    result = CliRunner().invoke(main, ["bench", str(path), "--out", str(tmp_path / "o"),
+                                       "--skip-fit-check"])
+    assert result.exit_code == 0, result.output
+    assert seen["check_fit"] is False
+
+
 def test_a_cell_still_invalid_keeps_its_row(tmp_path, monkeypatch):
     path, study, recipe = _study(tmp_path, axes="{train.global_batch: [7]}")
     FakeJobs(monkeypatch)

@@ -116,6 +116,10 @@ def _launcher(manifest: dict | None):
 def test_each_cell_row_carries_the_prediction(tmp_path, monkeypatch, device, tiny, manifest, expected):
     study, recipe = _study(tmp_path, device)
     monkeypatch.setattr(bench_run, "launch_cell", _launcher(manifest))
+    # A machine the study's two ranks fit (the fit check runs before each cell's job).
+    gpu = {"name": "NVIDIA H100 80GB HBM3", "memory_total": 80 * 2**30, "memory_free": 79 * 2**30}
+    monkeypatch.setattr(bench_run, "probe", lambda: {"cpus": 2, "memory_available": 64 * 2**30,
+                                                      "gpus": [gpu, gpu]})
     assert bench_study(study, recipe, tmp_path / "out", tiny=tiny, log=lambda _: None,
                        step_time_model=predicted_step_time) == 0
     (row,) = Store(tmp_path / "out" / "results.db").rows()

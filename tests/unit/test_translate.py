@@ -129,6 +129,40 @@ def test_scheduler_without_warmup_starts_at_the_peak():
     assert section["type"] == "WarmupCosineLR" and section["params"]["warmup_min_ratio"] == 1.0
 
 
+def _rates(*overrides: str) -> list[float]:
+    """The rate of each step, as DeepSpeed's engine runs the translated scheduler: built (from
+    DeepSpeed's own class of the section's type), started by dsforge, stepped after each step."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    from dsforge.runtime.build.engine import start_schedule
+
+    train = make_recipe(*overrides).train
+    resolved = resolve(make_recipe(*overrides), Topology(world_size=8))
+    section = deepspeed_config(model=resolved.recipe.model, train=train, zero=resolved.recipe.zero,
+                               layout=resolved.layout, device="cuda")["scheduler"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=train.lr)
+    scheduler = getattr(lr_schedules, section["type"])(optimizer, **section["params"])
+    start_schedule(scheduler)
+    rates = []
+    for _ in range(train.steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        scheduler.step()
+    return rates
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_step_k_of_the_warmup_runs_k_over_warmup_of_the_peak(decay):
+    """One step at rate 0, then linear to the peak at step warmup_steps, as Megatron-LM's
+    scheduler (DeepSpeed's alone gave steps 0 and 1 both 0, and step 0 0 without a warmup)."""
+    rates = _rates("train.steps=10", "train.warmup_steps=4", "train.lr=1.0", f"train.lr_decay={decay}",
+                   "train.min_lr_ratio=0.1")
+    assert rates[:4] == pytest.approx([0.0, 0.25, 0.5, 0.75])
+    assert rates[4] == pytest.approx(1.0, abs=0.1) and rates[4] > rates[3]
+    assert _rates("train.steps=10", "train.warmup_steps=0", "train.lr=1.0",
+                  f"train.lr_decay={decay}")[0] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_megatron_accepts_every_recipe(path):
     from megatron.core import parallel_state

@@ -201,7 +201,19 @@ def initialize_deepspeed(container: ModelChunks, ds_config: dict[str, Any], has_
                                                config=ds_config, mpu=MegatronMPU())
     _clip_fp32_with_a_correct_norm(engine, has_experts)
     _count_replicated_grads_once_per_stage(engine)
+    start_schedule(engine.lr_scheduler)
     return engine
+
+
+def start_schedule(scheduler) -> None:
+    """Make step k run the schedule's iteration k. DeepSpeed's warmup schedulers set step 0's
+    rate from iteration -1 (0.0, with or without a warmup), and the engine steps them after
+    each optimizer step, so step 1 ran iteration 0, 0.0 again under a linear warmup: two steps
+    at rate 0 (the first even with `warmup_steps: 0`, documented as starting at the peak) and
+    the warmup's end one step late. Stepped once here, step k runs k / warmup_steps of the peak,
+    as Megatron-LM's scheduler does. A resumed run then loads the iteration it saved."""
+    if scheduler is not None:
+        scheduler.step()
 
 
 def _count_replicated_grads_once_per_stage(engine) -> None:
