@@ -19,6 +19,8 @@ HOST_BOUND = 1.5
 # A ZeRO-3 forward at the recipe's shapes this many times its ZeRO-0 forward or more is paced
 # by the host (the per-module fetches), not by the device's work.
 ZERO3_PACED = 1.1
+# A slope whose larger layer count took no longer (layer_timing.rises) measured noise.
+NOT_RESOLVED = "not resolved: 3 layers took no longer than 1 (a busy machine?)"
 
 
 def measure_layers(resolved: Resolved, on, reps: int) -> dict | str:
@@ -46,12 +48,22 @@ def layer_fields(layers: dict | str, device_type: str, resolved: Resolved, gemm_
         return {"host_layer_s": 0.0, "host_layer_zero3_s": 0.0, "other_s_per_token_hidden": 0.0}
     if isinstance(layers, str):
         return {}
-    fields = {"host_layer_s": layers["floors"][0]["per_layer_s"],
-              "host_layer_zero3_s": zero3_floor(layers)}
+    # A floor whose layers did not time longer than one is noise: the GPU's default stays.
+    floors = layers["floors"]
+    fields = {name: value for name, value, stage in (
+        ("host_layer_s", floors[0]["per_layer_s"], 0),
+        ("host_layer_zero3_s", zero3_floor(layers), 3)) if rises(floors[stage]["forward_s"])}
     other = other_work(resolved, layers, gemm_rate, attention)
     if isinstance(other, dict):
         fields["other_s_per_token_hidden"] = other["per_token_hidden_s"]
     return fields
+
+
+def rises(seconds: dict[int, float]) -> bool:
+    """Whether the larger layer count took longer: if not, the slope between them
+    (layer_timing) is noise, a busy machine or a layer too small to time here, not a cost."""
+    (_, few_s), (_, many_s) = seconds.items()
+    return many_s > few_s
 
 
 def zero3_floor(layers: dict) -> float:
@@ -78,6 +90,8 @@ def other_work(resolved: Resolved, layers: dict, gemm_rate: float, attention: di
     from dsforge.search.kernel_timing import model_gemms
 
     m, work = resolved.recipe.model, layers["work"]
+    if not rises(work["forward_backward_s"]):
+        return NOT_RESOLVED
     if m.moe is not None:
         return "the model has experts; its expert loop is not the dense GEMMs this subtracts"
     [timed] = attention["backends"].values()
@@ -106,7 +120,9 @@ def layer_lines(layers: dict | str, profile: ClusterProfile, resolved: Resolved,
     lines = [f"the forward at {HOST_SEQ_LEN} tokens: " + ", ".join(
         f"ZeRO-{stage} {floors[stage]['per_layer_s'] * 1e3:.3g} ms a layer ("
         + ", ".join(f"{n} layer{'s' if n > 1 else ''} {t * 1e3:.3g} ms"
-                    for n, t in floors[stage]["forward_s"].items()) + ")" for stage in (0, 3))
+                    for n, t in floors[stage]["forward_s"].items())
+        + ("" if rises(floors[stage]["forward_s"]) else f"; {NOT_RESOLVED}, the default kept") + ")"
+        for stage in (0, 3))
         + (": host_layer_s and host_layer_zero3_s, the floors under each layer's forward" if on_gpu
            else ": on a CPU the host is the device, so these add to the compute (no floors)")]
     work = layers["work"]
@@ -117,8 +133,9 @@ def layer_lines(layers: dict | str, profile: ClusterProfile, resolved: Resolved,
             if isinstance(other, dict) else f"the rest not measured: {other}")
     kept = ("other_s_per_token_hidden" if on_gpu and isinstance(other, dict)
             else "not in the profile" if not on_gpu else "other_s_per_token_hidden kept")
+    unresolved = "" if rises(work["forward_s"]) else f" ({NOT_RESOLVED})"
     lines.append(f"a layer at {work['tokens']:,} tokens (ZeRO-0): forward "
-                 f"{work['forward_per_layer_s'] * 1e3:.3g} ms, with the backward "
+                 f"{work['forward_per_layer_s'] * 1e3:.3g} ms{unresolved}, with the backward "
                  f"{work['per_layer_s'] * 1e3:.3g} ms; {text} ({kept})")
     return lines + [_zero3_line(layers, on_gpu)]
 

@@ -84,6 +84,8 @@ def _tokens(resolved: Resolved) -> int:
 
 
 def _slope(seconds: dict[int, float]) -> float:
+    """One layer's seconds; 0 where the larger count took no longer (calibrate_layers.rises
+    tells the caller)."""
     (few, few_s), (many, many_s) = seconds.items()
     return max(0.0, (many_s - few_s) / (many - few))
 

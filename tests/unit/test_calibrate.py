@@ -303,6 +303,33 @@ def test_the_optimizer_is_timed_at_sizes_that_fit_the_device():
     assert divisor == 4 and 2 <= layers < llama_70b.num_layers
 
 
+@pytest.mark.parametrize("steps_ms, resolved", [
+    ((70.0, 2.0, 1.0, 3.0), True),  # a busy first pair: timed again, the second rises
+    ((70.0, 2.0, 5.0, 4.0), False),  # twice not: said, all of it fixed cost
+])
+def test_an_optimizer_step_that_did_not_grow_is_timed_again_then_said(monkeypatch, steps_ms, resolved):
+    """The larger step taking no longer is noise; clamped silently it wrote 0 ns a parameter
+    into a profile as if measured (a busy 2-core machine gave 71.7 ms at 79,040 parameters and
+    1.73 ms at 217,664)."""
+    import torch
+
+    from dsforge.search import calibrate_command as cc
+    from dsforge.search import optimizer_timing
+
+    timings = iter(steps_ms)
+    monkeypatch.setattr(cc, "_quiet_deepspeed", lambda on: None)
+    monkeypatch.setattr(optimizer_timing, "init_world", lambda on: None)
+    monkeypatch.setattr(optimizer_timing, "time_optimizer", lambda resolved, on, reps, divisor, layers: {
+        "step_s": next(timings) / 1e3, "parameters": 1000 * layers, "optimizer": "DeepSpeedZeroOptimizer"})
+    cost = cc.optimizer_cost(_layout(), torch.device("cpu"), reps=1)
+    assert next(timings, None) is None  # the first pair did not rise: both pairs timed
+    assert cost["resolved"] is resolved
+    if resolved:
+        assert cost["per_param_s"] == pytest.approx(2e-3 / (1000 * (cost["full"]["parameters"] // 1000 - 1)))
+    else:
+        assert cost["per_param_s"] == 0 and cost["fixed_s"] == pytest.approx(4e-3)
+
+
 def test_a_negative_compute_drops_the_term_that_bent_it():
     """ZeRO-1 and ZeRO-2 on two GPUs differ, for the model, only in data-parallel traffic
     (ZeRO-2 reduces every microbatch). Measured 5x apart, the exact two-term fit would make

@@ -159,7 +159,8 @@ def _measured_layers(forward_per_layer_s: float = 0.010, zero3_per_layer_s: floa
     at 8,192 tokens taking 30 ms forward and backward, its forward 10.5 ms at ZeRO-3."""
     return {"floors": {0: {"forward_s": {1: 0.010, 3: 0.016}, "per_layer_s": 0.003},
                        3: {"forward_s": {1: 0.020, 3: 0.036}, "per_layer_s": 0.008}},
-            "work": {"tokens": 8192, "forward_s": {}, "forward_backward_s": {},
+            "work": {"tokens": 8192, "forward_s": {1: 0.02, 3: 0.02 + 2 * forward_per_layer_s},
+                     "forward_backward_s": {1: 0.05, 3: 0.11},
                      "forward_per_layer_s": forward_per_layer_s, "per_layer_s": 0.030},
             "zero3": {"tokens": 8192, "forward_s": {}, "per_layer_s": zero3_per_layer_s}}
 
@@ -214,6 +215,25 @@ def test_a_zero3_forward_the_host_paces_at_the_recipes_shapes_sets_the_zero3_flo
                     "the bare layer's")
     cpu = layer_lines(paced, FLOORED, resolved, 600e12, ATTENTION, on_gpu=False)[2]
     assert cpu.endswith("not in a CPU's profile (--measure's gathers term stands for it)")
+
+
+def test_a_slope_the_larger_count_did_not_time_longer_is_reported_and_kept_out():
+    """Noise (a busy machine) gives a slope at or under 0: clamped to 0 it would write a 0
+    floor or 0 `other` into a GPU's profile as if measured. The GPU's defaults stay instead,
+    and the lines say so."""
+    from dsforge.search.calibrate_layers import NOT_RESOLVED, layer_fields, layer_lines, other_work
+
+    resolved = _layout("train.micro_batch=2")
+    noisy = _measured_layers()
+    noisy["floors"][0] = {"forward_s": {1: 0.016, 3: 0.010}, "per_layer_s": 0.0}
+    noisy["work"]["forward_backward_s"] = {1: 0.11, 3: 0.05}
+    noisy["work"]["forward_s"] = {1: 0.03, 3: 0.02}
+    fields = layer_fields(noisy, "cuda", resolved, 600e12, ATTENTION)
+    assert fields == {"host_layer_zero3_s": 0.008}  # the rest keep the GPU's defaults
+    assert other_work(resolved, noisy, 600e12, ATTENTION) == NOT_RESOLVED
+    lines = layer_lines(noisy, FLOORED, resolved, 600e12, ATTENTION, on_gpu=True)
+    assert f"3 layers 10 ms; {NOT_RESOLVED}, the default kept)" in lines[0]
+    assert f"forward 10 ms ({NOT_RESOLVED})" in lines[1] and "the rest not measured" in lines[1]
 
 
 def test_the_other_work_is_not_measured_where_the_host_paces_the_layer_or_experts_run():
