@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 MARK = "@dsforge "
 
@@ -29,12 +29,34 @@ def parse(line: str) -> dict[str, Any] | None:
     return payload if isinstance(payload, dict) and "kind" in payload else None
 
 
+def is_terminal(out: TextIO) -> bool:
+    isatty = getattr(out, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class PlainProgress:
+    """Progress for a stream that is not a terminal (a log file, a pipe, a batch job's
+    output): a line at every tenth of the steps and at the last, where a bar redrawn with
+    carriage returns would leave every frame in the file."""
+
+    def __init__(self, out: TextIO):
+        self.out, self._next = out, 0
+
+    def update(self, *, name: str, step: int, steps: int, postfix: str) -> None:
+        if step < self._next and step < steps:
+            return
+        self._next = step + max(1, steps // 10)
+        print(f"{name}: step {step}/{steps}" + (f", {postfix}" if postfix else ""), file=self.out,
+              flush=True)
+
+
 class RankConsole:
     """What one rank shows the user: messages, the progress of the run, its summary."""
 
     def __init__(self, marked: bool = True):
         self.marked = marked
         self._bar = None
+        self._plain: PlainProgress | None = None
 
     def say(self, text: str) -> None:
         if self.marked:
@@ -46,6 +68,10 @@ class RankConsole:
         """Step `step` (1-based) of `steps` is done."""
         if self.marked:
             self._emit(kind="progress", name=name, step=step, steps=steps, postfix=postfix)
+            return
+        if not is_terminal(sys.stderr):
+            self._plain = self._plain or PlainProgress(sys.stderr)
+            self._plain.update(name=name, step=step, steps=steps, postfix=postfix)
             return
         if self._bar is None:
             from tqdm import tqdm

@@ -3,7 +3,8 @@
 The launcher's whole output (DeepSpeed's INFO lines, each rank's command line, warnings,
 tracebacks) is written to the job log in the run directory. The terminal gets only the
 lines ranks mark for it (dsforge/job/console.py): messages, a progress bar drawn here from the
-reporting rank's step events, and the summary. `verbose` also echoes every other line.
+reporting rank's step events (a line at every tenth of the steps where the terminal is a file
+or a pipe), and the summary. `verbose` also echoes every other line.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 import sys
 from typing import Any, TextIO
 
-from dsforge.job.console import parse
+from dsforge.job.console import PlainProgress, is_terminal, parse
 
 # "dsforge: rank 3 failed building ...": every rank of a job may say the same thing.
 _RANK_LINE = re.compile(r"dsforge: rank (\d+) (.*)")
@@ -22,6 +23,7 @@ class JobView:
     def __init__(self, *, verbose: bool = False, out: TextIO = sys.stderr):
         self.verbose, self.out = verbose, out
         self._bar = None
+        self._plain: PlainProgress | None = None  # where `out` is not a terminal
         self.lines_shown: list[str] = []
         self.done_ranks: set[int] = set()  # ranks that reported completing their part
         # rank -> (steps done, why) for ranks that stopped early with a checkpoint
@@ -81,6 +83,11 @@ class JobView:
         from tqdm import tqdm
 
         step, steps = int(event["step"]), int(event["steps"])
+        if not is_terminal(self.out):
+            self._plain = self._plain or PlainProgress(self.out)
+            self._plain.update(name=str(event.get("name", "")), step=step, steps=steps,
+                               postfix=str(event.get("postfix", "")))
+            return
         if self._bar is None:
             self._bar = tqdm(total=steps, initial=step - 1, desc=str(event.get("name", "")),
                              unit="step", dynamic_ncols=True, file=self.out)

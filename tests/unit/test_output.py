@@ -33,6 +33,20 @@ def test_view_shows_dsforge_lines_and_progress_only():
     assert view.lines_shown == ["dsforge: hello", "done: 2 steps"]
 
 
+def test_progress_to_a_file_is_a_line_every_tenth_of_the_steps_not_a_redrawn_bar():
+    """A terminal that is a file or a pipe (a batch job's log, `2> run.log`) gets lines, not
+    tqdm's carriage-return frames (52 KB of them for the 200-step smoke run)."""
+    out = io.StringIO()
+    view = JobView(out=out)
+    for step in range(1, 21):
+        view.feed(MARK + f'{{"kind": "progress", "name": "x", "step": {step}, "steps": 20, "postfix": "loss {step}"}}')
+    view.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert lines[0] == "x: step 1/20, loss 1" and lines[-1] == "x: step 20/20, loss 20"
+    assert len(lines) == 11  # steps 1, 3, ..., 19 and the last
+
+
 def test_verbose_view_shows_everything():
     out = io.StringIO()
     view = JobView(verbose=True, out=out)
