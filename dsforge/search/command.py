@@ -252,7 +252,8 @@ def run_search_command(target: str, *, overrides, as_json: bool, top: int, gpus,
     if write:
         click.echo(f"wrote {write_recipe(result, write)}" if result.ranked
                    else f"nothing written to {write}: no layout fits", err=True)
-    if html:
+    if html:  # the rank grids come from Megatron-Core's import: seconds, after a search of one
+        click.echo(f"dsforge: writing {html} (imports Megatron-Core for the rank grids)", err=True)
         click.echo(f"wrote {write_explorer(base, result, html)}", err=True)
     out = measure_out or _default_out(base)
     trials = _measure(base, result, top, out) if measure and result.ranked else None

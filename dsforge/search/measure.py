@@ -53,11 +53,16 @@ def candidate_overrides(r: Ranked) -> dict[str, object]:
             "train.activation_checkpointing": recipe.train.activation_checkpointing}
 
 
+def candidate_label(rank: int, r: Ranked) -> str:
+    """The trial's name in results.db and `dsforge report`: its rank and layout."""
+    return f"#{rank} {r.shape()}"
+
+
 def _cell(rank: int, r: Ranked, measure: Measure, base: str) -> Cell:
     settings = {**candidate_overrides(r), **timing(measure)}
     # The learning-rate warmup must be shorter than the trial.
     settings["train.warmup_steps"] = min(r.resolved.recipe.train.warmup_steps, settings["train.steps"] - 1)
-    return make_cell({"candidate": rank}, settings, base=base)
+    return make_cell({"candidate": candidate_label(rank, r)}, settings, base=base)
 
 
 def measure_top(base: Recipe, result: SearchResult, top: int, out_dir: Path, measure: Measure,
@@ -67,7 +72,7 @@ def measure_top(base: Recipe, result: SearchResult, top: int, out_dir: Path, mea
     write_atomic(recipe_path, dump_recipe(base))
     shown = result.ranked[:top]
     study = Study(name=f"search-{base.model.preset or base.name}", recipe=str(recipe_path),
-                  world_size=result.space.gpus, axes={"candidate": list(range(1, len(shown) + 1))},
+                  world_size=result.space.gpus, axes={"candidate": [candidate_label(i, r) for i, r in enumerate(shown, start=1)]},
                   measure=measure)
     store = Store(out_dir / "results.db")
     # The trials' key includes what they are measured on, so another base is a new trial
