@@ -46,7 +46,7 @@ def plan_device(choice: str = "auto") -> str:
 def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
     """The plan with engine configs translated for `device` ("auto" | "cpu" | "cuda")."""
     recipe, layout = resolved.recipe, resolved.layout
-    device = plan_device(device)
+    asked, device = device, plan_device(device)
     model, train, zero = recipe.model, recipe.train, recipe.zero
     params = count_params(model)
     flops = flops_per_token(model, train.seq_len, train.activation_checkpointing)
@@ -60,6 +60,7 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
         "groups": rank_groups(layout),
         "nodes": _node_summary(resolved),
         "device": device,
+        "device_asked": asked,
         "deepspeed": deepspeed_config(model=model, train=train, zero=zero, layout=layout, device=device),
         "megatron": {
             "parallel_state": parallel_state_kwargs(layout),
@@ -181,7 +182,9 @@ def _render_layout(plan: dict[str, Any]) -> str:
             f"  device: {plan['device']} (the configs are translated for it: Megatron CPU "
             f"initialization {_on_off(megatron['use_cpu_initialization'])}, batched p2p "
             f"{_on_off(megatron['batch_p2p_comm'])})\n"
-            f"  world {lay['world_size']} = dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}"
+            + (f"  (no GPU here: --device cuda plans the recipe's {plan['gpu']['name']} ranks)\n"
+               if plan["device_asked"] == "auto" and plan["device"] == "cpu" and plan["gpu"] else "")
+            + f"  world {lay['world_size']} = dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}"
             f" (x cp {lay['cp']}); vpp {lay['vpp']}; ep {lay['ep']} (etp {lay['etp']}, expert-dp {lay['edp']})\n"
             f"  sequence parallel: {'on' if lay['sequence_parallel'] else 'off'}; schedule: {lay['schedule']}\n"
             f"  batch: global {lay['global_batch']} = micro {lay['micro_batch']} x grad_accum "

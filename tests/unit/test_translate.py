@@ -255,6 +255,12 @@ def test_plan_shows_the_configs_a_run_on_the_device_uses(device):
     assert f"DeepSpeed config (for {device} ranks)" in render_plan(plan)
     here = "cuda" if torch.cuda.is_available() else "cpu"
     assert build_plan(resolved)["device"] == here  # auto: what `dsforge run` would pick here
+    # A GPU recipe planned where auto finds no GPU says how to plan its GPU ranks; asked for
+    # a device, the plan does not.
+    hint = "(no GPU here: --device cuda plans the recipe's NVIDIA H100 SXM ranks)"
+    on_h100 = resolve(make_recipe("cluster.gpu=h100", "cluster.gpus_per_node=8"), Topology(world_size=8))
+    assert (hint in render_plan(build_plan(on_h100))) == (here == "cpu")
+    assert hint not in render_plan(build_plan(on_h100, device=device))
 
 
 def test_checkpointing_translates_to_megatron_recompute():
