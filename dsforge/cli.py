@@ -167,7 +167,7 @@ def run(**options):
     """Train RECIPE: validate, check that it fits this machine, then start the ranks with
     DeepSpeed's launcher, here or on the hosts of --hostfile. Also runs as the script
     `deepspeed ... -m dsforge run` starts."""
-    options = RunOptions.gather(**options)
+    options = _or_exit(RunOptions.gather, **options)
     if options.local_rank is not None:  # started by DeepSpeed's launcher: be a rank
         from dsforge.runtime.rank import run_rank
         run_rank(_or_exit(launched_rank_job, options))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -67,6 +68,11 @@ class RunOptions:
     @classmethod
     def gather(cls, *, overrides=(), profile_steps: str | None = None, **options) -> RunOptions:
         """From click's parameters; `--profile A:B` is the override tracking.profile="A:B"."""
+        if profile_steps is not None and not re.fullmatch(r"\d+:\d+", profile_steps):
+            raise BadOptions(  # e.g. a planner's profile file, which is another command's
+                f"--profile {profile_steps!r} is not a step range: give the first and last step "
+                "to trace as A:B (0-based), e.g. --profile 3:5. A planner's profile file goes to "
+                "dsforge plan --search --profile")
         if profile_steps is not None:
             # Quoted: YAML would read an unquoted 3:5 as the base-60 integer 185.
             overrides = (*overrides, f"tracking.profile={json.dumps(profile_steps)}")

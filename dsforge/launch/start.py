@@ -31,7 +31,7 @@ from dsforge.recipe import Resolved
 from dsforge.recipe.tiny import reference_resolved, tiny_resolved
 from dsforge.translate.build_env import BUILD_RULES, build_problems, job_ops
 from dsforge.translate.kernels import device_problems, liger_installed
-from dsforge.units import GiB
+from dsforge.units import format_bytes
 
 Say = Callable[[str], None]
 # Exit codes of a job dsforge stopped at once on request: Ctrl-C, SIGHUP, SIGUSR1, SIGTERM
@@ -123,8 +123,8 @@ def _refuse_builds(command: list[str], host: str, problems: list[Problem]) -> No
 def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
     lay = resolved.layout
     lines = ["ways forward:",
-             f"  - run it on {lay.world_size} GPUs with {rank_memory_bytes(resolved, 'cuda') / GiB:,.0f}+ "
-             "GiB each over a hostfile (hostfiles/ has examples): "
+             f"  - run it on {lay.world_size} GPUs with {format_bytes(rank_memory_bytes(resolved, 'cuda'))} "
+             "or more each over a hostfile (hostfiles/ has examples): "
              f"{shlex.join(command + ['--hostfile', 'HOSTFILE'])}",
              "  - shrink it: fewer ranks (--world-size, parallel.*), a smaller model (model.*), "
              "or less memory a rank (zero.stage, train.activation_checkpointing, "

@@ -269,9 +269,15 @@ def build_recipe(raw: dict[str, Any]) -> Recipe:
     recipe = _build(Recipe, raw, "", problems)
     if recipe is None and isinstance(raw.get("name"), str) and not any(p.rule == "N1" for p in problems):
         problems.extend(name_problems(raw["name"]))  # also when a section failed to build
+    if any(p.rule == "M4" for p in problems):  # the preset's fields are missing because of it
+        problems = [p for p in problems if not (p.rule == "Y5" and _in_model(p))]
     if problems:
         raise RecipeError(problems)
     return recipe
+
+
+def _in_model(problem: Problem) -> bool:
+    return any(str(name).startswith("model.") for name in problem.fields)
 
 
 def _with_preset(raw_model: dict[str, Any], problems: list[Problem]) -> dict[str, Any]:

@@ -355,6 +355,10 @@ def test_run_profile_is_the_recipe_field():
                               "--profile", "3:5", "--dry-run"])
     assert ok.exit_code == 0, ok.output
     assert """--set 'tracking.profile="3:5"'""" in ok.output
+    # A planner's profile file given to run's --profile: named as the flag, not the field.
+    path = runner.invoke(main, ["run", str(REPO / "recipes" / "tiny.yaml"), "--profile", "h200.yaml"])
+    assert path.exit_code == 2 and "--profile 'h200.yaml' is not a step range" in path.output
+    assert "--profile 3:5" in path.output and "dsforge plan --search --profile" in path.output
 
 
 def test_phases_adding_up_to_more_than_their_step_are_called_wrong():

@@ -247,8 +247,9 @@ def test_the_layer_check_sees_upward_and_sideways_imports():
 
 
 def test_the_cli_stays_thin():
-    """cli.py gathers options and hands them on (docs/architecture.md): under 335 lines (320
-    until `dsforge refit`, 14 lines of options and a call, was added), and `dsforge run`'s
+    """cli.py gathers options and hands them on (docs/architecture.md): under 340 lines (320
+    until `dsforge refit`, 14 lines of options and a call, was added; 335 until bench's
+    --skip-fit-check), and `dsforge run`'s
     command body under 25 (its policy lives in launch/entry.py). A new command brings its
     options here and its logic elsewhere."""
     import ast
@@ -257,7 +258,7 @@ def test_the_cli_stays_thin():
     from dsforge import cli
 
     source = inspect.getsource(cli)
-    assert len(source.splitlines()) < 335
+    assert len(source.splitlines()) < 340
     run = next(node for node in ast.parse(source).body
                if isinstance(node, ast.FunctionDef) and node.name == "run")
     assert run.end_lineno - run.lineno + 1 < 25

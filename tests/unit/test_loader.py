@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dsforge.recipe.loader import load_recipe, parse_overrides, read_yaml
+from dsforge.recipe.loader import build_recipe, load_recipe, parse_overrides, read_yaml
 from dsforge.problems import RecipeError
 from tests.conftest import REPO, make_recipe, rule_ids
 
@@ -134,6 +134,11 @@ def test_unknown_preset_suggests_the_closest():
         make_recipe("model.preset=llama3-7b")
     problem = next(p for p in info.value.problems if p.rule == "M4")
     assert "Did you mean" in problem.fix
+    # The preset's own fields, missing only because of it, are not errors of their own.
+    with pytest.raises(RecipeError) as info:
+        build_recipe({"name": "x", "model": {"preset": "llama3-8x"},
+                      "train": {"seq_len": 128, "steps": 10, "lr": 1e-3}})
+    assert rule_ids(info.value) == {"M4"}
 
 
 def test_missing_file_invalid_yaml_and_non_mapping(tmp_path, recipe_file):

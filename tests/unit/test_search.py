@@ -268,6 +268,9 @@ def test_profile_file_overrides_and_rejects_unknown(tmp_path):
     path.write_text("memory_margin: 1.5\n")
     with pytest.raises(RecipeError, match="out of range"):
         load_profile(path, None, None)
+    with pytest.raises(RecipeError) as info:  # a recipe where a profile goes: one problem
+        load_profile(REPO / "recipes" / "tiny.yaml", None, None)
+    assert len(info.value.problems) == 1 and "a recipe, not a cluster profile" in str(info.value)
 
 
 def test_profile_file_is_read_strictly(tmp_path):
