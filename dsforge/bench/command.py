@@ -40,8 +40,8 @@ def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
         parsed = dataclasses.replace(parsed, name=f"{parsed.name}-tiny")
     out = out or Path("benchmarks") / parsed.name
     code = bench_study(parsed, recipe_path, out, retry_failed=retry_failed, tiny=tiny,
-                       check_fit=not skip_fit_check, db_timeout=db_timeout, log=lambda line: click.echo(line, err=True),
-                       step_time_model=step_time_model)
+                       check_fit=not skip_fit_check, db_timeout=db_timeout,
+                       log=lambda line: click.echo(line, err=True), step_time_model=step_time_model)
     if code != EXIT_INVALID:
         click.echo(f"results: {out / 'results.db'}; report: dsforge report {out / 'results.db'}")
     return code

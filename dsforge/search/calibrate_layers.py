@@ -19,7 +19,7 @@ HOST_BOUND = 1.5
 # A ZeRO-3 forward at the recipe's shapes this many times its ZeRO-0 forward or more is paced
 # by the host (the per-module fetches), not by the device's work.
 ZERO3_PACED = 1.1
-# A slope whose larger layer count took no longer (layer_timing.rises) measured noise.
+# A slope whose larger layer count took no longer (`rises`) measured noise.
 NOT_RESOLVED = "not resolved: 3 layers took no longer than 1 (a busy machine?)"
 
 
