@@ -88,8 +88,12 @@ BATCH_FIELDS = ("global_batch", "micro_batch", "grad_accum")
 
 def with_overrides(recipe: Recipe, overrides: Iterable[str]) -> Recipe:
     """`recipe` with the user's --set fields applied again (they win over shrinking). A batch
-    field given lets the other two be derived again (global = micro x grad_accum x dp)."""
-    items = parse_overrides(overrides)
+    field given lets the other two be derived again (global = micro x grad_accum x dp).
+    Not the data section and model.init_from: the load already applied them, relative to the
+    recipe's directory (given again here, a relative path would mean the working directory's),
+    and shrinking changes them only where the tiny model cannot use them."""
+    items = [(key, value) for key, value in parse_overrides(overrides)
+             if not (key.startswith("data.") or key == "model.init_from")]
     if not items:
         return recipe
     raw = dataclasses.asdict(recipe)

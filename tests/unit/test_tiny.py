@@ -49,6 +49,17 @@ def test_set_fields_win_over_shrinking():
     assert tiny.recipe.train.steps == 7 and tiny.recipe.train.precision == "fp32"
 
 
+def test_a_set_data_path_keeps_meaning_the_recipes_directory(tmp_path, monkeypatch):
+    """--set data.source=../data/tempest (a study's `set:` too) is relative to the recipe's
+    directory, as at full size; given again after shrinking it meant the working directory's
+    (every shipped CPU study's cells were rejected under --tiny, rule D7)."""
+    monkeypatch.chdir(tmp_path)
+    overrides = ("data.source=../data/tempest", "model.vocab_size=257", "train.steps=6")
+    tiny = tiny_resolved(resolve_file(REPO / "recipes" / "tiny.yaml", overrides), overrides)
+    assert tiny.recipe.data.source == str(REPO / "data" / "tempest")
+    assert tiny.recipe.train.steps == 6  # the other fields still win over shrinking
+
+
 def test_tiny_runs_what_cpu_ranks_run_and_its_own_steps():
     """The recipe's GPU kernels and attention backend become auto (rule K1 on CPU ranks), and
     its profiler steps, which the 4-step tiny run may not have (R4), are dropped."""
