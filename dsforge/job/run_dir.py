@@ -194,10 +194,17 @@ def _check_empty(run_dir: Path, peers_may_join: bool = False) -> None:
                           "earlier run's metrics are mixed in")
 
 
-def existing_run_dir(run_dir: Path | None, *, create: bool = True) -> Path:
-    """The run directory to resume or join (--resume, --no-ssh node ranks > 0)."""
+def existing_run_dir(run_dir: Path | None, *, resume: bool, create: bool = True) -> Path:
+    """The run directory to resume (--resume: it must exist) or to join (--no-ssh node ranks
+    > 0: node 0's, made here if node 0 has not made it yet)."""
     if run_dir is None:
-        raise RunDirError("--resume and --no-ssh node ranks > 0 need --run-dir")
+        raise RunDirError("--resume needs --run-dir: the run directory to continue (the one a run "
+                          "names first, runs/NAME-DATE)" if resume else
+                          "--no-ssh node ranks > 0 need --run-dir: the directory node 0's run writes")
+    if resume and not run_dir.is_dir():  # refused before anything is made there
+        raise RunDirError(f"--resume: {run_dir} does not exist, so there is nothing to resume; give "
+                          "the run directory a run wrote (it names it first: 'run directory "
+                          "runs/NAME-DATE'), or start anew without --resume")
     if create:
         _make(run_dir)
     return run_dir

@@ -149,7 +149,7 @@ def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joini
                               peers_may_join=peers_may_join)
         lock = claim(run_dir, fresh=True, peers_may_join=peers_may_join) if create else None
         return run_dir, lock
-    run_dir = existing_run_dir(run_dir, create=create)
+    run_dir = existing_run_dir(run_dir, resume=resume, create=create)
     lock = claim(run_dir, fresh=False, peers_may_join=peers_may_join) if resume and create else None
     if resume:
         record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),

@@ -125,6 +125,15 @@ def _damaged_run(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+def test_resuming_a_run_directory_that_does_not_exist_is_refused_and_makes_nothing(tmp_path):
+    missing = tmp_path / "nosuch"
+    result = run("run", TINY, "--run-dir", str(missing), "--resume", "--skip-fit-check")
+    assert_clean_exit_2(result, f"--resume: {missing} does not exist", "without --resume")
+    assert list(tmp_path.iterdir()) == []  # no directory, no lock beside it
+    result = run("run", TINY, "--resume", "--skip-fit-check")
+    assert_clean_exit_2(result, "--resume needs --run-dir", "runs/NAME-DATE")
+
+
 @pytest.mark.parametrize("damage, expected", [
     ("shard", "[CK4]"),
     ("latest", "[CK1]"),
