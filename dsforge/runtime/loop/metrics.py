@@ -2,7 +2,8 @@
 
 The reporting rank is rank 0 of the last pipeline stage (tp rank 0, dp rank 0): it has the
 loss. Step records go to metrics.jsonl as they happen; warmup steps carry `"warmup": true`
-and are left out of the summary (medians over the measured steps). A validation loss is a
+and are left out of the summary (medians over the measured steps of this process: a resumed
+run's earlier steps may have run on another layout or machine). A validation loss is a
 line of its own, `{"step": s, "val_loss": x}`, after the record of step s (the step it
 follows); dsforge/job/metrics_file.py's `read_metrics` splits a file into the two kinds.
 """
@@ -83,9 +84,11 @@ class MetricsWriter:
         self.path = path
         self.records: list[StepRecord] = []
         self.evals: list[EvalRecord] = []
+        self.first_step = 0  # this process's first step (a resumed run's earlier ones are read back)
 
     def keep_steps_before(self, step: int) -> None:
         """On resume: drop records of steps that will be trained again (after the checkpoint)."""
+        self.first_step = step
         if not self.path.exists():
             return
         kept = [line for line in self.path.read_text().splitlines()
@@ -112,7 +115,9 @@ class MetricsWriter:
             f.write(json.dumps(data) + "\n")
 
     def summary(self) -> dict:
-        measured = [r for r in self.records if not r.warmup] or self.records
+        """The run's steps and losses; the timings and memory of this process's steps only."""
+        own = [r for r in self.records if r.step >= self.first_step] or self.records
+        measured = [r for r in own if not r.warmup] or own
         mfus = [r.mfu for r in measured if r.mfu is not None]
         return {
             "steps": len(self.records), "measured_steps": len(measured),
@@ -121,7 +126,7 @@ class MetricsWriter:
             "median_tokens_per_s": statistics.median(r.tokens_per_s for r in measured),
             "median_tokens_per_s_per_gpu": statistics.median(r.tokens_per_s_per_gpu for r in measured),
             "median_mfu": statistics.median(mfus) if mfus else None,
-            "peak_memory_bytes": max(r.peak_memory_bytes for r in self.records),
+            "peak_memory_bytes": max(r.peak_memory_bytes for r in own),
             "final_val_loss": self.evals[-1].val_loss if self.evals else None,
             "val_losses": [[r.step, r.val_loss] for r in self.evals],
             "median_breakdown_s": median_breakdown(r.breakdown_s for r in measured),

@@ -216,7 +216,7 @@ class Trainer:
                 data_time: float, phases: dict[str, float] | None) -> None:
         recipe, layout = self.resolved.recipe, self.resolved.layout
         record = make_record(
-            step=step, warmup=step < recipe.train.timing_warmup, loss=loss,
+            step=step, warmup=step < self._first_timed_step(), loss=loss,
             grad_norm=self.engine.get_global_grad_norm(), lr=lr,
             step_time_s=elapsed, tokens_per_step=layout.global_batch * recipe.train.seq_len,
             world_size=layout.world_size, flops_per_token=self.flops.model,
@@ -289,7 +289,7 @@ class Trainer:
         """This rank's step breakdowns after the warmup steps (all of them if every step was
         one), once the device has finished the last step."""
         self.timings.finish()
-        warmup = self.resolved.recipe.train.timing_warmup
+        warmup = self._first_timed_step()
         readings = self.timings.readings
         if self.timings.problem:  # readings made late (a rank without the loss) included
             self._warn_breakdown(self.timings.problem)
@@ -298,7 +298,12 @@ class Trainer:
     def _takes_census(self, step: int) -> bool:
         """With `measure`, the census inside a step runs on the last step left out of the
         timings (walking every live object takes longer than a tiny step), else the first."""
-        return self.measure and step == max(self.start_step, self.resolved.recipe.train.timing_warmup - 1)
+        return self.measure and step == max(self.start_step, self._first_timed_step() - 1)
+
+    def _first_timed_step(self) -> int:
+        """The first step of this process's timings: its own first `timing_warmup` steps warm
+        it up, a resumed run's as a new run's (its allocator, caches and kernels are cold)."""
+        return self.start_step + self.resolved.recipe.train.timing_warmup
 
     def _census_inside_step(self, point: str) -> None:
         from dsforge.runtime.loop.tensor_census import live_tensor_bytes
