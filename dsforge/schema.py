@@ -271,7 +271,7 @@ class TrainConfig:
     activation_checkpointing: Checkpointing = "none"
     seed: int = 1234
     timing_warmup: int = 1  # first steps left out of timing summaries (marked in metrics)
-    checkpoint_every: int = 0  # save a checkpoint every N steps; 0 = never
+    checkpoint_every: int = 0  # save a checkpoint every N steps and after the last; 0 = never
     eval_every: int = 0  # validation loss every N steps and after the last; 0 = never
     eval_iters: int = 10  # global batches of held-out samples per evaluation
     # The job's wall-clock limit (time_limit_seconds says which forms): the ranks save a

@@ -302,9 +302,17 @@ def check_resumable(run_dir: Path, recipe: dict[str, Any], world_size: int) -> d
     check_complete(root, record)
     differences = recipe_differences(record["recipe"], recipe)
     if differences:
-        raise CheckpointError("the recipe differs from the checkpoint's in more than the layout "
-                              "(parallel.*, zero.*, train.micro_batch, train.grad_accum may "
-                              "change; the rest must not):\n  " + "\n  ".join(differences))
+        raise CheckpointError(
+            "the recipe differs from the checkpoint's in more than may change on resume (the "
+            "layout: parallel.*, zero.*, train.micro_batch, train.grad_accum; and "
+            + ", ".join(sorted(RESUMABLE_CHANGES)) + "; docs/checkpoints.md):\n  "
+            + "\n  ".join(differences))
+    steps = (recipe.get("train") or {}).get("steps")
+    if steps is not None and record["step"] >= steps:
+        raise CheckpointError(
+            f"{run_dir} has finished: its newest checkpoint is after step {record['step']} of "
+            f"train.steps {steps}, so nothing is left to train; export it (dsforge export "
+            f"{run_dir} --to OUT) or start a new run")
     changes = layout_changes(record["recipe"], recipe, record["world_size"], world_size)
     if changes and not (root / record["tag"] / STATE_DIR).is_dir():
         raise CheckpointError(

@@ -25,14 +25,17 @@ class WorldFailed(AssertionError):
 
 def run_world(world_size: int, cases: dict[str, list[str]], *, recipe: Path, out: Path,
               timeout_s: float = 420.0, step_timeout_s: float = 120.0,
-              resume_from: dict[str, str] | None = None,
+              resume_from: dict[str, str] | None = None, resume_step: int | None = None,
               recipes: dict[str, Path] | None = None) -> dict[str, list[dict]]:
     """Train every case (name -> overrides) on `world_size` ranks; returns metrics per case.
-    resume_from[name] = an earlier case whose checkpoints case `name` resumes from;
-    recipes[name] = the recipe of case `name` when it is not `recipe`."""
+    resume_from[name] = an earlier case whose checkpoints case `name` resumes from: its newest,
+    or with `resume_step` the one after that step, as if the earlier run had stopped there (a
+    run that finishes saves its last step too); recipes[name] = the recipe of case `name` when
+    it is not `recipe`."""
     resume_from, recipes = resume_from or {}, recipes or {}
     spec = {"recipe": str(recipe), "out": str(out), "timeout_s": step_timeout_s,
             "cases": [{"name": n, "overrides": o, "resume_from": resume_from.get(n),
+                       "resume_step": resume_step if n in resume_from else None,
                        "recipe": str(recipes[n]) if n in recipes else None}
                       for n, o in cases.items()]}
     spec_path = out / f"world{world_size}.json"

@@ -75,7 +75,8 @@ def _world(size: int, pairs: dict, out):
         cases[source], recipes[source] = source_layout, recipe
         cases[resumed], recipes[resumed] = resumed_layout, recipe
         resume_from[resumed] = source
-    return run_world(size, cases, recipe=DENSE, out=out, resume_from=resume_from, recipes=recipes)
+    return run_world(size, cases, recipe=DENSE, out=out, resume_from=resume_from,
+                     resume_step=RESUMED_STEPS[0], recipes=recipes)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,18 @@ def main() -> None:
     os._exit(0)
 
 
+def _stopped_after(root: Path, step: int) -> None:
+    """The checkpoints as a run that stopped after `step` left them: the later ones removed,
+    `latest` naming that step's."""
+    from dsforge.ckpt.format import LATEST
+    from dsforge.ckpt.trust import tag_for
+
+    for later in root.glob("step*"):
+        if int(later.name[len("step"):]) > step:
+            shutil.rmtree(later)
+    (root / LATEST).write_text(tag_for(step))
+
+
 def _run_case(case: dict, spec: dict) -> None:
     from megatron.core import parallel_state
 
@@ -47,6 +59,8 @@ def _run_case(case: dict, spec: dict) -> None:
     resume_from = case.get("resume_from")
     if resume_from and int(os.environ["RANK"]) == 0:
         shutil.copytree(Path(spec["out"]) / resume_from / "checkpoints", run_dir / "checkpoints")
+        if case.get("resume_step") is not None:
+            _stopped_after(run_dir / "checkpoints", case["resume_step"])
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume_from:
         torch.distributed.barrier()

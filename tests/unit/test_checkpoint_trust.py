@@ -49,6 +49,24 @@ def test_a_complete_checkpoint_of_your_own_is_resumable(tmp_path):
     assert check_resumable(tmp_path, RECIPE, 2)["step"] == 3
 
 
+def test_a_finished_run_is_not_resumed_and_says_what_to_do_instead(tmp_path):
+    """A run saves its last step too: resuming it would train nothing."""
+    _checkpoint(tmp_path, step=6)
+    error = _refused(tmp_path)
+    assert "has finished: its newest checkpoint is after step 6 of train.steps 6" in str(error)
+    assert f"dsforge export {tmp_path} --to OUT" in str(error)
+
+
+def test_a_refused_change_lists_what_may_change(tmp_path):
+    _checkpoint(tmp_path)
+    more_steps = {**RECIPE, "train": {**RECIPE["train"], "steps": 12}}
+    with pytest.raises(CheckpointError) as info:
+        check_resumable(tmp_path, more_steps, 2)
+    text = str(info.value)
+    assert "train.steps: 6 in the checkpoint, 12 now" in text
+    assert "train.eval_every" in text and "train.time_limit" in text and "docs/checkpoints.md" in text
+
+
 def test_a_checkpoint_from_before_a_field_existed_resumes_at_its_default(tmp_path):
     """A recipe saved by an older dsforge lacks the fields added since; they held their
     defaults then. The kernels and attention backend may change on resume (same model)."""

@@ -327,7 +327,8 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
                save_fault: Callable[[int, int], None] | None = None,
                stopper: Stopper | None = None) -> Stopped | None:
     """Steps trainer.start_step .. train.steps - 1 with a checkpoint every
-    train.checkpoint_every steps, then the summaries (`Trainer.finish`). Returns None, or
+    train.checkpoint_every steps and after the last (as Megatron-LM and torchtitan save the
+    final state), then the summaries (`Trainer.finish`). Returns None, or
     with a `stopper` (runtime/guard/preempt.py) `Stopped` when the ranks agreed after a step to stop
     early (a signal, train.time_limit): that step's checkpoint is then saved.
 
@@ -348,7 +349,7 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
         _timed(timed, "step", trainer.train_step, step)
         if eval_due(train, step):  # before the save: a resumed run has this step's eval
             _timed(timed, "eval", trainer.evaluate, step, before_batch=before_step)
-        saved = every and (step + 1) % every == 0
+        saved = every and ((step + 1) % every == 0 or step + 1 == train.steps)
         if saved:
             _timed(timed, "save", save_and_prune, trainer, step + 1, save_fault)
         if stopper is not None and step + 1 < train.steps:
