@@ -134,7 +134,7 @@ def test_a_moe_checkpoint_written_by_tp2_x_pp2_exports_to_mixtral(worlds, tmp_pa
                             str(tmp_path / "own.pt")], cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
-        exported = export(run, tmp_path / "hf")
+        exported = export(checkpoint, tmp_path / "hf")
         model, hf_logits = transformers_logits(tmp_path / "hf")
         _, stderr = own.communicate(timeout=180)
     finally:
