@@ -151,12 +151,13 @@ def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
         raise BenchError(f"cannot write the cells' directories: {exc.strerror or exc}",
                          argument="--out", value=out_dir) from None
     log(f"study {study.name}: {len(cells)} cells x {study.measure.repeats} repeats")
-    outcome = Outcome()
+    outcome, kept = Outcome(), 0
     for index, cell in enumerate(cells, start=1):
         for repeat in range(study.measure.repeats):
             where = f"[{index}/{len(cells)}] {_label(cell)} repeat {repeat}"
             previous = _import_saved(study, cell, repeat, store, out_dir, log, where)
             if previous is not None and not _run_again(previous, retry_failed):
+                kept += 1
                 continue
             try:
                 row = run_cell(study, recipe_path, cell, repeat, out_dir, tiny=tiny,
@@ -170,6 +171,9 @@ def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
                 continue  # still invalid, for the same reasons
             store.write(row)
             log(f"{where}: {row.status}" + (f" ({row.reason})" if row.reason else ""))
+    if kept:
+        log(f"study {study.name}: {kept} cell repeat(s) already had a result and were not run "
+            "again" + ("" if retry_failed else " (--retry-failed runs the failed ones again)"))
     return outcome
 
 

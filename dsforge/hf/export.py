@@ -176,12 +176,19 @@ def find_checkpoint(source: Path) -> tuple[Path, dict[str, Any]]:
                                                     message=str(exc))]) from None
 
 
+def _saved_steps(source: Path) -> str:
+    """The checkpoints beside a missing one (RUN_DIR/checkpoints/step00000009 mistyped)."""
+    saved = sorted(p.name for p in source.parent.glob("step*") if (p / COMPLETE).exists()) \
+        if source.parent.is_dir() else []
+    return f"; this run saved {', '.join(saved)}" if saved else ""
+
+
 def _find_checkpoint(source: Path) -> tuple[Path, dict[str, Any]]:
     if not source.is_dir():
         raise ExportRefused([Problem(rule="EX5", fields={"checkpoint": str(source)},
-                                     message="is not a directory",
+                                     message="is not a directory" if source.exists() else "does not exist",
                                      fix="name a run directory or one of its checkpoints "
-                                         "(RUN_DIR/checkpoints/stepNNNNNNNN)")])
+                                         "(RUN_DIR/checkpoints/stepNNNNNNNN)" + _saved_steps(source))])
     if (source / COMPLETE).exists():
         root, tag = source.parent, source.name
     else:

@@ -387,6 +387,17 @@ def test_a_cell_this_machine_cannot_hold_is_rejected_before_its_job(tmp_path, mo
     assert len(jobs.launched) == 1  # the rejected row is checked again, and this time it runs
 
 
+def test_a_rerun_says_what_it_kept(tmp_path, monkeypatch):
+    path, study, recipe = _study(tmp_path, axes="{zero.stage: [1, 2]}")
+    jobs = FakeJobs(monkeypatch)
+    assert bench_study(study, recipe, tmp_path / "out", log=lambda _: None) == 0
+    messages = []
+    assert bench_study(study, recipe, tmp_path / "out", log=messages.append) == 0
+    assert len(jobs.launched) == 2  # the first run's two cells only
+    assert messages[-1] == ("study s: 2 cell repeat(s) already had a result and were not run "
+                            "again (--retry-failed runs the failed ones again)")
+
+
 def test_bench_takes_skip_fit_check(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(bench_run, "bench_study", lambda *a, **k: seen.update(k) or 0)

@@ -286,7 +286,11 @@ def test_export_writes_a_whole_folder_and_refuses_to_overwrite(dense_run, tmp_pa
 def test_export_refuses_checkpoints_that_are_not_there_or_not_whole(dense_run, tmp_path):
     run, reader = dense_run
     out = tmp_path / "hf"
-    assert "is not a directory" in _refused(tmp_path / "nothing-here-yet", out, reader, ["EX5"])
+    assert "does not exist" in _refused(tmp_path / "nothing-here-yet", out, reader, ["EX5"])
+    (tmp_path / "a-file").write_text("x")
+    assert "is not a directory" in _refused(tmp_path / "a-file", out, reader, ["EX5"])
+    mistyped = _refused(run / "checkpoints" / "step00000099", out, reader, ["EX5"])
+    assert "does not exist" in mistyped and "this run saved step0000" in mistyped
     (tmp_path / "empty-run").mkdir()
     assert "holds no complete checkpoint" in _refused(tmp_path / "empty-run", out, reader, ["EX5"])
     root = run / "checkpoints"
