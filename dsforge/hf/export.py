@@ -178,15 +178,15 @@ def find_checkpoint(source: Path) -> tuple[Path, dict[str, Any]]:
 
 def _saved_steps(source: Path) -> str:
     """The checkpoints beside a missing one (RUN_DIR/checkpoints/step00000009 mistyped)."""
-    saved = sorted(p.name for p in source.parent.glob("step*") if (p / COMPLETE).exists()) \
-        if source.parent.is_dir() else []
+    beside = source.parent.glob("step*") if source.parent.is_dir() else []
+    saved = sorted(p.name for p in beside if (p / COMPLETE).exists())
     return f"; this run saved {', '.join(saved)}" if saved else ""
 
 
 def _find_checkpoint(source: Path) -> tuple[Path, dict[str, Any]]:
     if not source.is_dir():
-        raise ExportRefused([Problem(rule="EX5", fields={"checkpoint": str(source)},
-                                     message="is not a directory" if source.exists() else "does not exist",
+        what = "is not a directory" if source.exists() else "does not exist"
+        raise ExportRefused([Problem(rule="EX5", fields={"checkpoint": str(source)}, message=what,
                                      fix="name a run directory or one of its checkpoints "
                                          "(RUN_DIR/checkpoints/stepNNNNNNNN)" + _saved_steps(source))])
     if (source / COMPLETE).exists():
