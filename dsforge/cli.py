@@ -132,9 +132,11 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
               show_default=True, help="auto = cuda when a GPU is visible, else cpu.")
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto",
               show_default=True, help="auto = nccl on GPUs, gloo on CPU.")
-@click.option("--step-timeout", type=float, default=300.0, show_default=True,
+@click.option("--step-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True,
               help="Seconds a step may take before its rank is declared stuck and the job ends.")
-@click.option("--timeout", type=float, default=None, help="Wall-clock limit for the whole job.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Wall-clock limit for the whole job.")
 @click.option("--stop-grace", type=click.FloatRange(min=0), default=300.0, show_default=True,
               help="Seconds the ranks get to save a checkpoint and exit after SIGTERM or SIGUSR1 "
                    "before the job is stopped at once.")
@@ -146,10 +148,11 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
                    "srun inside a Slurm allocation (salloc, or a script from `dsforge sbatch`).")
 @click.option("--include", default="", help="DeepSpeed --include: NODE[:SLOT,...][@NODE...].")
 @click.option("--exclude", default="", help="DeepSpeed --exclude, same format.")
-@click.option("--no-ssh", "node_rank", type=int, default=None, metavar="NODE_RANK",
+@click.option("--no-ssh", "node_rank", type=click.IntRange(min=0), default=None, metavar="NODE_RANK",
               help="Start only this node's ranks, without ssh (run once per node).")
 @click.option("--master-addr", default=None, help="Address of the first node (multi-node).")
-@click.option("--master-port", type=int, default=None, help="Rendezvous port [default: free].")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+              help="Rendezvous port [default: free; 29500 with --no-ssh, so every node agrees].")
 @click.option("--dry-run", is_flag=True, help="Print the command lines and exit.")
 @click.option("--tiny", is_flag=True,
               help="Keep the recipe's layout, shrink model and batch to the smallest valid size, "
@@ -204,10 +207,11 @@ def sbatch(recipe, **options):
 
 @main.command()
 @_recipe_options
-@click.option("--master-port", type=int, default=29500, show_default=True)
+@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True)
 @click.option("--include", default="", help="DeepSpeed --include filter.")
 @click.option("--exclude", default="", help="DeepSpeed --exclude filter.")
-@click.option("--ssh-timeout", type=float, default=10.0, show_default=True)
+@click.option("--ssh-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True)
 def preflight(recipe, **options):
     """Check RECIPE and the hosts of --hostfile before a multi-node run: hostfile, world size,
     SSH to every host (in parallel), the master port, the same package versions everywhere,

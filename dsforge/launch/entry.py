@@ -34,6 +34,7 @@ from dsforge.recipe import Resolved
 from dsforge.recipe.hostfile import active_hosts, read_hostfile
 
 Say = start.Say
+NO_SSH_PORT = 29500  # DeepSpeed's default rendezvous port, as `dsforge preflight` checks
 # Run-directory locks this process holds until it exits (job/run_dir.claim).
 _HELD: list[Lock | None] = []
 
@@ -150,6 +151,8 @@ def _checked(options: RunOptions, say: Say) -> tuple[RunOptions, Resolved, Slurm
     warn(resolved.warnings, say)
     command = start.command_words(options.recipe, options.overrides, options.world_size)
     slurm_plan = None
+    if options.node_rank is not None:
+        _check_no_ssh_options(options)
     if options.launcher == "slurm":
         _check_slurm_options(options)
         slurm_plan = start.plan_slurm(options.recipe, resolved, device=options.device,
@@ -158,6 +161,22 @@ def _checked(options: RunOptions, say: Say) -> tuple[RunOptions, Resolved, Slurm
     if not options.skip_fit_check:
         _check_this_machine(command, resolved, options, say)
     return options, resolved, slurm_plan
+
+
+def _check_no_ssh_options(options: RunOptions) -> None:
+    """--no-ssh: one dsforge per node, each started the same way, so every node must name the
+    same hostfile, rendezvous address and port, and its own place in the hostfile."""
+    if options.hostfile is None:
+        raise BadOptions("--no-ssh needs --hostfile: the same hostfile on every node (it says "
+                         "how many ranks each node starts)")
+    if not options.master_addr:
+        raise BadOptions("--no-ssh needs --master-addr: node 0's address, the same on every node "
+                         "(without it DeepSpeed asks node 0 for it over ssh)")
+    hosts = active_hosts(read_hostfile(options.hostfile), options.include, options.exclude)
+    if options.node_rank >= len(hosts.node_slots):
+        raise BadOptions(f"--no-ssh {options.node_rank}: {options.hostfile} names "
+                         f"{len(hosts.node_slots)} host(s), so the node ranks are 0 to "
+                         f"{len(hosts.node_slots) - 1}")
 
 
 def _check_slurm_options(options: RunOptions) -> None:
@@ -199,7 +218,7 @@ def _deepspeed_start(options: RunOptions, resolved: Resolved, say: Say) -> tuple
     placement = Placement(world_size=resolved.layout.world_size, hostfile=options.hostfile,
                           launcher=options.launcher, include=options.include,
                           exclude=options.exclude, master_addr=options.master_addr,
-                          master_port=options.master_port or free_port(),
+                          master_port=options.master_port or _default_port(options),
                           node_rank=options.node_rank)
     problems = remote_shell_problems(placement, cwd=os.getcwd(), python=sys.executable)
     if problems:
@@ -219,6 +238,12 @@ def _deepspeed_start(options: RunOptions, resolved: Resolved, say: Say) -> tuple
              + plain_deepspeed_command(placement, Path(options.recipe), run_dir,
                                        options.overrides) + "\n")
     return run_dir, _Start(command, shown)
+
+
+def _default_port(options: RunOptions) -> int:
+    """A free port here; with --no-ssh DeepSpeed's default, 29500, which every node picks alike
+    (a free port each would differ, and the nodes would wait for each other until timed out)."""
+    return NO_SSH_PORT if options.node_rank is not None else free_port()
 
 
 def _own_run_dir(options: RunOptions, resolved: Resolved, say: Say, *, joining: bool,

@@ -125,7 +125,8 @@ def test_console_script_runs_as_a_module():
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("start", [["--hostfile", "HOSTFILE", "--no-ssh", "0"], []])
+@pytest.mark.parametrize("start", [["--hostfile", "HOSTFILE", "--no-ssh", "0", "--master-addr",
+                                     "127.0.0.1"], []])
 def test_ranks_started_here_are_refused_kernels_this_machine_cannot_run(tmp_path, start):
     """A local run and a --no-ssh node (and Slurm's, by the same check) refuse before any rank
     starts what their ranks could not run: here a GPU-only attention kernel on CPU ranks (K1)."""
@@ -137,6 +138,37 @@ def test_ranks_started_here_are_refused_kernels_this_machine_cannot_run(tmp_path
     assert result.exit_code == 2, result.output
     assert "[K1] model.sdpa_backend='cudnn'" in result.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("words, expected", [
+    (["--no-ssh", "0", "--master-addr", "127.0.0.1"], "--no-ssh needs --hostfile"),
+    (["--hostfile", "HOSTFILE", "--no-ssh", "1"], "--no-ssh needs --master-addr"),
+    (["--hostfile", "HOSTFILE", "--no-ssh", "2", "--master-addr", "127.0.0.1"],
+     "--no-ssh 2: HOSTFILE names 2 host(s), so the node ranks are 0 to 1"),
+    (["--no-ssh", "-1"], "Invalid value for '--no-ssh'"),
+    (["--timeout", "-5"], "Invalid value for '--timeout'"),
+    (["--step-timeout", "0"], "Invalid value for '--step-timeout'"),
+    (["--master-port", "99999"], "Invalid value for '--master-port'"),
+])
+def test_launch_options_that_cannot_work_are_refused_before_anything_starts(tmp_path, words, expected):
+    """Each node of a --no-ssh job must name the hostfile, node 0's address and a node rank the
+    hostfile has (a traceback, or ranks waiting out their timeout, before); times and ports
+    are checked for range."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    words = [str(hostfile) if word == "HOSTFILE" else word for word in words]
+    world = [] if "--hostfile" in words else ["--world-size", "2"]
+    result = run("run", str(REPO / "recipes" / "tiny.yaml"), *world, *words,
+                 "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    assert expected.replace("HOSTFILE", str(hostfile)) in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
+def test_no_ssh_nodes_agree_on_the_port_without_being_told():
+    from dsforge.launch.entry import NO_SSH_PORT, RunOptions, _default_port
+
+    assert _default_port(RunOptions(recipe="r.yaml", node_rank=1)) == NO_SSH_PORT == 29500
 
 
 def test_deepspeeds_local_rank_moves_behind_run():
