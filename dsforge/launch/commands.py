@@ -100,8 +100,9 @@ def launch_command(placement: Placement, job: JobSpec) -> list[str]:
             command += ["--no_ssh", "--node_rank", str(placement.node_rank)]
         else:
             # dsforge's preflight has checked every host; DeepSpeed's own check tries only the
-            # first one, with plain ssh options.
-            command += ["--no_ssh_check"]
+            # first one, with plain ssh options. --force_multi: a hostfile (or --include) that
+            # leaves one host still runs there, not on this machine, as DeepSpeed would do.
+            command += ["--no_ssh_check", "--force_multi"]
     if placement.master_addr:
         command += ["--master_addr", placement.master_addr]
     command += ["--master_port", str(placement.master_port)]
@@ -117,6 +118,7 @@ def plain_deepspeed_command(placement: Placement, recipe: Path, run_dir: Path,
         words += ["--hostfile", placement.hostfile, "--launcher", placement.launcher]
         words += ["--include", placement.include] if placement.include else []
         words += ["--exclude", placement.exclude] if placement.exclude else []
+        words += ["--force_multi"]  # one host left is still that host (launch_command)
     else:
         words += ["--num_gpus", str(placement.world_size)]
     words += ["--master_port", str(placement.master_port), "--module", "dsforge", "run", str(recipe),

@@ -46,9 +46,11 @@ def test_launch_commands():
                           "--module"]
     multi = launch_command(Placement(world_size=16, hostfile="h", include="a@b", master_addr="10.0.0.1",
                                      master_port=5), job)
-    assert ["--hostfile", "h", "--launcher", "pdsh", "--include", "a@b", "--no_ssh_check"] == multi[4:11]
+    assert ["--hostfile", "h", "--launcher", "pdsh", "--include", "a@b", "--no_ssh_check",
+            "--force_multi"] == multi[4:12]  # an --include leaving one host still runs there
     no_ssh = launch_command(Placement(world_size=2, hostfile="h", node_rank=1, master_port=5), job)
     assert "--no_ssh" in no_ssh and no_ssh[no_ssh.index("--node_rank") + 1] == "1"
+    assert "--force_multi" not in no_ssh  # this node's ranks, here
     assert no_ssh[-2:] == ["--job", job.encode()]
 
 
@@ -56,7 +58,7 @@ def test_plain_deepspeed_command_quotes_everything():
     text = plain_deepspeed_command(Placement(world_size=2, hostfile="my hosts", master_port=7),
                                    recipe="r.yaml", run_dir="runs/x", overrides=("train.lr=1e-3",))
     assert shlex.split(text) == ["deepspeed", "--hostfile", "my hosts", "--launcher", "pdsh",
-                                 "--master_port", "7", "--module", "dsforge", "run", "r.yaml",
+                                 "--force_multi", "--master_port", "7", "--module", "dsforge", "run", "r.yaml",
                                  "--run-dir", "runs/x", "--set", "train.lr=1e-3"]
 
 
