@@ -80,9 +80,14 @@ class RunOptions:
         return cls(overrides=tuple(overrides), **options)
 
     def job(self, resolved: Resolved, run_dir: Path, **fields) -> JobSpec:
-        """The job word with these options; `fields`: job_spec's others (launch/commands.py)."""
+        """The job word with these options; `fields`: job_spec's others (launch/commands.py).
+        A dry run's is neither owned nor marked: its commands are for a user to run after this
+        process is gone (owned ranks would end themselves at once, job/owner.py), with no
+        `dsforge run` reading their lines."""
+        by_hand = {"owned": False, "marked_output": False} if self.dry_run else {}
         return job_spec(resolved, run_dir, device=self.device, backend=self.backend,
-                        step_timeout_s=self.step_timeout, resume=self.resume, **fields)
+                        step_timeout_s=self.step_timeout, resume=self.resume,
+                        **{**by_hand, **fields})
 
 
 @dataclass(frozen=True)
