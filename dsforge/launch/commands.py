@@ -110,19 +110,24 @@ def launch_command(placement: Placement, job: JobSpec) -> list[str]:
 
 
 def plain_deepspeed_command(placement: Placement, recipe: Path, run_dir: Path,
-                            overrides: tuple[str, ...]) -> str:
+                            overrides: tuple[str, ...], run_options: tuple[str, ...] = ()) -> str:
     """The same job as a `deepspeed` command a user can paste: DeepSpeed starts `dsforge run`
-    on every rank, which then acts as the rank program."""
+    on every rank, which then acts as the rank program; `run_options`: the `dsforge run`
+    options the ranks read (device, backend, step timeout)."""
     words = ["deepspeed"]
     if placement.hostfile:
         words += ["--hostfile", placement.hostfile, "--launcher", placement.launcher]
         words += ["--include", placement.include] if placement.include else []
         words += ["--exclude", placement.exclude] if placement.exclude else []
-        words += ["--force_multi"]  # one host left is still that host (launch_command)
+        if placement.node_rank is not None:
+            words += ["--no_ssh", "--node_rank", str(placement.node_rank)]
+        else:
+            words += ["--force_multi"]  # one host left is still that host (launch_command)
     else:
         words += ["--num_gpus", str(placement.world_size)]
-    words += ["--master_port", str(placement.master_port), "--module", "dsforge", "run", str(recipe),
-              "--run-dir", str(run_dir)]
+    words += ["--master_addr", placement.master_addr] if placement.master_addr else []
+    words += ["--master_port", str(placement.master_port), "--module", "dsforge", "run",
+              str(recipe), "--run-dir", str(run_dir), *run_options]
     for item in overrides:
         words += ["--set", item]
     return shlex.join(words)

@@ -239,10 +239,23 @@ def _deepspeed_start(options: RunOptions, resolved: Resolved, say: Say) -> tuple
         preflight_or_refuse(options.hostfile, options.include, options.exclude,
                             placement.master_port, say=say,
                             fit=None if options.skip_fit_check else (resolved, options.device))
-    shown = (shlex.join(command) + "\n# the same job as a plain deepspeed command:\n"
-             + plain_deepspeed_command(placement, Path(options.recipe), run_dir,
-                                       options.overrides) + "\n")
+    shown = shlex.join(command) + "\n" + _plain_form(options, placement, run_dir)
     return run_dir, _Start(command, shown)
+
+
+def _plain_form(options: RunOptions, placement: Placement, run_dir: Path) -> str:
+    """The dry run's second line: the job as a plain `deepspeed` command, with the options
+    its ranks read; --tiny has none (dsforge makes the tiny recipe)."""
+    if options.tiny:
+        return ("# --tiny has no plain deepspeed form: dsforge makes the tiny recipe (the line "
+                "above runs it, without the comparison with one rank)\n")
+    words = [*(["--device", options.device] if options.device != "auto" else []),
+             *(["--backend", options.backend] if options.backend != "auto" else []),
+             "--step-timeout", f"{options.step_timeout:g}",
+             *(["--resume"] if options.resume else [])]
+    return ("# the same job as a plain deepspeed command:\n"
+            + plain_deepspeed_command(placement, Path(options.recipe), run_dir, options.overrides,
+                                      tuple(words)) + "\n")
 
 
 def _default_port(options: RunOptions) -> int:

@@ -201,7 +201,12 @@ def test_dry_run_prints_the_launchers_command_and_the_plain_deepspeed_one(tmp_pa
     assert (job.run_dir, job.step_timeout_s, job.slurm) == (str(run_dir.resolve()), 7.0, False)
     # Runnable by hand once this process is gone: no owner to watch, no reader for marks.
     assert not job.owner and not job.marked_output and "steps: 3" in job.recipe_yaml
+    assert plain.endswith("--step-timeout 7 --set train.steps=3")  # what the ranks read
     assert not run_dir.exists()
+    tiny = run("run", str(REPO / "recipes" / "70b_pp4.yaml"), "--tiny", "--dry-run",
+               "--run-dir", str(run_dir))
+    assert tiny.exit_code == 0, tiny.output
+    assert "--tiny has no plain deepspeed form" in tiny.output  # it would train the 70B
 
 
 def test_slurm_dry_run_prints_one_srun_for_every_rank(tmp_path, monkeypatch):

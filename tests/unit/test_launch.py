@@ -54,6 +54,18 @@ def test_launch_commands():
     assert no_ssh[-2:] == ["--job", job.encode()]
 
 
+def test_the_plain_deepspeed_command_is_the_same_job():
+    """What reaches the ranks: node 0's address, a --no-ssh node's place (not a pdsh launch),
+    and the dsforge run options the ranks read."""
+    text = plain_deepspeed_command(
+        Placement(world_size=2, hostfile="h", master_addr="10.0.0.1", master_port=7, node_rank=1),
+        recipe="r.yaml", run_dir="runs/x", overrides=(), run_options=("--device", "cpu"))
+    assert shlex.split(text) == ["deepspeed", "--hostfile", "h", "--launcher", "pdsh", "--no_ssh",
+                                 "--node_rank", "1", "--master_addr", "10.0.0.1", "--master_port",
+                                 "7", "--module", "dsforge", "run", "r.yaml", "--run-dir", "runs/x",
+                                 "--device", "cpu"]
+
+
 def test_plain_deepspeed_command_quotes_everything():
     text = plain_deepspeed_command(Placement(world_size=2, hostfile="my hosts", master_port=7),
                                    recipe="r.yaml", run_dir="runs/x", overrides=("train.lr=1e-3",))
