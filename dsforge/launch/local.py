@@ -37,6 +37,8 @@ GRACE_S = 10.0
 # How long ranks get to save a checkpoint and exit after a stop request (`--stop-grace`).
 STOP_GRACE_S = 300.0
 _RANK_PROGRAM = b"dsforge.runtime.rank"
+# Between the two SIGINTs that make srun end its tasks (srun(1): twice within one second).
+SRUN_SECOND_INTERRUPT_S = 0.2
 # How long a stop request waits for srun's tasks to start before it is sent to srun anyway.
 SRUN_START_WAIT_S = 60.0
 # How long the output copier may take to drain what the killed job left in the pipe.
@@ -94,6 +96,9 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
         return 124
     except KeyboardInterrupt:
         print("dsforge: interrupted; stopping every rank", file=sys.stderr)
+        if srun_ranks:  # srun reports its tasks on one SIGINT; a second within 1 s ends them
+            _signal_group(proc.pid, signal.SIGINT)
+            time.sleep(SRUN_SECOND_INTERRUPT_S)
         stop_group(proc, signal.SIGINT)
         return 130
     except Stopped as stop:

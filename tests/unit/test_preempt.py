@@ -269,6 +269,44 @@ def test_a_second_signal_or_the_end_of_the_grace_stops_the_job_at_once(tmp_path,
         ("did not stop within the grace of 1s" in err)
 
 
+# srun as Ctrl-C finds it: one SIGINT only reports its tasks; a second within one second
+# ends them, and srun with them (srun(1), "SIGNALS AND ESCAPE SEQUENCES").
+_FAKE_SRUN = textwrap.dedent("""
+    import signal, sys, time
+    last = [0.0]
+    def interrupt(signum, frame):
+        now = time.monotonic()
+        if now - last[0] < 1.0:
+            open(sys.argv[1], "w").write("ended")
+            sys.exit(130)
+        last[0] = now
+        print("srun: interrupt (one more within 1 sec to abort)", flush=True)
+    signal.signal(signal.SIGINT, interrupt)
+    open(sys.argv[1] + ".started", "w").write("")
+    time.sleep(60)
+""")
+
+
+def test_ctrl_c_ends_srun_tasks_at_once(tmp_path):
+    """Under --launcher slurm, Ctrl-C gives srun the two interrupts that end its tasks (one
+    left the ranks training until the SIGKILL 10 s later, and srun's tasks on other nodes
+    to Slurm)."""
+    script, marker = tmp_path / "srun.py", tmp_path / "srun.out"
+    script.write_text(_FAKE_SRUN)
+
+    def interrupt_once_started():
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "srun.out.started").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    started = time.monotonic()
+    code = local.run_job([sys.executable, str(script), str(marker)], timeout_s=60, run_dir=tmp_path,
+                         srun_ranks=2)
+    assert code == 130 and marker.read_text() == "ended"
+    assert time.monotonic() - started < local.GRACE_S  # ended by srun, not by the SIGKILL after
+
+
 class _StopAfter:
     """A Stopper whose ranks agree to stop after `steps_done` steps (no world needed)."""
 
