@@ -148,7 +148,8 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
                    "srun inside a Slurm allocation (salloc, or a script from `dsforge sbatch`).")
 @click.option("--include", default="", help="DeepSpeed --include: NODE[:SLOT,...][@NODE...].")
 @click.option("--exclude", default="", help="DeepSpeed --exclude, same format.")
-@click.option("--no-ssh", "node_rank", type=click.IntRange(min=0), default=None, metavar="NODE_RANK",
+@click.option("--no-ssh", "node_rank", type=click.IntRange(min=0), default=None,
+              metavar="NODE_RANK",
               help="Start only this node's ranks, without ssh (run once per node).")
 @click.option("--master-addr", default=None, help="Address of the first node (multi-node).")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=None,
