@@ -270,26 +270,27 @@ def provenance_lines(made_by: str, measured_on: str) -> list[str]:
             f"Versions: {versions}"]
 
 
-def _is_recipe(path: Path) -> bool:
-    try:
-        raw = read_yaml(path, what="profile")
-    except RecipeError:
-        return False  # read_profile reports it
-    return isinstance(raw, dict) and bool({"model", "train"} & raw.keys())
-
-
 def read_profile(path: Path) -> ProfileFile:
     """The file strictly read (RecipeError with every problem, each naming the file)."""
     if not path.is_file():
         raise RecipeError([Problem(rule="S1", fields={"--profile": str(path)}, message="file not found",
                                    fix="check the path (docs/search.md shows a profile)")])
-    if _is_recipe(path):  # one problem, not one for each of the recipe's keys
+    try:
+        raw = read_yaml(path, what="profile")
+    except RecipeError as exc:
+        raise _in_file(exc, path) from None
+    if isinstance(raw, dict) and {"model", "train"} & raw.keys():  # one problem, not one a key
         raise RecipeError([Problem(
             rule="S1", fields={"--profile": str(path)}, message="a recipe, not a cluster profile",
             fix="give the recipe as the search's target (dsforge plan --search RECIPE); a "
                 "profile is what dsforge calibrate or dsforge refit writes (docs/search.md)")])
     try:
-        return build_dataclass(ProfileFile, read_yaml(path, what="profile"))
+        return build_dataclass(ProfileFile, raw)
     except RecipeError as exc:
-        raise RecipeError(dataclasses.replace(p, fields={f"{path}: {k}": v for k, v in p.fields.items()})
-                          for p in exc.problems) from None
+        raise _in_file(exc, path) from None
+
+
+def _in_file(exc: RecipeError, path: Path) -> RecipeError:
+    """`exc`'s problems, each field named with the file it is in."""
+    return RecipeError(dataclasses.replace(p, fields={f"{path}: {k}": v for k, v in p.fields.items()})
+                       for p in exc.problems)
