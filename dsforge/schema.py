@@ -20,6 +20,9 @@ Precision = Literal["bf16", "fp16", "fp32"]
 Checkpointing = Literal["none", "selective", "full"]
 Offload = Literal["none", "cpu"]
 LrDecay = Literal["cosine", "linear", "constant"]
+# What a step whose loss or gradients are not finite does (runtime/guard/health.py).
+OnNonfinite = Literal["stop", "skip"]
+OnSpike = Literal["report", "stop"]
 TokenDtype = Literal["uint16", "uint32"]
 # Which AdamW implementation steps the optimizer (translate/optimizer.py says what each means).
 AdamImpl = Literal["auto", "fused", "foreach", "for-loop", "deepspeed"]
@@ -261,6 +264,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # final lr / peak lr for cosine decay
     lr_decay: LrDecay = "cosine"
     warmup_steps: int = 0  # linear learning-rate warmup
+    # The schedule's length (Megatron-LM's --lr-decay-iters): warmup, then the decay up to this
+    # step, after which the rate stays where the decay ended. None = train.steps. A run continued
+    # with more train.steps keeps its old decay when this is its old total (docs/checkpoints.md).
+    lr_decay_steps: int | None = None
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -278,10 +285,25 @@ class TrainConfig:
     # checkpoint and exit, resumable, before it. None = no limit.
     time_limit: int | str | None = None
     keep_last: int = 0  # keep the newest N complete checkpoints; 0 = keep all
+    # A step whose loss or gradients are not finite (runtime/guard/health.py): "stop" ends the
+    # run keeping its last good checkpoint; "skip" drops the step's update and goes on, until
+    # max_consecutive_skips steps in a row were skipped.
+    on_nonfinite: OnNonfinite = "stop"
+    max_consecutive_skips: int = 5
+    # A loss above spike_factor x the median loss of the last spike_window steps is a spike:
+    # reported with its data, and the run stopped with on_spike: stop. 0 = no spike check.
+    spike_factor: float = 2.0
+    spike_window: int = 20
+    on_spike: OnSpike = "report"
 
     @property
     def time_limit_s(self) -> int | None:
         return time_limit_seconds(self.time_limit)
+
+    @property
+    def schedule_steps(self) -> int:
+        """The steps the learning-rate schedule spans (train.lr_decay_steps or train.steps)."""
+        return self.lr_decay_steps or self.steps
 
     def __post_init__(self) -> None:
         c = Checks()
@@ -327,12 +349,40 @@ class TrainConfig:
                       "train.min_lr_ratio 0.1")
         c.require(self.keep_last >= 0, "R1", {"train.keep_last": self.keep_last}, "must be >= 0",
                   "use train.keep_last: 0 to keep every checkpoint, or N to keep the newest N")
+        _schedule_and_guard_problems(c, self)
         c.require(_time_limit_ok(self.time_limit), "R3", {"train.time_limit": self.time_limit},
                   "not a time limit: give seconds > 0 (an integer), a number with a unit "
                   "(90s, 45m, 3h, 2d) or Slurm's MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; a "
                   "bare number in quotes is refused (Slurm reads it as minutes)",
                   "e.g. train.time_limit: 3600, \"4h\" or \"1-12:00:00\"; null for no limit")
         c.raise_if_any()
+
+
+def _schedule_and_guard_problems(c: Checks, train: TrainConfig) -> None:
+    """R5 (the schedule's length) and R1 for the guard's fields (runtime/guard/health.py)."""
+    decay = train.lr_decay_steps
+    if decay is not None:
+        c.require(train.warmup_steps < decay <= MAX_STEPS, "R5",
+                  {"train.lr_decay_steps": decay, "train.warmup_steps": train.warmup_steps},
+                  f"the schedule must be longer than its warmup and at most {MAX_STEPS:,} steps",
+                  "use null (the schedule spans train.steps) or a step count above "
+                  "train.warmup_steps")
+        c.require(train.lr_decay != "constant", "R5",
+                  {"train.lr_decay_steps": decay, "train.lr_decay": "constant"},
+                  "a constant rate has no decay to end", "remove train.lr_decay_steps, or set "
+                  "train.lr_decay: cosine or linear")
+    c.require(1 <= train.max_consecutive_skips <= MAX_STEPS, "R1",
+              {"train.max_consecutive_skips": train.max_consecutive_skips},
+              "must be >= 1: the number of non-finite steps in a row skipped before the run stops",
+              "use e.g. train.max_consecutive_skips: 5")
+    c.require(train.spike_factor == 0 or 1 < train.spike_factor, "R1",
+              {"train.spike_factor": train.spike_factor},
+              "must be 0 (no spike check) or above 1: a spike is a loss this many times the "
+              "recent median", "use e.g. train.spike_factor: 2.0")
+    c.require(1 <= train.spike_window <= MAX_STEPS, "R1",
+              {"train.spike_window": train.spike_window},
+              "must be >= 1: the recent steps whose median loss a spike is measured against",
+              "use e.g. train.spike_window: 20")
 
 
 def _time_limit_ok(value: int | str | None) -> bool:

@@ -544,7 +544,8 @@ def draw_figure(study: str, ok: list[dict], data: FigureData, plt):
 # One colour per phase, the same in every report.
 PHASE_COLORS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#dd8452",
                 "recompute": "#da8bc3", "experts": "#64b5cd", "optimizer": "#55a868",
-                "dp_comm": "#c44e52", "pipeline_wait": "#8172b2", "other": "#ccb974"}
+                "dp_comm": "#c44e52", "pipeline_wait": "#8172b2", "guard": "#937860",
+                "other": "#ccb974"}
 
 
 def _breakdown_plot(study: str, ok: list[dict], labels: list[str], out_dir: Path, plt) -> list[Path]:

@@ -284,15 +284,18 @@ def launch_cell(study: Study, resolved: Resolved, run_dir: Path, device: str) ->
 
 
 def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
-    """ok / timeout / oom / crashed from the launcher's exit code and the ranks' failure
-    records (job/failure.py): a hang ended by a rank's watchdog is a timeout of one step;
-    a rank killed by SIGKILL (usually the kernel's OOM killer) is oom, whatever its peers then
-    recorded about the broken connection."""
+    """ok / diverged / timeout / oom / crashed from the launcher's exit code and the ranks'
+    failure records (job/failure.py): diverged when the training went bad (a non-finite loss
+    or gradient, runtime/guard/health.py); a hang ended by a rank's watchdog is a timeout of
+    one step; a rank killed by SIGKILL (usually the kernel's OOM killer) is oom, whatever its
+    peers then recorded about the broken connection."""
+    first = failure.first(run_dir)
+    if first is not None and first.kind == "nonfinite":  # the ranks stopped together, exit 0
+        return "diverged", one_line(first.headline())
     if code == 0 and RunDir(run_dir).summary.exists():
         return "ok", None
     if code == 124:
         return "timeout", "exceeded the cell's wall-clock limit"
-    first = failure.first(run_dir)
     if first is not None and first.kind in ("hang", "oom"):
         return {"hang": "timeout", "oom": "oom"}[first.kind], one_line(explain(first, run_dir))
     recorded_kill = first is not None and first.kind == "killed" and \

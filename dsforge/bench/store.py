@@ -137,7 +137,7 @@ CREATE TABLE IF NOT EXISTS results (
     cell TEXT NOT NULL,           -- Cell.key
     repeat INTEGER NOT NULL,
     axes TEXT NOT NULL,           -- JSON: the cell's axis values
-    status TEXT NOT NULL,         -- ok | oom | timeout | crashed | rejected
+    status TEXT NOT NULL,         -- ok | oom | timeout | crashed | diverged | rejected
     reason TEXT,                  -- why, for anything but ok
     finished REAL NOT NULL,       -- unix time
     seconds REAL,                 -- wall time of the repeat
@@ -149,7 +149,7 @@ CREATE TABLE IF NOT EXISTS results (
 )
 """
 
-FAILED = ("oom", "timeout", "crashed")
+FAILED = ("oom", "timeout", "crashed", "diverged")
 
 
 @dataclass(frozen=True, kw_only=True)

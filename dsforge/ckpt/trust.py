@@ -28,14 +28,19 @@ from dsforge.job.run_dir import RunDir
 from dsforge.problems import Problem, shorten
 from dsforge.schema import Recipe
 
-# Recipe fields a resumed run may change. Everything else must match, train.steps included:
-# it is the horizon of the learning-rate schedule that the checkpoint restores.
+# Recipe fields a resumed run may change. Everything else must match.
 # Evaluation settings and where the data's indices are cached change no training step either,
 # nor where the weights came from: the checkpoint's weights replace model.init_from's.
 # The kernels and attention backend compute the same model (runtime/build/kernels.py, layers.py).
+# What the guard does with a bad step changes only steps it finds bad (runtime/guard/health.py).
+# train.steps continues a run: the schedule then spans the new total unless
+# train.lr_decay_steps holds it to the old one (`schedule_change` says which).
 RESUMABLE_CHANGES = {"train.timing_warmup", "train.checkpoint_every", "train.eval_every",
                      "train.eval_iters", "data.cache_dir", "train.time_limit", "train.keep_last",
-                     "model.init_from", "model.kernels", "model.sdpa_backend"}
+                     "model.init_from", "model.kernels", "model.sdpa_backend",
+                     "train.steps", "train.lr_decay_steps", "train.on_nonfinite",
+                     "train.max_consecutive_skips", "train.spike_factor", "train.spike_window",
+                     "train.on_spike"}
 # How the job is split may change on resume too (with the same global batch): the checkpoint's
 # layout-free state (dsforge/ckpt) is read back onto the new layout.
 LAYOUT_SECTIONS = ("parallel", "zero")
@@ -310,8 +315,9 @@ def check_resumable(run_dir: Path, recipe: dict[str, Any], world_size: int) -> d
     steps = (recipe.get("train") or {}).get("steps")
     if steps is not None and record["step"] >= steps:
         raise CheckpointError(
-            f"{run_dir} has finished: its newest checkpoint is after step {record['step']} of "
-            f"train.steps {steps}, so nothing is left to train; export it (dsforge export "
+            f"{run_dir} has finished: its newest checkpoint is after step {record['step']} and "
+            f"train.steps is {steps}, so nothing is left to train; continue it with a larger "
+            f"total (--set train.steps=N, N > {record['step']}), export it (dsforge export "
             f"{run_dir} --to OUT) or start a new run")
     changes = layout_changes(record["recipe"], recipe, record["world_size"], world_size)
     if changes and not (root / record["tag"] / STATE_DIR).is_dir():
@@ -319,4 +325,25 @@ def check_resumable(run_dir: Path, recipe: dict[str, Any], world_size: int) -> d
             f"{root / record['tag']} was saved before dsforge checkpoints kept a layout-free "
             "state, so it resumes only on the layout that wrote it:\n  " + "\n  ".join(changes)
             + "\nresume it once on its own layout and let it save, then change the layout")
-    return {**record, "layout_changes": changes}
+    return {**record, "layout_changes": changes,
+            "changes": resumed_changes(record["recipe"], recipe)}
+
+
+def resumed_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What a resume changes besides the layout ('train.steps: 10 in the checkpoint, 20 now'),
+    and what that does to the learning-rate schedule."""
+    lines = [line for name, line in _differences(saved, current) if name in RESUMABLE_CHANGES]
+    schedule = schedule_change(saved.get("train") or {}, current.get("train") or {})
+    return lines + ([schedule] if schedule else [])
+
+
+def schedule_change(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """How the learning-rate schedule's length changes on resume (the train sections as
+    dicts), or None. The scheduler's state is only the step it is at: the new length applies
+    from the resumed step on, as Megatron-LM's --override-opt_param-scheduler and torchtitan do."""
+    before = saved.get("lr_decay_steps") or saved.get("steps")
+    after = current.get("lr_decay_steps") or current.get("steps")
+    if before == after or current.get("lr_decay") == "constant":
+        return None
+    return (f"the learning-rate schedule now decays over {after} steps instead of {before}, "
+            f"from the resumed step on; set train.lr_decay_steps: {before} to keep the old decay")

@@ -77,6 +77,17 @@ class MegatronSamples:
         item = self.dataset[index % len(self.dataset)]
         return torch.cat([item["tokens"], item["labels"][-1:]])
 
+    def locate(self, index: int) -> tuple[str, str, list[int]]:
+        """("documents", the dataset's path prefix, the ids of the documents sample `index`
+        spans), through a blend to the dataset it draws from."""
+        dataset, index = self.dataset, index % len(self.dataset)
+        if hasattr(dataset, "dataset_sample_index"):  # a BlendedDataset
+            dataset[index]  # maps its index files on first use
+            dataset, index = (dataset.datasets[int(dataset.dataset_index[index])],
+                              int(dataset.dataset_sample_index[index]))
+        _, documents = dataset._query_document_sample_shuffle_indices(index)
+        return "documents", str(dataset.dataset_path), [int(d) for d in documents]
+
 
 def build_splits(parts: list[tuple[str, float]], *, split: str, seq_len: int, seed: int,
                  train_samples: int, validation_samples: int | None,

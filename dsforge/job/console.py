@@ -86,13 +86,23 @@ class RankConsole:
         if self.marked:
             self._emit(kind="done", rank=rank)
 
-    def stopped(self, rank: int, steps_done: int, reason: str) -> None:
-        """This rank stopped early with the checkpoint of `steps_done` (runtime/guard/preempt.py)."""
+    def stopped(self, rank: int, steps_done: int, reason: str, saved: bool = True) -> None:
+        """This rank stopped early after `steps_done` steps, with their checkpoint unless
+        `saved` is False (the last step was bad: `latest` is an earlier one;
+        runtime/guard/preempt.py)."""
         if self.marked:
-            self._emit(kind="stopped", rank=rank, step=steps_done, reason=reason)
+            self._emit(kind="stopped", rank=rank, step=steps_done, reason=reason, saved=saved)
         elif rank == 0:
-            print(f"dsforge: stopped after step {steps_done} ({reason}) with a checkpoint; "
+            saved_text = "with a checkpoint" if saved else \
+                "(its last step was bad: no checkpoint after it)"
+            print(f"dsforge: stopped after step {steps_done} ({reason}) {saved_text}; "
                   "continue with --resume", file=sys.stderr, flush=True)
+
+    def halted(self, rank: int, step: int, reason: str) -> None:
+        """This rank stopped with the others at `step` because the training went bad
+        (runtime/guard/health.py); rank 0 has said the report."""
+        if self.marked:
+            self._emit(kind="halted", rank=rank, step=step, reason=reason)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -8,7 +8,9 @@ say which, why and what to change, runtime/guard/build_failure.py), "oom" (an ou
 the rank caught; `memory` holds what it measured), "hang" (its watchdog ended a step that made
 no progress), "killed" (ended by a signal without a word) and "stopped" (stopped from outside,
 SIGSTOP or SIGTSTP, and ended while stopped; `time` is when it stopped), both written by its
-supervisor, runtime/guard/supervise.py.
+supervisor, runtime/guard/supervise.py; "nonfinite": the ranks stopped together because the
+training went bad (a non-finite loss or gradient, a loss spike with train.on_spike: stop,
+non-finite weights before a save), written once, by rank 0, with the report as its detail.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dsforge.files import write_atomic
 from dsforge.job.run_dir import RunDir
 from dsforge.units import format_bytes
 
-KINDS = ("exception", "build", "oom", "hang", "killed", "stopped")
+KINDS = ("exception", "build", "oom", "hang", "killed", "stopped", "nonfinite")
 # Ended from outside: the likely cause of what their peers then recorded.
 FROM_OUTSIDE = ("killed", "stopped")
 
@@ -56,6 +58,8 @@ class Failure:
             return f"rank {self.rank} failed building {self.what} {when}: {self.cause}. Fix: {self.fix}"
         if self.kind == "oom" and self.memory:
             return f"rank {self.rank} ran out of memory {when}: {measured_text(self.memory)}"
+        if self.kind == "nonfinite":
+            return f"the training stopped {when}: {self.message}"
         what = {"hang": "stuck", "oom": "out of memory", "killed": "died",
                 "stopped": "was stopped"}.get(self.kind, "failed")
         return f"rank {self.rank} {what} {when}: {self.message}"
@@ -63,7 +67,8 @@ class Failure:
     @property
     def explained(self) -> bool:
         """Whether the headline says all a user needs (the traceback helps only developers)."""
-        return (self.kind == "build" and bool(self.what)) or (self.kind == "oom" and bool(self.memory))
+        return (self.kind == "build" and bool(self.what)) or \
+            (self.kind == "oom" and bool(self.memory)) or self.kind == "nonfinite"
 
 
 def write(run_dir: Path, failure: Failure) -> None:

@@ -17,7 +17,7 @@ VALIDATION_KEY = "val_loss"
 # inside a backward) counts only in the inner one, and "other" is the step's time outside
 # every named phase, so the phases sum to the record's step_time_s.
 PHASES = ("data", "forward", "backward", "recompute", "experts", "optimizer", "dp_comm",
-          "pipeline_wait", "other")
+          "pipeline_wait", "guard", "other")
 
 
 def is_validation(record: dict) -> bool:

@@ -55,6 +55,12 @@ class RunDir:
         return self.path / "manifest.json"
 
     @property
+    def anomalies(self) -> Path:
+        """One JSON line per step the guard found bad: non-finite or a loss spike, with what
+        it did and the step's data (runtime/guard/health.py)."""
+        return self.path / "anomalies.jsonl"
+
+    @property
     def checkpoints(self) -> Path:
         """Checkpoints: stepNNNNNNNN/ and `latest` (ckpt/trust.py)."""
         return self.path / "checkpoints"

@@ -26,8 +26,11 @@ class JobView:
         self._plain: PlainProgress | None = None  # where `out` is not a terminal
         self.lines_shown: list[str] = []
         self.done_ranks: set[int] = set()  # ranks that reported completing their part
-        # rank -> (steps done, why) for ranks that stopped early with a checkpoint
-        self.stopped_ranks: dict[int, tuple[int, str]] = {}
+        # rank -> (steps done, why, whether their checkpoint was written) for ranks that stopped
+        # early on request (a signal, train.time_limit)
+        self.stopped_ranks: dict[int, tuple[int, str, bool]] = {}
+        # rank -> (step, what) for ranks that stopped together because training went bad
+        self.halted_ranks: dict[int, tuple[int, str]] = {}
         # what a rank said (without its number) -> the other ranks that said it too, unshown
         self._repeated: dict[str, list[int]] = {}
 
@@ -45,7 +48,10 @@ class JobView:
         elif event["kind"] == "done":
             self.done_ranks.add(int(event["rank"]))
         elif event["kind"] == "stopped":
-            self.stopped_ranks[int(event["rank"])] = (int(event["step"]), str(event["reason"]))
+            self.stopped_ranks[int(event["rank"])] = (int(event["step"]), str(event["reason"]),
+                                                      bool(event.get("saved", True)))
+        elif event["kind"] == "halted":
+            self.halted_ranks[int(event["rank"])] = (int(event["step"]), str(event["reason"]))
 
     def close(self) -> None:
         if self._bar is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir
-from dsforge.job.signals import EXIT_RESUMABLE
+from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.launch.commands import Placement, job_spec, launch_command, runner_env
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.fit import Machine, device_for, fit_problems, rank_memory_bytes
@@ -157,6 +157,8 @@ def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joini
         say(f"dsforge: resuming {run_dir} after step {record['step']}")
         for change in record["layout_changes"]:
             say(f"  new layout: {change}")
+        for change in record["changes"]:
+            say(f"  changed: {change}")
     return run_dir, lock
 
 
@@ -183,11 +185,14 @@ def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: 
                        run_dir=run_dir, stop_grace_s=stop_grace, srun_ranks=ranks if srun else 0)
     finally:
         view.close()
-    if code == 0 and view.stopped_ranks and len(view.done_ranks | set(view.stopped_ranks)) >= ranks:
-        steps, reason = max(view.stopped_ranks.values())
-        say(f"dsforge: stopped after step {steps} ({reason}) with a complete checkpoint: "
-            f"resumable, exit code {EXIT_RESUMABLE}; continue with --resume --run-dir {run_dir}")
-        return EXIT_RESUMABLE
+    accounted = len(view.done_ranks | set(view.stopped_ranks) | set(view.halted_ranks)) >= ranks
+    if code == 0 and view.halted_ranks and accounted:
+        step, what = min(view.halted_ranks.values())
+        say(f"dsforge: the training went bad at step {step} ({what}): the ranks stopped, exit code "
+            f"{EXIT_NONFINITE}; the report is above and in {RunDir(run_dir).failure(0)}")
+        return EXIT_NONFINITE
+    if code == 0 and view.stopped_ranks and accounted:
+        return _stopped(run_dir, view.stopped_ranks, say)
     if code == 0 and len(view.done_ranks) < ranks:
         say(f"dsforge: the launcher exited 0 but only {len(view.done_ranks)} of {ranks} ranks "
             "reported completion; the run did not finish")
@@ -197,6 +202,32 @@ def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: 
     elif code != 0:
         say(failure_report(run_dir, code, view.done_ranks))
     return code
+
+
+def _stopped(run_dir: Path, stopped_ranks: dict[int, tuple[int, str, bool]], say: Say) -> int:
+    """What `dsforge run` says and returns when the ranks stopped on request: after which step,
+    why, and the checkpoint a resume continues from (an earlier one when the last step was bad:
+    runtime/guard/health.py; with none at all, nothing can be resumed)."""
+    from dsforge.ckpt.trust import CheckpointError, latest_complete
+
+    steps, reason, saved = max(stopped_ranks.values())
+    resume = f"continue with --resume --run-dir {run_dir}"
+    if saved:
+        say(f"dsforge: stopped after step {steps} ({reason}) with a complete checkpoint: "
+            f"resumable, exit code {EXIT_RESUMABLE}; {resume}")
+        return EXIT_RESUMABLE
+    try:
+        latest = latest_complete(RunDir(run_dir).checkpoints)
+    except CheckpointError:
+        latest = None
+    bad = f"dsforge: stopped after step {steps} ({reason}); its last step was bad, so no " \
+          "checkpoint was written after it"
+    if latest is None:
+        say(f"{bad}, and none before it: nothing to resume; start it again in a new --run-dir")
+        return 1
+    say(f"{bad}: exit code {EXIT_RESUMABLE}; {resume} (from the checkpoint after step "
+        f"{latest['step']})")
+    return EXIT_RESUMABLE
 
 
 def plan_slurm(recipe: str, resolved: Resolved, *, device: str, master_addr: str | None,

@@ -29,6 +29,8 @@ from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec, check_names
 from dsforge.recipe import resolve_file
 from dsforge.runtime.build.build_locks import clear_stale_locks
+from dsforge.runtime.guard.drills import KINDS as NUMERIC_KINDS
+from dsforge.runtime.guard.drills import NumericDrill
 from dsforge.runtime.guard.preempt import Stopped, StopRequest
 from dsforge.runtime.guard.record import record_for
 from dsforge.runtime.guard.supervise import run_supervised
@@ -37,6 +39,8 @@ from dsforge.runtime.startup import StartupClock
 
 if TYPE_CHECKING:  # torch is imported after the owner watch starts (run_rank)
     import torch
+
+    from dsforge.runtime.loop.bad_steps import Halted
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,9 +90,10 @@ def threads_per_rank(environ=os.environ) -> int | None:
 # rank itself without one on this host) when RANK starts STEP, stop-save the same while RANK
 # saves the checkpoint of STEP; stop-eval sends SIGUSR1 to RANK's supervisor only
 # (a `kill` of the process a launcher started) before RANK's first validation batch after STEP.
+# Drills that make the training go bad (nan, nan-from, spike, nan-weights): runtime/guard/drills.py.
 FAULT_ENV = "DSFORGE_INJECT_FAULT"
 FAULT_KINDS = ("raise", "hang", "exit", "oom", "build", "save-exit", "stop", "stop-eval",
-               "stop-save")
+               "stop-save", *NUMERIC_KINDS)
 _STEP_FAULTS = ("raise", "hang", "exit", "oom", "build")  # act when a step starts
 
 
@@ -217,9 +222,14 @@ def run_rank(job: JobSpec) -> None:
         _report_failure(job, rank, progress["step"], exc, console)
         # Skip interpreter teardown: process-group destructors can block on dead peers.
         os._exit(1)
-    if stopped is not None:
-        # Exit 0: a non-zero code would make DeepSpeed's launcher SIGTERM this node's ranks.
-        console.stopped(rank, stopped.steps_done, stopped.reason)
+    from dsforge.runtime.loop.bad_steps import Halted  # loaded by _train
+
+    # Exit 0 when the ranks stopped together: a non-zero code would make DeepSpeed's launcher
+    # SIGTERM this node's ranks; `dsforge run` gives the job's exit code.
+    if isinstance(stopped, Halted):
+        console.halted(rank, stopped.step, stopped.what)
+    elif stopped is not None:
+        console.stopped(rank, stopped.steps_done, stopped.reason, saved=stopped.saved)
     else:
         console.done(rank)  # `dsforge run` counts these: success means every rank got here
     sys.stdout.flush()
@@ -239,7 +249,7 @@ def _report_failure(job: JobSpec, rank: int, step: int, exc: Exception,
 
 
 def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
-           stop_request: StopRequest, startup: StartupClock) -> Stopped | None:
+           stop_request: StopRequest, startup: StartupClock) -> Stopped | Halted | None:
     import torch
 
     from dsforge.job.heartbeat import Heartbeat
@@ -264,6 +274,8 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
                       measure=job.measure, console=console, startup=startup)
     fault = parse_fault(os.environ.get(FAULT_ENV))
     stop_drill = _StopDrill(fault, rank, job.owner, stop_request)
+    numeric_drill = NumericDrill(fault, rank)
+    numeric_drill.attach(trainer.chunks)
     heartbeat = Heartbeat(run_dir, rank)
     train = resolved.recipe.train
     budget = None if train.time_limit_s is None else TimeBudget(
@@ -275,9 +287,12 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
         heartbeat.beat(step)
         inject_fault(fault, rank, step)
         stop_drill.before(step)
+        numeric_drill.before_step(step)
 
     try:
-        return train_loop(trainer, before_step=before_step, after_steps=watchdog.disarm,
+        return train_loop(trainer, before_step=before_step,
+                          after_step=lambda s: numeric_drill.after_step(s, trainer.engine.module),
+                          after_steps=watchdog.disarm,
                           save_fault=_save_fault(fault, job.owner, stop_request),
                           stopper=Stopper(stop_request, budget, device=device))
     finally:  # the step a failing rank was on, even when it fails within the write interval

@@ -79,17 +79,19 @@ def scheduler_section(train: TrainConfig) -> dict[str, Any]:
     """DeepSpeed's warmup schedulers: linear warmup, then cosine / linear / no decay.
 
     DeepSpeed warms up over at least 2 steps (it raises 0 and 1 to 2), so "no warmup" is
-    expressed as a warmup that starts at the peak (rule R2 rejects warmup_steps: 1).
+    expressed as a warmup that starts at the peak (rule R2 rejects warmup_steps: 1). The decay
+    ends at train.schedule_steps; past it the rate stays at its end.
     """
     warmup = max(train.warmup_steps, 1)
     start_ratio = 0.0 if train.warmup_steps else 1.0
     if train.lr_decay == "cosine":
         return {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": train.steps, "warmup_num_steps": warmup,
+            "total_num_steps": train.schedule_steps, "warmup_num_steps": warmup,
             "warmup_min_ratio": start_ratio, "cos_min_ratio": train.min_lr_ratio,
             "warmup_type": "linear"}}
     params = {"warmup_min_lr": start_ratio * train.lr, "warmup_max_lr": train.lr,
               "warmup_num_steps": warmup, "warmup_type": "linear"}
     if train.lr_decay == "linear":
-        return {"type": "WarmupDecayLR", "params": {**params, "total_num_steps": train.steps}}
+        return {"type": "WarmupDecayLR",
+                "params": {**params, "total_num_steps": train.schedule_steps}}
     return {"type": "WarmupLR", "params": params}

@@ -55,7 +55,7 @@ def test_nested_phases_count_only_in_the_innermost_and_other_is_the_rest():
     reading = clock.stop().read(step_time_s=12.0)  # 11; the step ends at 12
     assert reading.phases == {"data": 0.0, "forward": 4.0, "backward": 3.0, "recompute": 1.0,
                               "experts": 0.0, "optimizer": 0.0, "dp_comm": 1.0,
-                              "pipeline_wait": 0.0, "other": 3.0}
+                              "pipeline_wait": 0.0, "guard": 0.0, "other": 3.0}
     assert sum(reading.phases.values()) == 12.0 and reading.marks == 10
 
 
@@ -302,7 +302,7 @@ def test_the_report_shows_where_each_cells_step_goes(tmp_path):
     store.close()
     report = write_report(tmp_path / "r.db", tmp_path / "out").read_text()
     assert "| zero.stage | step ms | data ms | forward ms |" in report
-    assert "| 1 | 100.0 | 0.0 | 30.0 | 0.0 | 0.0 | 0.0 | 0.0 | 10.0 | 0.0 | 20.0 |" in report
+    assert "| 1 | 100.0 | 0.0 | 30.0 | 0.0 | 0.0 | 0.0 | 0.0 | 10.0 | 0.0 | 0.0 | 20.0 |" in report
     assert "| 3 | 100.0 | 0.0" not in report
     assert "![s-breakdown](s-breakdown.png)" in report
     assert (tmp_path / "out" / "s-breakdown.png").stat().st_size > 1000

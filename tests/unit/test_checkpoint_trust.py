@@ -50,21 +50,43 @@ def test_a_complete_checkpoint_of_your_own_is_resumable(tmp_path):
 
 
 def test_a_finished_run_is_not_resumed_and_says_what_to_do_instead(tmp_path):
-    """A run saves its last step too: resuming it would train nothing."""
+    """A run saves its last step too: resuming it with the same total would train nothing."""
     _checkpoint(tmp_path, step=6)
     error = _refused(tmp_path)
-    assert "has finished: its newest checkpoint is after step 6 of train.steps 6" in str(error)
+    assert "has finished: its newest checkpoint is after step 6 and train.steps is 6" in str(error)
+    assert "continue it with a larger total (--set train.steps=N, N > 6)" in str(error)
     assert f"dsforge export {tmp_path} --to OUT" in str(error)
+    fewer = {**RECIPE, "train": {**RECIPE["train"], "steps": 5}}
+    with pytest.raises(CheckpointError, match="train.steps is 5"):
+        check_resumable(tmp_path, fewer, 2)
+
+
+def test_a_finished_run_continues_with_a_larger_total(tmp_path):
+    """Its schedule then spans the new total from the resumed step on, unless
+    train.lr_decay_steps holds it to the old one; the launcher and the manifest say so."""
+    _checkpoint(tmp_path, step=6)
+    longer = {**RECIPE, "train": {**RECIPE["train"], "steps": 12}}
+    record = check_resumable(tmp_path, longer, 2)
+    assert record["step"] == 6 and record["layout_changes"] == []
+    assert record["changes"] == [
+        "train.steps: 6 in the checkpoint, 12 now",
+        "the learning-rate schedule now decays over 12 steps instead of 6, from the resumed "
+        "step on; set train.lr_decay_steps: 6 to keep the old decay"]
+    held = {**RECIPE, "train": {**RECIPE["train"], "steps": 12, "lr_decay_steps": 6}}
+    assert check_resumable(tmp_path, held, 2)["changes"] == [
+        "train.lr_decay_steps: None in the checkpoint, 6 now",
+        "train.steps: 6 in the checkpoint, 12 now"]
 
 
 def test_a_refused_change_lists_what_may_change(tmp_path):
     _checkpoint(tmp_path)
-    more_steps = {**RECIPE, "train": {**RECIPE["train"], "steps": 12}}
+    other_lr = {**RECIPE, "train": {**RECIPE["train"], "lr": 2e-3}}
     with pytest.raises(CheckpointError) as info:
-        check_resumable(tmp_path, more_steps, 2)
+        check_resumable(tmp_path, other_lr, 2)
     text = str(info.value)
-    assert "train.steps: 6 in the checkpoint, 12 now" in text
+    assert "train.lr: None in the checkpoint, 0.002 now" in text
     assert "train.eval_every" in text and "train.time_limit" in text and "docs/checkpoints.md" in text
+    assert "train.steps" in text and "train.on_nonfinite" in text
 
 
 def test_a_checkpoint_from_before_a_field_existed_resumes_at_its_default(tmp_path):

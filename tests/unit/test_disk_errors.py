@@ -20,9 +20,12 @@ def test_a_failed_checkpoint_write_names_the_directory(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "save", full_disk)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
-    trainer = types.SimpleNamespace(run_dir=tmp_path, engine=None, resolved=types.SimpleNamespace(
-        recipe=types.SimpleNamespace(), layout=types.SimpleNamespace(world_size=1)))
+    trainer = types.SimpleNamespace(
+        run_dir=tmp_path, engine=types.SimpleNamespace(module=torch.nn.Linear(2, 2)),
+        device=torch.device("cpu"), last_step_bad=False, resolved=types.SimpleNamespace(
+            recipe=types.SimpleNamespace(), layout=types.SimpleNamespace(world_size=1)))
     monkeypatch.setattr("dsforge.runtime.loop.trainer.asdict", lambda _: {})
+    monkeypatch.setattr("dsforge.runtime.guard.health.ranks_where", lambda flag, device: [])
     with pytest.raises(CheckpointError) as caught:
         Trainer.save_checkpoint(trainer, 4)
     text = str(caught.value)

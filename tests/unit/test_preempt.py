@@ -166,7 +166,7 @@ def test_a_stopped_rank_is_seen_by_the_job_view():
     view = JobView(out=open(os.devnull, "w"))
     view.feed("host-a: " + MARK + json.dumps({"kind": "stopped", "rank": 1, "step": 6,
                                               "reason": "SIGTERM"}))
-    assert view.stopped_ranks == {1: (6, "SIGTERM")} and not view.done_ranks
+    assert view.stopped_ranks == {1: (6, "SIGTERM", True)} and not view.done_ranks
 
 
 _FAKE_RANKS = textwrap.dedent("""
@@ -321,22 +321,15 @@ class _StopAfter:
         return Stopped(steps_done, "SIGTERM") if steps_done == self.steps_done else None
 
 
-class _Trainer(RecordingTrainer):
-    reporter = False
-
-    def _write_rank_summary(self):
-        self.calls.append(("rank summary",))
-
-
 @pytest.mark.parametrize("stop_after, saves", [(3, [3]), (4, [3, 4]), (6, [3, 6])])
 def test_train_loop_stops_where_the_ranks_agree_with_one_save(stop_after, saves):
     from dsforge.runtime.loop.trainer import train_loop
 
-    trainer = _Trainer(steps=7, every=3, start_step=0, eval_every=2)
+    trainer = RecordingTrainer(steps=7, every=3, start_step=0, eval_every=2)
     stopper = _StopAfter(stop_after)
     assert train_loop(trainer, stopper=stopper) == Stopped(stop_after, "SIGTERM")
     assert [call[1] for call in trainer.calls if call[0] == "save"] == saves  # once at most
-    assert trainer.calls[-1] == ("rank summary",) and ("finish",) not in trainer.calls
+    assert trainer.calls[-1] == ("finish", "without its line") and ("finish",) not in trainer.calls
     assert [s for s, _ in stopper.asked] == list(range(1, stop_after + 1))
     assert stopper.asked[0] == (1, True)  # step 1 (0-based) evaluates: the budget keeps room
 
@@ -344,7 +337,7 @@ def test_train_loop_stops_where_the_ranks_agree_with_one_save(stop_after, saves)
 def test_train_loop_does_not_agree_after_the_last_step():
     from dsforge.runtime.loop.trainer import train_loop
 
-    trainer = _Trainer(steps=3, every=0, start_step=0)
+    trainer = RecordingTrainer(steps=3, every=0, start_step=0)
     stopper = _StopAfter(3)
     assert train_loop(trainer, stopper=stopper) is None
     assert [s for s, _ in stopper.asked] == [1, 2] and trainer.calls[-1] == ("finish",)

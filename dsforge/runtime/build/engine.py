@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from dsforge.runtime.build.kernels import loadable
 from dsforge.runtime.build.model import build_model_chunks
 from dsforge.runtime.build.moe_glue import deepspeed_sees_megatron_moe, register_experts
 from dsforge.runtime.startup import StartupClock
-from dsforge.translate.deepspeed_config import deepspeed_config
+from dsforge.translate.deepspeed_config import deepspeed_config, scheduler_section
 from dsforge.translate.kernels import KernelChoice, choose_kernels, liger_installed
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         parallel_state_kwargs, transformer_config_kwargs)
@@ -199,7 +200,7 @@ def initialize_deepspeed(container: ModelChunks, ds_config: dict[str, Any], has_
         engine, _, _, _ = deepspeed.initialize(model=container,
                                                model_parameters=list(container.parameters()),
                                                config=ds_config, mpu=MegatronMPU())
-    _clip_fp32_with_a_correct_norm(engine, has_experts)
+    _guard_fp32_zero0_steps(engine, has_experts)
     _count_replicated_grads_once_per_stage(engine)
     start_schedule(engine.lr_scheduler)
     return engine
@@ -216,6 +217,18 @@ def start_schedule(scheduler) -> None:
         scheduler.step()
 
 
+def scheduled_lr(train, iteration: int) -> float:
+    """The rate DeepSpeed's scheduler for `train` gives at `iteration`, on a throwaway
+    optimizer (to compare a continued run's schedule with its checkpoint's)."""
+    from deepspeed.runtime import lr_schedules
+
+    section = scheduler_section(train)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=train.lr)
+    scheduler = getattr(lr_schedules, section["type"])(optimizer, **section["params"])
+    scheduler.step(iteration)
+    return scheduler.get_lr()[0]
+
+
 def _count_replicated_grads_once_per_stage(engine) -> None:
     """ZeRO-3 counts a replicated parameter's gradient in the norm only where
     `model_parallel_rank` is 0, and takes that rank from mpu.get_model_parallel_rank(): the rank
@@ -228,13 +241,30 @@ def _count_replicated_grads_once_per_stage(engine) -> None:
         engine.optimizer.model_parallel_rank = MegatronMPU().get_tensor_model_parallel_rank()
 
 
-def _clip_fp32_with_a_correct_norm(engine, has_experts: bool) -> None:
-    """ZeRO 0 in fp32 clips with DeepSpeed's clip_grad_norm_, whose norm is wrong with
-    pipeline stages or experts and is then dropped; use dsforge's norm and keep it."""
-    from dsforge.runtime.build.grads import clip_grads_
+def _guard_fp32_zero0_steps(engine, has_experts: bool) -> None:
+    """fp32 at ZeRO 0 is the one configuration in which DeepSpeed steps the torch optimizer
+    itself: its clip_grad_norm_ has a norm that is wrong with pipeline stages or experts (and is
+    then dropped), and nothing checks that norm is finite (DeepSpeed's 16-bit and ZeRO
+    optimizers skip such an update; runtime/guard/health.py). dsforge's norm is taken every
+    step, clipping or not, and a non-finite one skips the update as those optimizers do: they
+    set `overflow`, which the engine reads to count the skip and hold the schedule."""
+    if engine.optimizer is None or engine.fp16_enabled() or engine.bfloat16_enabled() or \
+            engine.zero_optimization():
+        return
+    from dsforge.runtime.build.grads import clip_to_norm_, global_grad_norm
 
-    def clip_and_record():
-        engine._global_grad_norm = clip_grads_(engine.module.parameters(),
-                                               engine.gradient_clipping(), has_experts)
+    optimizer, step, max_norm = engine.optimizer, engine.optimizer.step, engine.gradient_clipping()
 
-    engine.clip_fp32_gradients = clip_and_record
+    def guarded_step(*args, **kwargs):
+        params = list(engine.module.parameters())
+        norm = global_grad_norm(params, has_experts).item()
+        engine._global_grad_norm = norm
+        optimizer.overflow = not math.isfinite(norm)
+        if optimizer.overflow:
+            return None
+        if max_norm > 0:
+            clip_to_norm_(params, max_norm, norm)
+        return step(*args, **kwargs)
+
+    optimizer.step = guarded_step
+    engine.clip_fp32_gradients = lambda: None  # guarded_step clips

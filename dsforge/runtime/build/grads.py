@@ -7,7 +7,8 @@
   accumulation) always see the complete gradient.
 - The global gradient norm for ZeRO 0 in fp32, where DeepSpeed's clip_grad_norm_ counts
   replicated parameters on model-parallel rank 0 only (one pipeline stage) and does not sum
-  expert gradients over the expert-parallel ranks.
+  expert gradients over the expert-parallel ranks (runtime/build/engine.py clips with it and
+  skips an update whose norm is not finite).
 """
 
 from __future__ import annotations
@@ -59,12 +60,10 @@ def _device(params) -> torch.device:
     return next(iter(params)).device
 
 
-def clip_grads_(params, max_norm: float, has_experts: bool) -> float:
-    params = list(params)
-    norm = global_grad_norm(params, has_experts)
-    coefficient = max_norm / (norm.item() + 1e-6)
+def clip_to_norm_(params, max_norm: float, norm: float) -> None:
+    """Scale the gradients of `params`, whose global norm is `norm`, down to `max_norm`."""
+    coefficient = max_norm / (norm + 1e-6)
     if coefficient < 1.0:
         for p in params:
             if p.grad is not None:
                 p.grad.detach().mul_(coefficient)
-    return norm.item()

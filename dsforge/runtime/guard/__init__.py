@@ -1,3 +1,4 @@
-"""Guarding a rank's process: failure records made from exceptions, out-of-memory and build
-failures, the step watchdog, stop requests and time limits, the supervisor. Imports nothing
-else of runtime/."""
+"""Guarding a rank's process and its training: failure records made from exceptions,
+out-of-memory and build failures, the step watchdog, stop requests and time limits, the
+supervisor, the non-finite guard and loss-spike check (health.py), the numeric drills. Imports
+nothing else of runtime/."""

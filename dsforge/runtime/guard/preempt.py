@@ -98,6 +98,9 @@ class Stopped:
 
     steps_done: int
     reason: str  # a signal's name, or TIME_LIMIT
+    # False when the last step was bad (runtime/guard/health.py): no checkpoint after it, so a
+    # resume continues from `latest`, an earlier one
+    saved: bool = True
 
     def describe(self) -> str:
         return f"stopped after step {self.steps_done} ({self.reason})"

@@ -39,6 +39,10 @@ class Source(Protocol):
 
     def sample(self, index: int) -> torch.Tensor: ...
 
+    def locate(self, index: int) -> tuple[str, str, list[int]] | None:
+        """Where sample `index` comes from, to find a bad batch: (what the numbers are, the
+        file, the numbers), e.g. ("documents", "data/wiki", [311, 312]); None for synthetic."""
+
 
 class SyntheticTokens:
     def __init__(self, *, seq_len: int, vocab_size: int, seed: int, stream: int = TRAIN):
@@ -53,26 +57,36 @@ class SyntheticTokens:
         rng = np.random.default_rng([self.seed, self.stream, index])
         return torch.from_numpy(rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int64))
 
+    def locate(self, index: int) -> None:
+        return None
+
 
 class TokenFile:
     """The windows [first, last) of a flat token file, in a seeded order per epoch."""
 
     def __init__(self, path: str | Path, *, seq_len: int, seed: int, dtype: str,
                  windows: range, stream: int):
-        self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+        self.path, self.tokens = path, np.memmap(path, dtype=np.dtype(dtype), mode="r")
         self.seq_len, self.seed, self.stream, self.windows = seq_len, seed, stream, windows
         self.what = f"{path} ({'training' if stream == TRAIN else 'validation'} windows)"
         self._epoch, self._order = -1, None
 
     def sample(self, index: int) -> torch.Tensor:
+        start = self._start(index)
+        window = self.tokens[start:start + self.seq_len + 1].astype(np.int64)
+        return torch.from_numpy(window)
+
+    def locate(self, index: int) -> tuple[str, str, list[int]]:
+        return "token offsets", str(self.path), [self._start(index)]
+
+    def _start(self, index: int) -> int:
+        """The offset in the file of window `index`'s first token."""
         epoch, position = divmod(index, len(self.windows))
         if epoch != self._epoch:
             key = [self.seed, epoch] if self.stream == TRAIN else [self.seed, epoch, self.stream]
             rng = np.random.default_rng(key)
             self._epoch, self._order = epoch, rng.permutation(len(self.windows))
-        start = self.windows[int(self._order[position])] * self.seq_len
-        window = self.tokens[start:start + self.seq_len + 1].astype(np.int64)
-        return torch.from_numpy(window)
+        return self.windows[int(self._order[position])] * self.seq_len
 
 
 def split_ranges(count: int, split: str) -> list[range]:
@@ -144,6 +158,21 @@ def _indexed_sources(resolved: Resolved, evaluate: bool) -> Sources:
             + f"; indices {'built' if splits.built else 'read from the cache'} in "
               f"{splits.seconds:.1f} s ({cache})")
     return Sources(MegatronSamples(splits.train, what="training samples"), validation, note)
+
+
+def step_data(source: Source, step: int, global_batch: int) -> dict:
+    """Where the samples of training step `step` come from: their global ids and, per file,
+    the documents (a Megatron corpus) or token offsets (a flat token file) they hold."""
+    first = step * global_batch
+    found: dict[str, dict[str, list[int]]] = {}
+    for index in range(first, first + global_batch):
+        place = source.locate(index)
+        if place is not None:
+            kind, name, numbers = place
+            found.setdefault(kind, {}).setdefault(name, []).extend(numbers)
+    located = {kind: {name: sorted(set(numbers)) for name, numbers in files.items()}
+               for kind, files in found.items()}
+    return {"samples": [first, first + global_batch - 1], "source": source.what, **located}
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,9 @@ class StepRecord:
     # Seconds per phase of the step (metrics_file.PHASES, docs/breakdown.md), summing to
     # step_time_s; None when the run measures no breakdown (DSFORGE_BREAKDOWN=off).
     breakdown_s: dict[str, float] | None = None
+    # DeepSpeed did not apply this step's update: its gradients were not finite (the guard's
+    # bad steps, runtime/guard/health.py) or, in fp16, the loss scaler overflowed.
+    skipped: bool = False
 
 
 def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, step_time_s: float,
@@ -54,7 +57,7 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                 hardware_flops_per_token: float, peak_flops: float | None,
                 device: torch.device, ended_at: float | None = None,
                 loss_scale: float | None = None, data_time_s: float | None = None,
-                breakdown_s: dict[str, float] | None = None) -> StepRecord:
+                breakdown_s: dict[str, float] | None = None, skipped: bool = False) -> StepRecord:
     tokens_per_s = tokens_per_step / step_time_s
     per_gpu = tokens_per_s / world_size
     memory, source = peak_memory(device)
@@ -65,7 +68,8 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                       tflops_per_gpu=per_gpu * flops_per_token / 1e12, mfu=mfu(per_gpu, flops_per_token, peak_flops),
                       hfu=mfu(per_gpu, hardware_flops_per_token, peak_flops),
                       peak_memory_bytes=memory, memory_source=source, ended_at=ended_at,
-                      loss_scale=loss_scale, data_time_s=data_time_s, breakdown_s=breakdown_s)
+                      loss_scale=loss_scale, data_time_s=data_time_s, breakdown_s=breakdown_s,
+                      skipped=skipped)
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,7 @@ class MetricsWriter:
         mfus = [r.mfu for r in measured if r.mfu is not None]
         return {
             "steps": len(self.records), "measured_steps": len(measured),
+            "skipped_steps": sum(r.skipped for r in self.records),
             "final_loss": self.records[-1].loss if self.records else None,
             "median_step_time_s": statistics.median(r.step_time_s for r in measured),
             "median_tokens_per_s": statistics.median(r.tokens_per_s for r in measured),

@@ -20,6 +20,7 @@ without an update, for the validation loss.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -32,6 +33,15 @@ from dsforge.runtime.loop.data import Microbatch
 def _loss_of(chunk_output: torch.Tensor) -> torch.Tensor:
     """GPTModel returns per-token cross entropy [batch, seq] when given labels."""
     return chunk_output.float().mean()
+
+
+def _spoiled_if_not_finite(loss: torch.Tensor) -> torch.Tensor:
+    """The loss to back-propagate: `loss`, times NaN when it is not finite (on the device, no
+    host sync). A non-finite loss can have finite gradients (cross entropy is infinite where
+    the target's logit is -inf, while its gradient, softmax minus one-hot, is finite); spoiled,
+    they meet DeepSpeed's overflow check, which drops the step's update at every ZeRO stage
+    (runtime/guard/health.py). A finite loss is multiplied by exactly 1."""
+    return loss * torch.where(torch.isfinite(loss), 1.0, math.nan)
 
 
 # A census (runtime/loop/tensor_census.py) asked for at three points of a step: "backward", when the
@@ -82,7 +92,7 @@ def step_unpipelined(engine, batches: list[Microbatch], device, census: Census |
             # a hook on the loss runs inside the pass engine.backward starts
             loss.register_hook(lambda grad: _census_at_end_of_backward(census))
         with clock.phase("backward"):
-            engine.backward(loss)
+            engine.backward(_spoiled_if_not_finite(loss))
         if census and last:
             census("step")
         with clock.phase("optimizer"):
@@ -242,7 +252,8 @@ def _forward_step(data_iterator, model, device, on_backward=None):
         # in place. A rank's loss here is its shard's mean, and DeepSpeed averages the
         # gradients over dp x cp: divided by cp, the gradient is the whole sequence's. The
         # reported loss is a copy, unscaled.
-        return loss / _context_parallel_size(), {"loss": loss.detach().clone()}
+        return (_spoiled_if_not_finite(loss) / _context_parallel_size(),
+                {"loss": loss.detach().clone()})
 
     return output, loss_func
 

@@ -7,26 +7,29 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from dsforge.ckpt.trust import CheckpointError, latest_complete
+from dsforge.ckpt.trust import CheckpointError, latest_complete, resumed_changes, schedule_change
 from dsforge.estimate.flops import flops_per_token
 from dsforge.files import write_atomic
 from dsforge.hardware import gpu_for_device_name
+from dsforge.job import failure
 from dsforge.job.console import RankConsole
 from dsforge.job.metrics_file import median_breakdown
 from dsforge.job.run_dir import RunDir
 from dsforge.recipe import Resolved
-from dsforge.runtime.build.engine import build_rank
+from dsforge.runtime.build.engine import build_rank, scheduled_lr
 from dsforge.runtime.checkpoint import save_load as checkpoint
+from dsforge.runtime.guard import health
 from dsforge.runtime.guard.preempt import Stopped, Stopper
-from dsforge.runtime.loop import breakdown
+from dsforge.runtime.loop import bad_steps, breakdown
 from dsforge.runtime.loop import data as data_mod
 from dsforge.runtime.loop import step as step_mod
+from dsforge.runtime.loop.bad_steps import Halted
 from dsforge.runtime.loop.metrics import (MetricsWriter, format_breakdown, format_summary,
                                           make_record)
 from dsforge.runtime.loop.phase_hooks import marking
@@ -68,6 +71,10 @@ class Trainer:
                                      recipe.train.activation_checkpointing)
         gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.peak_flops = gpu.peak_bf16_flops if gpu else None  # None: MFU not available
+        self.guard = health.Guard(recipe.train)
+        self.halted: Halted | None = None  # set when the ranks stop because training went bad
+        self.last_step_bad = False  # the last step was non-finite (its update dropped)
+        self.resumed: dict | None = None  # the checkpoint's record and what changed, on resume
         self.start_step = self._resume() if resume else 0
         if resume:
             self.startup.mark("resume")
@@ -75,6 +82,7 @@ class Trainer:
                                       start_step=self.start_step, device=device,
                                       say=self.console.say)
         self.reporter = self._is_reporter()
+        self._adds_loss = self._adds_to_mean_loss()
         self.metrics = MetricsWriter(RunDir(run_dir).metrics) if self.reporter else None
         if self.reporter and resume:
             self.metrics.keep_steps_before(self.start_step)
@@ -91,13 +99,47 @@ class Trainer:
         if record is None:
             raise CheckpointError(f"no complete checkpoint under {root}")
         rank = torch.distributed.get_rank()
-        return checkpoint.load(self.engine, root, record["tag"], rank,
-                               recipe=asdict(self.resolved.recipe),
+        recipe = asdict(self.resolved.recipe)
+        step = checkpoint.load(self.engine, root, record["tag"], rank, recipe=recipe,
                                world_size=self.resolved.layout.world_size,
                                say=self.console.say if rank == 0 else None)
+        self.resumed = {"after_step": step, "checkpoint": record["tag"],
+                        "changes": resumed_changes(record["recipe"], recipe)}
+        if rank == 0:
+            self._say_schedule_change(record["recipe"].get("train") or {})
+        return step
 
-    def save_checkpoint(self, steps_done: int, fault=None) -> None:
+    def _say_schedule_change(self, saved_train: dict) -> None:
+        """The rate the next step trains at, under the new schedule and the checkpoint's, when
+        a continued run's schedule spans another number of steps (ckpt/trust.schedule_change)."""
+        train = self.resolved.recipe.train
+        if schedule_change(saved_train, asdict(train)) is None:
+            return
+        old = replace(train, steps=saved_train["steps"],
+                      lr_decay_steps=saved_train.get("lr_decay_steps"))
+        iteration = self.engine.lr_scheduler.last_batch_iteration
+        self.console.say(f"dsforge: the learning-rate schedule now spans {train.schedule_steps} "
+                         f"steps (it spanned {old.schedule_steps}): the next step trains at "
+                         f"lr {self.engine.get_lr()[0]:.3e}, {scheduled_lr(old, iteration):.3e} "
+                         "under the checkpoint's schedule")
+
+    def save_checkpoint(self, steps_done: int, fault=None) -> bool:
+        """The checkpoint of `steps_done` steps; whether it was written. Not right after a bad
+        step (its update was dropped: a resume must not start inside a run of bad steps), and
+        not when a weight on some rank is not finite (the run then stops: `halted`)."""
         root = RunDir(self.run_dir).checkpoints
+        rank = torch.distributed.get_rank()
+        if self.last_step_bad:
+            if rank == 0:
+                self.console.say(f"dsforge: no checkpoint after step {steps_done}: the update "
+                                 "of its last step was skipped (non-finite); `latest` stays")
+            return False
+        bad_ranks = health.ranks_where(not health.weights_finite(self.engine.module), self.device)
+        if bad_ranks:
+            self.halted = Halted(step=steps_done - 1, kind="weights", ranks=bad_ranks,
+                                 what=f"non-finite weights before the save of step {steps_done}"
+                                      "; the checkpoint was not written")
+            return False
         try:
             checkpoint.save(self.engine, root, step=steps_done, recipe=asdict(self.resolved.recipe),
                             world_size=self.resolved.layout.world_size,
@@ -108,6 +150,15 @@ class Trainer:
                 f"could not write the checkpoint of step {steps_done} under {root}: {exc}. Is the "
                 f"disk full? (df -h {root}); the previous complete checkpoint stays the latest"
             ) from exc
+        return True
+
+    def _adds_to_mean_loss(self) -> bool:
+        """One rank per data-parallel (and context-parallel) replica adds its loss to the mean:
+        on the last pipeline stage, tensor-parallel rank 0 (its tp peers hold the same loss)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage(ignore_virtual=True) and \
+            ps.get_tensor_model_parallel_rank() == 0
 
     def _is_reporter(self) -> bool:
         from megatron.core import parallel_state as ps
@@ -149,19 +200,43 @@ class Trainer:
         census = self._census_inside_step if self._takes_census(step) else None
         with marking(self.clock, self.engine, self.chunks) if self.clock else contextlib.nullcontext():
             loss = self._forward_backward_update(batches, census, clock)
+        with clock.phase("guard"):
+            reduced = health.reduce_step(health.local_vector(
+                loss, adds_loss=self._adds_loss, grad_norm=self.engine.get_global_grad_norm(),
+                applied=self.engine.was_step_applied(), device=self.device))
         marked = clock.stop()
         if marked is None and self.clock is not None:
             self._warn_breakdown(f"step breakdown: step {step} not measured: {self.clock.problem}")
-        if loss is not None:
-            loss = self._mean_over_replicas(loss)  # its .item() waits for the device
+        seen = health.view(reduced)  # the loss's mean over the replicas; waits for the device
         elapsed = time.perf_counter() - start
         ended_at = time.time()
         reading = self.timings.add(step, marked, elapsed) if marked is not None else None
         if self.timings.problem:
             self._warn_breakdown(self.timings.problem)
+        bad = self.guard.judge(step, seen)
+        self.last_step_bad = bad is not None and bad.kind == "nonfinite"
         if self.reporter:
-            self._report(step, loss, lr, elapsed, ended_at, data_time,
+            self._report(step, seen, lr, elapsed, ended_at, data_time,
                          reading.phases if reading else None)
+        if bad is not None:
+            self._on_bad_step(bad, loss)
+
+    def _on_bad_step(self, bad: health.BadStep, loss: torch.Tensor | None) -> None:
+        """Which ranks' losses were not finite (every rank takes part), then the reporting
+        rank's line and record, and the stop when the run stops here."""
+        ranks = health.ranks_where(not health.finite(loss), self.device) \
+            if bad.kind == "nonfinite" else []
+        data = None
+        if self.reporter or (bad.action == "stop" and torch.distributed.get_rank() == 0):
+            data = data_mod.step_data(self.sources.train, bad.step,
+                                      self.resolved.layout.global_batch)
+        if self.reporter:
+            bad_steps.append_record(self.run_dir, bad_steps.record(bad, ranks, data))
+            if bad.action != "stop":
+                self.console.say(bad_steps.line(bad, ranks, data, self.guard.max_in_a_row))
+        if bad.action == "stop":
+            kind = "spike" if bad.kind == "spike" else "nonfinite"
+            self.halted = Halted(step=bad.step, what=bad.what, kind=kind, ranks=ranks, data=data)
 
     def _warn_breakdown(self, problem: str) -> None:
         """Once per run: what went wrong measuring a step (a measurement bug, not training's):
@@ -212,12 +287,14 @@ class Trainer:
             self.console.progress(name=self.resolved.recipe.name, step=step + 1,
                                   steps=train.steps, postfix=self._postfix())
 
-    def _report(self, step: int, loss: float, lr: float, elapsed: float, ended_at: float,
-                data_time: float, phases: dict[str, float] | None) -> None:
+    def _report(self, step: int, seen: health.StepView, lr: float, elapsed: float,
+                ended_at: float, data_time: float, phases: dict[str, float] | None) -> None:
         recipe, layout = self.resolved.recipe, self.resolved.layout
+        # A skipped update's norm is DeepSpeed's overflow sentinel (inf), not a measurement.
+        grad_norm = None if seen.skipped else self.engine.get_global_grad_norm()
         record = make_record(
-            step=step, warmup=step < self._first_timed_step(), loss=loss,
-            grad_norm=self.engine.get_global_grad_norm(), lr=lr,
+            step=step, warmup=step < self._first_timed_step(), loss=seen.loss,
+            grad_norm=grad_norm, lr=lr, skipped=seen.skipped,
             step_time_s=elapsed, tokens_per_step=layout.global_batch * recipe.train.seq_len,
             world_size=layout.world_size, flops_per_token=self.flops.model,
             hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
@@ -245,18 +322,37 @@ class Trainer:
                                kernels_why=self.kernels.why,
                                sdpa_backend=self.resolved.recipe.model.sdpa_backend)
         manifest = environment_manifest(self.device, asdict(self.resolved.layout), used)
+        if self.resumed is not None:  # the checkpoint continued and the recipe's changes
+            manifest["resumed"] = self.resumed
         write_atomic(RunDir(self.run_dir).manifest, json.dumps(manifest, indent=2) + "\n")
 
-    def finish(self) -> None:
+    def finish(self, closing_line: bool = True) -> None:
+        """The rank's summary and, on the reporting rank, the run's; rank 0's report when the
+        training went bad. `closing_line`: say the summary (a run that stopped early leaves
+        that to `dsforge run`, which says why and how to go on)."""
         self._write_rank_summary()
+        if self.halted is not None and torch.distributed.get_rank() == 0:
+            self._report_halt()
         if not self.reporter:
             return
         self.console.close()
         self.tracker.close()
         summary = self._write_summary()
+        if not closing_line:
+            return
         self.console.say(format_summary(summary))
         if summary["median_breakdown_s"] is not None:
             self.console.say(format_breakdown(summary))
+
+    def _report_halt(self) -> None:
+        """Rank 0's report of a run the guard stopped, said and kept as a failure record."""
+        lines = bad_steps.report_lines(self.halted, run_dir=self.run_dir,
+                                       skipped_updates=self.engine.skipped_steps)
+        for line in lines:
+            self.console.say(line)
+        failure.write(self.run_dir, failure.Failure(
+            rank=0, step=self.halted.step, kind="nonfinite", message=self.halted.what,
+            detail="\n".join(lines)))
 
     def _write_summary(self) -> dict:
         """RUN_DIR/summary.json: the run's medians (metrics.py) and its start-up."""
@@ -323,21 +419,25 @@ class Trainer:
 
 
 def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = None,
+               after_step: Callable[[int], None] | None = None,
                after_steps: Callable[[], None] | None = None,
                save_fault: Callable[[int, int], None] | None = None,
-               stopper: Stopper | None = None) -> Stopped | None:
+               stopper: Stopper | None = None) -> Stopped | Halted | None:
     """Steps trainer.start_step .. train.steps - 1 with a checkpoint every
     train.checkpoint_every steps and after the last (as Megatron-LM and torchtitan save the
-    final state), then the summaries (`Trainer.finish`). Returns None, or
-    with a `stopper` (runtime/guard/preempt.py) `Stopped` when the ranks agreed after a step to stop
-    early (a signal, train.time_limit): that step's checkpoint is then saved.
+    final state), then the summaries (`Trainer.finish`). Returns None; `Halted` when the
+    training went bad (runtime/guard/health.py: the loop ends at that step, before its
+    evaluation and any save); or with a `stopper` (runtime/guard/preempt.py) `Stopped` when
+    the ranks agreed after a step to stop early (a signal, train.time_limit): that step's
+    checkpoint is then saved, unless the step was bad (`Stopped.saved`).
 
     runtime/rank.py adds what only a launched rank needs: `before_step(step)` arms its
-    watchdog, beats its heartbeat and runs the fault drill (also before each validation
-    batch, so a long evaluation is not taken for a hang); `after_steps()` disarms the
-    watchdog; `save_fault(rank, steps_done)` is the drill that dies while saving; `stopper`
-    agrees on stopping once per step (one all-reduce). tests/distributed/worker.py runs the
-    same loop without them.
+    watchdog, beats its heartbeat and runs the fault drills (also before each validation
+    batch, so a long evaluation is not taken for a hang); `after_step(step)` runs the drill
+    that spoils weights between a step and its save; `after_steps()` disarms the watchdog;
+    `save_fault(rank, steps_done)` is the drill that dies while saving; `stopper` agrees on
+    stopping once per step (one all-reduce). tests/distributed/worker.py runs the same loop
+    without them.
     """
     train = trainer.resolved.recipe.train
     every = train.checkpoint_every
@@ -347,46 +447,42 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
         if before_step is not None:
             before_step(step)
         _timed(timed, "step", trainer.train_step, step)
+        if after_step is not None:
+            after_step(step)
+        if trainer.halted:
+            break
         if eval_due(train, step):  # before the save: a resumed run has this step's eval
             _timed(timed, "eval", trainer.evaluate, step, before_batch=before_step)
-        saved = every and ((step + 1) % every == 0 or step + 1 == train.steps)
-        if saved:
-            _timed(timed, "save", save_and_prune, trainer, step + 1, save_fault)
+        due = every and ((step + 1) % every == 0 or step + 1 == train.steps)
+        saved = due and _timed(timed, "save", save_and_prune, trainer, step + 1, save_fault)
+        if trainer.halted:
+            break
         if stopper is not None and step + 1 < train.steps:
             stopped = stopper.agree(step + 1, next_evaluates=eval_due(train, step + 1))
             if stopped is not None:
-                if not saved:
-                    save_and_prune(trainer, step + 1, save_fault)
+                if not due:
+                    saved = save_and_prune(trainer, step + 1, save_fault)
+                stopped = replace(stopped, saved=bool(saved))
                 break
     if after_steps is not None:
         after_steps()
-    if stopped is None:
-        trainer.finish()
-    else:
-        _finish_stopped(trainer)
-    return stopped
+    trainer.finish(closing_line=stopped is None and trainer.halted is None)
+    return trainer.halted or stopped
 
 
-def _finish_stopped(trainer: Trainer) -> None:
-    """Trainer.finish for a run that stops early: the same files, without the closing summary
-    line (`dsforge run` says that the job stopped and how to continue)."""
-    trainer._write_rank_summary()
-    if trainer.reporter:
-        trainer.console.close()
-        trainer.tracker.close()
-        trainer._write_summary()
-
-
-def save_and_prune(trainer: Trainer, steps_done: int, fault=None) -> None:
+def save_and_prune(trainer: Trainer, steps_done: int, fault=None) -> bool:
     """The checkpoint of `steps_done` steps; then, with train.keep_last, rank 0 deletes the
-    complete checkpoints beyond the newest keep_last (ckpt/retention.py)."""
-    trainer.save_checkpoint(steps_done, fault=fault)
+    complete checkpoints beyond the newest keep_last (ckpt/retention.py). Whether it was
+    written (Trainer.save_checkpoint: not after a bad step, nor with non-finite weights)."""
+    if not trainer.save_checkpoint(steps_done, fault=fault):
+        return False
     keep_last = trainer.resolved.recipe.train.keep_last
     if keep_last and torch.distributed.get_rank() == 0:
         from dsforge.ckpt.retention import prune
 
         prune(RunDir(trainer.run_dir).checkpoints, keep_last,
               warn=lambda text: trainer.console.say(f"dsforge: warning: {text}"))
+    return True
 
 
 def _timed(note: Callable[[str, float], None] | None, kind: str, function, *args, **kwargs):
@@ -406,5 +502,7 @@ def _postfix(r, last_eval: tuple[int, float] | None) -> str:
     mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
     norm = f"{r.grad_norm:.3f}" if r.grad_norm is not None else "n/a"
     val = f" | val {last_eval[1]:.4f}" if last_eval is not None else ""
+    if r.skipped:
+        norm = "n/a, update skipped"
     return (f"loss {r.loss:.4f}{val} | gnorm {norm} | lr {r.lr:.2e} | {r.step_time_s * 1e3:.0f} ms | "
             f"{r.tokens_per_s:,.0f} tok/s | MFU {mfu} | mem {r.peak_memory_bytes / MiB:,.0f} MiB")

@@ -14,15 +14,18 @@ class RecordingTrainer:
                                 keep_last=0)
         self.resolved = SimpleNamespace(recipe=SimpleNamespace(train=train))
         self.start_step, self.calls = start_step, []
+        self.halted = None  # set by a test's train_step: the training went bad
+        self.refused_saves: set[int] = set()  # steps_done whose save_checkpoint returns False
 
     def train_step(self, step):
         self.calls.append(("step", step))
 
     def save_checkpoint(self, steps_done, fault=None):
         self.calls.append(("save", steps_done, fault))
+        return steps_done not in self.refused_saves
 
     def evaluate(self, step, before_batch=None):
         self.calls.append(("eval", step, before_batch))
 
-    def finish(self):
-        self.calls.append(("finish",))
+    def finish(self, closing_line=True):
+        self.calls.append(("finish",) if closing_line else ("finish", "without its line"))

@@ -1,0 +1,175 @@
+"""Whether a step's numbers can be trusted: the non-finite guard and the loss-spike check.
+
+After every step each rank puts what it knows into one small vector and one all-reduce (SUM)
+over the world gives every rank the same view of the step (`StepView`): the loss's mean over
+the data-parallel replicas (the ranks of the last pipeline stage with tensor-parallel rank 0
+add their loss, the others zero), whether any rank's loss was not finite, whether the gradient
+norm was not finite and whether DeepSpeed skipped the update. That all-reduce is the only one
+the guard adds (it also carries the loss's mean, which had one of its own): the step
+breakdown's `guard` phase. Every rank then makes the same decision (`Guard.judge`) without
+another collective; a bad step's report gathers which ranks' losses were bad (a second
+all-reduce, on bad steps only).
+
+No ZeRO stage applies a non-finite update. DeepSpeed 0.19.8 drops it at ZeRO 1-3 in every
+precision and at ZeRO 0 in bf16 and fp16 (its overflow check: the update is skipped, the
+gradient norm reads inf, `skipped_steps` counts it and the learning-rate schedule does not
+advance); fp32 at ZeRO 0 has no such check, and dsforge gives it the same one
+(runtime/build/engine.py). A non-finite loss is made to give non-finite gradients
+(runtime/loop/step.py), so its update is dropped the same way. Then, by `train.on_nonfinite`:
+- stop: the first bad step ends the run, before its evaluation and any save (`BadStep.action`);
+- skip: the run goes on (the step's data is consumed, the schedule does not advance, as for
+  DeepSpeed's fp16 overflows and Megatron-LM's skipped iterations) until more than
+  `train.max_consecutive_skips` steps in a row were bad; then it stops. A checkpoint is not
+  written right after a bad step (runtime/loop/trainer.py), so a resume never starts inside
+  a run of bad steps.
+fp16's loss-scale overflows (an update skipped with a finite loss) are not bad steps.
+
+A loss spike is a finite loss above `train.spike_factor` x the median of the last
+`train.spike_window` finite losses of this process (checked once that many have been seen):
+reported with its data, and with `train.on_spike: stop` the end of the run.
+
+Before a save, every rank checks the weights it holds (`weights_finite`) and one all-reduce
+(`ranks_where`) tells all of them which ranks hold a non-finite one: DeepSpeed copies the fp32
+master into those weights after each update, so a non-finite master shows there too.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from dsforge.schema import TrainConfig
+
+# The vector each rank adds to the step's all-reduce.
+_LOSS_SUM, _LOSS_COUNT, _BAD_LOSS, _BAD_NORM, _SKIPPED = range(5)
+
+
+@dataclass(frozen=True)
+class StepView:
+    """One step as every rank sees it after the all-reduce."""
+
+    loss: float  # mean over the data-parallel (and context-parallel) replicas; nan if one is
+    bad_loss: bool  # some rank's loss was not finite
+    bad_norm: bool  # the global gradient norm was not finite (DeepSpeed's overflow sentinel: inf)
+    skipped: bool  # DeepSpeed did not apply the update
+
+
+@dataclass(frozen=True)
+class BadStep:
+    """A step the guard found bad, and what the run does about it."""
+
+    step: int
+    kind: str  # "nonfinite" or "spike"
+    what: str  # e.g. "non-finite loss and gradient norm"
+    action: str  # "stop", "skip" or "report"
+    in_a_row: int = 0  # non-finite: the bad steps in a row, this one included
+
+
+def local_vector(loss: torch.Tensor | None, *, adds_loss: bool, grad_norm, applied: bool,
+                 device: torch.device) -> torch.Tensor:
+    """This rank's part of the step's all-reduce, made on the device (no host sync). `loss`:
+    this rank's mean loss (None off the last pipeline stage); `adds_loss`: whether it counts in
+    the mean (one rank per data-parallel replica); `grad_norm`: DeepSpeed's global norm (a
+    float, a tensor or None); `applied`: DeepSpeed's was_step_applied()."""
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    if loss is None:
+        loss_sum, count, bad_loss = zero, zero, zero
+    else:
+        loss = loss.detach().float().reshape(())
+        loss_sum = loss if adds_loss else zero
+        count = torch.ones_like(zero) if adds_loss else zero
+        bad_loss = (~torch.isfinite(loss)).float()
+    bad_norm = zero if grad_norm is None else \
+        (~torch.isfinite(torch.as_tensor(grad_norm))).float().to(device).reshape(())
+    skipped = zero if applied else torch.ones_like(zero)
+    return torch.stack([loss_sum, count, bad_loss, bad_norm, skipped])
+
+
+def reduce_step(vector: torch.Tensor) -> torch.Tensor:
+    """The step's one all-reduce over the world (in place; its result is read by `view`)."""
+    torch.distributed.all_reduce(vector)
+    return vector
+
+
+def view(reduced: torch.Tensor) -> StepView:
+    """The reduced vector as numbers (the host waits for the device here)."""
+    values = reduced.tolist()
+    count = values[_LOSS_COUNT]
+    return StepView(loss=values[_LOSS_SUM] / count if count else math.nan,
+                    bad_loss=values[_BAD_LOSS] > 0, bad_norm=values[_BAD_NORM] > 0,
+                    skipped=values[_SKIPPED] > 0)
+
+
+def ranks_where(flag: bool, device: torch.device) -> list[int]:
+    """Every rank whose `flag` is true: one all-reduce over the world of a vector with a place
+    per rank (a collective: every rank calls it; on bad steps and before saves only)."""
+    flags = torch.zeros(torch.distributed.get_world_size(), dtype=torch.float32, device=device)
+    if flag:
+        flags[torch.distributed.get_rank()] = 1
+    torch.distributed.all_reduce(flags)
+    return [rank for rank, value in enumerate(flags.tolist()) if value > 0]
+
+
+def finite(loss: torch.Tensor | None) -> bool:
+    """Whether this rank's loss is finite (a rank without one has nothing wrong)."""
+    return loss is None or bool(torch.isfinite(loss.detach()).all())
+
+
+def weights_finite(module: torch.nn.Module) -> bool:
+    """Whether every weight this rank holds is finite: under ZeRO-3 its partition
+    (`ds_tensor`; the full tensor exists only inside a forward or backward). One host sync."""
+    tensors = [getattr(p, "ds_tensor", p).detach() for p in module.parameters()]
+    checks = [torch.isfinite(t).all() for t in tensors if t.numel()]
+    return not checks or bool(torch.stack(checks).all())
+
+
+class Guard:
+    """The decisions about each step, the same on every rank (they see the same StepView)."""
+
+    def __init__(self, train: TrainConfig):
+        self.skip = train.on_nonfinite == "skip"
+        self.max_in_a_row = train.max_consecutive_skips
+        self.fp16 = train.precision == "fp16"
+        self.spike_factor, self.spike_stops = train.spike_factor, train.on_spike == "stop"
+        self.recent: deque[float] = deque(maxlen=train.spike_window)
+        self.in_a_row = 0  # bad steps in a row, up to the last one judged
+
+    def judge(self, step: int, seen: StepView) -> BadStep | None:
+        """None for a good step; else what was bad and what the run does about it."""
+        what = self._nonfinite(seen)
+        if what:
+            self.in_a_row += 1
+            # An update that was applied anyway cannot be taken back: stop, whatever the recipe.
+            dropped = seen.skipped
+            action = "skip" if self.skip and dropped and self.in_a_row <= self.max_in_a_row \
+                else "stop"
+            if not dropped:
+                what += "; DeepSpeed applied its update"
+            return BadStep(step=step, kind="nonfinite", what=what, action=action,
+                           in_a_row=self.in_a_row)
+        self.in_a_row = 0
+        return self._spike(step, seen.loss)
+
+    def _nonfinite(self, seen: StepView) -> str:
+        """What was not finite ('' for nothing). Under fp16 a skipped update with a finite loss
+        is the loss scaler's overflow, which it handles by itself."""
+        bad_grads = (seen.bad_norm or seen.skipped) and not self.fp16
+        parts = (["loss"] if seen.bad_loss else []) + (["gradient norm"] if bad_grads else [])
+        return "non-finite " + " and ".join(parts) if parts else ""
+
+    def _spike(self, step: int, loss: float) -> BadStep | None:
+        if not self.spike_factor or not math.isfinite(loss):
+            return None
+        full = len(self.recent) == self.recent.maxlen
+        median = statistics.median(self.recent) if full else None
+        self.recent.append(loss)
+        if median is None or median <= 0 or loss <= self.spike_factor * median:
+            return None
+        return BadStep(step=step, kind="spike",
+                       what=(f"loss spike: {loss:.4f} is {loss / median:.1f}x the median "
+                             f"{median:.4f} of the last {self.recent.maxlen} steps"),
+                       action="stop" if self.spike_stops else "report")

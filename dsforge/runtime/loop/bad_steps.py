@@ -1,0 +1,128 @@
+"""What a run says and keeps about the steps the guard finds bad (runtime/guard/health.py).
+
+Each bad step, skipped, reported or the one the run stops at, is one line on the terminal and
+one JSON line in RUN_DIR/anomalies.jsonl (`record`): the step, what was bad, which ranks' own
+losses were not finite, what the run did, and where the step's samples come from (the
+documents of a Megatron corpus, the offsets in a token file), so the batch can be found.
+A run that stops (`Halted`) ends with a report from rank 0 (`report_lines`), also kept as
+the failure record of kind "nonfinite": the step, what was bad, the ranks, the updates
+DeepSpeed skipped, the last good checkpoint, and how to go on.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsforge.ckpt.retention import complete_checkpoints
+from dsforge.ckpt.trust import CheckpointError, latest_complete
+from dsforge.job.run_dir import RunDir
+from dsforge.runtime.guard.health import BadStep
+
+_SHOWN_NUMBERS = 8  # documents or offsets named on the terminal; anomalies.jsonl has them all
+
+
+@dataclass(frozen=True)
+class Halted:
+    """The ranks stopped together at `step` (0-based) because the training went bad."""
+
+    step: int
+    what: str
+    kind: str  # "nonfinite", "spike" or "weights"
+    ranks: list[int] = field(default_factory=list)  # ranks whose own value was not finite
+    data: dict | None = None  # step_data of the step (rank 0's)
+
+    def describe(self) -> str:
+        return f"stopped at step {self.step}: {self.what}"
+
+
+def record(bad: BadStep, ranks: list[int], data: dict) -> dict:
+    """The step's line in anomalies.jsonl."""
+    return {"step": bad.step, "kind": bad.kind, "what": bad.what, "action": bad.action,
+            "ranks": ranks, "data": data}
+
+
+def append_record(run_dir: Path, line: dict) -> None:
+    with RunDir(run_dir).anomalies.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def line(bad: BadStep, ranks: list[int], data: dict, max_in_a_row: int) -> str:
+    """The terminal's line for a bad step the run goes on from (skipped or reported)."""
+    if bad.action == "skip":
+        done = (f"its update was skipped ({bad.in_a_row} in a row; the run stops after "
+                f"{max_in_a_row})")
+    elif bad.action == "report":
+        done = "reported (train.on_spike: report)"
+    else:
+        done = "the run stops"
+    return (f"dsforge: step {bad.step}: {bad.what}{ranks_text(ranks)}; {done}; "
+            f"{data_text(data)}")
+
+
+def ranks_text(ranks: list[int]) -> str:
+    if not ranks:
+        return ""
+    shown = ", ".join(str(r) for r in ranks[:_SHOWN_NUMBERS])
+    more = f" and {len(ranks) - _SHOWN_NUMBERS} more" if len(ranks) > _SHOWN_NUMBERS else ""
+    return f" (on rank{'s' if len(ranks) > 1 else ''} {shown}{more})"
+
+
+def data_text(data: dict) -> str:
+    """e.g. 'its data: samples 72..79 of training samples; documents of data/tempest: 311,
+    312, ... (20 in all, RUN_DIR/anomalies.jsonl has them)'."""
+    first, last = data["samples"]
+    parts = [f"its data: samples {first}..{last} of {data['source']}"]
+    for kind in ("documents", "token offsets"):
+        for name, numbers in data.get(kind, {}).items():
+            shown = ", ".join(str(n) for n in numbers[:_SHOWN_NUMBERS])
+            more = f", ... ({len(numbers)} in all, in anomalies.jsonl)" \
+                if len(numbers) > _SHOWN_NUMBERS else ""
+            parts.append(f"{kind} of {name}: {shown}{more}")
+    return "; ".join(parts)
+
+
+def report_lines(halted: Halted, *, run_dir: Path, skipped_updates: int) -> list[str]:
+    """Rank 0's report of a run that stopped because its training went bad."""
+    lines = [f"dsforge: the training stopped at step {halted.step}: {halted.what}"
+             f"{ranks_text(halted.ranks)}",
+             f"  DeepSpeed skipped {skipped_updates} update{'s' if skipped_updates != 1 else ''} "
+             "of this run (non-finite gradients, and fp16's loss-scale overflows)"]
+    if halted.data is not None:
+        lines.append(f"  {data_text(halted.data)}")
+    lines.append(f"  {_checkpoint_text(RunDir(run_dir).checkpoints, halted)}")
+    lines.append(f"  {_way_forward(halted, run_dir)}")
+    return lines
+
+
+def _checkpoint_text(root: Path, halted: Halted) -> str:
+    """The last good checkpoint: `latest`, which nothing after the bad step replaced."""
+    try:
+        latest = latest_complete(root)
+    except CheckpointError as exc:
+        return f"the latest checkpoint cannot be read: {exc}"
+    if latest is None:
+        return "no checkpoint was saved before it (train.checkpoint_every)"
+    text = (f"the last good checkpoint: {root / latest['tag']} (after step {latest['step']}, "
+            "`latest`); nothing was saved after it")
+    if latest["step"] == halted.step and halted.kind == "nonfinite":
+        # A finite update that ruins the weights shows only in the next step's loss.
+        earlier = sorted(s for s in complete_checkpoints(root) if s < latest["step"])
+        text += (". It was saved right before the bad step, so the update of step "
+                 f"{halted.step - 1} may be the cause"
+                 + (f"; the checkpoint before it is after step {earlier[-1]}" if earlier else ""))
+    return text
+
+
+def _way_forward(halted: Halted, run_dir: Path) -> str:
+    resume = ["dsforge", "run", str(RunDir(run_dir).recipe), "--resume", "--run-dir", str(run_dir)]
+    if halted.kind == "spike":
+        return ("to go on past it: " + shlex.join(resume + ["--set", "train.on_spike=report"])
+                + "; or start a new run without the spike's data")
+    if halted.kind == "weights":
+        return "to go on from the last good checkpoint: " + shlex.join(resume)
+    return ("to go on, skipping such steps' updates: "
+            + shlex.join(resume + ["--set", "train.on_nonfinite=skip"])
+            + "; or start a new run with a lower train.lr or train.grad_clip")
