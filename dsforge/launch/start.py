@@ -187,9 +187,9 @@ def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: 
         view.close()
     accounted = len(view.done_ranks | set(view.stopped_ranks) | set(view.halted_ranks)) >= ranks
     if code == 0 and view.halted_ranks and accounted:
-        step, what = min(view.halted_ranks.values())
-        say(f"dsforge: the training went bad at step {step} ({what}): the ranks stopped, exit code "
-            f"{EXIT_NONFINITE}; the report is above and in {RunDir(run_dir).failure(0)}")
+        step, _ = min(view.halted_ranks.values())
+        say(f"dsforge: the ranks stopped together at step {step}: exit code {EXIT_NONFINITE}; the "
+            f"report above is kept in {RunDir(run_dir).failure(0)}")
         return EXIT_NONFINITE
     if code == 0 and view.stopped_ranks and accounted:
         return _stopped(run_dir, view.stopped_ranks, say)

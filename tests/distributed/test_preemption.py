@@ -1,6 +1,6 @@
 """Preempted, time-limited and signalled jobs stop with a complete checkpoint and resume exactly.
 
-In one world of 2 ranks (tests/distributed/preempt_worker.py: the real Trainer and train_loop,
+In one world of 2 ranks (tests/distributed/legs_worker.py: the real Trainer and train_loop,
 the imports paid once), a straight run of 10 steps, and one run stopped four times and resumed
 each time, one rank signalling itself at a chosen moment (the other learns of it only from the
 per-step agreement):
@@ -20,21 +20,16 @@ job at once, with no half checkpoint as latest and nothing left running.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 
-import pytest
-
 from dsforge.ckpt.retention import complete_checkpoints
 from dsforge.ckpt.trust import read_latest
-from dsforge.launch.local import free_port
 from tests.conftest import REPO
-from tests.distributed.harness import _wait
+from tests.distributed.legs_worker import run_legs
 from tests.distributed.test_checkpoint import TEXT, _losses, _val_losses
 from tests.distributed.test_run import _job_processes, dsforge
 from tests.distributed.test_signals import _kill_leftovers, _wait_for_training
@@ -53,23 +48,9 @@ LEGS = [  # (run, extra overrides, resume, signal) -> the expected stop
 
 
 def _world(out, legs, timeout_s=300):
-    spec = {"recipe": str(TINY), "out": str(out), "timeout_s": 60,
-            "legs": [{"run": run, "overrides": COMMON + extra, "resume": resume, "signal": sig}
-                     for run, extra, resume, sig, _ in legs]}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "spec.json").write_text(json.dumps(spec))
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(REPO)}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed.preempt_worker", str(out / "spec.json")],
-            env=env, stdout=open(out / f"rank{rank}.log", "wb"), stderr=subprocess.STDOUT,
-            cwd=REPO, start_new_session=True))
-    _wait(procs, timeout_s, out)  # kills both on failure or timeout
-    return json.loads((out / "legs.json").read_text())
+    return run_legs(out, TINY, [{"run": run, "overrides": COMMON + extra, "resume": resume,
+                                 "signal": sig} for run, extra, resume, sig, _ in legs],
+                    timeout_s=timeout_s)
 
 
 def test_stopped_four_times_and_resumed_equals_one_run(tmp_path):

@@ -115,6 +115,14 @@ def test_classification_from_exit_code_and_failure_records(tmp_path, code, recor
         assert reason.startswith("rank 1 ") and record["message"] in reason
 
 
+def test_a_run_whose_training_went_bad_is_diverged_though_its_ranks_exit_0(tmp_path):
+    (tmp_path / "summary.json").write_text("{}")  # it wrote its summaries before stopping
+    failure.write(tmp_path, failure.Failure(rank=0, step=3, kind="nonfinite",
+                                            message="non-finite loss and gradient norm"))
+    assert classify(0, tmp_path) == (
+        "diverged", "the training stopped at step 3: non-finite loss and gradient norm")
+
+
 def test_the_earliest_failure_record_is_the_cause(tmp_path):
     failure.write(tmp_path, failure.Failure(rank=0, step=2, kind="exception", message="peer gone",
                                             time=200.0))

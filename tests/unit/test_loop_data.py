@@ -60,3 +60,42 @@ def test_microbatches_refuse_ids_outside_the_vocabulary(tmp_path):
     with pytest.raises(ValueError, match="token id 300, outside the model's vocabulary"):
         data_mod.microbatches(source, step=0, global_batch=2, micro_batch=2, grad_accum=1, dp=1,
                               dp_rank=0, vocab_size=256)
+
+
+def test_a_steps_data_names_the_token_offsets_of_its_windows(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    source = data_mod.TokenFile(path, seq_len=9, seed=3, dtype="uint16", windows=range(111),
+                                stream=0)
+    kind, name, [offset] = source.locate(150)
+    assert (kind, name) == ("token offsets", str(path))
+    assert int(source.sample(150)[0]) == offset  # token i of this file is i
+    data = data_mod.step_data(source, step=2, global_batch=4)
+    assert data["samples"] == [8, 11] and data["source"] == source.what
+    assert data["token offsets"][str(path)] == sorted(int(source.sample(i)[0]) for i in range(8, 12))
+    synthetic = data_mod.SyntheticTokens(seq_len=8, vocab_size=16, seed=1)
+    assert data_mod.step_data(synthetic, step=0, global_batch=2) == {
+        "samples": [0, 1], "source": "synthetic training samples"}
+
+
+def test_a_megatron_samples_documents_hold_its_tokens(tmp_path):
+    """The documents `locate` names (through a blend, as Megatron's GPTDataset maps a sample to
+    them) contain the sample's tokens."""
+    from dsforge.data.indexed import inspect_dataset
+    from dsforge.data.samples import MegatronSamples, build_splits
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from tests.conftest import REPO
+
+    prefix = str(REPO / "data" / "tempest")
+    identity = inspect_dataset(prefix).identity
+    for parts in ([(prefix, 1.0)], [(prefix, 0.5), (prefix, 0.5)]):
+        splits = build_splits(parts, split="90,5,5", seq_len=64, seed=1, train_samples=32,
+                              validation_samples=None, identity=identity, cache_dir=tmp_path)
+        samples = MegatronSamples(splits.train, what="training samples")
+        documents = IndexedDataset(prefix)
+        for index in (0, 7, 31):
+            kind, name, ids = samples.locate(index)
+            assert (kind, name) == ("documents", prefix) and ids
+            text = np.concatenate([documents[i] for i in ids]).tolist()
+            tokens = samples.sample(index).tolist()
+            assert any(text[i:i + len(tokens)] == tokens for i in range(len(text) - len(tokens) + 1))

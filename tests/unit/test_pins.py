@@ -215,3 +215,32 @@ def test_deepspeed_passes_torch_adamw_its_parameters():
         in configure
     assert "optimizer = adam_optimizer(model_parameters, **optimizer_parameters, **adam_optimizer_kwargs)" \
         in _source(engine.DeepSpeedEngine._configure_basic_optimizer)
+
+
+def test_the_guard_relies_on_these_internals():
+    """runtime/guard/health.py: DeepSpeed drops an update whose gradient norm is not finite at
+    ZeRO 1-3 (is_invalid_grad_norm) and reports it through the optimizer's `overflow`, which the
+    engine reads to count the skip and hold the schedule; dsforge's fp32 ZeRO-0 step sets the same
+    flag (runtime/build/engine.py). runtime/loop/data.py names a sample's documents through
+    Megatron's GPTDataset and BlendedDataset index attributes."""
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    take_step = inspect.getsource(DeepSpeedEngine._take_model_step)
+    assert 'overflow = self.optimizer.overflow' in take_step
+    assert "self._step_applied = not overflow" in take_step and "self.skipped_steps += 1" in take_step
+    assert "self.lr_scheduler.step(" in take_step.split("if overflow:")[1].split("else:")[1]
+    assert hasattr(DeepSpeedEngine, "was_step_applied")
+    for optimizer in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        # Stage 3's step is wrapped for NVTX: read the method in its class's source.
+        body = inspect.getsource(optimizer).split("    def step(self, closure=None):")[1]
+        assert "is_invalid_grad_norm(" in body.split("\n    def ")[0]
+    query = inspect.signature(GPTDataset._query_document_sample_shuffle_indices)
+    assert list(query.parameters) == ["self", "idx"]
+    blended = inspect.getsource(BlendedDataset.__getitem__)
+    assert "self.dataset_index[idx]" in blended and "self.dataset_sample_index[idx]" in blended

@@ -24,7 +24,7 @@ from dsforge.runtime.build.kernels import loadable
 from dsforge.runtime.build.model import build_model_chunks
 from dsforge.runtime.build.moe_glue import deepspeed_sees_megatron_moe, register_experts
 from dsforge.runtime.startup import StartupClock
-from dsforge.translate.deepspeed_config import deepspeed_config, scheduler_section
+from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.kernels import KernelChoice, choose_kernels, liger_installed
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         parallel_state_kwargs, transformer_config_kwargs)
@@ -215,18 +215,6 @@ def start_schedule(scheduler) -> None:
     as Megatron-LM's scheduler does. A resumed run then loads the iteration it saved."""
     if scheduler is not None:
         scheduler.step()
-
-
-def scheduled_lr(train, iteration: int) -> float:
-    """The rate DeepSpeed's scheduler for `train` gives at `iteration`, on a throwaway
-    optimizer (to compare a continued run's schedule with its checkpoint's)."""
-    from deepspeed.runtime import lr_schedules
-
-    section = scheduler_section(train)
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=train.lr)
-    scheduler = getattr(lr_schedules, section["type"])(optimizer, **section["params"])
-    scheduler.step(iteration)
-    return scheduler.get_lr()[0]
 
 
 def _count_replicated_grads_once_per_stage(engine) -> None:

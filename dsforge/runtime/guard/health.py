@@ -149,6 +149,9 @@ class Guard:
                 else "stop"
             if not dropped:
                 what += "; DeepSpeed applied its update"
+            elif self.skip and action == "stop":
+                what += (f", {self.in_a_row} steps in a row: more than "
+                         f"train.max_consecutive_skips ({self.max_in_a_row})")
             return BadStep(step=step, kind="nonfinite", what=what, action=action,
                            in_a_row=self.in_a_row)
         self.in_a_row = 0

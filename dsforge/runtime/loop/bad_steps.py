@@ -33,6 +33,7 @@ class Halted:
     kind: str  # "nonfinite", "spike" or "weights"
     ranks: list[int] = field(default_factory=list)  # ranks whose own value was not finite
     data: dict | None = None  # step_data of the step (rank 0's)
+    in_a_row: int = 1  # non-finite: the bad steps in a row that ended with this one
 
     def describe(self) -> str:
         return f"stopped at step {self.step}: {self.what}"
@@ -52,8 +53,8 @@ def append_record(run_dir: Path, line: dict) -> None:
 def line(bad: BadStep, ranks: list[int], data: dict, max_in_a_row: int) -> str:
     """The terminal's line for a bad step the run goes on from (skipped or reported)."""
     if bad.action == "skip":
-        done = (f"its update was skipped ({bad.in_a_row} in a row; the run stops after "
-                f"{max_in_a_row})")
+        done = (f"its update was skipped ({bad.in_a_row} in a row; more than {max_in_a_row} in "
+                "a row stop the run)")
     elif bad.action == "report":
         done = "reported (train.on_spike: report)"
     else:
@@ -84,27 +85,31 @@ def data_text(data: dict) -> str:
     return "; ".join(parts)
 
 
-def report_lines(halted: Halted, *, run_dir: Path, skipped_updates: int) -> list[str]:
+def report_lines(halted: Halted, *, run_dir: Path, skipped_updates: int,
+                 fp16: bool) -> list[str]:
     """Rank 0's report of a run that stopped because its training went bad."""
+    why = "non-finite gradients and the loss scaler's overflows" if fp16 else \
+        "non-finite gradients"
     lines = [f"dsforge: the training stopped at step {halted.step}: {halted.what}"
              f"{ranks_text(halted.ranks)}",
              f"  DeepSpeed skipped {skipped_updates} update{'s' if skipped_updates != 1 else ''} "
-             "of this run (non-finite gradients, and fp16's loss-scale overflows)"]
+             f"of this run ({why})"]
     if halted.data is not None:
         lines.append(f"  {data_text(halted.data)}")
-    lines.append(f"  {_checkpoint_text(RunDir(run_dir).checkpoints, halted)}")
-    lines.append(f"  {_way_forward(halted, run_dir)}")
-    return lines
-
-
-def _checkpoint_text(root: Path, halted: Halted) -> str:
-    """The last good checkpoint: `latest`, which nothing after the bad step replaced."""
+    root = RunDir(run_dir).checkpoints
     try:
         latest = latest_complete(root)
     except CheckpointError as exc:
-        return f"the latest checkpoint cannot be read: {exc}"
+        return lines + [f"  the latest checkpoint cannot be read: {exc}"]
+    lines.append(f"  {_checkpoint_text(root, latest, halted)}")
+    lines.append(f"  {_way_forward(halted, run_dir, resumable=latest is not None)}")
+    return lines
+
+
+def _checkpoint_text(root: Path, latest: dict | None, halted: Halted) -> str:
+    """The last good checkpoint: `latest`, which nothing after the bad step replaced."""
     if latest is None:
-        return "no checkpoint was saved before it (train.checkpoint_every)"
+        return "no checkpoint had been saved before it"
     text = (f"the last good checkpoint: {root / latest['tag']} (after step {latest['step']}, "
             "`latest`); nothing was saved after it")
     if latest["step"] == halted.step and halted.kind == "nonfinite":
@@ -116,7 +121,16 @@ def _checkpoint_text(root: Path, halted: Halted) -> str:
     return text
 
 
-def _way_forward(halted: Halted, run_dir: Path) -> str:
+def _way_forward(halted: Halted, run_dir: Path, resumable: bool) -> str:
+    if halted.in_a_row > 1:  # skipping did not help: the weights themselves are likely bad
+        back = (f"go back to an earlier checkpoint (write its tag into "
+                f"{RunDir(run_dir).checkpoints / 'latest'}) or " if resumable else "")
+        return (f"the run has likely diverged: {back}start a new run with a lower train.lr or "
+                "train.grad_clip")
+    if not resumable:
+        change = {"spike": "train.on_spike: report", "weights": "a lower train.lr"}.get(
+            halted.kind, "train.on_nonfinite: skip, or a lower train.lr or train.grad_clip")
+        return f"to go on: start a new run with {change}"
     resume = ["dsforge", "run", str(RunDir(run_dir).recipe), "--resume", "--run-dir", str(run_dir)]
     if halted.kind == "spike":
         return ("to go on past it: " + shlex.join(resume + ["--set", "train.on_spike=report"])

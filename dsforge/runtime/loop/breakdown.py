@@ -6,9 +6,10 @@ waits for other streams included; on a CPU `time.perf_counter()`. Each interval 
 marks belongs to the phase innermost at the time: nested phases subtract from their parent
 (a ZeRO gather inside a forward counts as dp_comm, not forward). "other" is the step's
 time outside every named phase, so the phases sum to the step's time. The events are read
-once the device has passed the step's last mark (StepTimings), which the loss's `.item()`
-guarantees on the ranks that have a loss; other pipeline ranks are read a step later rather
-than synchronised. Megatron-LM's timers synchronise the device instead; torchtitan profiles.
+once the device has passed the step's last mark (StepTimings), which the host's read of the
+step's guard all-reduce (runtime/guard/health.py) guarantees on every rank; a reading that is
+not ready then is read a step later rather than synchronised. Megatron-LM's timers
+synchronise the device instead; torchtitan profiles.
 
 Phase names: dsforge.job.metrics_file.PHASES. DSFORGE_BREAKDOWN in the ranks' environment: `on`
 (the default), `off` (no clock: the overhead benchmark's other side,

@@ -22,7 +22,7 @@ from dsforge.job.console import RankConsole
 from dsforge.job.metrics_file import median_breakdown
 from dsforge.job.run_dir import RunDir
 from dsforge.recipe import Resolved
-from dsforge.runtime.build.engine import build_rank, scheduled_lr
+from dsforge.runtime.build.engine import build_rank
 from dsforge.runtime.checkpoint import save_load as checkpoint
 from dsforge.runtime.guard import health
 from dsforge.runtime.guard.preempt import Stopped, Stopper
@@ -105,23 +105,28 @@ class Trainer:
                                say=self.console.say if rank == 0 else None)
         self.resumed = {"after_step": step, "checkpoint": record["tag"],
                         "changes": resumed_changes(record["recipe"], recipe)}
-        if rank == 0:
-            self._say_schedule_change(record["recipe"].get("train") or {})
+        self._continue_schedule(record["recipe"].get("train") or {}, say=rank == 0)
         return step
 
-    def _say_schedule_change(self, saved_train: dict) -> None:
-        """The rate the next step trains at, under the new schedule and the checkpoint's, when
-        a continued run's schedule spans another number of steps (ckpt/trust.schedule_change)."""
+    def _continue_schedule(self, saved_train: dict, say: bool) -> None:
+        """When a continued run's schedule spans another number of steps
+        (ckpt/trust.schedule_change): the next step's rate from the new schedule (the optimizer
+        state brought back the old schedule's; the scheduler's state is only its step), and rank
+        0 says both."""
         train = self.resolved.recipe.train
         if schedule_change(saved_train, asdict(train)) is None:
             return
-        old = replace(train, steps=saved_train["steps"],
-                      lr_decay_steps=saved_train.get("lr_decay_steps"))
-        iteration = self.engine.lr_scheduler.last_batch_iteration
-        self.console.say(f"dsforge: the learning-rate schedule now spans {train.schedule_steps} "
-                         f"steps (it spanned {old.schedule_steps}): the next step trains at "
-                         f"lr {self.engine.get_lr()[0]:.3e}, {scheduled_lr(old, iteration):.3e} "
-                         "under the checkpoint's schedule")
+        scheduler = self.engine.lr_scheduler
+        iteration = scheduler.last_batch_iteration
+        before = self.engine.get_lr()[0]
+        scheduler.step(iteration)  # the same step: sets the optimizer's rate, advances nothing
+        if say:
+            old = replace(train, steps=saved_train["steps"],
+                          lr_decay_steps=saved_train.get("lr_decay_steps"))
+            self.console.say(f"dsforge: the learning-rate schedule now spans "
+                             f"{train.schedule_steps} steps (it spanned {old.schedule_steps}): "
+                             f"the next step trains at lr {self.engine.get_lr()[0]:.3e}, "
+                             f"{before:.3e} under the checkpoint's schedule")
 
     def save_checkpoint(self, steps_done: int, fault=None) -> bool:
         """The checkpoint of `steps_done` steps; whether it was written. Not right after a bad
@@ -236,7 +241,8 @@ class Trainer:
                 self.console.say(bad_steps.line(bad, ranks, data, self.guard.max_in_a_row))
         if bad.action == "stop":
             kind = "spike" if bad.kind == "spike" else "nonfinite"
-            self.halted = Halted(step=bad.step, what=bad.what, kind=kind, ranks=ranks, data=data)
+            self.halted = Halted(step=bad.step, what=bad.what, kind=kind, ranks=ranks, data=data,
+                                 in_a_row=bad.in_a_row)
 
     def _warn_breakdown(self, problem: str) -> None:
         """Once per run: what went wrong measuring a step (a measurement bug, not training's):
@@ -347,7 +353,8 @@ class Trainer:
     def _report_halt(self) -> None:
         """Rank 0's report of a run the guard stopped, said and kept as a failure record."""
         lines = bad_steps.report_lines(self.halted, run_dir=self.run_dir,
-                                       skipped_updates=self.engine.skipped_steps)
+                                       skipped_updates=self.engine.skipped_steps,
+                                       fp16=self.resolved.recipe.train.precision == "fp16")
         for line in lines:
             self.console.say(line)
         failure.write(self.run_dir, failure.Failure(
