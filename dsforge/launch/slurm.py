@@ -268,7 +268,8 @@ wait "$PID" 2>/dev/null; LAST=$?
 [ "$LAST" != 127 ] && CODE=$LAST
 
 # 75: the ranks stopped with a complete checkpoint (a signal, or train.time_limit). Requeue
-# this job: it starts again later, with --resume (above).
+# this job: it starts again later, with --resume (above). Any other code is final: 65 (the
+# training went bad: non-finite values or a loss spike) needs a change the report names.
 if [ "$CODE" = 75 ]; then
     echo "dsforge sbatch: resumable stop (exit 75); requeueing job $SLURM_JOB_ID" >&2
     scontrol requeue "$SLURM_JOB_ID"

@@ -82,20 +82,23 @@ def test_a_spike_is_measured_against_a_full_window():
                                           skipped=False)).action == "stop"
 
 
-def test_the_step_vector_and_what_every_rank_reads_from_it():
+def test_the_loss_shares_and_what_every_rank_reads_from_them():
     device = torch.device("cpu")
-    first = health.local_vector(torch.tensor(2.5), adds_loss=True, grad_norm=torch.tensor(0.4),
-                                applied=True, device=device)
-    other = health.local_vector(torch.tensor(math.inf), adds_loss=True, grad_norm=math.inf,
-                                applied=False, device=device)
-    stage = health.local_vector(None, adds_loss=False, grad_norm=None, applied=True, device=device)
-    seen = health.view(first + other + stage)  # what the all-reduce's SUM gives
-    assert math.isinf(seen.loss) and seen.bad_loss and seen.bad_norm and seen.skipped
-    assert health.view(first + stage) == health.StepView(loss=2.5, bad_loss=False,
-                                                         bad_norm=False, skipped=False)
-    tp_peer = health.local_vector(torch.tensor(2.5), adds_loss=False, grad_norm=0.4,
-                                  applied=True, device=device)
-    assert health.view(first + tp_peer).loss == 2.5  # counted once per replica
+    first = health.loss_share(torch.tensor(2.5), adds_loss=True, device=device)
+    second = health.loss_share(torch.tensor(1.5), adds_loss=True, device=device)
+    tp_peer = health.loss_share(torch.tensor(2.5), adds_loss=False, device=device)
+    stage = health.loss_share(None, adds_loss=False, device=device)
+    seen = health.view(first + second + tp_peer + stage, replicas=2,  # the all-reduce's SUM
+                       grad_norm=torch.tensor(0.4), applied=True)
+    assert seen == health.StepView(loss=2.0, bad_loss=False, bad_norm=False, skipped=False)
+    bad = health.loss_share(torch.tensor(math.inf), adds_loss=True, device=device)
+    seen = health.view(first + bad, replicas=2, grad_norm=math.inf, applied=False)
+    assert seen.bad_loss and seen.bad_norm and seen.skipped and math.isinf(seen.loss)
+    assert not health.view(first, replicas=1, grad_norm=None, applied=True).bad_norm
+    loss = torch.tensor(3.0)
+    share = health.loss_share(loss, adds_loss=True, device=device)
+    share += 1  # the all-reduce works in place: the rank's own loss stays its own
+    assert loss.item() == 3.0
 
 
 def test_weights_finite_reads_a_zero3_partition():

@@ -1,14 +1,14 @@
 """Whether a step's numbers can be trusted: the non-finite guard and the loss-spike check.
 
-After every step each rank puts what it knows into one small vector and one all-reduce (SUM)
-over the world gives every rank the same view of the step (`StepView`): the loss's mean over
-the data-parallel replicas (the ranks of the last pipeline stage with tensor-parallel rank 0
-add their loss, the others zero), whether any rank's loss was not finite, whether the gradient
-norm was not finite and whether DeepSpeed skipped the update. That all-reduce is the only one
-the guard adds (it also carries the loss's mean, which had one of its own): the step
-breakdown's `guard` phase. Every rank then makes the same decision (`Guard.judge`) without
-another collective; a bad step's report gathers which ranks' losses were bad (a second
-all-reduce, on bad steps only).
+After every step one all-reduce (SUM) over the world of each rank's share of the loss (the
+last pipeline stage's ranks with tensor-parallel rank 0 add their loss, the others zero) gives
+every rank the loss's mean over the data-parallel replicas (`StepView`), not finite when any
+replica's loss was not. It replaces the all-reduce over the replicas that made that mean, so
+the guard adds no collective to a step: the step breakdown's `guard` phase is that all-reduce.
+The gradient norm and whether DeepSpeed applied the update are the same on every rank already
+(DeepSpeed's own all-reduces make them so, and its ZeRO partitions rely on it), so every rank
+takes the same decision (`Guard.judge`) with no further collective; a bad step's report
+gathers which ranks' own losses were bad (one more all-reduce, on bad steps only).
 
 No ZeRO stage applies a non-finite update. DeepSpeed 0.19.8 drops it at ZeRO 1-3 in every
 precision and at ZeRO 0 in bf16 and fp16 (its overflow check: the update is skipped, the
@@ -44,16 +44,12 @@ import torch
 
 from dsforge.schema import TrainConfig
 
-# The vector each rank adds to the step's all-reduce.
-_LOSS_SUM, _LOSS_COUNT, _BAD_LOSS, _BAD_NORM, _SKIPPED = range(5)
-
-
 @dataclass(frozen=True)
 class StepView:
     """One step as every rank sees it after the all-reduce."""
 
-    loss: float  # mean over the data-parallel (and context-parallel) replicas; nan if one is
-    bad_loss: bool  # some rank's loss was not finite
+    loss: float  # mean over the data-parallel (and context-parallel) replicas
+    bad_loss: bool  # that mean is not finite: some replica's loss was not
     bad_norm: bool  # the global gradient norm was not finite (DeepSpeed's overflow sentinel: inf)
     skipped: bool  # DeepSpeed did not apply the update
 
@@ -69,39 +65,29 @@ class BadStep:
     in_a_row: int = 0  # non-finite: the bad steps in a row, this one included
 
 
-def local_vector(loss: torch.Tensor | None, *, adds_loss: bool, grad_norm, applied: bool,
-                 device: torch.device) -> torch.Tensor:
-    """This rank's part of the step's all-reduce, made on the device (no host sync). `loss`:
-    this rank's mean loss (None off the last pipeline stage); `adds_loss`: whether it counts in
-    the mean (one rank per data-parallel replica); `grad_norm`: DeepSpeed's global norm (a
-    float, a tensor or None); `applied`: DeepSpeed's was_step_applied()."""
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    if loss is None:
-        loss_sum, count, bad_loss = zero, zero, zero
-    else:
-        loss = loss.detach().float().reshape(())
-        loss_sum = loss if adds_loss else zero
-        count = torch.ones_like(zero) if adds_loss else zero
-        bad_loss = (~torch.isfinite(loss)).float()
-    bad_norm = zero if grad_norm is None else \
-        (~torch.isfinite(torch.as_tensor(grad_norm))).float().to(device).reshape(())
-    skipped = zero if applied else torch.ones_like(zero)
-    return torch.stack([loss_sum, count, bad_loss, bad_norm, skipped])
+def loss_share(loss: torch.Tensor | None, *, adds_loss: bool,
+               device: torch.device) -> torch.Tensor:
+    """This rank's part of the step's all-reduce: its mean loss where it adds one to the mean
+    (one rank per data-parallel replica), else zero; on the device, with no host sync."""
+    if loss is None or not adds_loss:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return loss.detach().float().reshape(()).clone()
 
 
-def reduce_step(vector: torch.Tensor) -> torch.Tensor:
-    """The step's one all-reduce over the world (in place; its result is read by `view`)."""
-    torch.distributed.all_reduce(vector)
-    return vector
+def reduce_step(share: torch.Tensor) -> torch.Tensor:
+    """The step's one all-reduce over the world (in place; `view` reads it)."""
+    torch.distributed.all_reduce(share)
+    return share
 
 
-def view(reduced: torch.Tensor) -> StepView:
-    """The reduced vector as numbers (the host waits for the device here)."""
-    values = reduced.tolist()
-    count = values[_LOSS_COUNT]
-    return StepView(loss=values[_LOSS_SUM] / count if count else math.nan,
-                    bad_loss=values[_BAD_LOSS] > 0, bad_norm=values[_BAD_NORM] > 0,
-                    skipped=values[_SKIPPED] > 0)
+def view(reduced: torch.Tensor, *, replicas: int, grad_norm, applied: bool) -> StepView:
+    """The step as every rank sees it: the reduced loss (the host waits for the device here)
+    over the `replicas` that added to it, DeepSpeed's global gradient norm (a tensor, a float
+    or None) and was_step_applied()."""
+    loss = reduced.item() / replicas
+    bad_norm = grad_norm is not None and not math.isfinite(float(grad_norm))
+    return StepView(loss=loss, bad_loss=not math.isfinite(loss), bad_norm=bad_norm,
+                    skipped=not applied)
 
 
 def ranks_where(flag: bool, device: torch.device) -> list[int]:

@@ -206,13 +206,15 @@ class Trainer:
         with marking(self.clock, self.engine, self.chunks) if self.clock else contextlib.nullcontext():
             loss = self._forward_backward_update(batches, census, clock)
         with clock.phase("guard"):
-            reduced = health.reduce_step(health.local_vector(
-                loss, adds_loss=self._adds_loss, grad_norm=self.engine.get_global_grad_norm(),
-                applied=self.engine.was_step_applied(), device=self.device))
+            reduced = health.reduce_step(health.loss_share(loss, adds_loss=self._adds_loss,
+                                                           device=self.device))
         marked = clock.stop()
         if marked is None and self.clock is not None:
             self._warn_breakdown(f"step breakdown: step {step} not measured: {self.clock.problem}")
-        seen = health.view(reduced)  # the loss's mean over the replicas; waits for the device
+        layout = self.resolved.layout
+        seen = health.view(reduced, replicas=layout.dp * layout.cp,  # waits for the device
+                           grad_norm=self.engine.get_global_grad_norm(),
+                           applied=self.engine.was_step_applied())
         elapsed = time.perf_counter() - start
         ended_at = time.time()
         reading = self.timings.add(step, marked, elapsed) if marked is not None else None
