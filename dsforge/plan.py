@@ -25,6 +25,7 @@ from dsforge.schema import padded_vocab_size
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.groups import rank_groups
+from dsforge.translate.experts import choose_experts
 from dsforge.translate.kernels import choose_kernels, fused_loss, liger_installed
 from dsforge.translate.megatron import (gpt_model_kwargs, parallel_state_kwargs,
                                         transformer_config_kwargs)
@@ -54,6 +55,8 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
     memory = estimate_memory(model=model, train=train, zero=zero, layout=layout, fused_loss=fused)
     warnings = [str(p) for p in resolved.warnings]
     kernels = choose_kernels(model, device=device, liger_available=liger_installed())
+    # The GPU's compute capability is read by the ranks: a plan knows the device type only.
+    experts = choose_experts(model, device=device, precision=train.precision, capability=None)
     plan = {
         "name": recipe.name,
         "layout": {**dataclasses.asdict(layout), "num_microbatches": layout.num_microbatches},
@@ -71,7 +74,8 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
         "implementations": {
             "adam": adam_impl(train=train, zero=zero, device=device),
             "built_at_run_time": list(ops_built_at_run_time(train=train, zero=zero, device=device)),
-            "kernels": kernels.impl, "kernels_why": kernels.why, "sdpa_backend": model.sdpa_backend},
+            "kernels": kernels.impl, "kernels_why": kernels.why, "sdpa_backend": model.sdpa_backend,
+            **({"experts": experts.impl, "experts_why": experts.why} if experts else {})},
         "params": {"total": params.total, "active": params.active,
                    "padded_vocab_size": padded_vocab_size(model.vocab_size, layout.tp)},
         "flops_per_token": flops.model,
@@ -212,8 +216,9 @@ _ADAM = {"fused": "torch's fused AdamW", "foreach": "torch's foreach AdamW",
 def _render_implementations(impl: dict[str, Any]) -> str:
     built = ", ".join(impl["built_at_run_time"])
     builds = f"builds {built} when the ranks start" if built else "builds nothing at run time"
+    experts = f"; MoE experts: {impl['experts']} ({impl['experts_why']})" if "experts" in impl else ""
     return (f"  optimizer: {_ADAM[impl['adam']]} ({builds}); kernels: {impl['kernels']} "
-            f"({impl['kernels_why']}); attention: SDPA {impl['sdpa_backend']}")
+            f"({impl['kernels_why']}); attention: SDPA {impl['sdpa_backend']}{experts}")
 
 
 def _on_off(flag: bool) -> str:

@@ -20,6 +20,8 @@ Precision = Literal["bf16", "fp16", "fp32"]
 Checkpointing = Literal["none", "selective", "full"]
 Offload = Literal["none", "cpu"]
 LrDecay = Literal["cosine", "linear", "constant"]
+# How an MoE layer runs its experts (translate/experts.py says what each means).
+MoeExperts = Literal["auto", "sequential", "grouped"]
 # What a step whose loss or gradients are not finite does (runtime/guard/health.py).
 OnNonfinite = Literal["stop", "skip"]
 OnSpike = Literal["report", "stop"]
@@ -74,6 +76,7 @@ class MoEConfig:
     ffn_hidden_size: int  # per expert
     frequency: int = 1  # every Nth layer is an MoE layer (Megatron moe_layer_freq)
     aux_loss_coeff: float = 0.01  # load-balancing loss weight
+    experts: MoeExperts = "auto"  # a loop of per-expert GEMMs, or grouped GEMMs
 
     def __post_init__(self) -> None:
         c = Checks()
@@ -162,6 +165,10 @@ class ModelConfig:
                        "model.num_layers": self.num_layers},
                       "the MoE layer frequency exceeds the number of layers, so only layer 0 "
                       "would be MoE", f"use model.moe.frequency <= {self.num_layers} (1 = every layer)")
+            c.require(not (self.moe.experts == "grouped" and self.bias), "E9",
+                      {"model.moe.experts": "grouped", "model.bias": True},
+                      "grouped experts compute bias-free SwiGLU experts",
+                      "use model.moe.experts: sequential (or auto) with biases, or model.bias: false")
         c.raise_if_any()
 
     @property

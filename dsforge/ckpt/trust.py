@@ -31,13 +31,15 @@ from dsforge.schema import Recipe
 # Recipe fields a resumed run may change. Everything else must match.
 # Evaluation settings and where the data's indices are cached change no training step either,
 # nor where the weights came from: the checkpoint's weights replace model.init_from's.
-# The kernels and attention backend compute the same model (runtime/build/kernels.py, layers.py).
+# The kernels, attention backend and the way experts run compute the same model with the same
+# parameters (runtime/build/kernels.py, layers.py, grouped_moe.py).
 # What the guard does with a bad step changes only steps it finds bad (runtime/guard/health.py).
 # train.steps continues a run: the schedule then spans the new total unless
 # train.lr_decay_steps holds it to the old one (`schedule_change` says which).
 RESUMABLE_CHANGES = {"train.timing_warmup", "train.checkpoint_every", "train.eval_every",
                      "train.eval_iters", "data.cache_dir", "train.time_limit", "train.keep_last",
                      "model.init_from", "model.kernels", "model.sdpa_backend",
+                     "model.moe.experts",
                      "train.steps", "train.lr_decay_steps", "train.on_nonfinite",
                      "train.max_consecutive_skips", "train.spike_factor", "train.spike_window",
                      "train.on_spike"}
@@ -282,10 +284,16 @@ def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[s
         written = {**_defaults(section), **(saved.get(section) or {})}
         for key in sorted(set(saved.get(section) or {}) | set(current.get(section) or {})):
             old, new = written.get(key), (current.get(section) or {}).get(key)
-            if old != new:
-                differences.append((f"{section}.{key}",
-                                    f"{section}.{key}: {old!r} in the checkpoint, {new!r} now"))
+            differences += _changed(f"{section}.{key}", old, new)
     return differences
+
+
+def _changed(name: str, old: Any, new: Any) -> list[tuple[str, str]]:
+    """(name, line) for a field that differs; a sub-section (model.moe) field by field."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [change for key in sorted(set(old) | set(new))
+                for change in _changed(f"{name}.{key}", old.get(key), new.get(key))]
+    return [] if old == new else [(name, f"{name}: {old!r} in the checkpoint, {new!r} now")]
 
 
 def _defaults(section: str) -> dict[str, Any]:

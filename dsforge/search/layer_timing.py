@@ -153,7 +153,7 @@ def build_layers(resolved: Resolved, device: torch.device):
     from dsforge.runtime.startup import StartupClock
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    container, has_experts, _ = build_model(resolved, device=device, backend=backend,
+    container, has_experts, _, _ = build_model(resolved, device=device, backend=backend,
                                             timeout_s=600, startup=StartupClock())
     return container, has_experts
 

@@ -25,6 +25,7 @@ from dsforge.runtime.build.model import build_model_chunks
 from dsforge.runtime.build.moe_glue import deepspeed_sees_megatron_moe, register_experts
 from dsforge.runtime.startup import StartupClock
 from dsforge.translate.deepspeed_config import deepspeed_config
+from dsforge.translate.experts import ExpertsChoice, choose_experts
 from dsforge.translate.kernels import KernelChoice, choose_kernels, liger_installed
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         parallel_state_kwargs, transformer_config_kwargs)
@@ -38,6 +39,7 @@ class RankParts:
     chunks: list[nn.Module]
     engine: Any  # deepspeed.DeepSpeedEngine
     kernels: KernelChoice  # what the model's norms, SwiGLU and loss run on
+    experts: ExpertsChoice | None = None  # how MoE layers run their experts; None: dense
 
 
 def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
@@ -64,20 +66,22 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
     the engine are ready.
     """
     startup = startup or StartupClock()
-    container, has_experts, kernels = build_model(resolved, device=device, backend=backend,
-                                                  timeout_s=timeout_s, startup=startup)
+    container, has_experts, kernels, experts = build_model(
+        resolved, device=device, backend=backend, timeout_s=timeout_s, startup=startup)
     recipe = resolved.recipe
     ds_config = deepspeed_config(model=recipe.model, train=recipe.train, zero=recipe.zero,
                                  layout=resolved.layout, device=device.type)
     engine = initialize_deepspeed(container, ds_config, has_experts)
     startup.mark("engine")
-    return RankParts(chunks=list(container.chunks), engine=engine, kernels=kernels)
+    return RankParts(chunks=list(container.chunks), engine=engine, kernels=kernels,
+                     experts=experts)
 
 
 def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeout_s: float,
-                startup: StartupClock) -> tuple[ModelChunks, bool, KernelChoice]:
+                startup: StartupClock) -> tuple[ModelChunks, bool, KernelChoice, ExpertsChoice | None]:
     """Steps 1-5 of build_rank: (the chunks as one module, whether it has experts, the
-    kernels). `dsforge calibrate` times this model's forward under an engine of its own."""
+    kernels, how MoE layers run their experts). `dsforge calibrate` times this model's forward
+    under an engine of its own."""
     recipe, layout = resolved.recipe, resolved.layout
     megatron_fixes.apply()
     if device.type == "cpu":
@@ -93,8 +97,11 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
         model=recipe.model, train=recipe.train, layout=layout, device=device.type,
         kernels=kernels.impl))
     gpt_kwargs = gpt_model_kwargs(model=recipe.model, layout=layout)
+    experts = choose_experts(recipe.model, device=device.type,
+                             precision=recipe.train.precision, capability=_capability(device))
     chunks = build_model_chunks(config, gpt_kwargs, device, kernels=kernels.impl,
-                                sdpa_backend=recipe.model.sdpa_backend)
+                                sdpa_backend=recipe.model.sdpa_backend,
+                                experts=experts.impl if experts else "sequential")
     startup.mark("model")
     if recipe.model.init_from:
         init_from_hugging_face(chunks, folder=recipe.model.init_from, model=recipe.model,
@@ -104,7 +111,11 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
                               num_layers=recipe.model.num_layers)
     startup.mark("weights")
     container = ModelChunks(chunks)
-    return container, attach_gradient_hooks(container), kernels
+    return container, attach_gradient_hooks(container), kernels, experts
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 class MegatronMPU:

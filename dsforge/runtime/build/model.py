@@ -2,7 +2,8 @@
 
 One chunk per virtual pipeline stage (vpp of them; 1 without interleaving). The layer spec is
 Megatron-Core's local spec with dsforge's RMSNorm (sequence-parallel aware) and SDPA core
-attention; MoE layers come from the same spec when the recipe has `model.moe`. With
+attention; MoE layers come from the same spec when the recipe has `model.moe`, their experts
+Megatron's SequentialMLP or dsforge's grouped ones (grouped_moe.py, model.moe.experts). With
 `kernels="liger"` the norms, every MLP's SwiGLU (dense, and each expert's) and the loss are
 Liger Kernel's (runtime/build/kernels.py; the TransformerConfig has use_te_activation_func on,
 translate/megatron.py).
@@ -18,12 +19,17 @@ from dsforge.runtime.build.layers import RMSNorm, SDPAttention, UlyssesAttention
 
 
 def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: str = "auto",
-               cp: int = 1):
+               cp: int = 1, experts: str = "sequential", local_dispatch: bool = False):
+    """`experts`: "sequential" (Megatron's SequentialMLP) or "grouped" (grouped_moe.py);
+    `local_dispatch`: no token leaves the rank (ep 1, etp 1), so grouped experts take dsforge's
+    on-device token dispatch."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                     normalization="RMSNorm")
+    if num_experts and experts == "grouped":
+        _grouped_experts(spec.submodules.mlp, local_dispatch)
     spec.submodules.input_layernorm = norm_class(kernels)
     spec.submodules.pre_mlp_layernorm = norm_class(kernels)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
@@ -34,6 +40,14 @@ def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: st
         for mlp in _mlp_submodules(spec.submodules.mlp):
             mlp.activation_func = LigerSwiGLU
     return spec
+
+
+def _grouped_experts(moe_spec, local_dispatch: bool) -> None:
+    from dsforge.runtime.build.grouped_moe import DeviceDispatchMoELayer, GroupedExperts
+
+    moe_spec.submodules.experts.module = GroupedExperts
+    if local_dispatch:
+        moe_spec.module = DeviceDispatchMoELayer
 
 
 def _mlp_submodules(mlp_spec) -> list:
@@ -53,19 +67,23 @@ def norm_class(kernels: str) -> type:
     return RMSNorm
 
 
-def block_spec(config, vp_stage: int, pp_rank: int, kernels: str, sdpa_backend: str):
+def block_spec(config, vp_stage: int, pp_rank: int, kernels: str, sdpa_backend: str,
+               experts: str = "sequential"):
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    local_dispatch = config.expert_model_parallel_size == 1 and \
+        (config.expert_tensor_parallel_size or 1) == 1
     return TransformerBlockSubmodules(
         layer_specs=[layer_spec(config.num_moe_experts, kernels, sdpa_backend,
-                                config.context_parallel_size)] * layers,
+                                config.context_parallel_size, experts, local_dispatch)] * layers,
         layer_norm=norm_class(kernels))
 
 
 def build_model_chunks(config, gpt_kwargs: dict[str, Any], device: torch.device,
-                       kernels: str = "torch", sdpa_backend: str = "auto") -> list[torch.nn.Module]:
+                       kernels: str = "torch", sdpa_backend: str = "auto",
+                       experts: str = "sequential") -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
 
     model_class = _gpt_model_class(kernels)
@@ -75,7 +93,7 @@ def build_model_chunks(config, gpt_kwargs: dict[str, Any], device: torch.device,
     for vp_stage in range(vpp):
         chunk = model_class(
             config=config, transformer_layer_spec=block_spec(config, vp_stage, pp_rank, kernels,
-                                                              sdpa_backend),
+                                                              sdpa_backend, experts),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage, **gpt_kwargs)

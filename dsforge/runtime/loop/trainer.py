@@ -61,6 +61,7 @@ class Trainer:
         parts = build_rank(resolved, device=device, backend=backend, timeout_s=collective_timeout_s,
                            startup=self.startup)
         self.chunks, self.engine, self.kernels = parts.chunks, parts.engine, parts.kernels
+        self.experts = parts.experts
         # The step breakdown (runtime/loop/breakdown.py), in every run unless DSFORGE_BREAKDOWN=off;
         # None turns it off for the steps that follow (the overhead benchmark alternates).
         marks = breakdown.mode()
@@ -328,7 +329,8 @@ class Trainer:
 
         used = implementations(self.engine.optimizer, kernels=self.kernels.impl,
                                kernels_why=self.kernels.why,
-                               sdpa_backend=self.resolved.recipe.model.sdpa_backend)
+                               sdpa_backend=self.resolved.recipe.model.sdpa_backend,
+                               experts=self.experts)
         manifest = environment_manifest(self.device, asdict(self.resolved.layout), used)
         if self.resumed is not None:  # the checkpoint continued and the recipe's changes
             manifest["resumed"] = self.resumed
