@@ -45,6 +45,7 @@ def build_chunk(resolved):
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     from dsforge.runtime.build.model import build_model_chunks
+    from dsforge.translate.experts import choose_experts
     from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                             transformer_config_kwargs)
 
@@ -53,7 +54,9 @@ def build_chunk(resolved):
     config = build_transformer_config(transformer_config_kwargs(
         model=r.model, train=r.train, layout=resolved.layout, device="cpu"))
     gpt_kwargs = gpt_model_kwargs(model=r.model, layout=resolved.layout)
-    (chunk,) = build_model_chunks(config, gpt_kwargs, torch.device("cpu"))
+    experts = choose_experts(r.model, device="cpu", precision=r.train.precision, capability=None)
+    (chunk,) = build_model_chunks(config, gpt_kwargs, torch.device("cpu"),
+                                  experts=experts.impl if experts else "sequential")
     return chunk, gpt_kwargs["vocab_size"]
 
 

@@ -48,6 +48,17 @@ PAIRS = {
                        _layout("parallel.dp=2", "zero.stage=3"), DENSE),
     "moe_ep2_to_dp2": ("moe_ep2_zero1", _layout("parallel.dp=2", "parallel.ep=2", "zero.stage=1"),
                        _layout("parallel.dp=2", "parallel.ep=1", "zero.stage=2"), MOE),
+    # model.moe.experts may change on resume: the same parameters under the same names. Onto
+    # grouped experts on another layout (the layout-free state), and on the same layout
+    # (DeepSpeed's own checkpoint); the second's checkpoint is also exported to Mixtral below.
+    "moe_ep2_to_grouped_dp2": ("moe_ep2_zero1",
+                               _layout("parallel.dp=2", "parallel.ep=2", "zero.stage=1"),
+                               _layout("parallel.dp=2", "parallel.ep=1", "zero.stage=2",
+                                       "model.moe.experts=grouped"), MOE),
+    "moe_ep2_to_grouped_ep2": ("moe_ep2_zero1",
+                               _layout("parallel.dp=2", "parallel.ep=2", "zero.stage=1"),
+                               _layout("parallel.dp=2", "parallel.ep=2", "zero.stage=1",
+                                       "model.moe.experts=grouped"), MOE),
     # bf16: DeepSpeed's fp16/bf16 wrapper without ZeRO -> ZeRO-2 with tensor parallelism.
     "bf16_zero0_to_tp2_zero2": ("bf16_dp2_zero0",
                                 _layout("parallel.dp=2", "zero.stage=0", "train.precision=bf16"),
@@ -121,15 +132,17 @@ def test_resume_on_another_layout_continues_the_run(results, resumed):
         assert got[step]["lr"] == ref[step]["lr"], f"learning rate at {step}"
 
 
-def test_a_moe_checkpoint_written_by_tp2_x_pp2_exports_to_mixtral(worlds, tmp_path):
-    """dsforge export of the MoE tp2 x pp2 run's checkpoint: transformers' Mixtral gives the
-    logits of dsforge's own model loaded from the same checkpoint (tests/hf_check.py)."""
+@pytest.mark.parametrize("run, step", [("world4/moe_tp2_pp2", 3), ("world2/moe_ep2_to_grouped_ep2", 5)])
+def test_a_moe_checkpoint_exports_to_mixtral(worlds, tmp_path, run, step):
+    """dsforge export of the MoE tp2 x pp2 run's checkpoint, and of one written by grouped
+    experts: transformers' Mixtral gives the logits of dsforge's own model (with the
+    checkpoint's recipe, so grouped experts for the second) loaded from the same checkpoint
+    (tests/hf_check.py)."""
     pytest.importorskip("transformers")
     from dsforge.hf.export import export
     from tests.hf_check import TOLERANCE, transformers_logits
 
-    run = worlds[0] / "world4" / "moe_tp2_pp2"
-    checkpoint = run / "checkpoints" / "step00000003"
+    checkpoint = worlds[0] / run / "checkpoints" / f"step{step:08d}"
     own = subprocess.Popen([sys.executable, "-m", "tests.hf_check", str(checkpoint),
                             str(tmp_path / "own.pt")], cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
@@ -142,7 +155,7 @@ def test_a_moe_checkpoint_written_by_tp2_x_pp2_exports_to_mixtral(worlds, tmp_pa
             own.kill()
             own.wait()
     assert own.returncode == 0, stderr[-3000:]
-    assert exported.architecture.lower().startswith("mixtral") and exported.step == 3
+    assert exported.architecture.lower().startswith("mixtral") and exported.step == step
     assert model.config.num_local_experts == 4 and model.config.num_experts_per_tok == 2
     own_logits = torch.load(tmp_path / "own.pt", weights_only=True)["logits"][..., :512]
     assert (hf_logits - own_logits).abs().max().item() <= TOLERANCE

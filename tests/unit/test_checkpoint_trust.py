@@ -23,14 +23,14 @@ FILES = {"mp_rank_00_model_states.pt": 100, "zero_pp_rank_0_mp_rank_00_optim_sta
 
 
 def _checkpoint(run_dir: Path, step: int = 3, files: dict[str, int] | None = FILES,
-                world_size: int = 2) -> Path:
+                world_size: int = 2, recipe: dict = RECIPE) -> Path:
     """A run directory whose checkpoint `step` looks like dsforge saved it (2 ranks)."""
     root = run_dir / "checkpoints"
     tag = f"step{step:08d}"
     (root / tag).mkdir(parents=True)
     for name, size in (files or FILES).items():
         (root / tag / name).write_bytes(b"x" * size)
-    record = {"step": step, "tag": tag, "world_size": world_size, "recipe": RECIPE}
+    record = {"step": step, "tag": tag, "world_size": world_size, "recipe": recipe}
     if files is not None:
         record["files"] = files
     (root / tag / "dsforge_complete.json").write_text(json.dumps(record))
@@ -76,6 +76,20 @@ def test_a_finished_run_continues_with_a_larger_total(tmp_path):
     assert check_resumable(tmp_path, held, 2)["changes"] == [
         "train.lr_decay_steps: None in the checkpoint, 6 now",
         "train.steps: 6 in the checkpoint, 12 now"]
+
+
+def test_the_experts_implementation_may_change_on_resume_field_by_field(tmp_path):
+    """model.moe is compared field by field: its experts may change (the same parameters under
+    the same names), its number of experts may not."""
+    moe = {"num_experts": 4, "top_k": 2, "experts": "sequential"}
+    saved = {**RECIPE, "model": {**RECIPE["model"], "moe": moe}}
+    _checkpoint(tmp_path, recipe=saved)
+    grouped = {**saved, "model": {**saved["model"], "moe": {**moe, "experts": "grouped"}}}
+    assert check_resumable(tmp_path, grouped, 2)["changes"] == [
+        "model.moe.experts: 'sequential' in the checkpoint, 'grouped' now"]
+    more = {**saved, "model": {**saved["model"], "moe": {**moe, "num_experts": 8}}}
+    with pytest.raises(CheckpointError, match="model.moe.num_experts: 4 in the checkpoint, 8 now"):
+        check_resumable(tmp_path, more, 2)
 
 
 def test_a_refused_change_lists_what_may_change(tmp_path):

@@ -244,3 +244,25 @@ def test_the_guard_relies_on_these_internals():
     assert list(query.parameters) == ["self", "idx"]
     blended = inspect.getsource(BlendedDataset.__getitem__)
     assert "self.dataset_index[idx]" in blended and "self.dataset_sample_index[idx]" in blended
+
+
+def test_grouped_experts_rely_on_these_internals():
+    """runtime/build/grouped_moe.py: MoELayer's forward goes route -> preprocess -> dispatch ->
+    routed_experts_compute -> combine -> postprocess (dsforge's on-device dispatch overrides the
+    four after route); the experts are called with (tokens sorted by expert, the count per
+    expert, their probabilities) and keep their weights in local_experts[i].linear_fc1/fc2."""
+    import inspect
+
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    forward = inspect.getsource(MoELayer.forward)
+    calls = ["self.route(", "self.preprocess(", "self.dispatch(", "self.routed_experts_compute(",
+             "self.combine(", "self.postprocess("]
+    positions = [forward.index(call) for call in calls]
+    assert positions == sorted(positions)
+    compute = inspect.getsource(MoELayer.routed_experts_compute)
+    assert "self.experts(dispatched_input, tokens_per_expert, permuted_probs)" in compute
+    assert list(inspect.signature(SequentialMLP.forward).parameters) == [
+        "self", "permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"]
+    assert "self.local_experts = torch.nn.ModuleList()" in inspect.getsource(SequentialMLP.__init__)
