@@ -86,6 +86,10 @@ STEP_7B_SELECTIVE = Estimate(2.92, f"{KIT2}: 7B ZeRO-0 selective mb 1 at 8 seque
 STEP_3B = Estimate(6.07, f"{KIT4}: the 3B as now shipped (none mb 2, 32 sequences), by hand")
 STEP_3B_GB8 = Estimate(1.96, f"{KIT4}: the 3B at 8 sequences, 1.58-1.96 s")
 STEP_MOE = Estimate(1.82, f"{KIT3}: the MoE at 8 layers (1.48 s in KIT2)")
+# Issue 38's prediction, written before any grouped run on a GPU: the expert loop was 56-58%
+# of the sequential step and the whole step ran at ~9% of peak, host-bound; grouped GEMMs at
+# the dense path's ~70% of peak and no host sync bring the step to ~0.55 s (35% MFU asks 0.47 s).
+STEP_MOE_GROUPED = Estimate(0.55, "guess: issue 38's prediction for grouped experts")
 FUSED_ADAM_JIT_S = 60  # measured 2026-11-26: DeepSpeed's FusedAdam JIT build on the H200
 
 
@@ -160,6 +164,13 @@ SEVEN_B = "recipes/7b_1gpu.yaml"
 ONE_B = f"{KIT_DIR}/recipes/1b_1gpu.yaml"
 THREE_B = f"{KIT_DIR}/recipes/3b_1gpu.yaml"
 MOE = "recipes/moe_1gpu.yaml"
+# Real text for the MoE comparison: The Tempest in bytes (data/tempest, 257 ids; the path is
+# relative to recipes/), so the loss
+# falls; the vocabulary is the only change to the 8-layer moe-4b shape.
+MOE_ON_TEXT = ("model.num_layers=8", "data.source=../data/tempest", "model.vocab_size=257",
+               "data.split=90,5,5")
+# Twelve steps, ten measured: a GPU figure counts with >= 10 measured steps.
+TEN_MEASURED = ("train.steps=12", "train.timing_warmup=2")
 
 
 def _run(label: str, recipe: str, *overrides: str, start: Estimate, step: Estimate,
@@ -180,9 +191,12 @@ _AC_X_MB = tuple((ac, mb) for ac in ("none", "selective", "full") for mb in (1, 
 
 MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
     Measurement(name="gpu-tests", script="gpu-tests", timeout_s=300,
-                estimate=Estimate(65, f"{KIT4}: three tiny dsforge runs at once (54 s in KIT3)"),
+                estimate=Estimate(75, f"guess: 65 s {KIT4[len('measured '):]} for three tiny "
+                                      "dsforge runs at once (54 s in KIT3), and 10 s for the two "
+                                      "tiny MoE runs and the MoE layer's host-sync check since"),
                 about="pytest tests/gpu: the smoke recipe in bf16 through NCCL, nothing built at "
-                      "run time, bf16 against fp32, Liger's kernels against torch's over 30 steps"),
+                      "run time, bf16 against fp32, Liger's kernels against torch's over 30 steps, "
+                      "grouped experts against sequential ones, no host sync in an ep-1 MoE layer"),
     # The headline: on an H200 the 7B as shipped (ZeRO-0 without checkpointing at mb 1 and 32
     # sequences, the fastest measured: 55.2% MFU) and the planner's first layout for it, ZeRO-3
     # without checkpointing at mb 1 (118.9 GiB; ZeRO-3's per-module gathers cost the 1B 63% on
@@ -213,6 +227,15 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
     Measurement(name="moe", about="recipes/moe_1gpu.yaml (top-2 of 8 experts, every layer MoE) at "
                                   "8 layers on one GPU: tokens/s, MFU on active parameters",
                 runs=(_run("moe-8l", MOE, "model.num_layers=8", start=START_MOE, step=STEP_MOE),)),
+    # Issue 38: the same MoE shape with Megatron's sequential experts and dsforge's grouped ones
+    # (torch's grouped GEMM, no host sync at ep 1), one after the other in one command.
+    Measurement(name="moe-experts", about="recipes/moe_1gpu.yaml at 8 layers on The Tempest, "
+                                          "experts sequential then grouped, 10 measured steps "
+                                          "each: tokens/s, MFU, the breakdown's experts phase",
+                runs=tuple(_run(f"moe-8l-{impl}", MOE, *MOE_ON_TEXT, *TEN_MEASURED,
+                                f"model.moe.experts={impl}", start=START_MOE, step=step)
+                           for impl, step in (("sequential", STEP_MOE),
+                                              ("grouped", STEP_MOE_GROUPED)))),
     Measurement(name="gemm", script="gemm", timeout_s=180,
                 estimate=Estimate(10, f"{KIT}: 7 s, the GEMMs and four SDPA backends"),
                 about="bf16 GEMM throughput at the 1B/3B/7B shapes against the planner's "
@@ -290,6 +313,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "levers": ("gemm", "kernels-1b", "adam-step", "7b-levers", "breakdown-cost"),
     "sweeps": ("mfu-1b", "mfu-3b"),
     "profiles": ("calibrate", "loop"),
+    "experts": ("moe-experts",),
 }
 
 

@@ -14,6 +14,9 @@ runs here is the kernels' or the precision's, not the training's chaos.
            (Liger's kernels where liger-kernel is installed, torch's fused AdamW)
   torch    bf16, model.kernels torch: the plain path
   fp32     fp32, model.kernels torch: the plain path in full precision
+  moe_sequential, moe_grouped
+           recipes/tiny_moe.yaml on the same text at ep 1 in bf16, its experts Megatron's
+           SequentialMLP or dsforge's grouped ones (model.moe.experts)
 
 Each run gets its own empty TORCH_EXTENSIONS_DIR, so a DeepSpeed op built at run time would
 show there. The GPU kit (benchmarks/gpu/kit_results.py) reads the runs' metrics from
@@ -36,10 +39,15 @@ from tests.conftest import REPO
 
 STEPS = 30
 LR = 3e-4
-RUNS = {
-    "default": ("train.precision=bf16",),
-    "torch": ("train.precision=bf16", "model.kernels=torch"),
-    "fp32": ("train.precision=fp32", "model.kernels=torch"),
+SMOKE, TINY_MOE = REPO / "recipes" / "smoke.yaml", REPO / "recipes" / "tiny_moe.yaml"
+MOE_ON_TEXT = ("train.precision=bf16", "parallel.ep=1", f"data.source={REPO / 'data' / 'tempest'}",
+               "model.vocab_size=257", "data.split=90,5,5")
+RUNS = {  # name -> (recipe, --set overrides)
+    "default": (SMOKE, ("train.precision=bf16",)),
+    "torch": (SMOKE, ("train.precision=bf16", "model.kernels=torch")),
+    "fp32": (SMOKE, ("train.precision=fp32", "model.kernels=torch")),
+    "moe_sequential": (TINY_MOE, (*MOE_ON_TEXT, "model.moe.experts=sequential")),
+    "moe_grouped": (TINY_MOE, (*MOE_ON_TEXT, "model.moe.experts=grouped")),
 }
 RUNS_FOLDER = "gpu-runs"  # under pytest's base folder; the kit's table reads it
 RUN_TIMEOUT_S = 600
@@ -61,10 +69,10 @@ class GpuRun:
 
 
 def _command(name: str, run_dir: Path) -> list[str]:
-    sets = [word for item in (*RUNS[name], "parallel.dp=1", f"train.steps={STEPS}",
+    recipe, overrides = RUNS[name]
+    sets = [word for item in (*overrides, "parallel.dp=1", f"train.steps={STEPS}",
                               f"train.lr={LR}") for word in ("--set", item)]
-    return [sys.executable, "-m", "dsforge", "run", str(REPO / "recipes" / "smoke.yaml"), *sets,
-            "--run-dir", str(run_dir)]
+    return [sys.executable, "-m", "dsforge", "run", str(recipe), *sets, "--run-dir", str(run_dir)]
 
 
 def _start(name: str, folder: Path) -> tuple[subprocess.Popen, GpuRun]:
