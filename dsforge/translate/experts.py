@@ -45,8 +45,8 @@ def choose_experts(model: ModelConfig, *, device: str, precision: str,
         return ExpertsChoice("sequential", f"auto: torch's fast grouped GEMM takes bf16, not "
                                            f"{precision}")
     if capability is None:
-        return ExpertsChoice("grouped", "auto: bf16 on GPUs (sm90 and newer run it fast; "
-                                        "older ones decide when the ranks start)")
+        return ExpertsChoice("grouped", "auto: bf16 on GPUs; ranks on a GPU older than sm90 "
+                                        "take sequential when they start")
     if tuple(capability) < FAST_CAPABILITY:
         return ExpertsChoice("sequential", f"auto: sm{capability[0]}{capability[1]} has no fast "
                                            "grouped GEMM kernel (sm90 and newer do)")

@@ -70,7 +70,7 @@ def _model(experts="auto", bias=False, moe=True):
     (_model(), "cuda", "bf16", (8, 0), "sequential", "sm80 has no fast grouped GEMM kernel"),
     (_model(), "cuda", "bf16", (9, 0), "grouped", "bf16 on sm90"),
     (_model(), "cuda", "bf16", (10, 0), "grouped", "bf16 on sm100"),
-    (_model(), "cuda", "bf16", None, "grouped", "decide when the ranks start"),
+    (_model(), "cuda", "bf16", None, "grouped", "take sequential when they start"),
     (_model(bias=True), "cuda", "bf16", (9, 0), "sequential", "no biases"),
 ])
 def test_auto_picks_grouped_where_torch_has_its_fast_kernel(model, device, precision, capability,

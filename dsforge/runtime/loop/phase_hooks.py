@@ -8,7 +8,7 @@ the breakdown meet the engines untouched:
 | dp_comm | `engine.allreduce_gradients` (ZeRO 0/1: the data-parallel reduction at the step's boundary; ZeRO 2/3: the last bucket after each backward); ZeRO-1/2's `reduce_ipg_grads` (each bucket reduced during the backward) and its `optimizer_allgather` timer (the updated parameters gathered after the optimizer step); ZeRO-3's bucket reduce-scatter, and with DSFORGE_BREAKDOWN=gathers its `fetch_sub_module` for each module holding parameters (gathered before its forward and backward) |
 | forward, backward, pipeline_wait | Megatron-Core's schedule timers (`config.timers`, timers.py): with pp > 1 |
 | recompute | the forward that Megatron's `CheckpointFunction.backward` runs again (activation checkpointing) |
-| experts | MoE layers' expert MLPs (Megatron's SequentialMLP): each forward (module hooks), and its backward, from the gradient reaching its output to the gradient of its input (tensor hooks), in forward, recompute and backward alike |
+| experts | MoE layers' expert MLPs (Megatron's SequentialMLP, or dsforge's grouped experts, its subclass): each forward (module hooks), and its backward, from the gradient reaching its output to the gradient of its input (tensor hooks), in forward, recompute and backward alike |
 
 Wrappers are instance attributes over DeepSpeed's methods (a method calls them through `self`),
 so they reach exactly this engine. CheckpointFunction.backward is a class attribute: it is
