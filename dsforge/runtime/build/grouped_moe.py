@@ -33,7 +33,8 @@ ALIGN_ROWS = 16
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """torch's grouped GEMM: public from torch 2.10, private before."""
+    """torch's grouped GEMM: F.grouped_mm where torch has the public name (2.13 here), else
+    the private op it wraps."""
     function = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
     return function(a, b, offs=offs)
 
@@ -61,9 +62,10 @@ def aligned_rows(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.T
     """For `rows` rows sorted by group, `counts[g]` of group g: where each row goes in a buffer
     whose groups start at multiples of ALIGN_ROWS, the buffer's group offsets (int32, as the
     kernel takes them; the last group also takes the spare rows at the end, all zero) and the
-    buffer's size (rows + groups x (ALIGN_ROWS - 1): known on the host without the counts)."""
+    buffer's size (rows + groups x (ALIGN_ROWS - 1), rounded up to ALIGN_ROWS: known on the
+    host without the counts, and every offset aligned)."""
     groups = counts.numel()
-    size = rows + groups * (ALIGN_ROWS - 1)
+    size = -(-(rows + groups * (ALIGN_ROWS - 1)) // ALIGN_ROWS) * ALIGN_ROWS
     padded = (counts + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS
     padded_ends, ends = torch.cumsum(padded, 0), torch.cumsum(counts, 0)
     group_of_row = torch.repeat_interleave(torch.arange(groups, device=counts.device), counts,
