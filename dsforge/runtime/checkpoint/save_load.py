@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch
 from dsforge.ckpt.format import COMPLETE, LATEST, experts_file, rng_file
 from dsforge.ckpt.reader import StateError, open_state
 from dsforge.ckpt.trust import (CheckpointError, check_complete, check_safe_to_load, layout_changes,
-                                listing, read_marker, tag_for)
+                                listing, read_marker, schedule_change, tag_for)
 from dsforge.files import write_atomic
 from dsforge.runtime.checkpoint.layout_free import load_state, write_state
 
@@ -79,6 +80,23 @@ def load(engine, root: Path, tag: str, rank: int, *, recipe: dict[str, Any] | No
     _set_rng_state(rng)
     _restore_expert_weights(engine.module, root / tag / experts_file(rank))
     return int(client["dsforge_step"])
+
+
+def continue_schedule(engine, train, saved_train: dict[str, Any]) -> str | None:
+    """After a resume whose schedule spans another number of steps (ckpt/trust.schedule_change;
+    `train` the recipe's TrainConfig, `saved_train` the checkpoint's train section): the next
+    step's rate set from the new schedule (the optimizer's state brought back the old one's; the
+    scheduler's state is only its step), and a line saying both rates; None when unchanged."""
+    if schedule_change(saved_train, asdict(train)) is None:
+        return None
+    scheduler = engine.lr_scheduler
+    before = engine.get_lr()[0]
+    scheduler.step(scheduler.last_batch_iteration)  # the same step: sets the rate, advances nothing
+    old = replace(train, steps=saved_train["steps"],
+                  lr_decay_steps=saved_train.get("lr_decay_steps"))
+    return (f"dsforge: the learning-rate schedule now spans {train.schedule_steps} steps (it "
+            f"spanned {old.schedule_steps}): the next step trains at lr "
+            f"{engine.get_lr()[0]:.3e}, {before:.3e} under the checkpoint's schedule")
 
 
 def _load_on_new_layout(engine, root: Path, tag: str, record: dict[str, Any],

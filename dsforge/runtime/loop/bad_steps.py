@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dsforge.ckpt.retention import complete_checkpoints
 from dsforge.ckpt.trust import CheckpointError, latest_complete
+from dsforge.job import failure
 from dsforge.job.run_dir import RunDir
 from dsforge.runtime.guard.health import BadStep
 
@@ -83,6 +84,16 @@ def data_text(data: dict) -> str:
                 if len(numbers) > _SHOWN_NUMBERS else ""
             parts.append(f"{kind} of {name}: {shown}{more}")
     return "; ".join(parts)
+
+
+def report_halt(halted: Halted, *, run_dir: Path, skipped_updates: int, fp16: bool,
+                say) -> None:
+    """Rank 0's report, said and kept as the failure record of kind "nonfinite"."""
+    lines = report_lines(halted, run_dir=run_dir, skipped_updates=skipped_updates, fp16=fp16)
+    for text in lines:
+        say(text)
+    failure.write(run_dir, failure.Failure(rank=0, step=halted.step, kind="nonfinite",
+                                           message=halted.what, detail="\n".join(lines)))
 
 
 def report_lines(halted: Halted, *, run_dir: Path, skipped_updates: int,

@@ -13,11 +13,10 @@ from typing import Callable
 
 import torch
 
-from dsforge.ckpt.trust import CheckpointError, latest_complete, resumed_changes, schedule_change
+from dsforge.ckpt.trust import CheckpointError, latest_complete, resumed_changes
 from dsforge.estimate.flops import flops_per_token
 from dsforge.files import write_atomic
 from dsforge.hardware import gpu_for_device_name
-from dsforge.job import failure
 from dsforge.job.console import RankConsole
 from dsforge.job.metrics_file import median_breakdown
 from dsforge.job.run_dir import RunDir
@@ -106,28 +105,11 @@ class Trainer:
                                say=self.console.say if rank == 0 else None)
         self.resumed = {"after_step": step, "checkpoint": record["tag"],
                         "changes": resumed_changes(record["recipe"], recipe)}
-        self._continue_schedule(record["recipe"].get("train") or {}, say=rank == 0)
+        line = checkpoint.continue_schedule(self.engine, self.resolved.recipe.train,
+                                            record["recipe"].get("train") or {})
+        if line and rank == 0:
+            self.console.say(line)
         return step
-
-    def _continue_schedule(self, saved_train: dict, say: bool) -> None:
-        """When a continued run's schedule spans another number of steps
-        (ckpt/trust.schedule_change): the next step's rate from the new schedule (the optimizer
-        state brought back the old schedule's; the scheduler's state is only its step), and rank
-        0 says both."""
-        train = self.resolved.recipe.train
-        if schedule_change(saved_train, asdict(train)) is None:
-            return
-        scheduler = self.engine.lr_scheduler
-        iteration = scheduler.last_batch_iteration
-        before = self.engine.get_lr()[0]
-        scheduler.step(iteration)  # the same step: sets the optimizer's rate, advances nothing
-        if say:
-            old = replace(train, steps=saved_train["steps"],
-                          lr_decay_steps=saved_train.get("lr_decay_steps"))
-            self.console.say(f"dsforge: the learning-rate schedule now spans "
-                             f"{train.schedule_steps} steps (it spanned {old.schedule_steps}): "
-                             f"the next step trains at lr {self.engine.get_lr()[0]:.3e}, "
-                             f"{before:.3e} under the checkpoint's schedule")
 
     def save_checkpoint(self, steps_done: int, fault=None) -> bool:
         """The checkpoint of `steps_done` steps; whether it was written. Not right after a bad
@@ -342,7 +324,10 @@ class Trainer:
         that to `dsforge run`, which says why and how to go on)."""
         self._write_rank_summary()
         if self.halted is not None and torch.distributed.get_rank() == 0:
-            self._report_halt()
+            bad_steps.report_halt(self.halted, run_dir=self.run_dir,
+                                  skipped_updates=self.engine.skipped_steps,
+                                  fp16=self.resolved.recipe.train.precision == "fp16",
+                                  say=self.console.say)
         if not self.reporter:
             return
         self.console.close()
@@ -353,17 +338,6 @@ class Trainer:
         self.console.say(format_summary(summary))
         if summary["median_breakdown_s"] is not None:
             self.console.say(format_breakdown(summary))
-
-    def _report_halt(self) -> None:
-        """Rank 0's report of a run the guard stopped, said and kept as a failure record."""
-        lines = bad_steps.report_lines(self.halted, run_dir=self.run_dir,
-                                       skipped_updates=self.engine.skipped_steps,
-                                       fp16=self.resolved.recipe.train.precision == "fp16")
-        for line in lines:
-            self.console.say(line)
-        failure.write(self.run_dir, failure.Failure(
-            rank=0, step=self.halted.step, kind="nonfinite", message=self.halted.what,
-            detail="\n".join(lines)))
 
     def _write_summary(self) -> dict:
         """RUN_DIR/summary.json: the run's medians (metrics.py) and its start-up."""
