@@ -44,6 +44,7 @@ import torch
 
 from dsforge.schema import TrainConfig
 
+
 @dataclass(frozen=True)
 class StepView:
     """One step as every rank sees it after the all-reduce."""
