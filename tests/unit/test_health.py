@@ -90,7 +90,8 @@ def test_the_loss_shares_and_what_every_rank_reads_from_them():
     stage = health.loss_share(None, adds_loss=False, device=device)
     seen = health.view(first + second + tp_peer + stage, replicas=2,  # the all-reduce's SUM
                        grad_norm=torch.tensor(0.4), applied=True)
-    assert seen == health.StepView(loss=2.0, bad_loss=False, bad_norm=False, skipped=False)
+    assert seen == health.StepView(loss=2.0, bad_loss=False, bad_norm=False, skipped=False,
+                                   grad_norm=pytest.approx(0.4))
     bad = health.loss_share(torch.tensor(math.inf), adds_loss=True, device=device)
     seen = health.view(first + bad, replicas=2, grad_norm=math.inf, applied=False)
     assert seen.bad_loss and seen.bad_norm and seen.skipped and math.isinf(seen.loss)

@@ -53,6 +53,7 @@ class StepView:
     bad_loss: bool  # that mean is not finite: some replica's loss was not
     bad_norm: bool  # the global gradient norm was not finite (DeepSpeed's overflow sentinel: inf)
     skipped: bool  # DeepSpeed did not apply the update
+    grad_norm: float | None = None  # DeepSpeed's global gradient norm (None: not computed)
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,10 @@ def view(reduced: torch.Tensor, *, replicas: int, grad_norm, applied: bool) -> S
     over the `replicas` that added to it, DeepSpeed's global gradient norm (a tensor, a float
     or None) and was_step_applied()."""
     loss = reduced.item() / replicas
-    bad_norm = grad_norm is not None and not math.isfinite(float(grad_norm))
-    return StepView(loss=loss, bad_loss=not math.isfinite(loss), bad_norm=bad_norm,
-                    skipped=not applied)
+    norm = None if grad_norm is None else float(grad_norm)
+    return StepView(loss=loss, bad_loss=not math.isfinite(loss),
+                    bad_norm=norm is not None and not math.isfinite(norm), skipped=not applied,
+                    grad_norm=norm)
 
 
 def ranks_where(flag: bool, device: torch.device) -> list[int]:

@@ -36,9 +36,6 @@ class Halted:
     data: dict | None = None  # step_data of the step (rank 0's)
     in_a_row: int = 1  # non-finite: the bad steps in a row that ended with this one
 
-    def describe(self) -> str:
-        return f"stopped at step {self.step}: {self.what}"
-
 
 def record(bad: BadStep, ranks: list[int], data: dict) -> dict:
     """The step's line in anomalies.jsonl."""

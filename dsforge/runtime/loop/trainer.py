@@ -225,9 +225,8 @@ class Trainer:
             if bad.action != "stop":
                 self.console.say(bad_steps.line(bad, ranks, data, self.guard.max_in_a_row))
         if bad.action == "stop":
-            kind = "spike" if bad.kind == "spike" else "nonfinite"
-            self.halted = Halted(step=bad.step, what=bad.what, kind=kind, ranks=ranks, data=data,
-                                 in_a_row=bad.in_a_row)
+            self.halted = Halted(step=bad.step, what=bad.what, kind=bad.kind, ranks=ranks,
+                                 data=data, in_a_row=bad.in_a_row)
 
     def _warn_breakdown(self, problem: str) -> None:
         """Once per run: what went wrong measuring a step (a measurement bug, not training's):
@@ -282,10 +281,9 @@ class Trainer:
                 ended_at: float, data_time: float, phases: dict[str, float] | None) -> None:
         recipe, layout = self.resolved.recipe, self.resolved.layout
         # A skipped update's norm is DeepSpeed's overflow sentinel (inf), not a measurement.
-        grad_norm = None if seen.skipped else self.engine.get_global_grad_norm()
         record = make_record(
             step=step, warmup=step < self._first_timed_step(), loss=seen.loss,
-            grad_norm=grad_norm, lr=lr, skipped=seen.skipped,
+            grad_norm=None if seen.skipped else seen.grad_norm, lr=lr, skipped=seen.skipped,
             step_time_s=elapsed, tokens_per_step=layout.global_batch * recipe.train.seq_len,
             world_size=layout.world_size, flops_per_token=self.flops.model,
             hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
