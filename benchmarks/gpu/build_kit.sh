@@ -6,7 +6,10 @@
 #   - every other pin of benchmarks/gpu/requirements.txt, downloaded for CPython 3.12 on
 #     x86-64 Linux (glibc 2.28 or older),
 #   - dsforge's own wheel (pip resolves its install_requires against the folder there).
-# Then checks the folder (kit.py --check-wheels) and prints the sizes and the total.
+# and the real-token corpus every kit run trains on (corpus.py: the Python standard library's
+# sources, a 32,000-token BPE trained here with `tokenizers`, `dsforge data prepare`) into
+# benchmarks/gpu/wheels/corpus/. Then checks the folder (kit.py --check-wheels) and prints the
+# sizes and the total.
 # usage: bash benchmarks/gpu/build_kit.sh      (PYTHON=... to choose the interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,4 +41,7 @@ git ls-files -z -co --exclude-standard | xargs -0 cp --parents -t "$TMP/src" 2>/
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl  # one version of each: only this build's wheels stay (cache/ is kept)
 mv "$TMP"/*.whl "$DEST"/
+
+echo "build_kit: the corpus (benchmarks/gpu/corpus.py; needs tokenizers: pip install -e '.[data]')"
+"$PY" "$KIT/corpus.py" --dest "$DEST/corpus"
 "$PY" "$KIT/kit.py" --check-wheels

@@ -46,6 +46,7 @@ for _path in (str(KIT), str(REPO)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import corpus as kit_corpus
 import kit_fake
 import kit_plan
 import kit_results
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kit.py: {exc}", file=sys.stderr)
         return 2
+    kit_plan.use_corpus(args.wheels / "corpus" / kit_corpus.NAME)
     if args.dry_run:
         return dry_run(measurements, args)
     return execute(measurements, args)
@@ -128,9 +130,10 @@ def wheel_check(folder: Path, with_tree: bool = True) -> tuple[list[str], list[s
         problems += kit_wheels.requirement_problems(folder)
     resolver = _resolver_lines(folder, problems) if report.state == "complete" else []
     tree = kit_wheels.tree_bytes() if with_tree else None
-    if tree is not None and tree + report.bytes > kit_wheels.TREE_LIMIT_BYTES:
-        problems.append("the working tree and the wheels exceed the device tool's 64 MiB")
-    lines = kit_wheels.wheel_lines(report, pins, tree) + resolver
+    carried = kit_wheels.folder_bytes(folder)
+    if tree is not None and tree + carried > kit_wheels.TREE_LIMIT_BYTES:
+        problems.append("the working tree and the carried folder exceed the device tool's 64 MiB")
+    lines = kit_wheels.wheel_lines(report, pins, tree, carried) + resolver
     lines.append("pins: " + ("match setup.cfg (install_requires and the gpu extra)"
                              if not pin_found else "DO NOT match setup.cfg"))
     lines += [f"  problem: {p}" for p in problems]
@@ -201,27 +204,36 @@ def _run_verdict(spec: kit_plan.RunSpec, gpu: str) -> tuple[str, str | None]:
 
 
 def study_check() -> tuple[list[str], list[str]]:
+    lines, problems = ["studies (as dsforge bench checks them, on the kit's corpus; memory by "
+                       "dsforge's model):"], []
+    with tempfile.TemporaryDirectory(prefix="dsforge-kit-studies-") as folder:
+        for spec in (s for m in MEASUREMENTS.values() for s in m.studies):
+            study_lines, study_problems = _study_verdict(spec, Path(folder))
+            lines += study_lines
+            problems += study_problems
+    return lines, problems
+
+
+def _study_verdict(spec: kit_plan.StudySpec, folder: Path) -> tuple[list[str], list[str]]:
+    """The study as the kit runs it (kit_plan.write_study): valid, and each cell fitting."""
     from dsforge.bench.study import check_study, expand, load_study, study_identity
     from dsforge.problems import RecipeError
     from dsforge.recipe import resolve_file
 
-    lines, problems = ["studies (as dsforge bench checks them; memory by dsforge's model):"], []
-    for m in MEASUREMENTS.values():
-        for spec in m.studies:
-            try:
-                study, recipe = load_study(REPO / spec.study)
-                found = check_study(study, recipe)
-                cells = expand(study, base=study_identity(study, recipe)) if not found else []
-            except RecipeError as exc:
-                found, cells = list(exc.problems), []
-            problems += [f"{spec.study}: {p}" for p in found]
-            for cell in cells:
-                resolved = resolve_file(recipe, cell.overrides, world_size=study.world_size)
-                total = kit_plan.prediction(resolved)["memory_bytes"]["total"]
-                fits = {g: kit_plan.fit_note(resolved, g) is None for g in PLANNED_GPUS}
-                problems += [f"{spec.study} {cell.axes} does not fit {g}" for g, ok in fits.items() if not ok]
-                lines.append(f"  {spec.label} {cell.axes}: {total / GiB:.1f} GiB, fits "
-                             + ", ".join(g for g, ok in fits.items() if ok))
+    try:
+        study, recipe = load_study(kit_plan.write_study(spec, folder))
+        found = check_study(study, recipe)
+        cells = expand(study, base=study_identity(study, recipe)) if not found else []
+    except RecipeError as exc:
+        found, cells = list(exc.problems), []
+    lines, problems = [], [f"{spec.study}: {p}" for p in found]
+    for cell in cells:
+        resolved = resolve_file(recipe, cell.overrides, world_size=study.world_size)
+        total = kit_plan.prediction(resolved)["memory_bytes"]["total"]
+        fits = {g: kit_plan.fit_note(resolved, g) is None for g in PLANNED_GPUS}
+        problems += [f"{spec.study} {cell.axes} does not fit {g}" for g, ok in fits.items() if not ok]
+        lines.append(f"  {spec.label} {cell.axes}: {total / GiB:.1f} GiB, fits "
+                     + ", ".join(g for g, ok in fits.items() if ok))
     return lines, problems
 
 
@@ -286,12 +298,33 @@ def fake_table(steps: list[Step], gpu: str, selected: list[str]) -> str:
         return kit_results.render(kit_results.collect(steps, records, work, gpu), fake=True)
 
 
+def corpus_check(selected: list[str]) -> tuple[list[str], Path | None]:
+    """What the built corpus holds against what the largest run reads; where it is not built,
+    a small stand-in (UTF-8 bytes, made once per process) that the recipes are checked on
+    instead, returned."""
+    prefix = kit_plan.corpus()
+    if not kit_corpus.built(prefix):
+        stand_in = kit_corpus.stand_in()
+        return [f"corpus: not built at {prefix} (bash benchmarks/gpu/build_kit.sh builds it); "
+                f"the runs are checked on a {kit_corpus.STAND_IN_BYTES // 1024} KiB stand-in"], stand_in
+    about = kit_corpus.about(prefix)
+    most = max(kit_plan.tokens_read(spec) for m in kit_plan.select(selected) for spec in m.runs) \
+        if any(m.runs for m in kit_plan.select(selected)) else 0
+    line = (f"corpus: {about['tokens'] / 1e6:.2f}M tokens ({about['source']}, vocabulary "
+            f"{about['vocab_size']:,}); the largest run reads {most / 1e6:.2f}M")
+    return [line + ("" if most <= about["tokens"] else " (it wraps around: more text needed)")], None
+
+
 def dry_run(measurements: list[kit_plan.Measurement], args: argparse.Namespace) -> int:
     gpu = args.gpu or "h100"
     names = [m.name for m in measurements]
     print(f"dsforge GPU kit: dry run for {gpu} ({' '.join(names)}); no GPU is used and nothing "
           "is measured")
     problems = []
+    corpus_lines, stand_in = corpus_check(names)
+    print("\n".join(corpus_lines))
+    if stand_in is not None:
+        kit_plan.use_corpus(stand_in)
     checks = [lambda: wheel_check(args.wheels), spec_check, selection_check]
     checks += [import_check] if args.imports else []
     for check in checks:
@@ -424,11 +457,14 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 def run_plan(step: Step, ctx: Context) -> dict:
     """`dsforge plan --json` for the run, computed in this process (megatron-core imported
-    once, not once per run)."""
-    from dsforge.plan import build_plan
+    once, not once per run), with the planner's step time on the GPU's profile as shipped
+    (`step_time`, as bench stores with each cell): written before the run starts."""
+    from dsforge.plan import build_plan, predicted_step_time
 
     try:
-        plan = build_plan(kit_plan.resolve_run(step.spec, ctx.gpu), device="cuda")
+        resolved = kit_plan.resolve_run(step.spec, ctx.gpu)
+        plan = {**build_plan(resolved, device="cuda"),
+                "step_time": predicted_step_time(resolved, ctx.gpu, gpus_per_node=1)}
     except Exception as exc:  # recorded, and the run still goes ahead
         return {"status": "failed", "note": f"{type(exc).__name__}: {exc}"}
     path = ctx.work / "plans" / f"{step.spec.label}.json"
@@ -452,6 +488,9 @@ def run_step(step: Step, ctx: Context, env: dict, deadline: float, log: Log) -> 
         shutil.rmtree(ctx.work / "runs" / step.spec.label, ignore_errors=True)
     if step.kind == "search":  # --measure would reuse an earlier command's finished trials
         shutil.rmtree(ctx.work / kit_plan.LOOP_OUT, ignore_errors=True)
+    if step.kind == "bench":  # an earlier command's cells would count as finished
+        shutil.rmtree(ctx.work / "bench" / step.spec.label, ignore_errors=True)
+        kit_plan.write_study(step.spec, ctx.work)
     log_path = ctx.work / "logs" / f"{step.name}.log"
     started = time.monotonic()
     with SmiSampler(step.kind in SAMPLED) as smi:
@@ -521,6 +560,10 @@ def execute(measurements: list[kit_plan.Measurement], args: argparse.Namespace) 
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     log = Log(args.out / "kit.log")
+    if not kit_corpus.built(kit_plan.corpus()):
+        log(f"kit: no corpus at {kit_plan.corpus()} (every run trains on it): run bash "
+            "benchmarks/gpu/build_kit.sh here and carry benchmarks/gpu/wheels")
+        return 2
     ctx = Context(gpu=args.gpu or detect_gpu(log), python=sys.executable, work=args.work)
     steps = kit_plan.steps(measurements, ctx)
     env, records = step_environment(args.work), {}

@@ -5,6 +5,7 @@ command's (kit.py --dry-run, tests/unit/test_gpu_kit.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import xml.etree.ElementTree as ET
@@ -13,7 +14,7 @@ from pathlib import Path
 from dsforge.hardware import gpu_by_key
 from dsforge.job.metrics_file import PHASES
 from dsforge.units import GiB
-from kit_plan import CALIBRATED, RunSpec, Step, StudySpec, prediction, resolve_run
+from kit_plan import CALIBRATED, RunSpec, Step, StudySpec, prediction, resolve_run, write_study
 from kit_results import GPU_RUNS, shape
 
 FAKE_MFU = 0.40  # the invented runs' MFU
@@ -29,7 +30,7 @@ def write_fake_inputs(steps: list[Step], work: Path, gpu: str) -> dict[str, dict
     records = {}
     for step in steps:
         if step.kind == "plan":
-            _write(work / "plans" / f"{step.spec.label}.json", prediction(resolve_run(step.spec, gpu)))
+            _write(work / "plans" / f"{step.spec.label}.json", _fake_plan(step.spec, gpu))
         elif step.kind == "run":
             records[step.name] = {**_fake_run(step.spec, work, gpu), "seconds": step.expected_s}
         elif step.kind == "bench":
@@ -98,17 +99,36 @@ def _fake_breakdown(step_s: float) -> dict[str, float]:
     return phases
 
 
-def _fake_records(predicted: dict, tokens_per_step: int, peak: float, allocated: int, steps: int = 3):
+def _fake_plan(spec: RunSpec, gpu: str) -> dict:
+    """The plan the kit writes before a run, with the planner's step time (kit.run_plan)."""
+    from dsforge.plan import predicted_step_time
+
+    resolved = resolve_run(spec, gpu)
+    return {**prediction(resolved), "step_time": predicted_step_time(resolved, gpu, gpus_per_node=1)}
+
+
+# An invented manifest's source and machine (kit_results.provenance reads them).
+FAKE_MANIFEST = {"git_commit": "0" * 40, "git_dirty": False, "git_diff_sha256": None,
+                 "machine_id": "FAKE"}
+
+
+def _fake_manifest(gpu: str) -> dict:
+    return {**FAKE_MANIFEST, "device": {"type": "cuda", "name": gpu_by_key(gpu).name,
+                                        "uuid": "GPU-FAKE", "driver": "FAKE"}}
+
+
+def _fake_records(predicted: dict, tokens_per_step: int, peak: float, allocated: int,
+                  train) -> list:
     from dsforge.runtime.loop.metrics import StepRecord
 
     per_gpu = FAKE_MFU * peak / predicted["flops_per_token"]
     hfu = FAKE_MFU * predicted["hardware_flops_per_token"] / predicted["flops_per_token"]
     step_s = tokens_per_step / per_gpu
-    return [StepRecord(step=i, warmup=i < 1, loss=11.0 - 0.1 * i, grad_norm=1.0, lr=3e-4,
+    return [StepRecord(step=i, warmup=i < train.timing_warmup, loss=10.4 - 0.3 * i, grad_norm=1.0, lr=3e-4,
                        step_time_s=step_s, tokens_per_s=per_gpu, tokens_per_s_per_gpu=per_gpu,
                        tflops_per_gpu=per_gpu * predicted["flops_per_token"] / 1e12, mfu=FAKE_MFU, hfu=hfu,
                        peak_memory_bytes=allocated, memory_source="FAKE",
-                       breakdown_s=_fake_breakdown(step_s)) for i in range(steps)]
+                       breakdown_s=_fake_breakdown(step_s)) for i in range(train.steps)]
 
 
 def _fake_run(spec: RunSpec, work: Path, gpu: str) -> dict:
@@ -121,12 +141,13 @@ def _fake_run(spec: RunSpec, work: Path, gpu: str) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     writer = MetricsWriter(run_dir / "metrics.jsonl")
     tokens = resolved.layout.global_batch * resolved.recipe.train.seq_len
-    for record in _fake_records(predicted, tokens, gpu_by_key(gpu).peak_bf16_flops, allocated):
+    for record in _fake_records(predicted, tokens, gpu_by_key(gpu).peak_bf16_flops, allocated,
+                                resolved.recipe.train):
         writer.write(record)
     _write(run_dir / "summary.json", {**writer.summary(), "startup_s": dict(FAKE_STARTUP_S)})
     _write(run_dir / "ranks" / "rank00000.json", {"rank": 0, "peak_memory_bytes": allocated,
                                                    "memory_source": "FAKE"})
-    _write(run_dir / "manifest.json", {"device": {"type": "cuda", "name": gpu_by_key(gpu).name}})
+    _write(run_dir / "manifest.json", _fake_manifest(gpu))
     return {"status": "fake", "smi_peak_bytes": allocated + GiB}
 
 
@@ -136,34 +157,40 @@ def _fake_study(spec: StudySpec, work: Path, gpu: str) -> None:
     from dsforge.bench.store import Row, Store
     from dsforge.bench.study import expand, load_study, study_identity
     from dsforge.recipe import resolve_file
-    from kit_wheels import REPO
 
-    study, recipe_path = load_study(REPO / spec.study)
+    study, recipe_path = load_study(write_study(spec, work))
     path = work / "bench" / spec.label / "results.db"
     path.parent.mkdir(parents=True, exist_ok=True)
     store = Store(path)
     try:
         for cell in expand(study, base=study_identity(study, recipe_path)):
             resolved = resolve_file(recipe_path, cell.overrides, world_size=study.world_size)
-            store.write(_fake_row(study.name, cell, resolved, gpu, Row, asdict))
+            store.write(_fake_row(study.name, cell, resolved, gpu, Row, asdict,
+                                  study.measure.warmup_steps, study.measure.steps))
     finally:
         store.close()
 
 
-def _fake_row(study: str, cell, resolved, gpu: str, Row, asdict):
+def _fake_row(study: str, cell, resolved, gpu: str, Row, asdict, warmup: int, steps: int):
+    from dsforge.plan import predicted_step_time
+
     predicted = prediction(resolved)
+    step_s = predicted_step_time(resolved, gpu, gpus_per_node=1)["total"]
     allocated = int(FAKE_ALLOCATED_SHARE * predicted["memory_bytes"]["total"])
+    train = dataclasses.replace(resolved.recipe.train, steps=warmup + steps, timing_warmup=warmup)
     records = _fake_records(predicted, resolved.layout.global_batch * resolved.recipe.train.seq_len,
-                            gpu_by_key(gpu).peak_bf16_flops, allocated)
+                            gpu_by_key(gpu).peak_bf16_flops, allocated, train)
     figures = {"step_times_s": [r.step_time_s for r in records if not r.warmup],
                "tokens_per_s": records[-1].tokens_per_s,
                "tokens_per_s_per_gpu": records[-1].tokens_per_s_per_gpu, "mfu": FAKE_MFU,
-               "hfu": records[-1].hfu, "final_loss": records[-1].loss, "peak_memory_bytes": allocated,
+               "hfu": records[-1].hfu, "first_loss": records[0].loss, "final_loss": records[-1].loss,
+               "peak_memory_bytes": allocated,
                "memory_source": "FAKE", "bubble_share_by_stage": {}, "tensor_bytes": None,
                "breakdown_s": records[-1].breakdown_s}
     return Row(study=study, cell=cell.key, repeat=0, axes=cell.axes, status="ok", seconds=30.0,
-               manifest={"device": {"name": gpu_by_key(gpu).name}}, figures=figures,
-               prediction={**predicted, "layout": asdict(resolved.layout)}, finished=time.time())
+               manifest=_fake_manifest(gpu), figures=figures,
+               prediction={**predicted, "layout": asdict(resolved.layout), "step_time_s": step_s},
+               finished=time.time())
 
 
 FAKE_TESTS = ("test_default_run_trains_in_bf16_on_one_gpu", "test_default_run_builds_nothing",

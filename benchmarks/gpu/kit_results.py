@@ -69,25 +69,52 @@ def peak_flops(device_name: str | None) -> float | None:
     return gpu.peak_bf16_flops if gpu else None
 
 
+def losses(records: list[dict]) -> dict:
+    """Did the run learn: its first and last step's loss, and whether the mean of the last
+    three steps is below the first (one noisy last step does not decide it)."""
+    values = [r["loss"] for r in records if r.get("loss") is not None]
+    if not values:
+        return {"first_loss": None, "last_loss": None, "loss_falls": None}
+    tail = values[-3:]
+    return {"first_loss": values[0], "last_loss": values[-1],
+            "loss_falls": len(values) > 1 and sum(tail) / len(tail) < values[0]}
+
+
+def provenance(manifest: dict) -> dict:
+    """What a reader needs to find the run's source and machine again (manifest.json)."""
+    device = manifest.get("device") or {}
+    return {"commit": manifest.get("git_commit"), "dirty": manifest.get("git_dirty"),
+            "diff_sha256": manifest.get("git_diff_sha256"), "gpu_uuid": device.get("uuid"),
+            "driver": device.get("driver"), "machine_id": manifest.get("machine_id")}
+
+
 def run_row(spec: RunSpec, record: dict, work: Path, gpu: str) -> dict:
-    """One `dsforge run`: measured figures next to the prediction and both MFUs."""
+    """One `dsforge run`: measured figures next to the prediction and both MFUs. A run without
+    its manifest.json gives no figures (issue 39: none without the record of what ran)."""
     run_dir = work / "runs" / spec.label
     plan = read_json(work / "plans" / f"{spec.label}.json") or {}
     summary = read_json(run_dir / "summary.json")
     rank = read_json(run_dir / "ranks" / "rank00000.json") or {}
-    device = ((read_json(run_dir / "manifest.json") or {}).get("device") or {}).get("name")
+    manifest = read_json(run_dir / "manifest.json")
+    device = ((manifest or {}).get("device") or {}).get("name")
     row = {"label": spec.label, "status": record.get("status"), "seconds": record.get("seconds"),
-           "note": record.get("note"), "device": device,
+           "note": record.get("note"), "device": device, "shrunk": spec.shrunk,
            "predicted_bytes": (plan.get("memory_bytes") or {}).get("total"),
            "predicted": plan.get("memory_bytes"), "smi_peak_bytes": record.get("smi_peak_bytes"),
-           "allocated_bytes": rank.get("peak_memory_bytes")}
-    if summary:
+           "predicted_step_s": (plan.get("step_time") or {}).get("total"),
+           "allocated_bytes": rank.get("peak_memory_bytes"),
+           "provenance": provenance(manifest) if manifest else None}
+    if summary and not manifest:
+        row.update(status=f"{row['status']}; no manifest.json: figures left out")
+    elif summary:
         recipe = resolve_run(spec, gpu).recipe
         peak = peak_flops(device)
         per_gpu = summary["median_tokens_per_s_per_gpu"]
         # KempnerForge's formula is for dense models: no figure for an MoE.
         kf = None if recipe.model.moe else kempnerforge_flops_per_token(recipe.model, recipe.train.seq_len)
-        hfus = [r["hfu"] for r in step_records(run_dir / "metrics.jsonl") if not r["warmup"] and r["hfu"]]
+        steps = step_records(run_dir / "metrics.jsonl")
+        hfus = [r["hfu"] for r in steps if not r["warmup"] and r["hfu"]]
+        row.update(losses(steps), measured_steps=sum(1 for r in steps if not r["warmup"]))
         row.update(step_s=summary["median_step_time_s"], tokens_per_s_per_gpu=per_gpu,
                    mfu=summary["median_mfu"], hfu=statistics.median(hfus) if hfus else None,
                    mfu_kempnerforge=per_gpu * kf / peak if peak and kf else None,
@@ -143,7 +170,8 @@ def kernels_row(work: Path) -> dict | None:
 
 
 def study_rows(spec: StudySpec, work: Path) -> list[dict]:
-    """The study's cells as dsforge report aggregates them."""
+    """The study's cells as dsforge report aggregates them, with what was shrunk and each
+    cell's provenance (its manifest); a cell without a manifest keeps no figures."""
     path = work / "bench" / spec.label / "results.db"
     if not path.exists():
         return []
@@ -152,9 +180,17 @@ def study_rows(spec: StudySpec, work: Path) -> list[dict]:
 
     store = Store(path)
     try:
-        return aggregate(store.rows())
+        rows = store.rows()
     finally:
         store.close()
+    cells = aggregate(rows)
+    for cell in cells:
+        manifest = next((r.manifest for r in rows if r.axes == cell["axes"] and r.manifest), None)
+        cell.update(shrunk=spec.shrunk, provenance=provenance(manifest) if manifest else None)
+        if manifest is None and cell.get("step_time_median") is not None:
+            cell.update(step_time_median=None, tokens_per_s_per_gpu=None, mfu=None,
+                        status=f"{cell['status']}; no manifest: figures left out")
+    return cells
 
 
 def collect(steps: list[Step], records: dict[str, dict], work: Path, gpu: str) -> dict:
@@ -223,7 +259,8 @@ def _ratio(a, b) -> str:
 
 def render(result: dict, *, fake: bool = False) -> str:
     sections = [_render_head(result, fake), _render_steps(result), _render_correctness(result),
-                _render_runs(result), _render_breakdown(result), _render_startup(result),
+                _render_runs(result), _render_evidence(result), _render_breakdown(result),
+                _render_startup(result),
                 _render_gemm(result),
                 _render_adam(result), _render_profile(result), _render_loop(result),
                 _render_studies(result)]
@@ -310,6 +347,64 @@ def _render_runs(result: dict) -> str:
                      f"| {_gib(r['smi_peak_bytes'])} | {_ratio(r['allocated_bytes'], r['predicted_bytes'])} |")
     return ("### MFU and memory (dsforge run, one GPU; allocated = torch max_memory_allocated, "
             "nvidia-smi = peak device memory used: reserved + CUDA context)\n" + "\n".join(lines))
+
+
+MIN_MEASURED_STEPS = 10  # issue 39: a GPU figure counts with >= 10 measured steps
+
+
+def _render_evidence(result: dict) -> str:
+    """What makes each figure checkable: measured steps, the loss from first to last step (a
+    run that does not learn is marked), the planner's step time written before the run and its
+    error, what was shrunk to fit the command, and the manifest's source and machine."""
+    rows = [r for r in result["runs"] if r.get("step_s") is not None]
+    for label, cells in result["studies"].items():
+        rows += [_cell_evidence(label, c) for c in cells if c.get("step_time_median") is not None]
+    if not rows:
+        return ""
+    lines = ["| run | measured steps | loss first -> last | predicted s/step | measured s/step "
+             "| error | shrunk to fit | source, machine |", "|---|---:|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        steps = r.get("measured_steps")
+        few = "" if steps is None or steps >= MIN_MEASURED_STEPS else " (FEWER THAN 10)"
+        lines.append(f"| {r['label']} | {_num(steps, 'd')}{few} | {_loss(r)} "
+                     f"| {_num(r.get('predicted_step_s'), '.2f')} | {_num(r.get('step_s'), '.2f')} "
+                     f"| {_error(r.get('predicted_step_s'), r.get('step_s'))} | {r.get('shrunk') or '-'} "
+                     f"| {_source(r.get('provenance'))} |")
+    return ("### Evidence (each figure above: steps measured after warm-up, on the kit's corpus; "
+            "the planner's step time on the GPU's profile as shipped, written before the run)\n"
+            + "\n".join(lines))
+
+
+def _cell_evidence(label: str, cell: dict) -> dict:
+    prediction = cell.get("prediction") or {}
+    return {"label": f"{label} " + ", ".join(f"{k}={v}" for k, v in cell["axes"].items()),
+            "measured_steps": cell.get("measured_steps"), "first_loss": cell.get("first_loss"),
+            "last_loss": cell.get("final_loss"), "loss_falls": _falls(cell),
+            "predicted_step_s": prediction.get("step_time_s"), "step_s": cell.get("step_time_median"),
+            "shrunk": cell.get("shrunk"), "provenance": cell.get("provenance")}
+
+
+def _falls(cell: dict):
+    first, last = cell.get("first_loss"), cell.get("final_loss")
+    return None if first is None or last is None else last < first
+
+
+def _loss(row: dict) -> str:
+    first, last = row.get("first_loss"), row.get("last_loss")
+    if first is None or last is None:
+        return "-"
+    mark = "" if row.get("loss_falls") else " **does not fall**"
+    return f"{first:.3f} -> {last:.3f}{mark}"
+
+
+def _source(p: dict | None) -> str:
+    if not p:
+        return "no manifest"
+    commit = (p.get("commit") or "?")[:9]
+    tree = "" if p.get("dirty") is False else f" + diff {(p.get('diff_sha256') or '?')[:8]}" \
+        if p.get("dirty") else " (tree unknown)"
+    gpu = (p.get("gpu_uuid") or "GPU ?")[:12]
+    return f"{commit}{tree}; {gpu}, driver {p.get('driver') or '?'}"
 
 
 def _render_breakdown(result: dict) -> str:

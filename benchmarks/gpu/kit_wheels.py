@@ -287,16 +287,24 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def wheel_lines(report: WheelReport, pins: list[Pin], tree: int | None) -> list[str]:
-    """The wheels section of the dry run, as lines."""
+def folder_bytes(folder: Path) -> int:
+    """Everything the carried folder holds: the wheels, the corpus, an op-build cache."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def wheel_lines(report: WheelReport, pins: list[Pin], tree: int | None,
+                carried: int | None = None) -> list[str]:
+    """The wheels section of the dry run, as lines; `carried`: the whole folder's bytes."""
+    carried = report.bytes if carried is None else carried
     lines = [f"wheels ({_shown(WHEELS)}): {report.state}"]
     for name, size in report.wheels:
         lines.append(f"  {size / MiB:6.2f} MiB  {name}")
     if report.wheels:
         lines.append(f"  {report.bytes / MiB:6.2f} MiB  total")
     if tree is not None:
-        total = tree + report.bytes
-        lines.append(f"  travels: working tree {tree / MiB:.2f} MiB + wheels {report.bytes / MiB:.2f}"
+        total = tree + carried
+        lines.append(f"  travels: working tree {tree / MiB:.2f} MiB + the carried folder "
+                     f"{carried / MiB:.2f}"
                      f" MiB = {total / MiB:.2f} MiB of the device tool's {TREE_LIMIT_BYTES // MiB} MiB"
                      + ("" if total <= TREE_LIMIT_BYTES else "  (OVER THE LIMIT)"))
     lines += [f"  {p}" for p in report.problems]

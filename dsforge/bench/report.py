@@ -62,9 +62,11 @@ def _cell_summary(repeats: list[Row]) -> dict:
     if ok:
         times = [t for r in ok for t in r.figures["step_times_s"]]
         pick = lambda key: statistics.median(r.figures[key] for r in ok) if ok[0].figures[key] is not None else None
-        summary.update(step_time_median=statistics.median(times), step_time_min=min(times),
+        summary.update(step_time_median=statistics.median(times), measured_steps=len(times),
+                       step_time_min=min(times),
                        step_time_max=max(times), tokens_per_s=pick("tokens_per_s"),
                        tokens_per_s_per_gpu=pick("tokens_per_s_per_gpu"), mfu=pick("mfu"), hfu=pick("hfu"),
+                       first_loss=ok[0].figures.get("first_loss"), final_loss=ok[0].figures.get("final_loss"),
                        peak_memory_bytes=max(r.figures["peak_memory_bytes"] for r in ok),
                        memory_source=ok[0].figures["memory_source"],
                        tensor_bytes=largest_census(r.figures.get("tensor_bytes") for r in ok),

@@ -328,7 +328,7 @@ def one_line(text: str) -> str:
 
 def figures(run_dir: Path) -> dict:
     """Measured figures of one repeat: per-step times of the measured steps, throughput,
-    MFU/HFU medians, peak memory max over ranks, measured bubble per pipeline stage, the
+    MFU/HFU medians, the first step's and the last step's loss (did it learn), peak memory max over ranks, measured bubble per pipeline stage, the
     reporting rank's step breakdown (median seconds per phase; None without one)."""
     records, _ = read_metrics(RunDir(run_dir).metrics)
     measured = [r for r in records if not r["warmup"]]
@@ -341,7 +341,8 @@ def figures(run_dir: Path) -> dict:
     return {
         "step_times_s": [r["step_time_s"] for r in measured],
         "tokens_per_s": median("tokens_per_s"), "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"),
-        "mfu": median("mfu"), "hfu": median("hfu"), "final_loss": records[-1]["loss"],
+        "mfu": median("mfu"), "hfu": median("hfu"), "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"],
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
         "memory_source": ranks[0]["memory_source"],
         "bubble_share_by_stage": {str(k): statistics.median(v) for k, v in sorted(bubbles.items())},

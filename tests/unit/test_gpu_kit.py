@@ -64,9 +64,9 @@ def test_unknown_measurement_is_a_usage_error(capsys):
 
 
 def test_selection_by_name_selection_and_all():
-    assert [m.name for m in kit_plan.select(["essential"])] == ["gpu-tests", "anchor", "zero", "moe"]
+    assert [m.name for m in kit_plan.select(["essential"])] == ["gpu-tests", "anchor", "zero"]
     assert [m.name for m in kit_plan.select(["gemm", "levers", "gemm"])] == [
-        "gemm", "kernels-1b", "adam-step", "7b-levers", "breakdown-cost"]
+        "gemm", "kernels-1b", "adam-step", "7b-levers"]
     every = [m.name for m in kit_plan.select(["all"])]
     assert sorted(every) == sorted(kit_plan.MEASUREMENTS) and len(set(every)) == len(every)
     named = [n for names in kit_plan.SELECTIONS.values() for n in names]
@@ -216,23 +216,27 @@ def test_commands_per_gpu():
     ctx = lambda gpu: kit.Context(gpu=gpu, python="PY", work=Path("/w"))
     h100 = kit_plan.steps(kit_plan.select(["anchor"]), ctx("h100"))
     h200 = kit_plan.steps(kit_plan.select(["anchor"]), ctx("h200"))
-    assert [s.kind for s in h100] == ["install", "env"] + ["plan", "run"] * 3
+    layouts = kit_plan.steps(kit_plan.select(["layouts"]), ctx("h200"))
+    assert [s.kind for s in h100] == ["install", "env"] + ["plan", "run"]
     assert h100[0].argv[:6] == ("PY", "-m", "pip", "install", "--no-index", "--find-links")
-    assert [s.name for s in h100 if s.kind == "run"] == ["3b-shipped", "3b-z3-mb2-gb8", "3b-mb1-gb8"]
-    assert [s.name for s in h200 if s.kind == "run"] == ["7b-shipped", "7b-z3-none-mb1-gb8"]
+    assert [s.name for s in h100 if s.kind == "run"] == ["3b-shipped"]
+    assert [s.name for s in h200 if s.kind == "run"] == ["7b-shipped"]
     shipped = next(s for s in h200 if s.name == "7b-shipped")
     assert shipped.argv[:8] == ("PY", "-m", "dsforge", "run", "recipes/7b_1gpu.yaml", "--world-size",
                                 "1", "--run-dir")
     assert shipped.argv[8] == "/w/runs/7b-shipped"
-    # as shipped: only the step count, the timing warm-up and the GPU's name change
+    # as shipped: only the step count (ten measured after two warm-up steps), the corpus
+    # (real tokens) and the GPU's name change
     sets = [shipped.argv[i + 1] for i, word in enumerate(shipped.argv) if word == "--set"]
-    assert sets == ["train.steps=3", "train.timing_warmup=1", "cluster.gpu=h200"]
+    assert sets == ["train.steps=12", "train.timing_warmup=2", f"data.source={kit_plan.corpus()}",
+                    "cluster.gpu=h200"]
     assert shipped.argv[shipped.argv.index("--timeout") + 1] == f"{shipped.timeout_s - 30:.0f}"
-    alternative = next(s for s in h200 if s.name == "7b-z3-none-mb1-gb8")
+    alternative = next(s for s in layouts if s.name == "7b-z3-none-mb1-gb8")
     assert "zero.stage=3" in alternative.argv and "train.global_batch=8" in alternative.argv
+    assert alternative.spec.shrunk == kit_plan.GB8_SHRUNK
     # the default GPU path builds nothing: no run pays for a FusedAdam build any more
     assert shipped.expected_s == pytest.approx(kit_plan.START_7B.seconds + kit_plan.END_S
-                                               + 3 * kit_plan.STEP_7B_SHIPPED.seconds)
+                                               + 12 * kit_plan.STEP_7B_SHIPPED.seconds)
 
 
 def test_a_run_that_does_not_fit_becomes_a_skip_with_the_reason():
@@ -276,23 +280,50 @@ def test_table_from_fake_inputs(tmp_path):
     assert all(c["breakdown_s"] for c in zero)
     assert "| 7b-shipped | fake |" in table and "| zero.stage=3 | ok |" in table
     assert "| run | step ms | " + " | ".join(PHASES) + " |" in table
-    assert "| zero-1b zero.stage=0 |" in table and "| moe-8l |" in table
+    assert "| zero-1b zero.stage=0 |" in table and "| moe-8l-grouped |" in table
     assert "| 3 | deepspeed | FAKE |" in table and "SDPA flash TFLOP/s" not in table  # no gemm.json
     assert "FAKE INPUTS" in table and "MFU 6P+12LDS" in table
+    # issue 39: every figure with >= 10 measured steps, its loss, the prediction written before
+    # it ran and the manifest's source and machine
+    evidence = table[table.index("### Evidence"):].split("\n\n")[0]
+    for row in result["runs"]:
+        assert row["measured_steps"] >= 10 and row["loss_falls"] and row["predicted_step_s"] > 0
+        assert f"| {row['label']} | {row['measured_steps']} | " in evidence
+    assert "| 7b-shipped | 10 | 10.400 -> 7.100 | 11.28 |" in evidence
+    assert "GPU-FAKE, driver FAKE" in evidence and "does not fall" not in evidence
+    assert "| 7b-z3-none-mb1-gb8 |" in evidence and kit_plan.GB8_SHRUNK in evidence
+    assert "| zero-1b zero.stage=3 | 10 |" in evidence
 
 
 def test_table_leaves_out_the_breakdown_of_a_run_without_one(tmp_path):
     """Runs of a dsforge that measured no breakdown (DSFORGE_BREAKDOWN=off, or older) render
     without that section instead of failing."""
-    steps = kit_plan.steps(kit_plan.select(["moe"]), kit.Context(gpu="h100", python="PY", work=tmp_path))
+    steps = kit_plan.steps(kit_plan.select(["moe-experts"]), kit.Context(gpu="h100", python="PY", work=tmp_path))
     records = kit_fake.write_fake_inputs(steps, tmp_path, "h100")
-    summary = tmp_path / "runs" / "moe-8l" / "summary.json"
-    data = json.loads(summary.read_text())
-    data.pop("median_breakdown_s")
-    summary.write_text(json.dumps(data))
+    for impl in ("sequential", "grouped"):
+        summary = tmp_path / "runs" / f"moe-8l-{impl}" / "summary.json"
+        data = json.loads(summary.read_text())
+        data.pop("median_breakdown_s")
+        summary.write_text(json.dumps(data))
     result = kit_results.collect(steps, records, tmp_path, "h100")
     assert result["runs"][0]["breakdown_s"] is None and result["runs"][0]["step_s"] > 0
     assert "Where the step goes" not in kit_results.render(result)
+
+
+def test_a_run_that_does_not_learn_is_marked_and_one_without_a_manifest_gives_no_figures(tmp_path):
+    steps = kit_plan.steps(kit_plan.select(["moe-experts"]), kit.Context(gpu="h200", python="PY", work=tmp_path))
+    records = kit_fake.write_fake_inputs(steps, tmp_path, "h200")
+    metrics = tmp_path / "runs" / "moe-8l-sequential" / "metrics.jsonl"
+    flat = [{**json.loads(line), "loss": 10.37} for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in flat))
+    (tmp_path / "runs" / "moe-8l-grouped" / "manifest.json").unlink()
+    result = kit_results.collect(steps, records, tmp_path, "h200")
+    sequential, grouped = result["runs"]
+    assert sequential["loss_falls"] is False and sequential["first_loss"] == 10.37
+    assert grouped.get("step_s") is None and "no manifest.json" in grouped["status"]
+    table = kit_results.render(result)
+    assert "10.370 -> 10.370 **does not fall**" in table
+    assert "| moe-8l-grouped | fake; no manifest.json: figures left out |" in table
 
 
 def _step(name, code, expected=1.0, timeout=30.0, kind="gemm"):

@@ -1,9 +1,13 @@
-"""What a run ran on: versions, git commit, device, layout, and the implementations its ranks
-chose (optimizer, kernels, attention), written next to its metrics."""
+"""What a run ran on: versions, the source tree (git commit, and whether and how it differed
+from that commit), the machine and device (a GPU's UUID and driver, so two runs on "an H200"
+can be told apart), layout, and the implementations its ranks chose (optimizer, kernels,
+attention), written next to its metrics."""
 
 from __future__ import annotations
 
+import hashlib
 import platform
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -12,21 +16,77 @@ import torch
 from dsforge.versions import package_versions
 
 
-def git_commit() -> str | None:
-    repo = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # dsforge's checkout, where it runs from one
+
+
+def _git(*args: str) -> bytes | None:
     try:
-        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    out = _git("rev-parse", "HEAD")
+    return out.decode().strip() or None if out is not None else None
+
+
+def git_tree() -> dict:
+    """The commit and whether the tree differs from it: `dirty`, and `diff_sha256`, a hash of
+    the tracked changes (`git diff HEAD`) and of every untracked, not ignored file's name and
+    bytes, so two runs from the same dirty tree show the same hash. All None outside a
+    checkout (an installed wheel)."""
+    commit = git_commit()
+    diff = _git("diff", "HEAD", "--binary") if commit else None
+    untracked = _git("ls-files", "-z", "-o", "--exclude-standard") if commit else None
+    if diff is None or untracked is None:
+        return {"git_commit": commit, "git_dirty": None, "git_diff_sha256": None}
+    digest = hashlib.sha256(diff)
+    names = sorted(n for n in untracked.decode(errors="replace").split("\0") if n)
+    for name in names:
+        digest.update(name.encode() + b"\0")
+        try:
+            digest.update((REPO / name).read_bytes())
+        except OSError:  # gone since git listed it
+            pass
+    dirty = bool(diff) or bool(names)
+    return {"git_commit": commit, "git_dirty": dirty,
+            "git_diff_sha256": digest.hexdigest() if dirty else None}
+
+
+def machine_id() -> str | None:
+    """A stable identity of the host that does not reveal /etc/machine-id itself."""
+    try:
+        raw = Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        return None
+    return hashlib.sha256(raw.encode()).hexdigest()[:16] if raw else None
+
+
+def gpu_identity(device: torch.device) -> dict:
+    """The GPU's UUID (torch) and the driver's version (nvidia-smi; None without it)."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    uuid = f"GPU-{uuid}" if uuid is not None and not str(uuid).startswith("GPU-") else uuid
+    driver = None
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader",
+                                  "-i", str(device.index or 0)], capture_output=True, text=True,
+                                 timeout=20)
+            driver = out.stdout.strip() or None if out.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return {"uuid": str(uuid) if uuid is not None else None, "driver": driver}
 
 
 def environment_manifest(device: torch.device, layout: dict, implementations: dict) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    gpu = gpu_identity(device) if device.type == "cuda" else {"uuid": None, "driver": None}
     return {"versions": package_versions(), "python": platform.python_version(),
-            "git_commit": git_commit(), "host": platform.node(),
-            "device": {"type": device.type, "name": name,
+            **git_tree(), "host": platform.node(), "machine_id": machine_id(),
+            "device": {"type": device.type, "name": name, **gpu,
                        "count_per_node": torch.cuda.device_count() if device.type == "cuda" else None},
             "layout": layout, "implementations": implementations}
 
