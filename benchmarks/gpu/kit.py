@@ -48,6 +48,7 @@ for _path in (str(KIT), str(REPO)):
 
 import corpus as kit_corpus
 import kit_fake
+import kit_peers
 import kit_plan
 import kit_results
 import kit_wheels
@@ -473,6 +474,14 @@ def run_plan(step: Step, ctx: Context) -> dict:
     return {"status": "ok"}
 
 
+def write_peer_shape(step: Step, ctx: Context) -> None:
+    """The model the peer builds, from its dsforge run's recipe; an earlier output removed."""
+    measurement = MEASUREMENTS[step.measurement]
+    spec = next(r for r in measurement.runs if r.label == step.spec.matches)
+    kit_peers.write_shape(step.spec, spec, ctx.gpu, ctx.work)
+    kit_plan.peer_paths(step.spec, ctx.work)[1].unlink(missing_ok=True)
+
+
 def run_step(step: Step, ctx: Context, env: dict, deadline: float, log: Log) -> dict:
     if step.kind == "skip":
         return {"status": "skipped", "note": step.note}
@@ -488,6 +497,8 @@ def run_step(step: Step, ctx: Context, env: dict, deadline: float, log: Log) -> 
         shutil.rmtree(ctx.work / "runs" / step.spec.label, ignore_errors=True)
     if step.kind == "search":  # --measure would reuse an earlier command's finished trials
         shutil.rmtree(ctx.work / kit_plan.LOOP_OUT, ignore_errors=True)
+    if step.kind == "peer":
+        write_peer_shape(step, ctx)
     if step.kind == "bench":  # an earlier command's cells would count as finished
         shutil.rmtree(ctx.work / "bench" / step.spec.label, ignore_errors=True)
         kit_plan.write_study(step.spec, ctx.work)
@@ -527,6 +538,9 @@ def write_outputs(steps: list[Step], records: dict, ctx: Context, out: Path, com
     table = kit_results.render(result)
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "table.md").write_text(table)
+    if result["peers"]:
+        (out / "peers.json").write_text(json.dumps(result["peers"], indent=2) + "\n")
+        kit_peers.chart(result["peers"], out / "peers.png")
     archive_work(ctx.work, out / "kit-files.tar.gz")
     return table
 

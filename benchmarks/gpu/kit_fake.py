@@ -43,6 +43,8 @@ def write_fake_inputs(steps: list[Step], work: Path, gpu: str) -> dict[str, dict
             _fake_profile(work, gpu)
         elif step.kind == "search":
             _fake_loop(step, work)
+        elif step.kind == "peer":
+            _fake_peer(step, work, gpu)
         if step.kind != "skip":
             records.setdefault(step.name, {"status": "fake", "seconds": step.expected_s})
     return records
@@ -77,6 +79,38 @@ def _fake_loop(step: Step, work: Path) -> None:
     path = work / "logs" / "loop.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("measuring the top layouts on this machine (FAKE)\n" + json.dumps(data, indent=2))
+
+
+# The peer's command run on this CPU at a tiny shape (its arguments, the shape file, the corpus
+# and the loop checked), then given invented throughput: FAKE_PEER_SHARE of dsforge's.
+FAKE_PEER_SHARE = 0.8
+TINY_PEER = {"hidden_size": 64, "ffn_hidden_size": 128, "num_layers": 2, "num_attention_heads": 4,
+             "num_kv_heads": 2, "head_dim": 16}
+
+
+def _fake_peer(step: Step, work: Path, gpu: str) -> None:
+    import kit_peers
+    import peer_loop
+    from kit_plan import MEASUREMENTS, peer_paths
+
+    spec = next(r for r in MEASUREMENTS[step.measurement].runs if r.label == step.spec.matches)
+    shape_path = kit_peers.write_shape(step.spec, spec, gpu, work)
+    tiny = shape_path.with_name(shape_path.stem + ".tiny.json")
+    tiny.write_text(json.dumps({**json.loads(shape_path.read_text()), **TINY_PEER}))
+    out = peer_paths(step.spec, work)[1]
+    argv = list(step.argv[2:])
+    for flag, value in (("--model", str(tiny)), ("--seq-len", "32"), ("--micro-batch", "1"),
+                        ("--global-batch", "2"), ("--compile", "none"), ("--out", str(out))):
+        argv[argv.index(flag) + 1] = value
+    if peer_loop.main([*argv, "--device", "cpu"]) != 0:
+        raise RuntimeError(f"the peer's command failed here: {step.argv}")
+    data = json.loads(out.read_text())
+    resolved = resolve_run(spec, gpu)
+    ours = FAKE_MFU * gpu_by_key(gpu).peak_bf16_flops / prediction(resolved)["flops_per_token"]
+    data["tokens_per_s"] = FAKE_PEER_SHARE * ours
+    data["framework"] += " (FAKE: run on CPU at a tiny shape)"
+    data["settings"]["compile"] = step.spec.compile
+    out.write_text(json.dumps(data))
 
 
 def _fake_profile(work: Path, gpu: str) -> None:

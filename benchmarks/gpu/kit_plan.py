@@ -94,6 +94,17 @@ STEP_MOE = Estimate(1.82, f"{KIT3}: the MoE at 8 layers (1.48 s in KIT2)")
 # the dense path's ~70% of peak and no host sync bring the step to ~0.55 s (35% MFU asks 0.47 s).
 STEP_MOE_GROUPED = Estimate(0.55, "guess: issue 38's prediction for grouped experts")
 FUSED_ADAM_JIT_S = 60  # measured 2026-11-26: DeepSpeed's FusedAdam JIT build on the H200
+STEP_7B_GB8 = Estimate(2.87, f"{KIT2}: the 7B as shipped at 8 sequences (53.2% MFU)")
+# The peer loop (peer_loop.py), never run on a GPU before: guesses. Its start: Python, torch and
+# transformers imported, the model built and initialised on the GPU.
+PEER_LOOP_START = Estimate(20, "guess: imports and a model built on the GPU")
+# Without Liger's fusions and, where no checkpointing fits, with full recomputation (+1/3 of
+# the compute): ~1.45x dsforge's step at the same job (a guess, to be measured).
+STEP_PEER_7B = Estimate(4.2, "guess: ~1.45 x dsforge's 2.87 s (full checkpointing, no fusions)")
+STEP_PEER_3B = Estimate(2.8, "guess: ~1.45 x dsforge's 1.96 s")
+PEER_OOM_RETRY = Estimate(15, "guess: a first try without checkpointing that runs out of memory")
+PEER_COMPILE = Estimate(75, "guess: inductor compiling one decoder layer's forward and backward "
+                            "(and the retry without checkpointing)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,11 +137,27 @@ class StudySpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PeerSpec:
+    """Another framework on the job of one dsforge run (issue 39): the model, sequence length,
+    global batch, micro-batch and precision of `matches`'s recipe, on the same corpus."""
+    label: str  # unique; names its output (work/peers/LABEL.json)
+    framework: str  # "loop" (peer_loop.py) or "torchtitan" (peer_titan.py)
+    matches: str  # the RunSpec label in the same measurement
+    compile: str  # "none" | "layers"
+    gpus: tuple[str, ...] = PLANNED_GPUS
+    start: Estimate
+    step: Estimate
+    extra: Estimate | None = None  # compilation, a retry after running out of memory
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Measurement:
     name: str
     about: str
     runs: tuple[RunSpec, ...] = ()
     studies: tuple[StudySpec, ...] = ()
+    peers: tuple[PeerSpec, ...] = ()
     script: str | None = None  # "gpu-tests", "gemm", "adam-step", "calibrate" or "search"
     estimate: Estimate | None = None  # for a script
     timeout_s: float = 0.0
@@ -139,13 +166,14 @@ class Measurement:
 @dataclass(frozen=True, kw_only=True)
 class Step:
     name: str  # unique in a command; names its log file
-    # install | env | pytest | gemm | adam | calibrate | search | plan | run | bench | report | skip
+    # install | env | pytest | gemm | adam | calibrate | search | plan | run | bench | report |
+    # peer | skip
     kind: str
     argv: tuple[str, ...] = ()
     expected_s: float = 0.0
     basis: str = ""  # where expected_s comes from
     timeout_s: float = 0.0
-    spec: RunSpec | StudySpec | None = None
+    spec: RunSpec | StudySpec | PeerSpec | None = None
     measurement: str = ""
     required: bool = False  # the command stops when it fails
     note: str = ""  # why a step is skipped, or what an in-process step does
@@ -252,6 +280,25 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
                                 start=START_MOE, step=step, shrunk="8 of its 24 layers")
                            for impl, step in (("sequential", STEP_MOE),
                                               ("grouped", STEP_MOE_GROUPED)))),
+    # Issue 39: a peer on the same job, in the same command. The largest Llama-family shape
+    # both fit on the GPU (the 7B on an H200; the 3B on an H100, which holds no 7B with 16
+    # bytes a parameter), as dsforge ships it but at 8 sequences a step to fit the command.
+    # The peer: transformers' Llama in a plain PyTorch loop (peer_loop.py), eager and with its
+    # layers compiled, each at the fastest checkpointing that fits.
+    Measurement(name="peers", about="dsforge and a plain transformers + PyTorch loop on the same "
+                                    "job (7B on an H200, 3B on an H100; 8 sequences a step), "
+                                    "eager and compiled: tokens/s, MFU, loss; peers.json",
+                runs=(_run("7b-peer-job", SEVEN_B, *GB8, gpus=("h200",), start=START_7B,
+                           step=STEP_7B_GB8, shrunk=GB8_SHRUNK),
+                      _run("3b-peer-job", THREE_B, *GB8, gpus=("h100",), start=START_3B,
+                           step=STEP_3B_GB8, shrunk=GB8_SHRUNK)),
+                peers=tuple(PeerSpec(label=f"{size}-loop-{mode}", framework="loop",
+                                     matches=f"{size}-peer-job", compile=mode, gpus=(gpu,),
+                                     start=PEER_LOOP_START, step=step,
+                                     extra=PEER_COMPILE if mode == "layers" else PEER_OOM_RETRY)
+                            for size, gpu, step in (("7b", "h200", STEP_PEER_7B),
+                                                    ("3b", "h100", STEP_PEER_3B))
+                            for mode in ("none", "layers"))),
     Measurement(name="gemm", script="gemm", timeout_s=180,
                 estimate=Estimate(10, f"{KIT}: 7 s, the GEMMs and four SDPA backends"),
                 about="bf16 GEMM throughput at the 1B/3B/7B shapes against the planner's "
@@ -336,6 +383,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "offload": ("7b-offload",),
     "profiles": ("calibrate", "loop"),
     "experts": ("moe-experts",),
+    "peers": ("peers",),
 }
 
 
@@ -422,7 +470,42 @@ def steps(measurements: list[Measurement], ctx: Context) -> list[Step]:
             out += run_steps(spec, m.name, ctx)
         for study in m.studies:
             out += study_steps(study, m.name, ctx)
+        for peer in m.peers:
+            out += peer_steps(peer, m, ctx)
     return out
+
+
+PEER_SCRIPTS = {"loop": f"{KIT_DIR}/peer_loop.py", "torchtitan": f"{KIT_DIR}/peer_titan.py"}
+
+
+def peer_paths(peer: PeerSpec, work: Path) -> tuple[Path, Path]:
+    """The shape file the kit writes before the peer runs (kit_peers.write_shape) and the
+    peer's output."""
+    return work / "peers" / f"{peer.label}.model.json", work / "peers" / f"{peer.label}.json"
+
+
+def peer_steps(peer: PeerSpec, m: Measurement, ctx: Context) -> list[Step]:
+    """The peer's run with the job of its dsforge run: nothing where that is not planned here."""
+    if ctx.gpu not in peer.gpus:
+        return []
+    spec = next(r for r in m.runs if r.label == peer.matches)
+    train = resolve_run(spec, ctx.gpu).recipe.train
+    shape, out = peer_paths(peer, ctx.work)
+    argv = (ctx.python, PEER_SCRIPTS[peer.framework], "--model", str(shape), "--data", str(corpus()),
+            "--seq-len", str(train.seq_len), "--micro-batch", str(train.micro_batch),
+            "--global-batch", str(train.global_batch), "--steps", str(train.steps),
+            "--warmup", str(train.timing_warmup), "--lr", f"{train.lr:g}",
+            "--lr-warmup-steps", str(train.warmup_steps), "--weight-decay", f"{train.weight_decay:g}",
+            "--grad-clip", f"{train.grad_clip:g}", "--compile", peer.compile, "--out", str(out))
+    parts = [peer.start, peer.step, *([peer.extra] if peer.extra else [])]
+    seconds = peer.start.seconds + train.steps * peer.step.seconds + END_S + \
+        (peer.extra.seconds if peer.extra else 0.0)
+    kind = "measured" if all(p.measured for p in parts) else "guess"
+    basis = f"{kind}: start-up {peer.start.seconds:.0f} s + {train.steps} x {peer.step.seconds:g} s" \
+            + (f" + {peer.extra.seconds:.0f} s ({peer.extra.basis})" if peer.extra else "")
+    return [Step(name=peer.label, kind="peer", argv=argv, spec=peer, expected_s=seconds,
+                 basis=basis, timeout_s=peer.timeout_s, measurement=m.name,
+                 note=f"{peer.framework} on {peer.matches}'s job")]
 
 
 def install_requirements() -> list[str]:

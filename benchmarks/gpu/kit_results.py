@@ -27,7 +27,9 @@ from pathlib import Path
 from dsforge.hardware import gpu_for_device_name
 from dsforge.job.metrics_file import PHASES, is_validation
 from dsforge.units import GiB
-from kit_plan import CALIBRATED, LOOP_TOP, RunSpec, Step, StudySpec, resolve_run
+import kit_peers
+from kit_plan import CALIBRATED, LOOP_TOP, MEASUREMENTS, RunSpec, Step, StudySpec, resolve_run
+from kit_wheels import dsforge_version
 
 PRECISION_TOLERANCE = 0.05  # |bf16 - fp32| / fp32 of the last-10-step mean loss
 KERNEL_RTOL, KERNEL_ATOL = 1e-2, 1e-3  # Liger's own bf16 loss tolerance (tests/gpu)
@@ -201,7 +203,7 @@ def collect(steps: list[Step], records: dict[str, dict], work: Path, gpu: str) -
               "gpu_tests": junit_counts(work / "gpu-tests.xml"), "precision": precision_row(work),
               "kernels": kernels_row(work), "adam": read_json(work / "adam_step.json"),
               "profile": calibrated_profile(work), "loop": loop_result(work),
-              "runs": [], "studies": {}}
+              "runs": [], "studies": {}, "peers": []}
     for step in steps:
         if step.kind in ("run", "skip") and isinstance(step.spec, RunSpec):
             record = {**records.get(step.name, {}), **({"status": "skipped", "note": step.note}
@@ -209,7 +211,19 @@ def collect(steps: list[Step], records: dict[str, dict], work: Path, gpu: str) -
             result["runs"].append(run_row(step.spec, record, work, gpu))
         elif step.kind == "bench":
             result["studies"][step.spec.label] = study_rows(step.spec, work)
+    result["peers"] = peer_rows(steps, records, result["runs"], work, gpu)
     return result
+
+
+def peer_rows(steps: list[Step], records: dict, runs: list[dict], work: Path, gpu: str) -> list[dict]:
+    """peers.json's rows for each measurement with peers in this command (kit_peers)."""
+    names = dict.fromkeys(s.measurement for s in steps if s.kind == "peer")
+    device = next((r["device"] for r in runs if r.get("device")), None)
+    out = []
+    for name in names:
+        out += kit_peers.rows(MEASUREMENTS[name], runs, records, work, gpu, peak_flops(device),
+                              dsforge_version())
+    return out
 
 
 def calibrated_profile(work: Path) -> dict | None:
@@ -259,7 +273,8 @@ def _ratio(a, b) -> str:
 
 def render(result: dict, *, fake: bool = False) -> str:
     sections = [_render_head(result, fake), _render_steps(result), _render_correctness(result),
-                _render_runs(result), _render_evidence(result), _render_breakdown(result),
+                _render_runs(result), _render_evidence(result), kit_peers.render(result["peers"]),
+                _render_breakdown(result),
                 _render_startup(result),
                 _render_gemm(result),
                 _render_adam(result), _render_profile(result), _render_loop(result),

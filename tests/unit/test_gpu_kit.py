@@ -326,6 +326,37 @@ def test_a_run_that_does_not_learn_is_marked_and_one_without_a_manifest_gives_no
     assert "| moe-8l-grouped | fake; no manifest.json: figures left out |" in table
 
 
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_the_peer_runs_the_job_of_its_dsforge_run_and_peers_json_matches_them(gpu, tmp_path):
+    """Issue 39: the peer gets the dsforge run's model, sequence length, global batch and
+    micro-batch, on the same corpus; peers.json's rows carry the same model, precision and
+    sequence length, MFU by dsforge's formula; the chart is drawn."""
+    steps = kit_plan.steps(kit_plan.select(["peers"]), kit.Context(gpu=gpu, python="PY", work=tmp_path))
+    [run] = [s for s in steps if s.kind == "run"]
+    peers = [s for s in steps if s.kind == "peer"]
+    assert [p.spec.compile for p in peers] == ["none", "layers"]
+    train = kit_plan.resolve_run(run.spec, gpu).recipe.train
+    for peer in peers:
+        flag = lambda name: peer.argv[peer.argv.index(name) + 1]
+        assert (flag("--seq-len"), flag("--global-batch"), flag("--micro-batch"), flag("--steps")) == \
+            (str(train.seq_len), str(train.global_batch), str(train.micro_batch), "12")
+        assert flag("--data") == str(kit_plan.corpus()) and peer.spec.matches == run.name
+    records = kit_fake.write_fake_inputs(steps, tmp_path, gpu)
+    rows = kit_results.collect(steps, records, tmp_path, gpu)["peers"]
+    keys = {"framework", "version", "settings", "model", "seq_len", "global_batch_tokens",
+            "precision", "measured_steps", "tokens_per_s_per_gpu", "mfu", "first_loss",
+            "last_loss", "device"}
+    assert [r["framework"].split()[0] for r in rows] == ["dsforge", "transformers+torch", "transformers+torch"]
+    for row in rows:
+        assert keys <= set(row) and row["measured_steps"] == 10
+        assert (row["model"], row["precision"], row["seq_len"]) == \
+            (rows[0]["model"], rows[0]["precision"], rows[0]["seq_len"])
+        assert row["global_batch_tokens"] == 8 * 4096
+    assert rows[1]["mfu"] == pytest.approx(kit_fake.FAKE_PEER_SHARE * rows[0]["mfu"])
+    assert "| dsforge |" in kit_results.render(kit_results.collect(steps, records, tmp_path, gpu))
+    assert kit.kit_peers.chart(rows, tmp_path / "peers.png").stat().st_size > 0
+
+
 def _step(name, code, expected=1.0, timeout=30.0, kind="gemm"):
     return kit.Step(name=name, kind=kind, argv=(sys.executable, "-c", code), expected_s=expected,
                     timeout_s=timeout)
