@@ -60,7 +60,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_model(shape: dict, device, checkpointing: bool, compile_layers: bool):
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -149,23 +148,18 @@ def run(args: argparse.Namespace, shape: dict, checkpointing: bool) -> dict:
                                   betas=(0.9, 0.95), eps=1e-8, fused=gpu)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu else contextlib.nullcontext
     tokens = Tokens(args.data, args.seq_len)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     steps = []
-    try:
-        for step in range(args.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, args)
-            sync = torch.cuda.synchronize if gpu else (lambda: None)
-            sync()
-            started = time.perf_counter()
-            loss = train_step(model, optimizer, tokens, args, device, autocast)
-            loss = float(loss)  # waits for the step
-            sync()
-            steps.append({"step": step, "step_time_s": time.perf_counter() - started, "loss": loss,
-                          "warmup": step < args.warmup})
-            print(f"peer_loop: step {step} loss {loss:.4f} {steps[-1]['step_time_s']:.3f} s", flush=True)
-    finally:
-        del optimizer, model
-        gc.collect()
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        sync()
+        started = time.perf_counter()
+        loss = float(train_step(model, optimizer, tokens, args, device, autocast))  # waits
+        sync()
+        steps.append({"step": step, "step_time_s": time.perf_counter() - started, "loss": loss,
+                      "warmup": step < args.warmup})
+        print(f"peer_loop: step {step} loss {loss:.4f} {steps[-1]['step_time_s']:.3f} s", flush=True)
     return {"steps": steps, "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if gpu else None}
 
 
@@ -181,10 +175,11 @@ def first_fit(args: argparse.Namespace, shape: dict) -> tuple[dict, str]:
         except torch.OutOfMemoryError:
             if checkpointing or len(order) == 1:
                 raise
-            tried.append("none ran out of memory")
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        # Out of the except clause, the error and the frames holding the model are gone.
+        tried.append("none ran out of memory")
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     raise AssertionError("unreachable")
 
 
