@@ -358,13 +358,16 @@ def main() -> None:
             raise SystemExit(f"{work}: the file system does not keep {bin_path.name} sparse")
 
         results: dict[str, dict] = {}
+        # the recipe relative to the checkout the children run in: validate quotes it, and the
+        # results then name no machine's checkout
+        recipe = str(RECIPE.relative_to(REPO))
         for name, target in (("tempest", TEMPEST), ("big", prefix)):
             cache = work / f"cache-{name}"
             print(f"\n{name} ({target}):")
             steps = [
                 ("open", "(a) open_dataset", child("open", target), None),
                 ("validate", "(b) dsforge validate",
-                 [sys.executable, "-m", "dsforge", "validate", str(RECIPE), "--set",
+                 [sys.executable, "-m", "dsforge", "validate", recipe, "--set",
                   f"data.source={target}", "--set", "model.vocab_size=257"], None),
                 ("build_miss", f"(c) build_splits {args.steps} steps, miss",
                  child("build", target, cache, args.steps), cache),

@@ -488,8 +488,14 @@ def _fsync(path: Path) -> None:
 
 
 def _dataset_record(result: PrepareResult, files: Sequence[InputFile], text_key: str) -> dict:
+    inputs = [_relative_to_record(f.path, result.prefix) for f in files[:1000]]
     return {"documents": result.documents, "empty_documents_skipped": result.empty_documents,
             "sequences": result.sequences, "tokens": result.tokens, "dtype": result.dtype,
             "append_eod": True, "text_key": text_key, "input_bytes": result.input_bytes,
-            "input_files": len(files), "inputs": [str(f.path.resolve()) for f in files[:1000]],
-            "dsforge_version": dsforge.__version__}
+            "input_files": len(files), "inputs": inputs, "dsforge_version": dsforge.__version__}
+
+
+def _relative_to_record(path: Path, prefix: Path) -> str:
+    """An input's path relative to the folder of PREFIX.tokenizer.json: the record moves with
+    its dataset and a shipped one names no machine's checkout or home folder."""
+    return os.path.relpath(path.resolve(), Path(prefix).resolve().parent)
