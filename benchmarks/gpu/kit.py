@@ -11,10 +11,12 @@ one after another from the repository root: install the carried wheels, check th
 then the measurements, each within what is left of the command's budget (a step that no
 longer fits is skipped and says so). The steps run with the machine's environment as a user
 has it: the kit sets nothing dsforge itself does not (TORCH_CUDA_ARCH_LIST stays as the image
-sets it). Everything lands in --out (the device tool's $OUT): table.md, results.json, kit.log,
-kit-files.tar.gz (logs, run directories' small files, bench databases and reports) and
-torch_extensions.tar.gz when DeepSpeed built ops (carry it to the next command). The table is
-printed last.
+sets it). Everything lands in --out (the device tool's $OUT) as a results folder ready to commit
+(kit_records.pack_out): table.md, results.json, peers.json and peers.png where peers ran, each
+run's summary, manifest, recipe and metrics.jsonl, and records.tar.gz with the rest (kit.log,
+logs, plans, bench databases); machine paths written as <checkout>, <home>, <work>, <out>.
+torch_extensions.tar.gz comes back when DeepSpeed built ops (carry it to the next command).
+The table is printed last.
 
 --dry-run needs no GPU: it checks the wheels and pins, every recipe and study the measurements
 use (valid for one GPU, fitting the H100 and H200 by dsforge's memory model, no two runs
@@ -50,6 +52,7 @@ import corpus as kit_corpus
 import kit_fake
 import kit_peers
 import kit_plan
+import kit_records
 import kit_results
 import kit_wheels
 from dsforge.units import GiB
@@ -57,7 +60,6 @@ from kit_plan import CALL_BUDGET_S, MEASUREMENTS, PLANNED_GPUS, SELECTIONS, Cont
 
 DEFAULT_WORK = Path("/tmp/dsforge-gpu-kit")
 EXTENSION_CACHE = kit_wheels.WHEELS / "cache" / "torch_extensions.tar.gz"
-ARCHIVE_FILE_LIMIT = 4 * 1024**2  # larger files stay out of kit-files.tar.gz
 RETURN_FILE_LIMIT = 16 * 1024**2  # the device tool's limit per returned file
 SAMPLED = ("pytest", "run", "bench", "adam")  # steps whose peak GPU memory nvidia-smi records
 
@@ -531,8 +533,10 @@ def restore_extension_cache(work: Path, log: Log) -> None:
 
 
 def write_outputs(steps: list[Step], records: dict, ctx: Context, out: Path, command: str) -> str:
-    """results.json, table.md and kit-files.tar.gz in OUT (rewritten after every step, so a
-    command cut short still returns what it measured); returns the table."""
+    """OUT as a packed results folder (kit_records.pack_out): table.md, results.json,
+    peers.json and its chart, each run's summary, manifest, recipe and metrics, the rest in
+    records.tar.gz, machine paths written as <checkout>, <home>, <work>, <out>. Rewritten after
+    every step, so a command cut short still returns what it measured; returns the table."""
     result = kit_results.collect(steps, records, ctx.work, ctx.gpu)
     result["command"] = command
     table = kit_results.render(result)
@@ -541,20 +545,12 @@ def write_outputs(steps: list[Step], records: dict, ctx: Context, out: Path, com
     if result["peers"]:
         (out / "peers.json").write_text(json.dumps(result["peers"], indent=2) + "\n")
         kit_peers.chart(result["peers"], out / "peers.png")
-    archive_work(ctx.work, out / "kit-files.tar.gz")
+    pack(ctx, out, final=False)
     return table
 
 
-def archive_work(work: Path, target: Path) -> None:
-    skip_dirs = {"torch_extensions", "checkpoints", "out"}
-    partial = target.with_suffix(".partial")
-    with tarfile.open(partial, "w:gz") as archive:
-        for path in sorted(work.rglob("*")):
-            inside = path.relative_to(work)
-            if path.is_file() and not skip_dirs & set(inside.parts) and \
-                    path.stat().st_size <= ARCHIVE_FILE_LIMIT:
-                archive.add(path, arcname=str(inside))
-    partial.replace(target)
+def pack(ctx: Context, out: Path, final: bool) -> None:
+    kit_records.pack_out(out, ctx.work, kit_records.default_places(REPO, ctx.work, out), final=final)
 
 
 def save_extension_cache(work: Path, out: Path, log: Log) -> None:
@@ -596,8 +592,11 @@ def execute(measurements: list[kit_plan.Measurement], args: argparse.Namespace) 
             break
         write_outputs(steps, records, ctx, args.out, args.command)
     save_extension_cache(args.work, args.out, log)
-    table = write_outputs(steps, records, ctx, args.out, args.command)
-    log(table)
+    log(write_outputs(steps, records, ctx, args.out, args.command))
+    pack(ctx, args.out, final=True)  # kit.log into the archive: nothing is logged after this
+    if (args.out / kit_records.ARCHIVE).stat().st_size > RETURN_FILE_LIMIT:
+        print(f"kit: {kit_records.ARCHIVE} is over the 16 MiB the device tool returns; it will "
+              "not come back", flush=True)
     return 0 if all(r["status"] in ("ok", "skipped") for r in records.values()) else 1
 
 

@@ -34,6 +34,16 @@ kit_plan, kit_results, kit_wheels = kit.kit_plan, kit.kit_results, kit.kit_wheel
 kit_fake = kit.kit_fake
 
 
+@pytest.fixture(autouse=True)
+def corpus():
+    """Every run resolves on the kit's corpus: the built one, else the dry run's stand-in (CI
+    has no carried folder); reset after each test, since the driver's tests point it elsewhere."""
+    built = kit.kit_corpus.built(kit_plan.CORPUS)
+    kit_plan.use_corpus(kit_plan.CORPUS if built else kit.kit_corpus.stand_in())
+    yield kit_plan.corpus()
+    kit_plan.use_corpus(kit_plan.CORPUS)
+
+
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
 def test_dry_run_passes_without_wheels_and_prints_every_command(gpu, tmp_path, capsys):
     code = kit.main(["--dry-run", "--gpu", gpu, "--wheels", str(tmp_path / "absent"), "all"])
@@ -357,6 +367,22 @@ def test_the_peer_runs_the_job_of_its_dsforge_run_and_peers_json_matches_them(gp
     assert kit.kit_peers.chart(rows, tmp_path / "peers.png").stat().st_size > 0
 
 
+def _carried(tmp_path) -> str:
+    """A carried folder whose corpus counts as built (the driver refuses to start without one)."""
+    corpus = tmp_path / "wheels" / "corpus"
+    corpus.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        (corpus / f"{kit.kit_corpus.NAME}{suffix}").write_bytes(b"")
+    return str(tmp_path / "wheels")
+
+
+def test_the_driver_refuses_to_start_without_the_corpus(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert kit.main(["--out", str(out), "--work", str(tmp_path / "w"), "--wheels",
+                     str(tmp_path / "absent"), "--gpu", "h100", "gemm"]) == 2
+    assert "no corpus at" in (out / "kit.log").read_text() and "build_kit.sh" in capsys.readouterr().out
+
+
 def _step(name, code, expected=1.0, timeout=30.0, kind="gemm"):
     return kit.Step(name=name, kind=kind, argv=(sys.executable, "-c", code), expected_s=expected,
                     timeout_s=timeout)
@@ -370,7 +396,8 @@ def test_the_driver_runs_steps_within_the_budget_and_writes_its_files(tmp_path, 
     monkeypatch.setattr(kit.kit_plan, "steps", lambda measurements, ctx: steps)
     out, work = tmp_path / "out", tmp_path / "work"
     started = time.monotonic()
-    code = kit.main(["--out", str(out), "--work", str(work), "--gpu", "h100", "--budget", "300", "gemm"])
+    code = kit.main(["--out", str(out), "--work", str(work), "--gpu", "h100", "--budget", "300",
+                     "--wheels", _carried(tmp_path), "gemm"])
     assert time.monotonic() - started < 30  # the slow step's group was stopped at its limit
     assert code == 1
     results = json.loads((out / "results.json").read_text())
@@ -378,11 +405,13 @@ def test_the_driver_runs_steps_within_the_budget_and_writes_its_files(tmp_path, 
     assert status == {"fine": "ok", "broken": "failed (3)", "slow": "timeout",
                       "too-long": "skipped", "unplanned": "skipped"}
     assert (work / "logs" / "fine.log").read_text() == "hello\n"
-    with tarfile.open(out / "kit-files.tar.gz") as archive:
-        assert "logs/fine.log" in archive.getnames()
+    with tarfile.open(out / "records.tar.gz") as archive:  # packed: the logs are records
+        assert {"logs/fine.log", "kit.log"} <= set(archive.getnames())
+    assert not (out / "kit.log").exists() and not (out / "logs").exists()
     assert "| too-long | skipped |" in (out / "table.md").read_text()
-    assert capsys.readouterr().out.rstrip().endswith((out / "table.md").read_text().rstrip())
-    assert "kit: " in (out / "kit.log").read_text()
+    # printed last; table.md has machine paths written as <checkout>, <out>, ...
+    assert capsys.readouterr().out.rstrip().endswith((out / "table.md").read_text().rstrip().splitlines()[-1])
+    assert str(out) not in (out / "table.md").read_text()
 
 
 def test_a_failed_required_step_stops_the_command(tmp_path, monkeypatch):
@@ -390,7 +419,8 @@ def test_a_failed_required_step_stops_the_command(tmp_path, monkeypatch):
                       expected_s=1, timeout_s=30, required=True), _step("after", "print(1)")]
     monkeypatch.setattr(kit.kit_plan, "steps", lambda measurements, ctx: steps)
     out = tmp_path / "out"
-    assert kit.main(["--out", str(out), "--work", str(tmp_path / "w"), "--gpu", "h100", "gemm"]) == 1
+    assert kit.main(["--out", str(out), "--work", str(tmp_path / "w"), "--gpu", "h100",
+                     "--wheels", _carried(tmp_path), "gemm"]) == 1
     status = {s["name"]: s["status"] for s in json.loads((out / "results.json").read_text())["steps"]}
     assert status == {"env": "failed (1)", "after": "not run"}
 
