@@ -249,7 +249,8 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
     # The headline (issue 39: >= 10 measured steps on real tokens): on an H200 the 7B as
     # shipped (ZeRO-0 without checkpointing at mb 1 and 32 sequences, the fastest measured:
     # 55.2-56.1% MFU); an 80 GB H100 holds no 7B without offload, so there the kit's 3B as
-    # shipped (ZeRO-0 without checkpointing at mb 2 and 32 sequences: 51.3-52.8%, 68.0 GiB).
+    # shipped (ZeRO-0 without checkpointing at mb 2 and 32 sequences: 51.3-52.8% without a
+    # manifest, 50.7% with one at 16 sequences; 68.0 GiB).
     Measurement(name="anchor", about="recipes/7b_1gpu.yaml as shipped (H200); the kit's 3B as "
                                      "shipped (H100); each with its breakdown",
                 runs=(_run("7b-shipped", SEVEN_B, gpus=("h200",), start=START_7B, step=STEP_7B_SHIPPED),
