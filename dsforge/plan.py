@@ -22,6 +22,7 @@ from dsforge.problems import errors
 from dsforge.recipe.resolve import Resolved
 from dsforge.recipe.validate import validate
 from dsforge.schema import padded_vocab_size
+from dsforge.translate.compiled import compiled_with
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.groups import rank_groups
@@ -75,6 +76,7 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
             "adam": adam_impl(train=train, zero=zero, device=device),
             "built_at_run_time": list(ops_built_at_run_time(train=train, zero=zero, device=device)),
             "kernels": kernels.impl, "kernels_why": kernels.why, "sdpa_backend": model.sdpa_backend,
+            "compile": compiled_with(model.compile),
             **({"experts": experts.impl, "experts_why": experts.why} if experts else {})},
         "params": {"total": params.total, "active": params.active,
                    "padded_vocab_size": padded_vocab_size(model.vocab_size, layout.tp)},
@@ -217,8 +219,9 @@ def _render_implementations(impl: dict[str, Any]) -> str:
     built = ", ".join(impl["built_at_run_time"])
     builds = f"builds {built} when the ranks start" if built else "builds nothing at run time"
     experts = f"; MoE experts: {impl['experts']} ({impl['experts_why']})" if "experts" in impl else ""
+    compiled = f"; compiled: {impl['compile']}" if impl.get("compile", "none") != "none" else ""
     return (f"  optimizer: {_ADAM[impl['adam']]} ({builds}); kernels: {impl['kernels']} "
-            f"({impl['kernels_why']}); attention: SDPA {impl['sdpa_backend']}{experts}")
+            f"({impl['kernels_why']}); attention: SDPA {impl['sdpa_backend']}{experts}{compiled}")
 
 
 def _on_off(flag: bool) -> str:

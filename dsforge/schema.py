@@ -33,6 +33,7 @@ TORCH_ADAM_IMPLS = ("fused", "foreach", "for-loop")  # the ones that are torch.o
 Kernels = Literal["auto", "torch", "liger"]
 # torch.nn.attention.SDPBackend to use; auto = torch's own choice.
 SdpaBackend = Literal["auto", "flash", "cudnn", "efficient", "math"]
+Compile = Literal["none", "layers"]
 
 
 # Largest values dsforge accepts. Far beyond any real model or cluster, they keep every loop
@@ -128,6 +129,9 @@ class ModelConfig:
     # operations, or Liger Kernel's fused Triton kernels (GPU only); auto picks per device.
     kernels: Kernels = "auto"
     sdpa_backend: SdpaBackend = "auto"  # the attention kernel torch's SDPA may use
+    # none: eager; layers: each transformer layer compiled once with torch.compile (regional
+    # compilation, runtime/build/compile.py; rules CM1-CM2).
+    compile: Compile = "none"
 
     def __post_init__(self) -> None:
         c = Checks()

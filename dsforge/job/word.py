@@ -23,8 +23,8 @@ from typing import Mapping
 from dsforge.problems import Problem, RecipeError
 
 # Variables forwarded to every rank (inside the job word, never through a shell).
-FORWARD_PREFIXES = ("DSFORGE_", "NCCL_", "GLOO_", "TORCH_", "CUDA_DEVICE_MAX_CONNECTIONS",
-                    "OMP_NUM_THREADS", "PYTHONPATH")
+FORWARD_PREFIXES = ("DSFORGE_", "NCCL_", "GLOO_", "TORCH_", "TORCHINDUCTOR_", "TRITON_",
+                    "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS", "PYTHONPATH")
 
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:

@@ -104,11 +104,12 @@ def version_problems(host: str, remote: dict, reference: dict) -> list[Problem]:
 
 
 def _builds(fit) -> bool:
-    """Whether the job's ranks build a DeepSpeed op on any device (then the hosts' build
-    tools are probed)."""
+    """Whether the job's ranks build a DeepSpeed op on any device, or compile their layers
+    (then the hosts' build tools are probed)."""
     from dsforge.translate.build_env import job_ops
 
-    return fit is not None and any(job_ops(fit[0], device) for device in ("cuda", "cpu"))
+    return fit is not None and (fit[0].recipe.model.compile != "none"  # inductor's compiler
+                                or any(job_ops(fit[0], device) for device in ("cuda", "cpu")))
 
 
 def _reference_versions(local: dict, hosts: list[str], results: list) -> dict:
@@ -145,6 +146,7 @@ def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
 
 def _fit(host: str, slots: int, probed: dict, probed_versions: dict, fit) -> list[Problem]:
     from dsforge.launch.fit import Machine, device_for, fit_problems
+    from dsforge.translate.compiled import compile_problems
     from dsforge.translate.kernels import device_problems
 
     resolved, device = fit
@@ -154,6 +156,8 @@ def _fit(host: str, slots: int, probed: dict, probed_versions: dict, fit) -> lis
     device = device_for(device, machine)
     liger = probed_versions.get("liger-kernel") is not None
     r = resolved.recipe
+    compiler = machine.build.cxx_path if machine.build is not None else None
     return (device_problems(r.model, device=device, precision=r.train.precision,
                             liger_available=liger)
+            + compile_problems(r.model, compiler=compiler, cache_dir=None, host=host)
             + fit_problems(resolved, machine, device=device, ranks=slots))

@@ -30,6 +30,7 @@ from dsforge.problems import Problem, RecipeError, errors
 from dsforge.recipe import Resolved
 from dsforge.recipe.tiny import reference_resolved, tiny_resolved
 from dsforge.translate.build_env import BUILD_RULES, build_problems, job_ops
+from dsforge.translate.compiled import compile_problems, inductor_cache_dir
 from dsforge.translate.kernels import device_problems, liger_installed
 from dsforge.units import format_bytes
 
@@ -112,6 +113,18 @@ def _refuse_missing_kernels(command: list[str], resolved: Resolved, device: str)
     if unrunnable:  # rules K1, X1 (translate/kernels.py)
         raise Refused(f"{command[2]} asks for kernels its {device.upper()} ranks here do not have",
                       unrunnable, "ways forward: use the fixes above, or run on GPUs")
+    _refuse_uncompilable(command, resolved)
+
+
+def _refuse_uncompilable(command: list[str], resolved: Resolved) -> None:
+    """Rules CM4, CM5 (translate/compiled.py): inductor's compiler and cache, here."""
+    if resolved.recipe.model.compile == "none":
+        return
+    problems = compile_problems(resolved.recipe.model, compiler=build_facts()["cxx_path"],
+                                cache_dir=str(inductor_cache_dir()), host="this machine")
+    if problems:
+        raise Refused(f"{command[2]} compiles its layers, which this machine cannot do",
+                      problems, "ways forward: use the fixes above")
 
 
 def _refuse_builds(command: list[str], host: str, problems: list[Problem]) -> None:

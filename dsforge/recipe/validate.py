@@ -369,6 +369,33 @@ def optimizer_offload(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
                           "zero.offload_optimizer: none")
 
 
+def compiled_layers(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
+    """CM1: compiled layers with ZeRO-3, whose parameter hooks torch.compile cannot trace
+    (DeepSpeed disables compilation inside them: a graph break at every linear layer);
+    CM2: compiled MoE layers, whose token dispatch sizes every expert's work from the data (a
+    graph, and a recompile, per expert batch shape); CM3: compiled layers with tensor
+    parallelism (measured: torch.compile fails). runtime/build/compile.py."""
+    if recipe.model.compile == "none":
+        return
+    if recipe.zero.stage == 3:
+        yield Problem(rule="CM1", fields={"model.compile": "layers", "zero.stage": 3},
+                      message="ZeRO-3 gathers each layer's weights in hooks torch.compile "
+                              "cannot trace: every linear layer would break the graph",
+                      fix="use zero.stage: 0, 1 or 2 with compiled layers, or model.compile: none")
+    if recipe.parallel.tp > 1:
+        yield Problem(rule="CM3", fields={"model.compile": "layers", "parallel.tp": recipe.parallel.tp},
+                      message="torch.compile fails inside Megatron-Core's tensor-parallel "
+                              "attention (an internal error where the tensor-parallel "
+                              "communication breaks the graph; torch 2.13, Megatron-Core 0.16.1)",
+                      fix="use parallel.tp: 1 with compiled layers (dp, pp and cp compile), or "
+                          "model.compile: none")
+    if recipe.model.moe is not None:
+        yield Problem(rule="CM2", fields={"model.compile": "layers", "model.moe": "set"},
+                      message="an MoE layer's token dispatch sizes each expert's batch from the "
+                              "data, which breaks and recompiles the layer's graph",
+                      fix="use model.compile: none for MoE models")
+
+
 def profile_within_run(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """R4: the steps tracking.profile traces are steps of the run."""
     steps, traced = recipe.train.steps, recipe.tracking.profile_range
@@ -394,7 +421,8 @@ RULES: tuple[Rule, ...] = (
     parallel_arithmetic, tensor_parallel_in_node, batch_arithmetic, pipeline_layers,
     pipeline_microbatches, pipeline_embeddings, tensor_parallel_shapes, context_parallel,
     sequence_length,
-    expert_parallel, zero_with_pipeline, optimizer_offload, *DATA_RULES, profile_within_run,
+    expert_parallel, zero_with_pipeline, optimizer_offload, compiled_layers, *DATA_RULES,
+    profile_within_run,
     optional_packages,
     hugging_face_start,
 )

@@ -110,6 +110,10 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
         init_layout_invariant(chunks, seed=recipe.train.seed, std=recipe.model.init_std,
                               num_layers=recipe.model.num_layers)
     startup.mark("weights")
+    if recipe.model.compile == "layers":  # after the weights: compiling changes no parameter
+        from dsforge.runtime.build.compile import compile_layers
+
+        compile_layers(chunks, selective=recipe.train.activation_checkpointing == "selective")
     container = ModelChunks(chunks)
     return container, attach_gradient_hooks(container), kernels, experts
 

@@ -210,7 +210,8 @@ def _compile_cause(what: str, evidence: Evidence, env: Mapping[str, str], *,
                           "set TRITON_PTXAS_PATH to the ptxas of a CUDA toolkit that knows this "
                           "GPU, or run the plain kernels: --set model.kernels=torch")
     return BuildCause(what, _quoted(evidence),
-                      "run the plain kernels, nothing compiled: --set model.kernels=torch")
+                      "run with nothing compiled: --set model.compile=none where the recipe "
+                      "compiles its layers, and the plain kernels: --set model.kernels=torch")
 
 
 def _text(evidence: Evidence) -> str:

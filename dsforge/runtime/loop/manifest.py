@@ -92,16 +92,18 @@ def environment_manifest(device: torch.device, layout: dict, implementations: di
 
 
 def implementations(optimizer, *, kernels: str, kernels_why: str, sdpa_backend: str,
-                    experts=None) -> dict:
+                    experts=None, compiled: str = "none") -> dict:
     """What the engine was built with: DeepSpeed's optimizer wrappers around the torch
     optimizer (outermost first) and how that one steps; the kernels and why; the SDPA backend
-    as set (auto: torch chooses per call); an MoE model's experts (translate/experts.py) and why."""
+    as set (auto: torch chooses per call); what was compiled ("layers (inductor)"); an MoE
+    model's experts (translate/experts.py) and why."""
     chain = optimizer_chain(optimizer)
     inner = chain[-1]
     return {"optimizer": [type(o).__name__ for o in chain],
             "optimizer_fused": bool(getattr(inner, "defaults", {}).get("fused")),
             "optimizer_foreach": bool(getattr(inner, "defaults", {}).get("foreach")),
             "kernels": kernels, "kernels_why": kernels_why, "sdpa_backend": sdpa_backend,
+            "compile": compiled,
             **({"experts": experts.impl, "experts_why": experts.why} if experts else {})}
 
 

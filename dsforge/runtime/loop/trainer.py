@@ -35,6 +35,8 @@ from dsforge.runtime.loop.phase_hooks import marking
 from dsforge.runtime.loop.profiler import open_profiler
 from dsforge.runtime.loop.timers import median_bubble
 from dsforge.runtime.loop.tracking import open_tracker
+from dsforge.runtime.build.compile import CompileReport
+from dsforge.translate.compiled import compiled_with
 from dsforge.runtime.startup import StartupClock
 from dsforge.units import MiB
 
@@ -72,6 +74,7 @@ class Trainer:
         gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.peak_flops = gpu.peak_bf16_flops if gpu else None  # None: MFU not available
         self.guard = health.Guard(recipe.train)
+        self.compiled = CompileReport() if recipe.model.compile == "layers" else None
         self.halted: Halted | None = None  # set when the ranks stop because training went bad
         self.last_step_bad = False  # the last step was non-finite (its update dropped)
         self.resumed: dict | None = None  # the checkpoint's record and what changed, on resume
@@ -205,11 +208,22 @@ class Trainer:
             self._warn_breakdown(self.timings.problem)
         bad = self.guard.judge(step, seen)
         self.last_step_bad = bad is not None and bad.kind == "nonfinite"
+        if self.compiled is not None:
+            self._after_compiled_step(step)
         if self.reporter:
             self._report(step, seen, lr, elapsed, ended_at, data_time,
                          reading.phases if reading else None)
         if bad is not None:
             self._on_bad_step(bad, loss)
+
+    def _after_compiled_step(self, step: int) -> None:
+        """The compile time joins the start-up breakdown; a recompile after the warm-up is
+        said once, by the rank it happened on (runtime/build/compile.py)."""
+        said = self.compiled.after_step(step, warm=step >= self._first_timed_step())
+        if self.compiled.compile_s is not None:
+            self.startup.phases["compile"] = self.compiled.compile_s
+        if said and (self.reporter or said.startswith("warning")):
+            self.console.say(f"dsforge: {said} (rank {torch.distributed.get_rank()})")
 
     def _on_bad_step(self, bad: health.BadStep, loss: torch.Tensor | None) -> None:
         """Which ranks' losses were not finite (every rank takes part), then the reporting
@@ -307,10 +321,10 @@ class Trainer:
     def _write_manifest(self) -> None:
         from dsforge.runtime.loop.manifest import environment_manifest, implementations
 
+        model = self.resolved.recipe.model
         used = implementations(self.engine.optimizer, kernels=self.kernels.impl,
-                               kernels_why=self.kernels.why,
-                               sdpa_backend=self.resolved.recipe.model.sdpa_backend,
-                               experts=self.experts)
+                               kernels_why=self.kernels.why, sdpa_backend=model.sdpa_backend,
+                               experts=self.experts, compiled=compiled_with(model.compile))
         manifest = environment_manifest(self.device, asdict(self.resolved.layout), used)
         if self.resumed is not None:  # the checkpoint continued and the recipe's changes
             manifest["resumed"] = self.resumed
