@@ -18,6 +18,7 @@ from dsforge.problems import Checks, Problem, did_you_mean
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Checkpointing = Literal["none", "selective", "full"]
+Fp8 = Literal["none", "tensorwise", "rowwise"]
 Offload = Literal["none", "cpu"]
 LrDecay = Literal["cosine", "linear", "constant"]
 # How an MoE layer runs its experts (translate/experts.py says what each means).
@@ -286,6 +287,9 @@ class TrainConfig:
     adam_impl: AdamImpl = "auto"  # auto: torch's fused AdamW on GPUs (nothing to build)
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     precision: Precision = "bf16"
+    # float8 GEMMs in the transformer layers' linear layers (torchao's dynamic scaling), the
+    # rest as in bf16; needs precision bf16 (runtime/build/fp8.py, rules FP1-FP6).
+    fp8: Fp8 = "none"
     activation_checkpointing: Checkpointing = "none"
     seed: int = 1234
     timing_warmup: int = 1  # first steps left out of timing summaries (marked in metrics)

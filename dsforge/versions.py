@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-# liger-kernel: model.kernels auto picks it where installed, so every host must agree (the
-# machine that launches the job need not have it: RANKS_ONLY, compared among the hosts)
-PACKAGES = ("torch", "deepspeed", "megatron-core", "dsforge", "liger-kernel")
-RANKS_ONLY = ("liger-kernel",)
+# liger-kernel: model.kernels auto picks it where installed; torchao: train.fp8's float8 GEMMs.
+# Every host must agree (the machine that launches the job need not have them: RANKS_ONLY,
+# compared among the hosts).
+PACKAGES = ("torch", "deepspeed", "megatron-core", "dsforge", "liger-kernel", "torchao")
+RANKS_ONLY = ("liger-kernel", "torchao")
 
 
 def package_versions() -> dict[str, str | None]:

@@ -512,11 +512,13 @@ def peer_steps(peer: PeerSpec, m: Measurement, ctx: Context) -> list[Step]:
 def install_requirements() -> list[str]:
     """What the install step asks pip for; pip takes the rest from the wheels folder as
     needed (packages the image already has at suitable versions stay as they are).
-    liger-kernel by name: dsforge's `gpu` extra, so `model.kernels: auto` picks Liger's
-    kernels on the GPU as a user's `pip install 'dsforge[gpu]'` would."""
+    liger-kernel and torchao by name: dsforge's `gpu` extra, so `model.kernels: auto` picks
+    Liger's kernels and train.fp8 finds torchao on the GPU as after a user's
+    `pip install 'dsforge[gpu]'`."""
     pins = {p.name: p.version for p in read_pins()}
     return [f"dsforge=={dsforge_version()}", f"deepspeed=={pins['deepspeed']}",
-            f"megatron-core=={pins['megatron-core']}", f"liger-kernel=={pins['liger-kernel']}"]
+            f"megatron-core=={pins['megatron-core']}", f"liger-kernel=={pins['liger-kernel']}",
+            f"torchao=={pins['torchao']}"]
 
 
 INSTALL = Estimate(8, f"{KIT}: 6 s, liger-kernel included")

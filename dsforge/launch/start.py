@@ -31,6 +31,7 @@ from dsforge.recipe import Resolved
 from dsforge.recipe.tiny import reference_resolved, tiny_resolved
 from dsforge.translate.build_env import BUILD_RULES, build_problems, job_ops
 from dsforge.translate.compiled import compile_problems, inductor_cache_dir
+from dsforge.translate.fp8 import fp8_device_problems, torchao_installed
 from dsforge.translate.kernels import device_problems, liger_installed
 from dsforge.units import format_bytes
 
@@ -110,10 +111,22 @@ def _refuse_missing_kernels(command: list[str], resolved: Resolved, device: str)
     unrunnable = device_problems(resolved.recipe.model, device=device,
                                  precision=resolved.recipe.train.precision,
                                  liger_available=liger_installed())
-    if unrunnable:  # rules K1, X1 (translate/kernels.py)
+    if resolved.recipe.train.fp8 != "none":
+        unrunnable += fp8_device_problems(resolved.recipe.train.fp8, device=device,
+                                          capability=_capability(probe()),
+                                          torchao_available=torchao_installed())
+    if unrunnable:  # rules K1, X1 (translate/kernels.py), FP6 (translate/fp8.py)
         raise Refused(f"{command[2]} asks for kernels its {device.upper()} ranks here do not have",
                       unrunnable, "ways forward: use the fixes above, or run on GPUs")
     _refuse_uncompilable(command, resolved)
+
+
+def _capability(probed: dict) -> tuple[int, int] | None:
+    """The lowest compute capability of this machine's GPUs that dsforge/hardware.py knows."""
+    from dsforge.hardware import gpu_for_device_name
+
+    known = [gpu_for_device_name(g["name"]) for g in probed.get("gpus") or []]
+    return min((g.capability for g in known if g is not None), default=None)
 
 
 def _refuse_uncompilable(command: list[str], resolved: Resolved) -> None:

@@ -62,11 +62,11 @@ def test_compile_is_off_by_default_and_layers_validate():
                  world_size=2)
 
 
-def _explain(layer, hidden: int, rope) -> dict:
+def _explain(layer, hidden: int, rope, dtype=torch.float32) -> dict:
     import torch._dynamo
 
     torch._dynamo.reset()
-    x = torch.randn(SEQ, BATCH, hidden, requires_grad=True)
+    x = torch.randn(SEQ, BATCH, hidden, dtype=dtype, requires_grad=True)
     found = torch._dynamo.explain(lambda t: layer(t, attention_mask=None, rotary_pos_emb=rope))(x)
     return {"graphs": found.graph_count, "breaks": found.graph_break_count,
             "reasons": [r.reason.splitlines()[0] for r in found.break_reasons]}

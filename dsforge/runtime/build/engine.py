@@ -110,6 +110,11 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
         init_layout_invariant(chunks, seed=recipe.train.seed, std=recipe.model.init_std,
                               num_layers=recipe.model.num_layers)
     startup.mark("weights")
+    if recipe.train.fp8 != "none":  # before compiling, so compiled layers fuse the casts
+        from dsforge.runtime.build.fp8 import device_check, float8_linears
+
+        device_check(recipe.train.fp8, device)
+        float8_linears(chunks, recipe.train.fp8)
     if recipe.model.compile == "layers":  # after the weights: compiling changes no parameter
         from dsforge.runtime.build.compile import compile_layers
 
