@@ -76,7 +76,7 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
             "adam": adam_impl(train=train, zero=zero, device=device),
             "built_at_run_time": list(ops_built_at_run_time(train=train, zero=zero, device=device)),
             "kernels": kernels.impl, "kernels_why": kernels.why, "sdpa_backend": model.sdpa_backend,
-            "compile": compiled_with(model.compile),
+            "compile": compiled_with(model.compile), "fp8": train.fp8,
             **({"experts": experts.impl, "experts_why": experts.why} if experts else {})},
         "params": {"total": params.total, "active": params.active,
                    "padded_vocab_size": padded_vocab_size(model.vocab_size, layout.tp)},
@@ -220,6 +220,7 @@ def _render_implementations(impl: dict[str, Any]) -> str:
     builds = f"builds {built} when the ranks start" if built else "builds nothing at run time"
     experts = f"; MoE experts: {impl['experts']} ({impl['experts_why']})" if "experts" in impl else ""
     compiled = f"; compiled: {impl['compile']}" if impl.get("compile", "none") != "none" else ""
+    compiled += f"; float8 GEMMs: {impl['fp8']} (torchao)" if impl.get("fp8", "none") != "none" else ""
     return (f"  optimizer: {_ADAM[impl['adam']]} ({builds}); kernels: {impl['kernels']} "
             f"({impl['kernels_why']}); attention: SDPA {impl['sdpa_backend']}{experts}{compiled}")
 

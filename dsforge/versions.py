@@ -12,10 +12,11 @@ RANKS_ONLY = ("liger-kernel", "torchao")
 
 
 def package_versions() -> dict[str, str | None]:
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return {name: package_version(name) for name in PACKAGES}
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None

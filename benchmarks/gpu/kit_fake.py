@@ -158,7 +158,7 @@ def _fake_records(predicted: dict, tokens_per_step: int, peak: float, allocated:
     per_gpu = FAKE_MFU * peak / predicted["flops_per_token"]
     hfu = FAKE_MFU * predicted["hardware_flops_per_token"] / predicted["flops_per_token"]
     step_s = tokens_per_step / per_gpu
-    return [StepRecord(step=i, warmup=i < train.timing_warmup, loss=10.4 - 0.3 * i, grad_norm=1.0, lr=3e-4,
+    return [StepRecord(step=i, warmup=i < train.timing_warmup, loss=10.4 * 0.97 ** i, grad_norm=1.0, lr=3e-4,
                        step_time_s=step_s, tokens_per_s=per_gpu, tokens_per_s_per_gpu=per_gpu,
                        tflops_per_gpu=per_gpu * predicted["flops_per_token"] / 1e12, mfu=FAKE_MFU, hfu=hfu,
                        peak_memory_bytes=allocated, memory_source="FAKE",

@@ -102,6 +102,33 @@ PEER_LOOP_START = Estimate(20, "guess: imports and a model built on the GPU")
 # the compute): ~1.45x dsforge's step at the same job (a guess, to be measured).
 STEP_PEER_7B = Estimate(4.2, "guess: ~1.45 x dsforge's 2.87 s (full checkpointing, no fusions)")
 STEP_PEER_3B = Estimate(2.8, "guess: ~1.45 x dsforge's 1.96 s")
+# Issue 40's predictions, written before any compiled or float8 run on a GPU: the calibrated
+# H200 profile (results/2026-11-27-h200, profile-7b.yaml) with the issue-40 terms
+# (search/profile.py: compiled_other_share 0.6, fp8_gemm_speedup 1.6, fp8_eager_cast_share
+# 0.5) gives the 7B at 8 sequences 2.74 s eager, 2.51 compiled (1.09x), 2.41 fp8 eager
+# (1.14x), 1.89 fp8 compiled (1.45x); scaled to the measured eager step (2.87 s):
+PREDICTED_SPEEDUP = {"compiled": 1.09, "fp8-eager": 1.14, "fp8-compiled": 1.45,
+                     "fp8-rowwise-compiled": 1.45}
+PEER_COMPILE_DSFORGE = Estimate(60, "guess: inductor compiling one 7B layer's forward and backward")
+STEP_1B_FP8 = Estimate(0.80, "guess: the 1B at 1.13 s a step over issue 40's 1.4x")
+
+
+def _compile_fp8_variants(base: Estimate) -> tuple[tuple[str, tuple[str, ...], Estimate], ...]:
+    """(label, overrides, step estimate) of each variant, its step the eager one's over the
+    predicted speed-up (guesses: none has run on a GPU)."""
+    sets = {"eager-bf16": (), "compiled": ("model.compile=layers",),
+            "fp8-eager": ("train.fp8=tensorwise",),
+            "fp8-compiled": ("train.fp8=tensorwise", "model.compile=layers"),
+            "fp8-rowwise-compiled": ("train.fp8=rowwise", "model.compile=layers")}
+    out = []
+    for variant, overrides in sets.items():
+        ratio = PREDICTED_SPEEDUP.get(variant)
+        step = base if ratio is None else Estimate(
+            round(base.seconds / ratio, 2), f"guess: {base.seconds:g} s over the predicted {ratio}x")
+        out.append((variant, overrides, step))
+    return tuple(out)
+
+
 PEER_OOM_RETRY = Estimate(15, "guess: a first try without checkpointing that runs out of memory")
 PEER_COMPILE = Estimate(75, "guess: inductor compiling one decoder layer's forward and backward "
                             "(and the retry without checkpointing)")
@@ -155,6 +182,7 @@ class PeerSpec:
 class Measurement:
     name: str
     about: str
+    baseline: str | None = None  # the run label suffix the table divides the others' steps by
     runs: tuple[RunSpec, ...] = ()
     studies: tuple[StudySpec, ...] = ()
     peers: tuple[PeerSpec, ...] = ()
@@ -300,6 +328,28 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
                             for size, gpu, step in (("7b", "h200", STEP_PEER_7B),
                                                     ("3b", "h100", STEP_PEER_3B))
                             for mode in ("none", "layers"))),
+    # Issue 40: torch.compile and float8 GEMMs on the 7B (H200) or the 3B (H100), each at 8
+    # sequences a step: eager bf16, compiled layers, float8 eager, float8 + compiled (tensor-
+    # wise and rowwise). The ratios to eager bf16 are in the table with the planner's.
+    Measurement(name="compile-fp8", about="the 7B (H200) or 3B (H100) at 8 sequences: eager "
+                                          "bf16, compiled layers, fp8 tensorwise eager and "
+                                          "compiled, fp8 rowwise compiled; ratios to eager",
+                baseline="eager-bf16",
+                runs=tuple(_run(f"{size}-{variant}", recipe, *GB8, *sets, gpus=(gpu,), start=start,
+                                step=step, extra=PEER_COMPILE_DSFORGE if "compiled" in variant else None,
+                                shrunk=GB8_SHRUNK)
+                           for size, recipe, gpu, start, base in (("7b", SEVEN_B, "h200", START_7B, STEP_7B_GB8),
+                                                                  ("3b", THREE_B, "h100", START_3B, STEP_3B_GB8))
+                           for variant, sets, step in _compile_fp8_variants(base))),
+    # Issue 40: float8 follows bf16 on real tokens: the kit's 1B as shipped over 100 steps in
+    # bf16 and with fp8 (tensorwise, compiled), final loss within 1.5% (the mean of the last
+    # 10 steps).
+    Measurement(name="fp8-loss", about="the 1B as shipped, 100 steps in bf16 and in fp8 + "
+                                       "compiled layers on the corpus: the losses side by side",
+                runs=(_run("1b-loss-bf16", ONE_B, "train.steps=100", start=START_1B, step=STEP_1B_MB8),
+                      _run("1b-loss-fp8", ONE_B, "train.steps=100", "train.fp8=tensorwise",
+                           "model.compile=layers", start=START_1B, step=STEP_1B_FP8,
+                           extra=PEER_COMPILE_DSFORGE))),
     Measurement(name="gemm", script="gemm", timeout_s=180,
                 estimate=Estimate(10, f"{KIT}: 7 s, the GEMMs and four SDPA backends"),
                 about="bf16 GEMM throughput at the 1B/3B/7B shapes against the planner's "
@@ -385,6 +435,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "profiles": ("calibrate", "loop"),
     "experts": ("moe-experts",),
     "peers": ("peers",),
+    "compile-fp8": ("compile-fp8",),
+    "fp8-loss": ("fp8-loss",),
 }
 
 

@@ -28,7 +28,8 @@ from dsforge.hardware import gpu_for_device_name
 from dsforge.job.metrics_file import PHASES, is_validation
 from dsforge.units import GiB
 import kit_peers
-from kit_plan import CALIBRATED, LOOP_TOP, MEASUREMENTS, RunSpec, Step, StudySpec, resolve_run
+from kit_plan import (CALIBRATED, LOOP_TOP, MEASUREMENTS, PREDICTED_SPEEDUP, RunSpec, Step,
+                      StudySpec, resolve_run)
 from kit_wheels import dsforge_version
 
 PRECISION_TOLERANCE = 0.05  # |bf16 - fp32| / fp32 of the last-10-step mean loss
@@ -76,10 +77,11 @@ def losses(records: list[dict]) -> dict:
     three steps is below the first (one noisy last step does not decide it)."""
     values = [r["loss"] for r in records if r.get("loss") is not None]
     if not values:
-        return {"first_loss": None, "last_loss": None, "loss_falls": None}
+        return {"first_loss": None, "last_loss": None, "loss_falls": None, "tail_loss": None}
     tail = values[-3:]
     return {"first_loss": values[0], "last_loss": values[-1],
-            "loss_falls": len(values) > 1 and sum(tail) / len(tail) < values[0]}
+            "loss_falls": len(values) > 1 and sum(tail) / len(tail) < values[0],
+            "tail_loss": statistics.mean(values[-10:])}
 
 
 def provenance(manifest: dict) -> dict:
@@ -208,7 +210,8 @@ def collect(steps: list[Step], records: dict[str, dict], work: Path, gpu: str) -
         if step.kind in ("run", "skip") and isinstance(step.spec, RunSpec):
             record = {**records.get(step.name, {}), **({"status": "skipped", "note": step.note}
                                                         if step.kind == "skip" else {})}
-            result["runs"].append(run_row(step.spec, record, work, gpu))
+            result["runs"].append({**run_row(step.spec, record, work, gpu),
+                                   "measurement": step.measurement})
         elif step.kind == "bench":
             result["studies"][step.spec.label] = study_rows(step.spec, work)
     result["peers"] = peer_rows(steps, records, result["runs"], work, gpu)
@@ -274,6 +277,7 @@ def _ratio(a, b) -> str:
 def render(result: dict, *, fake: bool = False) -> str:
     sections = [_render_head(result, fake), _render_steps(result), _render_correctness(result),
                 _render_runs(result), _render_evidence(result), kit_peers.render(result["peers"]),
+                _render_speedups(result), _render_fp8_loss(result),
                 _render_breakdown(result),
                 _render_startup(result),
                 _render_gemm(result),
@@ -388,6 +392,45 @@ def _render_evidence(result: dict) -> str:
     return ("### Evidence (each figure above: steps measured after warm-up, on the kit's corpus; "
             "the planner's step time on the GPU's profile as shipped, written before the run)\n"
             + "\n".join(lines))
+
+
+FP8_LOSS_TOLERANCE = 0.015  # issue 40: fp8's final loss within 1.5% of bf16's
+
+
+def _render_speedups(result: dict) -> str:
+    """Each run of a measurement with a baseline (compile-fp8) as a ratio of the baseline's
+    step time, beside the planner's predicted ratio (kit_plan.PREDICTED_SPEEDUP, written
+    before any such run)."""
+    lines = []
+    for name in dict.fromkeys(r["measurement"] for r in result["runs"]):
+        baseline = MEASUREMENTS[name].baseline if name in MEASUREMENTS else None
+        rows = [r for r in result["runs"] if r["measurement"] == name]
+        base = next((r for r in rows if baseline and r["label"].endswith(baseline)), None)
+        if base is None or base.get("step_s") is None:
+            continue
+        for r in rows:
+            variant = r["label"].split("-", 1)[1]
+            ratio = base["step_s"] / r["step_s"] if r.get("step_s") else None
+            lines.append(f"| {r['label']} | {_num(r.get('step_s'), '.3f')} | {_num(ratio, '.3f')} "
+                         f"| {_num(PREDICTED_SPEEDUP.get(variant, 1.0), '.2f')} | {_pct(r.get('mfu'))} |")
+    if not lines:
+        return ""
+    return ("### Compiled layers and float8 GEMMs against eager bf16 (MFU by dsforge's bf16 "
+            "formula and peak for every run, as peers report fp8 runs)\n"
+            "| run | s/step | speed-up | predicted | MFU |\n|---|---:|---:|---:|---:|\n" + "\n".join(lines))
+
+
+def _render_fp8_loss(result: dict) -> str:
+    """fp8 follows bf16: the mean loss of the last 10 steps of each (fp8-loss)."""
+    runs = {r["label"]: r for r in result["runs"]}
+    bf16, fp8 = runs.get("1b-loss-bf16") or {}, runs.get("1b-loss-fp8") or {}
+    if bf16.get("tail_loss") is None or fp8.get("tail_loss") is None:
+        return ""
+    diff = (fp8["tail_loss"] - bf16["tail_loss"]) / bf16["tail_loss"]
+    verdict = "within" if abs(diff) <= FP8_LOSS_TOLERANCE else "OUTSIDE"
+    return (f"### float8 follows bf16 (the 1B on the corpus)\n- last-10 mean loss: bf16 "
+            f"{bf16['tail_loss']:.4f}, fp8 {fp8['tail_loss']:.4f} ({diff:+.2%}, {verdict} "
+            f"{FP8_LOSS_TOLERANCE:.1%}); from {bf16.get('first_loss') or 0:.3f} at the first step")
 
 
 def _cell_evidence(label: str, cell: dict) -> dict:

@@ -311,6 +311,20 @@ def estimate_memory(*, model: ModelConfig, train: TrainConfig, zero: ZeroConfig,
     return max(per_rank, key=lambda est: est.total)
 
 
+def float8_buffer_bytes(model: ModelConfig, train: TrainConfig, layout: Layout) -> float:
+    """train.fp8's transient float8 copies at the widest linear layer (one byte a value): its
+    weight and the transposed copy the backward multiplies by, the input and its transpose,
+    the output gradient. What torchao saves for the backward is what a bf16 linear layer saves
+    (its input and a view of its weight), so the activations do not change."""
+    if train.fp8 == "none":
+        return 0.0
+    tokens = layout.micro_batch * train.seq_len // layout.cp
+    heads, groups, hd, h = model.num_attention_heads, model.query_groups, model.head_dim, model.hidden_size
+    widths = ((h, (heads + 2 * groups) * hd), (heads * hd, h), (h, 2 * model.ffn_hidden_size),
+              (model.ffn_hidden_size, h))
+    return float(max(2 * n_in * n_out + tokens * (2 * n_in + n_out) for n_in, n_out in widths))
+
+
 def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layout: Layout,
                  rank: int, fused_attention: bool, fused_loss: bool) -> MemoryEstimate:
     psi = stage_params(model, layout, rank)
@@ -319,7 +333,7 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
               offload_params=zero.offload_params == "cpu", flat_fp32_grads=zero0_flattens(train))
     dense = model_states(psi.dense, shards=layout.dp_cp, **kw)
     expert = model_states(psi.expert, shards=layout.edp, **kw)
-    buffers = 4 * psi.largest_layer if zero.stage == 3 else 0.0
+    buffers = (4 * psi.largest_layer if zero.stage == 3 else 0.0) + float8_buffer_bytes(model, train, layout)
     bucket = reduce_bucket_bytes(model, layout, zero.stage, train.precision)
     return MemoryEstimate(
         params=dense.params + expert.params, grads=dense.grads + expert.grads,

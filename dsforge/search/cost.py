@@ -17,7 +17,7 @@ from dsforge.estimate.context_parallel import step_exchange_bytes
 from dsforge.estimate.flops import flops_per_token, pipeline_rank_flops
 from dsforge.estimate.memory import largest_stage_params
 from dsforge.recipe.resolve import Layout, Resolved
-from dsforge.schema import ModelConfig
+from dsforge.schema import ModelConfig, padded_vocab_size
 from dsforge.search.profile import ClusterProfile
 
 GB = 1e9
@@ -90,8 +90,9 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
     half = 2 if t.precision != "fp32" else 4
     microbatch_tokens = lay.micro_batch * t.seq_len // lay.cp  # a context-parallel rank's shard
     flop_rate = _flop_rate(resolved, profile)
-    compute = sum(compute_split(resolved, profile, flop_rate))
-    other = other_units(resolved) * profile.other_s_per_token_hidden
+    gemm, attention = compute_split(resolved, profile, flop_rate)
+    compute = float8_gemm_seconds(resolved, profile, gemm) + attention
+    other = other_units(resolved) * profile.other_s_per_token_hidden * other_factor(resolved, profile)
 
     activation = microbatch_tokens * m.hidden_size * half
     tp_comm = lay.grad_accum * m.num_layers / lay.pp * _tp_layer_seconds(
@@ -152,6 +153,28 @@ def compute_split(resolved: Resolved, profile: ClusterProfile,
                       else profile.gpu.peak_bf16_flops * profile.attention_efficiency)
     tokens = lay.grad_accum * (lay.micro_batch * t.seq_len // lay.cp) / lay.tp
     return tokens * dense / flop_rate, tokens * attention / attention_rate
+
+
+def float8_gemm_seconds(resolved: Resolved, profile: ClusterProfile, gemm: float) -> float:
+    """The matrix products' seconds with train.fp8: the transformer layers' linear layers at
+    fp8_gemm_speedup, the output layer (bf16, on the last pipeline rank, the busiest) as is."""
+    m, t, lay = resolved.recipe.model, resolved.recipe.train, resolved.layout
+    if t.fp8 == "none":
+        return gemm
+    dense, _ = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)
+    last = pipeline_rank_flops(m, 0, t.activation_checkpointing, pp=lay.pp, vpp=lay.vpp, rank=lay.pp - 1)
+    has_output = dense > 0 and last == dense  # the busiest rank holds the output layer
+    output = 6.0 * m.hidden_size * padded_vocab_size(m.vocab_size, lay.tp) if has_output else 0.0
+    layers = gemm * max(0.0, 1.0 - output / dense) if dense else 0.0
+    return gemm - layers + layers / profile.fp8_gemm_speedup
+
+
+def other_factor(resolved: Resolved, profile: ClusterProfile) -> float:
+    """`other` under model.compile (fused) and train.fp8 (its casts, fused when compiled)."""
+    m, t = resolved.recipe.model, resolved.recipe.train
+    if m.compile == "layers":
+        return profile.compiled_other_share
+    return 1.0 + (profile.fp8_eager_cast_share if t.fp8 != "none" else 0.0)
 
 
 def microbatch_layers(resolved: Resolved) -> float:

@@ -58,6 +58,16 @@ class ClusterProfile:
     # Tokens of a microbatch at which its GEMMs reach half their full rate (cost.py
     # gemm_saturation): 256 for a GPU; `dsforge calibrate` measures it (a CPU's is near 0).
     gemm_knee_tokens: float = 256.0
+    # Issue 40, guesses until the GPU kit measures them (benchmarks/gpu: compile-fp8). Compiled
+    # layers (model.compile: layers) run the work outside their GEMMs and attention (`other`)
+    # at this share of eager's: what compiling fuses (rotary, residual adds, casts) is that
+    # work, its ceiling all of it. train.fp8's float8 GEMMs run the transformer layers' linear
+    # layers this many times faster than bf16's (twice the peak, less the casts' and scales'
+    # kernels); eager, torchao's unfused casts add this share of `other` (torchao: float8
+    # gains 6-10% eager, +28% over compile compiled, Llama-3 8B on H100s).
+    compiled_other_share: float = 0.6
+    fp8_gemm_speedup: float = 1.6
+    fp8_eager_cast_share: float = 0.5
     # Headroom: the share of GPU memory the fit keeps free for what the memory model does not
     # count (allocator fragmentation, which the Ultra-Scale Playbook puts at 5-20%, the CUDA
     # context, NCCL and p2p buffers). 10%: the published comparison has 31 runs that trained
@@ -171,6 +181,9 @@ class ProfileFile:
     attention_efficiency: float | None = None
     other_s_per_token_hidden: float | None = None
     gemm_knee_tokens: float | None = None
+    compiled_other_share: float | None = None
+    fp8_gemm_speedup: float | None = None
+    fp8_eager_cast_share: float | None = None
     memory_margin: float | None = None
     prediction_error: float | None = None
     dp_overlap: float | None = None

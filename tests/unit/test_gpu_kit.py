@@ -299,10 +299,14 @@ def test_table_from_fake_inputs(tmp_path):
     for row in result["runs"]:
         assert row["measured_steps"] >= 10 and row["loss_falls"] and row["predicted_step_s"] > 0
         assert f"| {row['label']} | {row['measured_steps']} | " in evidence
-    assert "| 7b-shipped | 10 | 10.400 -> 7.100 | 11.28 |" in evidence
+    assert "| 7b-shipped | 10 | 10.400 -> 7.439 | 11.28 |" in evidence
     assert "GPU-FAKE, driver FAKE" in evidence and "does not fall" not in evidence
     assert "| 7b-z3-none-mb1-gb8 |" in evidence and kit_plan.GB8_SHRUNK in evidence
     assert "| zero-1b zero.stage=3 | 10 |" in evidence
+    # issue 40: the compiled and float8 runs against eager bf16, with the predicted ratios
+    speedups = table[table.index("### Compiled layers and float8"):].split("\n\n")[0]
+    assert "| 7b-fp8-compiled | " in speedups and "| 1.45 |" in speedups
+    assert "### float8 follows bf16" in table and "within 1.5%" in table
 
 
 def test_table_leaves_out_the_breakdown_of_a_run_without_one(tmp_path):

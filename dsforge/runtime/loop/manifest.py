@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from dsforge.versions import package_versions
+from dsforge.versions import package_version, package_versions
 
 
 REPO = Path(__file__).resolve().parents[3]  # dsforge's checkout, where it runs from one
@@ -92,11 +92,11 @@ def environment_manifest(device: torch.device, layout: dict, implementations: di
 
 
 def implementations(optimizer, *, kernels: str, kernels_why: str, sdpa_backend: str,
-                    experts=None, compiled: str = "none") -> dict:
+                    experts=None, compiled: str = "none", fp8: str = "none") -> dict:
     """What the engine was built with: DeepSpeed's optimizer wrappers around the torch
     optimizer (outermost first) and how that one steps; the kernels and why; the SDPA backend
-    as set (auto: torch chooses per call); what was compiled ("layers (inductor)"); an MoE
-    model's experts (translate/experts.py) and why."""
+    as set (auto: torch chooses per call); what was compiled ("layers (inductor)"); the float8
+    GEMMs' scaling with torchao's version; an MoE model's experts (translate/experts.py) and why."""
     chain = optimizer_chain(optimizer)
     inner = chain[-1]
     return {"optimizer": [type(o).__name__ for o in chain],
@@ -104,6 +104,7 @@ def implementations(optimizer, *, kernels: str, kernels_why: str, sdpa_backend: 
             "optimizer_foreach": bool(getattr(inner, "defaults", {}).get("foreach")),
             "kernels": kernels, "kernels_why": kernels_why, "sdpa_backend": sdpa_backend,
             "compile": compiled,
+            "fp8": fp8 if fp8 == "none" else f"{fp8} (torchao {package_version('torchao')})",
             **({"experts": experts.impl, "experts_why": experts.why} if experts else {})}
 
 

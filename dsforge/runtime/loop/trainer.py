@@ -324,7 +324,8 @@ class Trainer:
         model = self.resolved.recipe.model
         used = implementations(self.engine.optimizer, kernels=self.kernels.impl,
                                kernels_why=self.kernels.why, sdpa_backend=model.sdpa_backend,
-                               experts=self.experts, compiled=compiled_with(model.compile))
+                               experts=self.experts, compiled=compiled_with(model.compile),
+                               fp8=self.resolved.recipe.train.fp8)
         manifest = environment_manifest(self.device, asdict(self.resolved.layout), used)
         if self.resumed is not None:  # the checkpoint continued and the recipe's changes
             manifest["resumed"] = self.resumed
