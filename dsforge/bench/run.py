@@ -45,7 +45,7 @@ from dsforge.job.metrics_file import median_breakdown, read_metrics
 from dsforge.job.run_dir import RunDir
 from dsforge.launch.commands import Placement, job_spec, launch_command
 from dsforge.launch.diagnose import explain
-from dsforge.launch.fit import Machine, device_for, fit_problems
+from dsforge.launch.fit import Machine, device_for, device_run_problems, fit_problems
 from dsforge.launch.local import free_port, run_job
 from dsforge.launch.probe import probe
 from dsforge.problems import RecipeError, errors
@@ -252,12 +252,15 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
 
 def fit_refusal(resolved: Resolved, device: str) -> str | None:
     """Why this machine cannot run the cell's job, as `dsforge run` would refuse it
-    (launch/fit.py: more ranks than GPUs, a rank's memory over its GPU's, or CPU ranks over the
-    host's available memory), or None. Checked before each cell: CPU ranks share the host's
+    (launch/fit.py: more ranks than GPUs, a rank's memory over its GPU's, CPU ranks over the
+    host's available memory, kernels, float8 or compiling its ranks cannot run), or None. Checked before each cell: CPU ranks share the host's
     memory, and a job larger than it takes that memory from everything else on the machine
     until the kernel kills something. A hostfile's hosts are not probed here."""
-    machine = Machine.from_probe("this machine", probe())
-    refusals = errors(fit_problems(resolved, machine, device=device_for(device, machine)))
+    probed = probe()
+    machine = Machine.from_probe("this machine", probed)
+    device = device_for(device, machine)
+    refusals = errors(fit_problems(resolved, machine, device=device)
+                      + device_run_problems(resolved, device, probed))
     if not refusals:
         return None
     # Without the fixes: they point at `dsforge run`'s ways forward, which a row does not have.

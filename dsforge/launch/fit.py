@@ -79,6 +79,35 @@ def rank_memory_bytes(resolved: Resolved, device: str) -> float:
     return predicted_memory(resolved, device).total
 
 
+def device_run_problems(resolved: Resolved, device: str, probed: dict) -> list[Problem]:
+    """What this machine's `device` ranks cannot run: the kernels (K1, X1: Liger's where not
+    installed), float8 GEMMs (FP6, X1: the GPUs' compute capability by their names in
+    dsforge/hardware.py, torchao), compiling (CM4, CM5: inductor's compiler and cache)."""
+    from dsforge.launch.probe import build_facts
+    from dsforge.translate.compiled import compile_problems, inductor_cache_dir
+    from dsforge.translate.fp8 import fp8_device_problems, torchao_installed
+    from dsforge.translate.kernels import device_problems, liger_installed
+
+    r = resolved.recipe
+    problems = device_problems(r.model, device=device, precision=r.train.precision,
+                               liger_available=liger_installed())
+    if r.train.fp8 != "none":
+        problems += fp8_device_problems(r.train.fp8, device=device, capability=lowest_capability(probed),
+                                        torchao_available=torchao_installed())
+    if r.model.compile != "none":
+        problems += compile_problems(r.model, compiler=build_facts()["cxx_path"],
+                                     cache_dir=inductor_cache_dir(), host="this machine")
+    return problems
+
+
+def lowest_capability(probed: dict) -> tuple[int, int] | None:
+    """The lowest compute capability of the probed GPUs dsforge/hardware.py knows by name."""
+    from dsforge.hardware import gpu_for_device_name
+
+    known = [gpu_for_device_name(g["name"]) for g in probed.get("gpus") or []]
+    return min((g.capability for g in known if g is not None), default=None)
+
+
 def fit_problems(resolved: Resolved, machine: Machine, *, device: str,
                  ranks: int | None = None) -> list[Problem]:
     """Every reason the job's `ranks` local ranks (default: the whole world) cannot run on

@@ -19,7 +19,8 @@ from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.launch.commands import Placement, job_spec, launch_command, runner_env
 from dsforge.launch.diagnose import failure_report
-from dsforge.launch.fit import Machine, device_for, fit_problems, rank_memory_bytes
+from dsforge.launch.fit import (Machine, device_for, device_run_problems, fit_problems,
+                                rank_memory_bytes)
 from dsforge.launch.local import STOP_GRACE_S, free_port, run_job
 from dsforge.launch.output import JobView
 from dsforge.launch.probe import build_facts, probe
@@ -30,9 +31,6 @@ from dsforge.problems import Problem, RecipeError, errors
 from dsforge.recipe import Resolved
 from dsforge.recipe.tiny import reference_resolved, tiny_resolved
 from dsforge.translate.build_env import BUILD_RULES, build_problems, job_ops
-from dsforge.translate.compiled import compile_problems, inductor_cache_dir
-from dsforge.translate.fp8 import fp8_device_problems, torchao_installed
-from dsforge.translate.kernels import device_problems, liger_installed
 from dsforge.units import format_bytes
 
 Say = Callable[[str], None]
@@ -108,36 +106,11 @@ def check_this_node(command: list[str], resolved: Resolved, device: str) -> list
 
 
 def _refuse_missing_kernels(command: list[str], resolved: Resolved, device: str) -> None:
-    unrunnable = device_problems(resolved.recipe.model, device=device,
-                                 precision=resolved.recipe.train.precision,
-                                 liger_available=liger_installed())
-    if resolved.recipe.train.fp8 != "none":
-        unrunnable += fp8_device_problems(resolved.recipe.train.fp8, device=device,
-                                          capability=_capability(probe()),
-                                          torchao_available=torchao_installed())
-    if unrunnable:  # rules K1, X1 (translate/kernels.py), FP6 (translate/fp8.py)
-        raise Refused(f"{command[2]} asks for kernels its {device.upper()} ranks here do not have",
+    """What this machine's ranks cannot run (launch/fit.py `device_run_problems`)."""
+    unrunnable = device_run_problems(resolved, device, probe())
+    if unrunnable:
+        raise Refused(f"{command[2]} asks for what its {device.upper()} ranks here cannot run",
                       unrunnable, "ways forward: use the fixes above, or run on GPUs")
-    _refuse_uncompilable(command, resolved)
-
-
-def _capability(probed: dict) -> tuple[int, int] | None:
-    """The lowest compute capability of this machine's GPUs that dsforge/hardware.py knows."""
-    from dsforge.hardware import gpu_for_device_name
-
-    known = [gpu_for_device_name(g["name"]) for g in probed.get("gpus") or []]
-    return min((g.capability for g in known if g is not None), default=None)
-
-
-def _refuse_uncompilable(command: list[str], resolved: Resolved) -> None:
-    """Rules CM4, CM5 (translate/compiled.py): inductor's compiler and cache, here."""
-    if resolved.recipe.model.compile == "none":
-        return
-    problems = compile_problems(resolved.recipe.model, compiler=build_facts()["cxx_path"],
-                                cache_dir=str(inductor_cache_dir()), host="this machine")
-    if problems:
-        raise Refused(f"{command[2]} compiles its layers, which this machine cannot do",
-                      problems, "ways forward: use the fixes above")
 
 
 def _refuse_builds(command: list[str], host: str, problems: list[Problem]) -> None:
