@@ -168,7 +168,7 @@ class PeerSpec:
     """Another framework on the job of one dsforge run (issue 39): the model, sequence length,
     global batch, micro-batch and precision of `matches`'s recipe, on the same corpus."""
     label: str  # unique; names its output (work/peers/LABEL.json)
-    framework: str  # "loop" (peer_loop.py) or "torchtitan" (peer_titan.py)
+    framework: str  # a key of PEER_SCRIPTS: "loop" (peer_loop.py)
     matches: str  # the RunSpec label in the same measurement
     compile: str  # "none" | "layers"
     gpus: tuple[str, ...] = PLANNED_GPUS
@@ -528,7 +528,7 @@ def steps(measurements: list[Measurement], ctx: Context) -> list[Step]:
     return out
 
 
-PEER_SCRIPTS = {"loop": f"{KIT_DIR}/peer_loop.py", "torchtitan": f"{KIT_DIR}/peer_titan.py"}
+PEER_SCRIPTS = {"loop": f"{KIT_DIR}/peer_loop.py"}  # torchtitan 0.3.0: README, "Why not torchtitan"
 
 
 def peer_paths(peer: PeerSpec, work: Path) -> tuple[Path, Path]:

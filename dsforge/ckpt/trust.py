@@ -34,12 +34,15 @@ from dsforge.schema import Recipe
 # The kernels, attention backend and the way experts run compute the same model with the same
 # parameters (runtime/build/kernels.py, layers.py, grouped_moe.py).
 # What the guard does with a bad step changes only steps it finds bad (runtime/guard/health.py).
+# Compiling the layers runs the same operations (runtime/build/compile.py); float8 GEMMs keep
+# the weights bf16 parameters and their dynamic scales no state (runtime/build/fp8.py), so a
+# run may go between bf16 and fp8, compiled and eager.
 # train.steps continues a run: the schedule then spans the new total unless
 # train.lr_decay_steps holds it to the old one (`schedule_change` says which).
 RESUMABLE_CHANGES = {"train.timing_warmup", "train.checkpoint_every", "train.eval_every",
                      "train.eval_iters", "data.cache_dir", "train.time_limit", "train.keep_last",
                      "model.init_from", "model.kernels", "model.sdpa_backend",
-                     "model.moe.experts",
+                     "model.moe.experts", "model.compile", "train.fp8",
                      "train.steps", "train.lr_decay_steps", "train.on_nonfinite",
                      "train.max_consecutive_skips", "train.spike_factor", "train.spike_window",
                      "train.on_spike"}

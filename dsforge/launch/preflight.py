@@ -133,6 +133,8 @@ def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         results = list(pool.map(lambda h: check_host(h, python, timeout_s, _builds(fit)), hosts))
     reference = _reference_versions(local, hosts, results)
+    if fit is None or fit[0].recipe.train.fp8 == "none":
+        reference.pop("torchao", None)  # only float8 GEMMs use it
     problems = []
     for host, slots, (host_problems, found) in zip(hosts, hostfile.node_slots, results):
         problems += host_problems

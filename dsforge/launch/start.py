@@ -77,9 +77,10 @@ def layout_text(lay) -> str:
 def check_fit(command: list[str], resolved: Resolved, device: str, tiny: bool) -> list[Problem]:
     """This machine's warnings for the job; Refused, in a second and before any rank starts,
     when it cannot hold the job or cannot build or run what its ranks need (launch/fit.py)."""
-    machine = Machine.from_probe("this machine", probe())
+    probed = probe()
+    machine = Machine.from_probe("this machine", probed)
     device = device_for(device, machine)
-    _refuse_missing_kernels(command, resolved, device)
+    _refuse_unrunnable(command, resolved, device, probed)
     if job_ops(resolved, device):
         machine = machine.with_build(build_facts())
     problems = fit_problems(resolved, machine, device=device)
@@ -95,9 +96,10 @@ def check_fit(command: list[str], resolved: Resolved, device: str, tiny: bool) -
 def check_this_node(command: list[str], resolved: Resolved, device: str) -> list[Problem]:
     """For ranks started on this node by a scheduler or by `--no-ssh` (whose memory fit is the
     scheduler's or each node's own business): its kernels (K1, X1) and its builds (BLD*)."""
-    machine = Machine.from_probe("this machine", probe())
+    probed = probe()
+    machine = Machine.from_probe("this machine", probed)
     device = device_for(device, machine)
-    _refuse_missing_kernels(command, resolved, device)
+    _refuse_unrunnable(command, resolved, device, probed)
     ops = job_ops(resolved, device)
     problems = build_problems(ops, build_facts(), device=device, host=machine.name) if ops else []
     if errors(problems):
@@ -105,9 +107,9 @@ def check_this_node(command: list[str], resolved: Resolved, device: str) -> list
     return problems
 
 
-def _refuse_missing_kernels(command: list[str], resolved: Resolved, device: str) -> None:
+def _refuse_unrunnable(command: list[str], resolved: Resolved, device: str, probed: dict) -> None:
     """What this machine's ranks cannot run (launch/fit.py `device_run_problems`)."""
-    unrunnable = device_run_problems(resolved, device, probe())
+    unrunnable = device_run_problems(resolved, device, probed)
     if unrunnable:
         raise Refused(f"{command[2]} asks for what its {device.upper()} ranks here cannot run",
                       unrunnable, "ways forward: use the fixes above, or run on GPUs")

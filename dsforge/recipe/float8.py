@@ -9,8 +9,9 @@ from dsforge.problems import Problem
 FP8_ALIGN = 16  # torch._scaled_mm: both dimensions of each weight a multiple of 16
 
 
-def fp8_recipe_problems(recipe) -> list[Problem]:
-    """FP1-FP5: what float8 GEMMs need of the recipe, whatever the device."""
+def fp8_recipe_problems(recipe, micro_batch: int | None) -> list[Problem]:
+    """FP1-FP5: what float8 GEMMs need of the recipe, whatever the device. `micro_batch`:
+    the resolved one where the world is known (None: the token check waits for it)."""
     train, model = recipe.train, recipe.model
     if train.fp8 == "none":
         return []
@@ -38,12 +39,17 @@ def fp8_recipe_problems(recipe) -> list[Problem]:
                                 message="float8 GEMMs are for the dense layers' linear layers; "
                                         "expert GEMMs are not converted",
                                 fix="use train.fp8: none for MoE models"))
-    odd = {name: width for name, width in linear_widths(model).items() if width % FP8_ALIGN}
+    odd = {f"model.{name}": width for name, width in linear_widths(model).items() if width % FP8_ALIGN}
+    tokens = (micro_batch or 0) * train.seq_len // recipe.parallel.cp
+    if tokens % FP8_ALIGN:  # the weight gradient's product runs over a microbatch's tokens
+        odd.update({"train.micro_batch": micro_batch, "train.seq_len": train.seq_len})
     if odd:
-        problems.append(Problem(rule="FP5", fields={**field, **{f"model.{k}": v for k, v in odd.items()}},
-                                message=f"float8 GEMMs need every linear layer's widths to be "
-                                        f"multiples of {FP8_ALIGN}",
-                                fix="choose widths that are multiples of 16, or train.fp8: none"))
+        problems.append(Problem(rule="FP5", fields={**field, **odd},
+                                message=f"float8 GEMMs need every product's dimensions to be "
+                                        f"multiples of {FP8_ALIGN}: the linear layers' widths and "
+                                        "a microbatch's tokens (on one context-parallel rank)",
+                                fix="choose widths and a sequence length that are multiples of "
+                                    "16, or train.fp8: none"))
     return problems
 
 

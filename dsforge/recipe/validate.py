@@ -399,7 +399,7 @@ def compiled_layers(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
 
 def float8(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     """FP1-FP5 (recipe/float8.py): what float8 GEMMs need of the recipe."""
-    yield from fp8_recipe_problems(recipe)
+    yield from fp8_recipe_problems(recipe, ctx.batch.micro_batch if ctx.batch else None)
 
 
 def profile_within_run(recipe: Recipe, ctx: Context) -> Iterator[Problem]:

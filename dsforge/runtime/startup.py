@@ -13,6 +13,8 @@ DeepSpeed load lazily, in `distributed`):
   weights      their weights drawn, or read from model.init_from
   engine       DeepSpeed's engine
   resume       the checkpoint read (a resumed run only)
+  compile      model.compile: layers only: torch's own compile seconds, which it spends inside
+               the first step (the trainer adds this phase after that step)
 
 `launch` compares this host's clock with the one `dsforge run` ran on; it is left out when
 that clock is ahead (another host's clock, skewed). The reporting rank's phases (the rank

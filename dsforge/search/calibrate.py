@@ -53,7 +53,7 @@ import numpy as np
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.recipe.resolve import Resolved
 from dsforge.search.cost import (compute_split, forward_pass, gather_count, microbatch_layers,
-                                 other_units, step_time)
+                                 other_factor, other_units, step_time)
 from dsforge.search.floor_fit import Waits, fit_floors
 from dsforge.search.profile import ClusterProfile
 
@@ -124,7 +124,7 @@ def features(resolved: Resolved, profile: ClusterProfile) -> dict[str, float]:
     return {"compute": t.compute * (1 + bubble), "attention": attention * (1 + bubble),
             "fixed": microbatch_layers(resolved) * (1 + bubble),
             "gathers": gather_count(resolved) * (1 + bubble),
-            "other": other_units(resolved) * (1 + bubble),
+            "other": other_units(resolved) * other_factor(resolved, profile) * (1 + bubble),
             "optimizer": t.optimizer, "communication": communication}
 
 

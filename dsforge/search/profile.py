@@ -218,6 +218,9 @@ _RANGES = {
     "attention_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "other_s_per_token_hidden": (lambda v: v >= 0, ">= 0"),
     "gemm_knee_tokens": (lambda v: v >= 0, ">= 0"),
+    "compiled_other_share": (lambda v: 0 < v <= 1, "in (0, 1]"),  # compiling removes no work
+    "fp8_gemm_speedup": (lambda v: v > 0, "> 0"),
+    "fp8_eager_cast_share": (lambda v: v >= 0, ">= 0"),
     "memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),  # 1 would leave no memory
     "prediction_error": (lambda v: 0 <= v < 1, "in [0, 1)"),  # a band reaching 0 s means nothing
     "dp_overlap": (lambda v: 0 <= v <= 1, "in [0, 1]"),

@@ -1,8 +1,8 @@
 """model.compile: layers end to end (runtime/build/compile.py): compiled runs train with
 eager's losses, through `dsforge run` as a user starts it. Two CPU ranks with aot_eager (the
-same graphs, no code generated) at dp 2, ZeRO-2 and selective checkpointing; one rank with
-inductor, whose kernels a second run finds in dsforge's cache. (pp 2, cp 2, ZeRO-1 and full
-checkpointing were compared by hand the same way, bit for bit: docs/runtime.md.)"""
+same graphs, no code generated) at dp 2 with ZeRO-2 and selective checkpointing, and at pp 2
+with full checkpointing; one rank with inductor, whose kernels a second run finds in dsforge's
+cache. (cp 2 and ZeRO-1 were compared by hand the same way, bit for bit: docs/runtime.md.)"""
 
 from __future__ import annotations
 
@@ -32,9 +32,14 @@ def _run(tmp_path, name: str, *overrides: str, env: dict | None = None, world: i
     return {"losses": losses, "stderr": done.stderr, "manifest": manifest, "summary": summary}
 
 
+LAYOUTS = {"dp2_zero2_selective": ("zero.stage=2", "train.activation_checkpointing=selective"),
+           "pp2_full": ("parallel.pp=2", "parallel.dp=1", "train.activation_checkpointing=full")}
+
+
 @pytest.mark.timeout(200)
-def test_compiled_layers_train_with_eagers_losses(tmp_path):
-    layout = ("zero.stage=2", "train.activation_checkpointing=selective")
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_compiled_layers_train_with_eagers_losses(tmp_path, name):
+    layout = LAYOUTS[name]
     eager = _run(tmp_path, "eager", *layout)
     compiled = _run(tmp_path, "compiled", *layout, "model.compile=layers",
                     env={"DSFORGE_COMPILE_BACKEND": "aot_eager"})

@@ -92,6 +92,17 @@ def test_the_experts_implementation_may_change_on_resume_field_by_field(tmp_path
         check_resumable(tmp_path, more, 2)
 
 
+def test_a_run_may_go_between_bf16_and_fp8_and_compiled_and_eager(tmp_path):
+    """train.fp8 keeps the weights bf16 parameters (dynamic scales hold no state) and compiling
+    runs the same operations: both may change on resume, either way."""
+    _checkpoint(tmp_path, recipe=RECIPE)
+    changed = {**RECIPE, "train": {**RECIPE["train"], "fp8": "tensorwise"},
+               "model": {**RECIPE["model"], "compile": "layers"}}
+    assert check_resumable(tmp_path, changed, 2)["changes"] == [
+        "model.compile: 'none' in the checkpoint, 'layers' now",
+        "train.fp8: 'none' in the checkpoint, 'tensorwise' now"]
+
+
 def test_a_refused_change_lists_what_may_change(tmp_path):
     _checkpoint(tmp_path)
     other_lr = {**RECIPE, "train": {**RECIPE["train"], "lr": 2e-3}}

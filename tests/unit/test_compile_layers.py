@@ -1,7 +1,7 @@
 """model.compile: layers (runtime/build/compile.py): a dense Megatron-Core layer as dsforge
 builds it is one graph for torch.compile, with and without selective checkpointing; the rules
-that refuse what does not compile (CM1-CM3). That compiled runs train with eager's losses is
-tests/distributed/test_equivalence.py's (compiled cases) and one inductor run here."""
+that refuse what does not compile (CM1-CM5); the recompile watch. That compiled runs train
+with eager's losses is tests/distributed/test_compile_run.py's."""
 
 from __future__ import annotations
 
@@ -137,13 +137,24 @@ def test_inductor_needs_a_compiler_and_a_writable_cache(tmp_path, monkeypatch):
 def test_a_recompile_after_the_warm_up_is_said_once(monkeypatch):
     from dsforge.runtime.build import compile as compiled
 
-    graphs = iter([3, 3, 3, 5, 6])  # after each step from step 1 on
+    graphs = iter([2, 3, 3, 3, 5, 6])  # after step 0 (said with the time), then each step
     monkeypatch.setattr(compiled, "graphs_compiled", lambda: next(graphs))
     monkeypatch.setattr(compiled, "compile_seconds", lambda: 12.5)
     report = compiled.CompileReport()
     said = [report.after_step(step, warm=step >= 2) for step in range(6)]
-    assert said[0] == "layers compiled in 12.5 s, inside step 0" and report.compile_s == 12.5
-    assert said[1:3] == [None, None]
-    assert said[3] is None  # no new graph yet
+    assert said[0].startswith("layers compiled in 12.5 s, inside step 0 (2 graph(s)")
+    assert report.compile_s == 12.5 and said[1:4] == [None, None, None]
     assert said[4].startswith("warning: the compiled layers compiled again at step 4 (2 new")
     assert said[5] is None  # once
+
+
+def test_evaluation_graphs_are_not_recompiles(monkeypatch):
+    from dsforge.runtime.build import compile as compiled
+
+    graphs = iter([2, 3, 3, 5, 5])  # step 0, 1, 2; evaluation adds two; step 3
+    monkeypatch.setattr(compiled, "graphs_compiled", lambda: next(graphs))
+    monkeypatch.setattr(compiled, "compile_seconds", lambda: 1.0)
+    report = compiled.CompileReport()
+    said = [report.after_step(step, warm=step >= 1) for step in range(3)]
+    report.rebaseline()
+    assert said[1:] == [None, None] and report.after_step(3, warm=True) is None

@@ -106,7 +106,8 @@ class CompileReport:
     def after_step(self, step: int, warm: bool) -> str | None:
         if self.compile_s is None:
             self.compile_s = compile_seconds()
-            return f"layers compiled in {self.compile_s:.1f} s, inside step {step}"
+            return (f"layers compiled in {self.compile_s:.1f} s, inside step {step} "
+                    f"({graphs_compiled()} graph(s); more than one a layer kind means breaks)")
         if not warm or self.baseline is None:
             self.baseline = graphs_compiled()
             return None
@@ -117,3 +118,9 @@ class CompileReport:
         return (f"warning: the compiled layers compiled again at step {step} ({now - self.baseline} "
                 "new graph(s) after the warm-up; each costs a compilation); torch's reason is "
                 "in the run's job.log ('Recompiling function')")
+
+    def rebaseline(self) -> None:
+        """After evaluation: its forward passes without gradients compile graphs of their
+        own, which are not recompiles of the training step's."""
+        if self.baseline is not None:
+            self.baseline = graphs_compiled()

@@ -17,6 +17,7 @@ from dsforge.versions import package_version, package_versions
 
 
 REPO = Path(__file__).resolve().parents[3]  # dsforge's checkout, where it runs from one
+UNTRACKED_BYTES = 1 << 20  # untracked files up to this size are hashed whole
 
 
 def _git(*args: str) -> bytes | None:
@@ -35,8 +36,9 @@ def git_commit() -> str | None:
 def git_tree() -> dict:
     """The commit and whether the tree differs from it: `dirty`, and `diff_sha256`, a hash of
     the tracked changes (`git diff HEAD`) and of every untracked, not ignored file's name and
-    bytes, so two runs from the same dirty tree show the same hash. All None outside a
-    checkout (an installed wheel)."""
+    bytes (its size only over UNTRACKED_BYTES: data or checkpoints, not code), so two runs
+    from the same dirty tree show the same hash. All None outside a checkout (an installed
+    wheel)."""
     commit = git_commit()
     diff = _git("diff", "HEAD", "--binary") if commit else None
     untracked = _git("ls-files", "-z", "-o", "--exclude-standard") if commit else None
@@ -45,11 +47,13 @@ def git_tree() -> dict:
     digest = hashlib.sha256(diff)
     names = sorted(n for n in untracked.decode(errors="replace").split("\0") if n)
     for name in names:
-        digest.update(name.encode() + b"\0")
         try:
-            digest.update((REPO / name).read_bytes())
+            size = (REPO / name).stat().st_size
+            digest.update(f"{name}\0{size}\0".encode())
+            if size <= UNTRACKED_BYTES:
+                digest.update((REPO / name).read_bytes())
         except OSError:  # gone since git listed it
-            pass
+            digest.update(name.encode() + b"\0")
     dirty = bool(diff) or bool(names)
     return {"git_commit": commit, "git_dirty": dirty,
             "git_diff_sha256": digest.hexdigest() if dirty else None}

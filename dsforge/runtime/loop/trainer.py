@@ -282,6 +282,8 @@ class Trainer:
         finally:
             for chunk in self.chunks:
                 chunk.train()
+            if self.compiled is not None:  # evaluation's graphs (no grad) are not recompiles
+                self.compiled.rebaseline()
         if not losses:
             return
         val_loss = self._mean_over_replicas(torch.stack(losses).mean())
