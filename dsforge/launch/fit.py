@@ -15,6 +15,7 @@ The user can override the errors (--skip-fit-check); warnings never block.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from dsforge.problems import Problem
 from dsforge.recipe import Resolved
@@ -80,23 +81,37 @@ def rank_memory_bytes(resolved: Resolved, device: str) -> float:
 
 
 def device_run_problems(resolved: Resolved, device: str, probed: dict) -> list[Problem]:
-    """What this machine's `device` ranks cannot run: the kernels (K1, X1: Liger's where not
-    installed), float8 GEMMs (FP6, X1: the GPUs' compute capability by their names in
-    dsforge/hardware.py, torchao), compiling (CM4, CM5: inductor's compiler and cache)."""
+    """What this machine's `device` ranks cannot run (run_problems), from what is installed
+    and probed here."""
     from dsforge.launch.probe import build_facts
-    from dsforge.translate.compiled import compile_problems, inductor_cache_dir
-    from dsforge.translate.fp8 import fp8_device_problems, torchao_installed
-    from dsforge.translate.kernels import device_problems, liger_installed
+    from dsforge.translate.compiled import inductor_cache_dir
+    from dsforge.translate.fp8 import torchao_installed
+    from dsforge.translate.kernels import liger_installed
+
+    return run_problems(resolved, device, capability=lowest_capability(probed),
+                        liger=liger_installed(), torchao=torchao_installed(),
+                        compiler=lambda: build_facts()["cxx_path"],
+                        cache_dir=inductor_cache_dir(), host="this machine")
+
+
+def run_problems(resolved: Resolved, device: str, *, capability: tuple[int, int] | None,
+                 liger: bool, torchao: bool, compiler: Callable[[], str | None],
+                 cache_dir: str | None, host: str) -> list[Problem]:
+    """What `device` ranks on `host` cannot run: the kernels (K1, X1: Liger's where not
+    installed), float8 GEMMs (FP6, X1: the GPUs' compute capability, torchao), compiling (CM4,
+    CM5: inductor's compiler, asked for only then, and its cache where `cache_dir` is known).
+    The fit check (this machine) and preflight (every host) both ask it."""
+    from dsforge.translate.compiled import compile_problems
+    from dsforge.translate.fp8 import fp8_device_problems
+    from dsforge.translate.kernels import device_problems
 
     r = resolved.recipe
     problems = device_problems(r.model, device=device, precision=r.train.precision,
-                               liger_available=liger_installed())
-    if r.train.fp8 != "none":
-        problems += fp8_device_problems(r.train.fp8, device=device, capability=lowest_capability(probed),
-                                        torchao_available=torchao_installed())
+                               liger_available=liger)
+    problems += fp8_device_problems(r.train.fp8, device=device, capability=capability,
+                                    torchao_available=torchao)
     if r.model.compile != "none":
-        problems += compile_problems(r.model, compiler=build_facts()["cxx_path"],
-                                     cache_dir=inductor_cache_dir(), host="this machine")
+        problems += compile_problems(r.model, compiler=compiler(), cache_dir=cache_dir, host=host)
     return problems
 
 

@@ -147,25 +147,17 @@ def preflight(hostfile: Hostfile, *, master_port: int, timeout_s: float = 10.0,
 
 
 def _fit(host: str, slots: int, probed: dict, probed_versions: dict, fit) -> list[Problem]:
-    from dsforge.launch.fit import Machine, device_for, fit_problems
-    from dsforge.hardware import gpu_for_device_name
-    from dsforge.translate.compiled import compile_problems
-    from dsforge.translate.fp8 import fp8_device_problems
-    from dsforge.translate.kernels import device_problems
+    from dsforge.launch.fit import Machine, device_for, fit_problems, lowest_capability, run_problems
 
     resolved, device = fit
     machine = Machine.from_probe(host, probed)
     if machine.build is not None:
         machine = replace(machine, build=machine.build.forwarded(os.environ))
     device = device_for(device, machine)
-    liger = probed_versions.get("liger-kernel") is not None
-    r = resolved.recipe
-    compiler = machine.build.cxx_path if machine.build is not None else None
-    capability = min((g.capability for g in map(gpu_for_device_name, (x.name for x in machine.gpus))
-                      if g is not None), default=None)
-    return (device_problems(r.model, device=device, precision=r.train.precision,
-                            liger_available=liger)
-            + fp8_device_problems(r.train.fp8, device=device, capability=capability,
-                                  torchao_available=probed_versions.get("torchao") is not None)
-            + compile_problems(r.model, compiler=compiler, cache_dir=None, host=host)
+    built = machine.build
+    return (run_problems(resolved, device, capability=lowest_capability(probed),
+                         liger=probed_versions.get("liger-kernel") is not None,
+                         torchao=probed_versions.get("torchao") is not None,
+                         compiler=lambda: built.cxx_path if built is not None else None,
+                         cache_dir=None, host=host)
             + fit_problems(resolved, machine, device=device, ranks=slots))
