@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import sys
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -23,14 +22,14 @@ from typing import TYPE_CHECKING
 
 from dsforge.job import failure
 from dsforge.job.console import RankConsole
-from dsforge.job.owner import owner_alive, watch_owner
+from dsforge.job.owner import watch_owner
 from dsforge.job.pids import write_pid
 from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec, check_names
 from dsforge.recipe import resolve_file
 from dsforge.runtime.build.build_locks import clear_stale_locks
-from dsforge.runtime.guard.drills import KINDS as NUMERIC_KINDS
 from dsforge.runtime.guard.drills import NumericDrill
+from dsforge.runtime.guard.faults import FAULT_ENV, StopDrill, inject_fault, parse_fault, save_fault
 from dsforge.runtime.guard.preempt import Stopped, StopRequest
 from dsforge.runtime.guard.record import record_for
 from dsforge.runtime.guard.supervise import run_supervised
@@ -77,113 +76,6 @@ def threads_per_rank(environ=os.environ) -> int | None:
         return None
     local_ranks = max(1, int(environ.get("LOCAL_SIZE", 1)))
     return max(1, len(os.sched_getaffinity(0)) // local_ranks)
-
-
-# Failure drills for tests and for checking a cluster's failure handling:
-# DSFORGE_INJECT_FAULT=KIND:RANK:STEP. raise | hang | exit | oom | build act when RANK starts
-# STEP: oom raises torch's out-of-memory error, as a GPU's allocator does; build runs the first
-# part of DeepSpeed's JIT build of its CUDA FusedAdam op (its architecture flags, from
-# TORCH_CUDA_ARCH_LIST or the GPUs), which fails as on a GPU where that list is one DeepSpeed
-# cannot read, and does nothing where the build would get past it;
-# save-exit kills RANK while it saves the checkpoint of STEP, after writing its files.
-# Preemption drills: stop sends SIGTERM to the `dsforge run` that started the job (to the
-# rank itself without one on this host) when RANK starts STEP, stop-save the same while RANK
-# saves the checkpoint of STEP; stop-eval sends SIGUSR1 to RANK's supervisor only
-# (a `kill` of the process a launcher started) before RANK's first validation batch after STEP.
-# Drills that make the training go bad (nan, nan-from, spike, nan-weights): runtime/guard/drills.py.
-FAULT_ENV = "DSFORGE_INJECT_FAULT"
-FAULT_KINDS = ("raise", "hang", "exit", "oom", "build", "save-exit", "stop", "stop-eval",
-               "stop-save", *NUMERIC_KINDS)
-_STEP_FAULTS = ("raise", "hang", "exit", "oom", "build")  # act when a step starts
-
-
-def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
-    if not spec:
-        return None
-    kind, rank, step = spec.split(":")
-    if kind not in FAULT_KINDS:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: KIND must be one of {', '.join(FAULT_KINDS)}")
-    return kind, int(rank), int(step)
-
-
-def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> None:
-    if fault is None or fault[0] not in _STEP_FAULTS or (fault[1], fault[2]) != (rank, step):
-        return
-    if fault[0] == "raise":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-    if fault[0] == "oom":
-        import torch
-
-        raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at step {step}")
-    if fault[0] == "build":
-        _arch_flags_as_deepspeed_builds_them()
-        return
-    if fault[0] == "exit":
-        os._exit(7)
-    while True:  # hang: the watchdog (or the job timeout) has to end it
-        time.sleep(1)
-
-
-def _arch_flags_as_deepspeed_builds_them() -> None:
-    """DeepSpeed's CUDA FusedAdam builder in its JIT mode computes the nvcc architecture flags
-    (op_builder/builder.py compute_capability_args), which rewrites TORCH_CUDA_ARCH_LIST;
-    jit_load restores it afterwards, and so does this."""
-    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
-
-    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    builder = FusedAdamBuilder()
-    builder.jit_mode = True
-    try:
-        builder.compute_capability_args()
-    finally:
-        os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-        if saved is not None:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = saved
-
-
-def _save_fault(fault, owner: str = "", request: StopRequest | None = None):
-    if fault is None or fault[0] not in ("save-exit", "stop-save"):
-        return None
-
-    def while_saving(rank: int, steps_done: int) -> None:
-        if (rank, steps_done) != (fault[1], fault[2]):
-            return
-        if fault[0] == "save-exit":
-            os._exit(9)
-        signal_the_job(owner, request)
-
-    return while_saving
-
-
-class _StopDrill:
-    """The stop and stop-eval drills: one signal at the chosen moment."""
-
-    def __init__(self, fault, rank: int, owner: str, request: StopRequest):
-        self.armed = fault is not None and fault[0] in ("stop", "stop-eval") and fault[1] == rank
-        self.fault, self.owner, self.request, self.calls = fault, owner, request, 0
-
-    def before(self, step: int) -> None:
-        """Called when a step starts and before each of its validation batches."""
-        if not self.armed or step != self.fault[2]:
-            return
-        self.calls += 1
-        if self.fault[0] == "stop" and self.calls == 1:
-            self.armed = False
-            signal_the_job(self.owner, self.request)
-        elif self.fault[0] == "stop-eval" and self.calls == 2:
-            self.armed = False
-            os.kill(os.getppid(), signal.SIGUSR1)  # the supervisor passes it on to this rank
-
-
-def signal_the_job(owner: str, request: StopRequest | None = None, wait_s: float = 30.0) -> None:
-    """SIGTERM to the `dsforge run` that started this job when it runs on this host (the path
-    a scheduler's signal takes), else to this rank itself; then wait up to `wait_s` until the
-    request reaches this rank, so the drill stops the job where it is meant to."""
-    pid = int(owner.rsplit(":", 2)[1]) if owner and owner_alive(owner) else os.getpid()
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + wait_s
-    while request is not None and request.signum is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # the handler runs in this (the main) thread between sleeps
 
 
 def main(argv=None) -> None:
@@ -273,7 +165,7 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
                       collective_timeout_s=job.step_timeout_s, resume=job.resume,
                       measure=job.measure, console=console, startup=startup)
     fault = parse_fault(os.environ.get(FAULT_ENV))
-    stop_drill = _StopDrill(fault, rank, job.owner, stop_request)
+    stop_drill = StopDrill(fault, rank, job.owner, stop_request)
     numeric_drill = NumericDrill(fault, rank)
     numeric_drill.attach(trainer.chunks)
     heartbeat = Heartbeat(run_dir, rank)
@@ -293,7 +185,7 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
         return train_loop(trainer, before_step=before_step,
                           after_step=lambda s: numeric_drill.after_step(s, trainer.engine.module),
                           after_steps=watchdog.disarm,
-                          save_fault=_save_fault(fault, job.owner, stop_request),
+                          save_fault=save_fault(fault, job.owner, stop_request),
                           stopper=Stopper(stop_request, budget, device=device))
     finally:  # the step a failing rank was on, even when it fails within the write interval
         heartbeat.flush()

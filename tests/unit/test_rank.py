@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from dsforge.runtime.rank import parse_fault, threads_per_rank
+from dsforge.runtime.guard.faults import parse_fault
+from dsforge.runtime.rank import threads_per_rank
 
 
 def test_fault_spec():

@@ -1,5 +1,5 @@
 """Drills that make the training itself go bad, for the tests and for checking what a cluster's
-runs do when it does (DSFORGE_INJECT_FAULT=KIND:RANK:STEP, parsed by runtime/rank.py):
+runs do when it does (DSFORGE_INJECT_FAULT=KIND:RANK:STEP, parsed by faults.py):
 
 - nan: RANK's model output in step STEP is multiplied by NaN: on the last pipeline stage its
   loss, elsewhere the activations it sends on (so the loss of the stages after it);
