@@ -89,24 +89,31 @@ def remote_shell_problems(placement: Placement, *, cwd: str, python: str) -> lis
 
 def launch_command(placement: Placement, job: JobSpec) -> list[str]:
     """`python -m deepspeed.launcher.runner ... --module dsforge.runtime.rank --job WORD`."""
-    command = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+    # dsforge's preflight has checked every host; DeepSpeed's own check tries only the first
+    # one, with plain ssh options.
+    checked = ["--no_ssh_check"] if placement.hostfile and placement.node_rank is None else []
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *placement_flags(placement, checked),
+            "--module", "dsforge.runtime.rank", "--job", job.encode()]
+
+
+def placement_flags(placement: Placement, extra: list[str] | None = None) -> list[str]:
+    """DeepSpeed launcher's options for where the ranks run, one place for both command lines:
+    the GPUs of this machine, or a hostfile's hosts (with --include/--exclude, `--no_ssh` for
+    one node's part, else `--force_multi`: a hostfile or --include that leaves one host still
+    runs there, not on this machine, as DeepSpeed would do); `extra` joins the multi-host
+    options; the master's address and port."""
     if placement.hostfile is None:
-        command += ["--num_gpus", str(placement.world_size)]
+        words = ["--num_gpus", str(placement.world_size)]
     else:
-        command += ["--hostfile", placement.hostfile, "--launcher", placement.launcher]
-        command += ["--include", placement.include] if placement.include else []
-        command += ["--exclude", placement.exclude] if placement.exclude else []
+        words = ["--hostfile", placement.hostfile, "--launcher", placement.launcher]
+        words += ["--include", placement.include] if placement.include else []
+        words += ["--exclude", placement.exclude] if placement.exclude else []
         if placement.node_rank is not None:
-            command += ["--no_ssh", "--node_rank", str(placement.node_rank)]
+            words += ["--no_ssh", "--node_rank", str(placement.node_rank)]
         else:
-            # dsforge's preflight has checked every host; DeepSpeed's own check tries only the
-            # first one, with plain ssh options. --force_multi: a hostfile (or --include) that
-            # leaves one host still runs there, not on this machine, as DeepSpeed would do.
-            command += ["--no_ssh_check", "--force_multi"]
-    if placement.master_addr:
-        command += ["--master_addr", placement.master_addr]
-    command += ["--master_port", str(placement.master_port)]
-    return command + ["--module", "dsforge.runtime.rank", "--job", job.encode()]
+            words += [*(extra or []), "--force_multi"]
+    words += ["--master_addr", placement.master_addr] if placement.master_addr else []
+    return words + ["--master_port", str(placement.master_port)]
 
 
 def plain_deepspeed_command(placement: Placement, recipe: Path, run_dir: Path,
@@ -114,20 +121,8 @@ def plain_deepspeed_command(placement: Placement, recipe: Path, run_dir: Path,
     """The same job as a `deepspeed` command a user can paste: DeepSpeed starts `dsforge run`
     on every rank, which then acts as the rank program; `run_options`: the `dsforge run`
     options the ranks read (device, backend, step timeout)."""
-    words = ["deepspeed"]
-    if placement.hostfile:
-        words += ["--hostfile", placement.hostfile, "--launcher", placement.launcher]
-        words += ["--include", placement.include] if placement.include else []
-        words += ["--exclude", placement.exclude] if placement.exclude else []
-        if placement.node_rank is not None:
-            words += ["--no_ssh", "--node_rank", str(placement.node_rank)]
-        else:
-            words += ["--force_multi"]  # one host left is still that host (launch_command)
-    else:
-        words += ["--num_gpus", str(placement.world_size)]
-    words += ["--master_addr", placement.master_addr] if placement.master_addr else []
-    words += ["--master_port", str(placement.master_port), "--module", "dsforge", "run",
-              str(recipe), "--run-dir", str(run_dir), *run_options]
+    words = ["deepspeed", *placement_flags(placement), "--module", "dsforge", "run",
+             str(recipe), "--run-dir", str(run_dir), *run_options]
     for item in overrides:
         words += ["--set", item]
     return shlex.join(words)
