@@ -279,7 +279,7 @@ def launch_cell(study: Study, resolved: Resolved, run_dir: Path, device: str) ->
     owner of the cell can tell whether it still runs (dsforge/lock.py)."""
     run_dir = run_dir.resolve()
     job = job_spec(resolved, run_dir, device=device, step_timeout_s=study.measure.step_timeout_s,
-                   measure=True)
+                   census=True)
     placement = Placement(world_size=resolved.layout.world_size, hostfile=study.hostfile,
                           master_port=free_port())
     return run_job(launch_command(placement, job), timeout_s=study.measure.timeout_s,

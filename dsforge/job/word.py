@@ -34,7 +34,9 @@ class JobSpec:
     backend: str = "auto"
     step_timeout_s: float = 300.0
     resume: bool = False
-    measure: bool = False  # per-stage bubble timers (dsforge bench)
+    # The live-tensor census after training and inside one step (dsforge bench's cells; every
+    # run measures its bubble and step breakdown anyway).
+    census: bool = False
     # Lines for the user marked for `dsforge run`'s reader (job/console.py); False when a plain
     # `deepspeed ... -m dsforge run` starts the ranks and they print to the terminal themselves.
     marked_output: bool = True

@@ -163,7 +163,7 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
     startup.mark("setup")
     trainer = Trainer(resolved, device=device, backend=backend, run_dir=run_dir,
                       collective_timeout_s=job.step_timeout_s, resume=job.resume,
-                      measure=job.measure, console=console, startup=startup)
+                      census=job.census, console=console, startup=startup)
     fault = parse_fault(os.environ.get(FAULT_ENV))
     stop_drill = StopDrill(fault, rank, job.owner, stop_request)
     numeric_drill = NumericDrill(fault, rank)

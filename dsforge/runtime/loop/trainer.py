@@ -43,13 +43,13 @@ from dsforge.units import MiB
 
 class Trainer:
     def __init__(self, resolved: Resolved, *, device: torch.device, backend: str, run_dir: Path,
-                 collective_timeout_s: float, resume: bool = False, measure: bool = False,
+                 collective_timeout_s: float, resume: bool = False, census: bool = False,
                  console: RankConsole | None = None, startup: StartupClock | None = None):
         # Without a clock from runtime/rank.py (the distributed tests' worker), start-up is
         # counted from here.
         self.startup = startup or StartupClock()
         self.resolved, self.device, self.run_dir = resolved, device, run_dir
-        self.measure = measure
+        self.census = census  # take the live-tensor censuses (dsforge bench)
         self.censuses: dict[str, dict[str, int]] = {}  # point of the step -> live tensor bytes
         self.console = console or RankConsole(marked=False)
         recipe = resolved.recipe
@@ -392,9 +392,9 @@ class Trainer:
         return [r for step, r in readings.items() if step >= warmup] or list(readings.values())
 
     def _takes_census(self, step: int) -> bool:
-        """With `measure`, the census inside a step runs on the last step left out of the
+        """With `census`, the census inside a step runs on the last step left out of the
         timings (walking every live object takes longer than a tiny step), else the first."""
-        return self.measure and step == max(self.start_step, self._first_timed_step() - 1)
+        return self.census and step == max(self.start_step, self._first_timed_step() - 1)
 
     def _first_timed_step(self) -> int:
         """The first step of this process's timings: its own first `timing_warmup` steps warm
@@ -411,7 +411,7 @@ class Trainer:
 
     def _tensor_census(self) -> dict[str, int] | None:
         """Live model-state tensors after training, for `dsforge bench` (tensor_census.py)."""
-        if not self.measure:
+        if not self.census:
             return None
         from dsforge.runtime.loop.tensor_census import live_tensor_bytes
 
