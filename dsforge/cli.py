@@ -14,8 +14,9 @@ from dsforge.hardware import GPU_KEYS
 from dsforge.launch.entry import (RunOptions, check_hosts, deepspeed_argv, launch,
                                   launched_rank_job, warn)
 from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
-from dsforge.launch.sbatch import write_batch_script
+from dsforge.launch.sbatch import sbatch_options, write_batch_script
 from dsforge.problems import EXIT_INVALID
+from dsforge.search.options import search_options
 
 
 def _recipe_options(command):
@@ -74,29 +75,7 @@ _SEARCH_ONLY = ("gpus", "gpus_per_node", "gpu", "global_batch_tokens", "seq_len"
 @main.command()
 @_recipe_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-@click.option("--search", is_flag=True,
-              help="Search every layout for RECIPE's model (or a preset name given instead).")
-@click.option("--gpus", type=click.IntRange(min=1), help="--search: GPUs to lay the model out on.")
-@click.option("--gpus-per-node", type=click.IntRange(min=1), help="--search: GPUs per node [8].")
-@click.option("--gpu", help="--search: GPU type, e.g. h100, h200, a100 [h100].")
-@click.option("--global-batch-tokens", type=click.IntRange(min=1),
-              help="--search: tokens per optimizer step [the recipe's, else 1048576].")
-@click.option("--seq-len", type=click.IntRange(min=1), help="--search: sequence length [4096].")
-@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True,
-              help="--search: how many layouts to show.")
-@click.option("--write", type=click.Path(dir_okay=False, path_type=Path),
-              help="--search: write the best layout as a recipe here.")
-@click.option("--html", type=click.Path(dir_okay=False, path_type=Path),
-              help="--search: write the explorer page (one self-contained file) here.")
-@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
-              help="--search: cluster profile YAML (bandwidths, efficiency, memory margin).")
-@click.option("--memory-headroom", type=float,
-              help="--search: share of GPU memory kept free for allocator fragmentation and what the "
-                   "memory model does not count, a fraction in [0, 1) [0.1; the profile's memory_margin].")
-@click.option("--measure", is_flag=True,
-              help="--search: run short trials of the top layouts here and re-rank by measurement.")
-@click.option("--measure-out", type=click.Path(file_okay=False, path_type=Path),
-              help="--measure: where the trials and results.db go [runs/search-MODEL-TIME].")
+@search_options
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True,
               help="Translate the engine configs for this device; auto = cuda when a GPU is "
@@ -180,25 +159,7 @@ def run(**options):
 
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
-@click.option("--nodes", type=click.IntRange(min=1), default=None,
-              help="Nodes to ask for [the recipe's cluster.nodes, else 1].")
-@click.option("--gpus-per-node", type=click.IntRange(min=0), default=None,
-              help="GPUs a node, one rank each; 0 for CPU ranks [the recipe's "
-                   "cluster.gpus_per_node, else its world / nodes].")
-@click.option("--time", "time_limit", default=None, metavar="T",
-              help="Slurm's --time (minutes, HH:MM:SS, D-HH:MM:SS); also sets train.time_limit "
-                   "to T less --signal-grace unless the recipe has one.")
-@click.option("--partition", default=None, help="Slurm partition.")
-@click.option("--account", default=None, help="Slurm account.")
-@click.option("--signal-grace", type=click.IntRange(min=1), default=300, show_default=True,
-              help="Seconds before the time limit at which Slurm sends SIGTERM to the script, "
-                   "which has the ranks save and stop.")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="The job's run directory, the same for every requeue [runs/NAME-TIMESTAMP].")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the script here (it must not exist) instead of printing it.")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
-              help="Override a recipe field (passed to dsforge run in the script). Repeatable.")
+@sbatch_options
 def sbatch(recipe, **options):
     """Write a Slurm batch script for RECIPE: #SBATCH lines, a trap that passes Slurm's
     warning signal to `dsforge run --launcher slurm`, and a requeue when the ranks stopped

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import click
+
 from dsforge.job.run_dir import runs_root
 from dsforge.launch import slurm
 from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
@@ -58,3 +60,33 @@ def write_batch_script(recipe: str, *, nodes: int | None, gpus_per_node: int | N
     out.chmod(0o755)
     say(f"dsforge: wrote {out} ({nodes} node{'s' if nodes > 1 else ''} x {world // nodes} "
         f"ranks, run directory {run_dir}); submit it with: sbatch {out}")
+
+
+SBATCH_OPTIONS = (
+    click.option("--nodes", type=click.IntRange(min=1), default=None,
+                 help="Nodes to ask for [the recipe's cluster.nodes, else 1]."),
+    click.option("--gpus-per-node", type=click.IntRange(min=0), default=None,
+                 help="GPUs a node, one rank each; 0 for CPU ranks [the recipe's "
+                      "cluster.gpus_per_node, else its world / nodes]."),
+    click.option("--time", "time_limit", default=None, metavar="T",
+                 help="Slurm's --time (minutes, HH:MM:SS, D-HH:MM:SS); also sets train.time_limit "
+                      "to T less --signal-grace unless the recipe has one."),
+    click.option("--partition", default=None, help="Slurm partition."),
+    click.option("--account", default=None, help="Slurm account."),
+    click.option("--signal-grace", type=click.IntRange(min=1), default=300, show_default=True,
+                 help="Seconds before the time limit at which Slurm sends SIGTERM to the script, "
+                      "which has the ranks save and stop."),
+    click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                 help="The job's run directory, the same for every requeue [runs/NAME-TIMESTAMP]."),
+    click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="Write the script here (it must not exist) instead of printing it."),
+    click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
+                 help="Override a recipe field (passed to dsforge run in the script). Repeatable."),
+)
+
+
+def sbatch_options(command):
+    """`dsforge sbatch`'s options (cli.py), in the order its --help lists them."""
+    for option in reversed(SBATCH_OPTIONS):
+        command = option(command)
+    return command

@@ -247,18 +247,17 @@ def test_the_layer_check_sees_upward_and_sideways_imports():
 
 
 def test_the_cli_stays_thin():
-    """cli.py gathers options and hands them on (docs/architecture.md): under 340 lines (320
-    until `dsforge refit`, 14 lines of options and a call, was added; 335 until bench's
-    --skip-fit-check), and `dsforge run`'s
-    command body under 25 (its policy lives in launch/entry.py). A new command brings its
-    options here and its logic elsewhere."""
+    """cli.py gathers commands and hands them on (docs/architecture.md): at most 300 lines, and
+    `dsforge run`'s command body under 25 (its policy lives in launch/entry.py). A command
+    with many options keeps them beside its code (search/options.py, launch/sbatch.py), its
+    logic elsewhere too."""
     import ast
     import inspect
 
     from dsforge import cli
 
     source = inspect.getsource(cli)
-    assert len(source.splitlines()) < 340
+    assert len(source.splitlines()) <= 300
     run = next(node for node in ast.parse(source).body
                if isinstance(node, ast.FunctionDef) and node.name == "run")
     assert run.end_lineno - run.lineno + 1 < 25
