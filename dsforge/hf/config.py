@@ -1,6 +1,6 @@
 """What a Hugging Face folder can express of a dsforge model, and its config files (pure).
 
-dsforge's model (schema.py ModelConfig) is a Llama block: RMSNorm, SwiGLU with silu,
+dsforge's model (schema/model.py ModelConfig) is a Llama block: RMSNorm, SwiGLU with silu,
 rotary embeddings without scaling on all of each head, optional GQA, no QK norm; its
 translation (translate/megatron.py) fixes those, so only these recipe fields can make a model
 that Llama or Mixtral cannot hold (rules EX1-EX4):

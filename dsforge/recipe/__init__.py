@@ -1,4 +1,4 @@
-"""The recipe: strict loading, resolution against a world, validation (dataclasses: schema.py)."""
+"""The recipe: strict loading, resolution against a world, validation (dataclasses: dsforge/schema/)."""
 
 from dsforge.problems import Problem, RecipeError
 from dsforge.recipe.layout import Topology

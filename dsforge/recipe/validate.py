@@ -3,7 +3,7 @@
 `validate(recipe, topology)` runs every rule and returns every violation (errors and
 warnings) instead of stopping at the first. Rule ids match docs/validation.md, which says
 where each rule comes from (DeepSpeed, Megatron-Core, KempnerForge, torchtitan). Rules local
-to one section are checked when the section is built (schema.py); the rules that read the
+to one section are checked when the section is built (dsforge/schema/); the rules that read the
 files the data section names live in data_rules/.
 
 Every problem names recipe fields the user can change. Quantities dsforge derives (dp, the

@@ -261,3 +261,12 @@ def test_the_cli_stays_thin():
     run = next(node for node in ast.parse(source).body
                if isinstance(node, ast.FunctionDef) and node.name == "run")
     assert run.end_lineno - run.lineno + 1 < 25
+
+
+def test_no_module_of_the_package_grows_past_600_lines():
+    """Small modules with obvious names (issue 41): a module past 600 lines is split by what
+    it holds (as schema/ is by recipe section) before it grows further."""
+    package = REPO / "dsforge"
+    long = {str(p.relative_to(package)): n for p in sorted(package.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert long == {}
