@@ -238,8 +238,7 @@ def bench(study, **options):
     """Run every cell of STUDY (a sweep over recipe fields) into OUT/results.db, skipping finished
     cells. Exit status: 0 every cell has a result, 2 invalid study or unusable OUT, 75 cells busy
     or the database locked (run again later), 130/143 stopped by Ctrl-C/SIGTERM (docs/bench.md)."""
-    from dsforge.plan import predicted_step_time  # the planner's step time, stored with each cell
-    sys.exit(bench_main(study, step_time_model=predicted_step_time, **options))
+    sys.exit(bench_main(study, **options))
 
 
 @main.command()
@@ -265,7 +264,7 @@ def report(results, out, peak_tflops):
 def calibrate(recipe, world_size, hostfile, overrides, **options):
     """Measure RECIPE's GEMMs, optimizer step, attention and memory bandwidth on this machine
     and write them as a cluster profile (docs/search.md "Calibration")."""
-    from dsforge.search.calibrate_command import calibrate_main
+    from dsforge.calibrate.command import calibrate_main
     calibrate_main(_or_exit(resolve_or_refuse, recipe, overrides, world_size, hostfile), **options)
 
 
@@ -279,7 +278,7 @@ def calibrate(recipe, world_size, hostfile, overrides, **options):
 def refit(results, **options):
     """Refit the planner's profile from the finished cells of bench studies (RESULTS.db) and
     write it (docs/search.md). Exit status: 0 written, 2 refused (nothing written)."""
-    from dsforge.search.study_refit import refit_main
+    from dsforge.calibrate.refit import refit_main
     sys.exit(refit_main(results, **options))
 
 

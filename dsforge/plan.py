@@ -25,8 +25,8 @@ from dsforge.schema import padded_vocab_size
 from dsforge.translate.compiled import compiled_with
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
-from dsforge.translate.groups import rank_groups
 from dsforge.translate.experts import choose_experts
+from dsforge.translate.groups import rank_groups
 from dsforge.translate.kernels import choose_kernels, fused_loss, liger_installed
 from dsforge.translate.megatron import (gpt_model_kwargs, parallel_state_kwargs,
                                         transformer_config_kwargs)
@@ -109,9 +109,9 @@ def _context_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
 
 def _data_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
     """Gradient and parameter bytes one GPU of the worst pipeline rank sends over its
-    data-parallel group per step (ring volume, search/cost.py `dp_traffic`), against ZeRO-1's
+    data-parallel group per step (ring volume, cost/step_time.py `dp_traffic`), against ZeRO-1's
     for the same layout; whether it happens after every microbatch's backward."""
-    from dsforge.search.cost import dp_traffic
+    from dsforge.cost.step_time import dp_traffic
 
     recipe, lay = resolved.recipe, resolved.layout
     grad_bytes = 4 if recipe.train.precision == "fp32" else 2
@@ -123,17 +123,6 @@ def _data_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
     return {"bytes_per_step": (per_microbatch + per_step) * unit,
             "vs_zero1": (per_microbatch + per_step) / zero1,
             "every_microbatch": per_microbatch > 0}
-
-
-def predicted_step_time(resolved: Resolved, gpu_key: str, gpus_per_node: int) -> dict[str, float]:
-    """The step-time model's terms and total, seconds per optimizer step (search/cost.py
-    `StepTime.to_dict()`), of the resolved layout on the default profile of GPU `gpu_key`
-    (search/profile.py): what `dsforge bench` stores with each cell that runs on that GPU
-    (bench/run.py StepTimeModel; search/ is above bench/, so the command hands it in)."""
-    from dsforge.search.cost import step_time
-    from dsforge.search.profile import default_profile
-
-    return step_time(resolved, default_profile(gpu_key, gpus_per_node)).to_dict()
 
 
 def _node_summary(resolved: Resolved) -> dict[str, Any]:

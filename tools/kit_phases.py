@@ -7,7 +7,7 @@
 Reads every run the GPU kit brought back (benchmarks/gpu/results/*/: each run's recipe as the
 ranks resolved it, its median step time and its step breakdown from results.json; each
 `dsforge bench` cell's result.json and metrics.jsonl) and sets beside each phase the share
-of dsforge's predicted step time (dsforge/search/cost.py, the GPU's default profile) that
+of dsforge's predicted step time (dsforge/cost/step_time.py, the GPU's default profile) that
 belongs to it. The model has one compute term; it is split by FLOPs here: forward = model
 FLOPs / 3, backward = 2 x model / 3, recompute = hardware - model (docs/flops.md). This is
 the measurement that issue 23's calibration starts from: which term misses, and by how much.
@@ -27,12 +27,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dsforge.cost.fit import Point, calibrate, fit  # noqa: E402
+from dsforge.cost.profile import default_profile  # noqa: E402
+from dsforge.cost.step_time import step_time  # noqa: E402
 from dsforge.estimate.flops import flops_per_token  # noqa: E402
 from dsforge.hardware import gpu_for_device_name  # noqa: E402
 from dsforge.recipe import resolve_file  # noqa: E402
-from dsforge.search.calibrate import Point, calibrate, fit  # noqa: E402
-from dsforge.search.cost import step_time  # noqa: E402
-from dsforge.search.profile import default_profile  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "gpu" / "results"
 PHASES = ("forward", "backward", "recompute", "optimizer")
@@ -151,7 +151,7 @@ def _profile(runs: list[KitRun]):
 
 
 def calibration(runs: list[KitRun]):
-    """dsforge's own refit on a GPU (dsforge/search/calibrate.py, what `--measure` runs) on
+    """dsforge's own refit on a GPU (dsforge/cost/fit.py, what `--measure` runs) on
     the dense runs of one GPU type: every run predicted by a refit without it."""
     return calibrate(dense_points(runs), _profile(runs), host_floors=True,
                      measured_on=f"{runs[0].device}, 2026-11-26 (the GPU kit)")
@@ -194,7 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the table under a header to this file")
     parser.add_argument("--loo", action="store_true",
-                        help="also refit the profile (search/calibrate.py), each dense run left out")
+                        help="also refit the profile (cost/fit.py), each dense run left out")
     args = parser.parse_args()
     runs = kit_runs()
     text = table(runs)
@@ -214,7 +214,7 @@ HEADER = """# The planner against the GPU kit's runs, phase by phase
 Written by `python tools/kit_phases.py --loo --out benchmarks/search/kit_phases.md` from every run in
 benchmarks/gpu/results/ (one H200 and one H100, 2026-11-26 and 27). Measured: the median step and the median of
 each phase of dsforge's step breakdown (docs/breakdown.md). Predicted: `dsforge plan`'s step
-time (dsforge/search/cost.py with the GPU's default profile), its compute split by FLOPs
+time (dsforge/cost/step_time.py with the GPU's default profile), its compute split by FLOPs
 (forward = model / 3, backward = 2 model / 3, recompute = hardware - model).
 
 """
@@ -255,9 +255,9 @@ What the tables say (issue 23):
 - **The MoE** is left out of the refit: the model has no term for its expert loop (58% of
   the step), and it is predicted 79% short.
 
-The refit is `dsforge plan --search --measure`'s own on a GPU (dsforge/search/calibrate.py:
+The refit is `dsforge plan --search --measure`'s own on a GPU (dsforge/cost/fit.py:
 the compute's scale, the work outside the GEMMs and attention where runs of different widths
-tell it apart (`other`), and the two host floors, search/floor_fit.py), fitted here to the GPU
+tell it apart (`other`), and the two host floors, cost/floor_fit.py), fitted here to the GPU
 kit's dense runs of one GPU type with each left out in turn. Left out in turn it is better
 than the refit with the additive per-microbatch and gather costs it replaced (H200, the 27
 runs of 2026-11-26: 2.1% against 3.0%, the largest 15.2% against 23.1%; H100: 1.6% against
@@ -268,7 +268,7 @@ on 2026-11-27: the 7B's GEMMs at 0.90 in the same form (78% of peak) and 1.34e-1
 rest of a layer; in a whole run the GEMMs run slower than alone. The H100's runs (2,048 and
 3,072) do not tell the two apart by the refit's 5%. In the
 default profiles' form (one efficiency for all of it) its floors are the H200's and the H100's
-defaults (dsforge/search/profile.py; the compute's scale comes out at x0.99, so the
+defaults (dsforge/cost/profile.py; the compute's scale comes out at x0.99, so the
 efficiencies stand), and the "predicted" columns above use them. The published comparison
 scores other engines without the floors.
 """

@@ -21,9 +21,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from dsforge.calibrate.layer_timing import build_layers, recipe_shaped, synthetic_batch  # noqa: E402
+from dsforge.calibrate.optimizer_timing import init_world  # noqa: E402
 from dsforge.recipe import resolve_file  # noqa: E402
-from dsforge.search.layer_timing import build_layers, recipe_shaped, synthetic_batch  # noqa: E402
-from dsforge.search.optimizer_timing import init_world  # noqa: E402
 
 SEQ_LEN = 512
 

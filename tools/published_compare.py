@@ -247,7 +247,7 @@ def section(label: str, stats_only: bool) -> str:
               "The loop `dsforge plan --search --measure` runs (predict, measure, refit, predict "
               "again) with the published runs as the measured ones: the runs are grouped by "
               "source and GPU type (one engine on one GPU), and each run is predicted by "
-              "`dsforge.search.calibrate.fit` refitted on its group's runs of other models "
+              "`dsforge.cost.fit.fit` refitted on its group's runs of other models "
               "(leave one model out), from the GPU's default profile with the attention at a "
               "rate of its own (tools/published_refit.py). Nothing of the row predicted enters "
               "its refit.", "", *refit_lines(refits, group_fits(scored)), ""]

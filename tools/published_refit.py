@@ -5,7 +5,7 @@ again), here with the published measurements as the measured runs.
 The default profiles describe dsforge's own engine; the published runs ran others (Composer,
 FSDP2 with torch.compile, Megatron-LM with Transformer Engine and overlapped communication),
 each on its own GPUs. So the runs are grouped by engine (source) and GPU type, and each run
-is predicted by `dsforge.search.calibrate.fit` refitted on its group's runs of *other* models
+is predicted by `dsforge.cost.fit.fit` refitted on its group's runs of *other* models
 (leave one model out: the runs of one model at other sequence lengths or GPU counts are
 near-copies of it, so leaving out one run would let its twins in). That is the question a
 user's calibration answers: having measured some models on this stack, how well does the
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 from published_runs import Scored, engine_profile  # beside this file
 
-from dsforge.search.calibrate import Point, apply, fit
-from dsforge.search.cost import step_time
-from dsforge.search.profile import ClusterProfile
+from dsforge.cost.fit import Point, apply, fit
+from dsforge.cost.profile import ClusterProfile
+from dsforge.cost.step_time import step_time
 
 KEEP = ("optimizer",)  # terms not fitted (above)
 MIN_MODELS = 3  # models a group needs: the refit of two models tells little about a third

@@ -29,6 +29,7 @@ import statistics
 from dataclasses import dataclass
 from functools import cache
 
+from dsforge.cost.profile import default_profile
 from dsforge.estimate.flops import flops_per_token
 from dsforge.hardware import gpu_by_key
 from dsforge.problems import RecipeError
@@ -37,7 +38,6 @@ from dsforge.recipe.loader import build_recipe
 from dsforge.recipe.presets import PRESETS
 from dsforge.recipe.resolve import Resolved, resolve
 from dsforge.schema import ModelConfig, divisors
-from dsforge.search.profile import default_profile
 from dsforge.search.search import Ranked, evaluate
 from dsforge.search.space import MAX_VPP, Candidate
 from dsforge.units import GiB

@@ -14,8 +14,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsforge.cost.profile import default_profile
 from dsforge.recipe.loader import build_recipe
-from dsforge.search.profile import default_profile
 from dsforge.search.search import Ranked, SearchResult, search
 from dsforge.search.space import MICRO_BATCHES, Space
 

@@ -13,9 +13,9 @@ and the 1B study's medians from its report.
 The profile: the H200's default with `compute_efficiency` set so that the cost model's GEMM
 rate at each model's shapes is the rate gemm.json measured there (the mean of the two models'
 figures; gemm.json times one token count a model, so the knee keeps its default). It keeps
-the H200's host floors, which the GPU kit's own runs measured (search/profile.py; they
+the H200's host floors, which the GPU kit's own runs measured (cost/profile.py; they
 include the same 7B layout with Liger's kernels and torch's AdamW, not these runs). Then
-dsforge's own refit on a GPU (`dsforge plan --search --measure`, search/calibrate.py) on
+dsforge's own refit on a GPU (`dsforge plan --search --measure`, cost/fit.py) on
 every three runs predicts the fourth. The target is within 5% each. The second table is the
 same without the kit's floors: what three runs alone can tell.
 """
@@ -32,10 +32,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dsforge.cost.fit import Point, calibrate  # noqa: E402
+from dsforge.cost.profile import default_profile  # noqa: E402
+from dsforge.cost.step_time import modelled_gemm_rate  # noqa: E402
 from dsforge.recipe import resolve_file  # noqa: E402
-from dsforge.search.calibrate import Point, calibrate  # noqa: E402
-from dsforge.search.calibrate_command import _modelled_rate  # noqa: E402
-from dsforge.search.profile import default_profile  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "reference" / "gpu-h200-2026-11-26"
 AS_RUN = ["model.kernels=torch", "train.adam_impl=deepspeed", "train.activation_checkpointing=full"]
@@ -76,7 +76,7 @@ def gemm_profile(resolved_by_recipe: dict):
         micro_batch = entry["tokens"] // resolved.recipe.train.seq_len  # the shape gemm.json timed
         resolved = dataclasses.replace(
             resolved, layout=dataclasses.replace(resolved.layout, micro_batch=micro_batch))
-        modelled = _modelled_rate(resolved, profile, profile.compute_efficiency)
+        modelled = modelled_gemm_rate(resolved, profile, profile.compute_efficiency)
         efficiencies.append(profile.compute_efficiency * entry["tflops"] * 1e12 / modelled)
     return dataclasses.replace(profile, compute_efficiency=min(1.0, statistics.fmean(efficiencies)),
                                measured_on="NVIDIA H200, gemm.json of 2026-11-26")

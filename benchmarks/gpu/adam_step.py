@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the working tree's dsforge first, as run.sh sets it
 
-from dsforge.search.optimizer_timing import init_world, parameter_shapes, time_optimizer  # noqa: E402
+from dsforge.calibrate.optimizer_timing import init_world, parameter_shapes, time_optimizer  # noqa: E402
 STAGES = (0, 1, 2, 3)
 IMPLS = ("fused", "deepspeed")  # train.adam_impl values
 TINY_DIVISOR = 32

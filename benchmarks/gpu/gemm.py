@@ -8,7 +8,7 @@ and backward, through dsforge's own attention module (runtime/build/layers.py) w
 `model.sdpa_backend`'s kernels (flash, cudnn, efficient, torch's choice): the SDPA backend
 comparison at the models' shapes.
 The FLOP-weighted throughput of all of a step's products over the GPU's peak is the figure to
-compare with `compute_efficiency` in dsforge/search/profile.py (the share of peak the step-time
+compare with `compute_efficiency` in dsforge/cost/profile.py (the share of peak the step-time
 model assumes the model's GEMMs reach).
 
 With --cpu-tiny (the kit's dry run, no GPU) the same code runs on the CPU in fp32 with every
@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the working tree's dsforge first, as run.sh sets it
 
-from dsforge.search.kernel_timing import model_gemms, time_attention, time_gemm  # noqa: E402
+from dsforge.calibrate.kernel_timing import model_gemms, time_attention, time_gemm  # noqa: E402
 TINY_DIVISOR = 32
 TINY_TOKENS = 64
 
@@ -59,8 +59,8 @@ def measure_model(recipe: str, device: torch.device, dtype: torch.dtype,
 
 def run(recipes: list[str], gpu: str | None, *, tiny: bool, reps: int, warmup: int) -> dict:
     """Every recipe's figures, with the peak and the planner's efficiency for `gpu`."""
+    from dsforge.cost.profile import default_profile
     from dsforge.hardware import gpu_by_key
-    from dsforge.search.profile import default_profile
 
     device = torch.device("cpu" if tiny else "cuda")
     dtype = torch.float32 if tiny else torch.bfloat16

@@ -462,7 +462,8 @@ def run_plan(step: Step, ctx: Context) -> dict:
     """`dsforge plan --json` for the run, computed in this process (megatron-core imported
     once, not once per run), with the planner's step time on the GPU's profile as shipped
     (`step_time`, as bench stores with each cell): written before the run starts."""
-    from dsforge.plan import build_plan, predicted_step_time
+    from dsforge.cost.step_time import predicted_step_time
+    from dsforge.plan import build_plan
 
     try:
         resolved = kit_plan.resolve_run(step.spec, ctx.gpu)

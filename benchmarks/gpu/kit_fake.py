@@ -116,7 +116,7 @@ def _fake_peer(step: Step, work: Path, gpu: str) -> None:
 def _fake_profile(work: Path, gpu: str) -> None:
     import dataclasses
 
-    from dsforge.search.profile import default_profile, profile_text
+    from dsforge.cost.profile import default_profile, profile_text
 
     fake = dataclasses.replace(default_profile(gpu), measured_on="FAKE (dry run)")
     (work / CALIBRATED).write_text(profile_text(fake, "invented by the dry run"))
@@ -135,7 +135,7 @@ def _fake_breakdown(step_s: float) -> dict[str, float]:
 
 def _fake_plan(spec: RunSpec, gpu: str) -> dict:
     """The plan the kit writes before a run, with the planner's step time (kit.run_plan)."""
-    from dsforge.plan import predicted_step_time
+    from dsforge.cost.step_time import predicted_step_time
 
     resolved = resolve_run(spec, gpu)
     return {**prediction(resolved), "step_time": predicted_step_time(resolved, gpu, gpus_per_node=1)}
@@ -206,7 +206,7 @@ def _fake_study(spec: StudySpec, work: Path, gpu: str) -> None:
 
 
 def _fake_row(study: str, cell, resolved, gpu: str, Row, asdict, warmup: int, steps: int):
-    from dsforge.plan import predicted_step_time
+    from dsforge.cost.step_time import predicted_step_time
 
     predicted = prediction(resolved)
     step_s = predicted_step_time(resolved, gpu, gpus_per_node=1)["total"]

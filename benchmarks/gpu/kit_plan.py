@@ -104,7 +104,7 @@ STEP_PEER_7B = Estimate(4.2, "guess: ~1.45 x dsforge's 2.87 s (full checkpointin
 STEP_PEER_3B = Estimate(2.8, "guess: ~1.45 x dsforge's 1.96 s")
 # Issue 40's predictions, written before any compiled or float8 run on a GPU: the calibrated
 # H200 profile (results/2026-11-27-h200, profile-7b.yaml) with the issue-40 terms
-# (search/profile.py: compiled_other_share 0.6, fp8_gemm_speedup 1.6, fp8_eager_cast_share
+# (cost/profile.py: compiled_other_share 0.6, fp8_gemm_speedup 1.6, fp8_eager_cast_share
 # 0.5) gives the 7B at 8 sequences 2.74 s eager, 2.51 compiled (1.09x), 2.41 fp8 eager
 # (1.14x), 1.89 fp8 compiled (1.45x); scaled to the measured eager step (2.87 s):
 PREDICTED_SPEEDUP = {"compiled": 1.09, "fp8-eager": 1.14, "fp8-compiled": 1.45,

@@ -233,7 +233,7 @@ def calibrated_profile(work: Path) -> dict | None:
     """The fields of the profile the calibrate step wrote, None where it wrote none."""
     import dataclasses
 
-    from dsforge.search.profile import read_profile
+    from dsforge.cost.profile import read_profile
 
     path = work / CALIBRATED
     return dataclasses.asdict(read_profile(path)) if path.is_file() else None

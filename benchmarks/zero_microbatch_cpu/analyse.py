@@ -1,5 +1,5 @@
 """Step time against microbatches per step, ZeRO 1/2/3 under 1F1B on CPU, next to the
-planner's extra data-parallel traffic (dsforge/search/cost.py `dp_traffic`).
+planner's extra data-parallel traffic (dsforge/cost/step_time.py `dp_traffic`).
 
     dsforge bench recipes/bench/zero_microbatch_study_cpu.yaml --out benchmarks/zero_microbatch_cpu
     python benchmarks/zero_microbatch_cpu/analyse.py benchmarks/zero_microbatch_cpu/results.db
@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from dsforge.bench.report import aggregate
 from dsforge.bench.store import Store
-from dsforge.search.cost import dp_traffic
+from dsforge.cost.step_time import dp_traffic
 
 def gradient_bytes(cells: list[dict]) -> float:
     """The worst pipeline rank's gradient bytes as the planner counts them for ZeRO-1 (whole

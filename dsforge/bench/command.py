@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
 from dsforge.problems import EXIT_INVALID, RecipeError, print_problems
 
-if TYPE_CHECKING:
-    from dsforge.bench.run import StepTimeModel
-
 
 def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
-               skip_fit_check: bool = False, db_timeout: float | None = None,
-               step_time_model: StepTimeModel | None = None) -> int:
+               skip_fit_check: bool = False, db_timeout: float | None = None) -> int:
     """Refuse an invalid study before any cell runs; run the others' cells into
     OUT/results.db, a tiny study under its own name (NAME-tiny), waiting up to `db_timeout`
     seconds [as long as the study's cells may run] for another process's lock on it. Each
-    cell's row stores `step_time_model`'s prediction (bench/run.py StepTimeModel) where the
-    cell runs on a GPU. A cell whose job does not fit this machine is rejected unless
+    cell's row stores the planner's step time (dsforge/cost/) where the cell runs on a GPU. A cell whose job does not fit this machine is rejected unless
     `skip_fit_check` (bench/run.py `fit_refusal`)."""
     from dsforge.bench.run import bench_study
     from dsforge.bench.study import check_study, load_study
@@ -41,7 +35,7 @@ def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
     out = out or Path("benchmarks") / parsed.name
     code = bench_study(parsed, recipe_path, out, retry_failed=retry_failed, tiny=tiny,
                        check_fit=not skip_fit_check, db_timeout=db_timeout,
-                       log=lambda line: click.echo(line, err=True), step_time_model=step_time_model)
+                       log=lambda line: click.echo(line, err=True))
     if code != EXIT_INVALID:
         click.echo(f"results: {out / 'results.db'}; report: dsforge report {out / 'results.db'}")
     return code

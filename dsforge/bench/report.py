@@ -295,7 +295,7 @@ def _step_time_table(cells: list[dict]) -> list[str]:
     shown = [c for c in cells if c["prediction"]]
     if not shown:
         return []
-    lines = ["", "Predicted vs measured step time: the planner's step time (search/cost.py, "
+    lines = ["", "Predicted vs measured step time: the planner's step time (cost/step_time.py, "
              "docs/search.md \"The step-time model\") on the default profile of the GPU the cell "
              "ran on, against the measured median step; error = predicted / measured - 1 (above "
              "0: predicted slower than measured)."]

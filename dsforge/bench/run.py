@@ -38,6 +38,7 @@ from typing import Callable
 from dsforge import lock
 from dsforge.bench.store import EXIT_TRY_AGAIN, FAILED, BenchError, Row, Store, StoreLocked
 from dsforge.bench.study import Cell, Study, expand, study_identity
+from dsforge.cost.step_time import predicted_step_time
 from dsforge.files import write_atomic
 from dsforge.hardware import gpu_for_device_name
 from dsforge.job import failure
@@ -61,12 +62,10 @@ _KILLED = (-9, 137, 247)
 # run_job's codes when dsforge itself was stopped: SIGHUP, Ctrl-C (SIGINT), SIGTERM.
 STOPPED = (129, 130, 143)
 
-# The planner's step-time model: dsforge/search/cost.py `step_time` with the default profile of
-# a GPU (search/profile.py `default_profile`). search/ is a layer above bench/ (its --measure
-# runs bench cells), so whoever runs a study hands the model in; `dsforge bench` gives
-# dsforge/plan.py `predicted_step_time`. Called with the cell's resolved recipe, the GPU's key
-# (dsforge/hardware.py) and the GPUs per node; returns `StepTime.to_dict()`: each term and the
-# total, in seconds per optimizer step.
+# The planner's step-time model (dsforge/cost/, a layer below bench): by default
+# `predicted_step_time`, the default profile of a GPU; a caller may hand in another. Called
+# with the cell's resolved recipe, the GPU's key (dsforge/hardware.py) and the GPUs per node;
+# returns `StepTime.to_dict()`: each term and the total, in seconds per optimizer step.
 StepTimeModel = Callable[[Resolved, str, int], dict]
 
 
@@ -96,7 +95,7 @@ def db_timeout_s(study: Study) -> float:
 def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed: bool = False,
                 tiny: bool = False, check_fit: bool = True, db_timeout: float | None = None,
                 log: Callable[[str], None] = print,
-                step_time_model: StepTimeModel | None = None) -> int:
+                step_time_model: StepTimeModel = predicted_step_time) -> int:
     """`dsforge bench`: run_study with its store in OUT/results.db, as an exit status:
     0 when every cell has a result; EXIT_TRY_AGAIN (75) when cells were busy or the database
     stayed locked for longer than `db_timeout` seconds [db_timeout_s(study)] (nothing finished
@@ -141,7 +140,7 @@ def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed:
 def run_study(study: Study, recipe_path: Path, store: Store, out_dir: Path, *,
               retry_failed: bool = False, tiny: bool = False, check_fit: bool = True,
               log: Callable[[str], None] = print,
-              step_time_model: StepTimeModel | None = None) -> Outcome:
+              step_time_model: StepTimeModel = predicted_step_time) -> Outcome:
     """Every cell and repeat that has no finished row for this study's base; raises
     Interrupted when stopped, RecipeError if the base recipe does not load."""
     cells = expand(study, base=study_identity(study, recipe_path))
@@ -213,7 +212,7 @@ def _label(cell: Cell) -> str:
 
 def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: Path, *,
              tiny: bool = False, check_fit: bool = True,
-             step_time_model: StepTimeModel | None = None) -> Row:
+             step_time_model: StepTimeModel = predicted_step_time) -> Row:
     """One repeat of one cell: `rejected` without a job if its recipe is invalid, or if
     `check_fit` and its job, on this machine, does not fit it (`fit_refusal`); otherwise
     its job, run while this process owns the cell's directory. Raises lock.Busy if another
@@ -393,7 +392,7 @@ def prediction(resolved: Resolved, step_time: dict | None = None, *, device: str
 
 
 def step_time_prediction(resolved: Resolved, *, device: str, manifest: dict | None,
-                         model: StepTimeModel | None, tiny: bool = False) -> dict:
+                         model: StepTimeModel = predicted_step_time, tiny: bool = False) -> dict:
     """The planner's step time for the cell on the GPU it ran on, as stored in its prediction:
     `step_time_s` (the total), `step_time_terms` (StepTime.to_dict()) and `step_time_profile`
     (which GPU's default profile, why that GPU, GPUs per node). Where there is no GPU profile
@@ -405,7 +404,7 @@ def step_time_prediction(resolved: Resolved, *, device: str, manifest: dict | No
     if tiny or device == "cpu" or ran_on.get("type") == "cpu":
         how = "--tiny" if tiny else "the study's device: cpu" if device == "cpu" else "no GPU was found"
         return _no_step_time(f"the cell ran on CPU ({how}): the step-time model has GPU profiles "
-                             "only (dsforge/search/profile.py), so there is no CPU prediction")
+                             "only (dsforge/cost/profile.py), so there is no CPU prediction")
     name = ran_on.get("name") if ran_on.get("type") == "cuda" else None
     gpu = gpu_for_device_name(name) if name else None
     named = resolved.recipe.cluster.gpu if resolved.recipe.cluster else None
@@ -420,9 +419,6 @@ def step_time_prediction(resolved: Resolved, *, device: str, manifest: dict | No
     else:
         unknown = f"the device {name} is not in dsforge/hardware.py" if name else "no device was recorded"
         return _no_step_time(f"no GPU profile: {unknown} and the recipe names no cluster.gpu")
-    if model is None:
-        return _no_step_time("this bench run was given no step-time model (dsforge bench gives "
-                             "the planner's)")
     slots = resolved.topology.node_slots
     per_node = max(slots) if slots else resolved.layout.world_size  # one machine
     terms = model(resolved, key, per_node)

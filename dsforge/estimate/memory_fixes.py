@@ -23,7 +23,7 @@ from dsforge.schema import Recipe, ZeroConfig, divisors
 CHECKPOINTING = ("none", "selective", "full")  # least recompute first
 SHOWN = 3  # fixes named at most
 # The share of the device kept free for what the memory model does not count (also the
-# planner's default, search/profile.py).
+# planner's default, cost/profile.py).
 HEADROOM = 0.10
 
 
@@ -53,7 +53,7 @@ def fit_limit(*, capacity: float, predicted: float, needed: float,
               headroom: float = HEADROOM) -> float:
     """The predicted peak a fix must stay under after an out-of-memory on a device of
     `capacity` bytes: the share the search's fit uses (the rest is for the CUDA context, NCCL
-    and fragmentation, search/profile.py), less what the rank `needed` beyond the prediction
+    and fragmentation, cost/profile.py), less what the rank `needed` beyond the prediction
     (memory the model does not count for this job, assumed to stay with any fix)."""
     return capacity * (1.0 - headroom) - max(0.0, needed - predicted)
 

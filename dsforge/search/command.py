@@ -16,17 +16,17 @@ import click
 
 from dsforge.bench.run import Interrupted
 from dsforge.bench.study import Measure
+from dsforge.cost.fit import LEAVE_ONE_OUT_MIN
+from dsforge.cost.profile import ClusterProfile, load_profile
 from dsforge.files import write_atomic
 from dsforge.problems import EXIT_INVALID, Problem, RecipeError, did_you_mean, print_problems
 from dsforge.recipe.loader import build_recipe, dump_recipe, load_recipe
 from dsforge.recipe.presets import PRESETS
 from dsforge.schema import Recipe
-from dsforge.search.calibrate import LEAVE_ONE_OUT_MIN
 from dsforge.search.explain import format_duration, zero_pipeline_note
 from dsforge.search.explorer import write_explorer
 from dsforge.search.measure import (measure_top, refit_from_trials, refit_json, render_refit,
                                     render_trials, verdict)
-from dsforge.search.profile import ClusterProfile, load_profile
 from dsforge.search.search import Ranked, SearchResult, search
 from dsforge.search.space import Space
 from dsforge.units import GiB

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from dsforge.cost.step_time import step_time
 from dsforge.estimate.bubble import bubble_fraction
-from dsforge.search.cost import step_time
 from dsforge.translate.kernels import predicted_memory
 from dsforge.units import GiB, format_bytes
 

@@ -7,7 +7,7 @@ render them and a second run skips what finished. The candidates are then ordere
 measured median step time (failed trials last) and shown next to the prediction.
 
 The prediction is for the profile's GPU; a trial measures the machine it runs on. The
-finished trials then refit the profile to this machine (search/calibrate.py): the refitted
+finished trials then refit the profile to this machine (cost/fit.py): the refitted
 profile is written to OUT/profile.yaml and the search is ranked again with it, so off the
 profile's GPU (e.g. a tiny model on CPU) the refitted predictions are of this machine.
 """
@@ -23,13 +23,13 @@ from typing import Any, Callable
 from dsforge.bench.run import run_cell
 from dsforge.bench.store import FAILED, Store
 from dsforge.bench.study import Cell, Measure, Study, make_cell, timing
+from dsforge.cost.fit import Calibration, Point, calibrate
+from dsforge.cost.fit import render as render_calibration
+from dsforge.cost.profile import profile_text, provenance_lines
 from dsforge.files import write_atomic
 from dsforge.lock import Busy
 from dsforge.recipe.loader import dump_recipe
 from dsforge.schema import Recipe
-from dsforge.search.calibrate import Calibration, Point, calibrate
-from dsforge.search.calibrate import render as render_calibration
-from dsforge.search.profile import profile_text, provenance_lines
 from dsforge.search.search import Ranked, SearchResult, search
 
 
@@ -139,7 +139,7 @@ class Refit:
 
 
 def refit_from_trials(base: Recipe, result: SearchResult, trials: list, out: Path) -> Refit | None:
-    """The profile refitted from the finished trials (search/calibrate.py), written to
+    """The profile refitted from the finished trials (cost/fit.py), written to
     OUT/profile.yaml with where and how it was measured, and the search re-ranked by it."""
     points = [Point(t.candidate.shape(), t.candidate.resolved, t.measured_step_s, t.breakdown_s)
               for t in trials if t.measured_step_s is not None]
@@ -164,7 +164,7 @@ def measured_on() -> str:
     """The device the trials ran on (a GPU where one is visible) and the date."""
     import torch
 
-    from dsforge.search.kernel_timing import measured_on as on_device
+    from dsforge.calibrate.kernel_timing import measured_on as on_device
 
     return on_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 

@@ -17,13 +17,13 @@ import functools
 import time
 from dataclasses import dataclass, field
 
+from dsforge.cost.profile import ClusterProfile
+from dsforge.cost.step_time import StepTime, step_time
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.memory import MemoryEstimate
 from dsforge.recipe.resolve import Resolved
 from dsforge.schema import ModelConfig, Recipe
-from dsforge.search.cost import StepTime, step_time
 from dsforge.search.explain import with_reasons
-from dsforge.search.profile import ClusterProfile
 from dsforge.search.space import Candidate, Space, enumerate_candidates
 from dsforge.translate.kernels import predicted_memory
 

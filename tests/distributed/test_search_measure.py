@@ -62,10 +62,10 @@ def test_two_measured_layouts_predict_a_third_within_10_percent(tmp_path):
     the search's first two: those tie on this CPU and differ by one microbatch count, where a
     2-core machine's run-to-run noise (5-8% a process) would decide an extrapolation."""
     from dsforge.bench.study import Measure
+    from dsforge.cost.profile import load_profile
+    from dsforge.cost.step_time import step_time
     from dsforge.search.command import SearchRequest, base_recipe, search_space
-    from dsforge.search.cost import step_time
     from dsforge.search.measure import measure_top, refit_from_trials
-    from dsforge.search.profile import load_profile
     from dsforge.search.search import search
 
     calibrated = tmp_path / "cpu.yaml"

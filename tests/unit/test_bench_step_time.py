@@ -1,5 +1,5 @@
 """Issue 23: `dsforge bench` stores the planner's step time with each cell (bench/run.py
-`step_time_prediction`, the model handed in as plan.py `predicted_step_time`) and `dsforge
+`step_time_prediction`, the model cost/step_time.py `predicted_step_time`) and `dsforge
 report` puts it against the measured median step, a table and a plot (`step_time_points`, what
 the plot draws). CPU cells store no step time and say why; rows stored before bench stored one
 still report, saying it was not stored. The GPU numbers are the H200 ZeRO study's
@@ -12,7 +12,6 @@ import dataclasses
 import json
 
 import pytest
-from click.testing import CliRunner
 
 from dsforge.bench import report
 from dsforge.bench import run as bench_run
@@ -20,12 +19,11 @@ from dsforge.bench.report import NOT_STORED, aggregate, step_time_points, write_
 from dsforge.bench.run import bench_study, prediction, step_time_prediction
 from dsforge.bench.store import Row, Store
 from dsforge.bench.study import load_study
-from dsforge.cli import main
+from dsforge.cost.profile import default_profile
+from dsforge.cost.step_time import predicted_step_time
+from dsforge.cost.step_time import step_time
 from dsforge.job.run_dir import RunDir
-from dsforge.plan import predicted_step_time
 from dsforge.recipe import resolve_file
-from dsforge.search.cost import step_time
-from dsforge.search.profile import default_profile
 from tests.conftest import REPO
 
 H200 = {"type": "cuda", "name": "NVIDIA H200", "count_per_node": 1}
@@ -78,14 +76,9 @@ def test_a_cpu_cell_stores_no_step_time_and_why(kit_1b, device, tiny, manifest, 
     stored = step_time_prediction(kit_1b, device=device, tiny=tiny, manifest=manifest,
                                   model=lambda *args: calls.append(args))
     assert stored == {"step_time_s": None, "step_time_why": f"the cell ran on CPU ({how}): the "
-                      "step-time model has GPU profiles only (dsforge/search/profile.py), so there "
+                      "step-time model has GPU profiles only (dsforge/cost/profile.py), so there "
                       "is no CPU prediction"}
     assert not calls  # no CPU figure is made up
-
-
-def test_without_a_model_nothing_is_predicted(kit_1b):
-    stored = step_time_prediction(kit_1b, device="cuda", manifest={"device": H200}, model=None)
-    assert stored["step_time_s"] is None and "no step-time model" in stored["step_time_why"]
 
 
 # --- through the bench: a stand-in launcher, the row it stores ------------------------------
@@ -133,18 +126,14 @@ def test_each_cell_row_carries_the_prediction(tmp_path, monkeypatch, device, tin
     assert row.prediction["memory_bytes"]["total"] > 0  # and what it stored before
 
 
-def test_dsforge_bench_hands_the_planners_step_time_to_the_study(tmp_path, monkeypatch):
-    seen = {}
+def test_dsforge_bench_stores_the_planners_step_time_by_default():
+    """bench sits above the cost model (dsforge/cost/): it asks it itself, no callback."""
+    import inspect
 
-    def bench_study_stub(*args, step_time_model=None, **kwargs):
-        seen["model"] = step_time_model
-        return 0
-
-    monkeypatch.setattr(bench_run, "bench_study", bench_study_stub)
-    study, _ = _study(tmp_path, "cuda")
-    result = CliRunner().invoke(main, ["bench", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "o")])
-    assert result.exit_code == 0, result.output
-    assert seen["model"] is predicted_step_time
+    for function in (bench_run.bench_study, bench_run.step_time_prediction):
+        parameters = inspect.signature(function).parameters
+        name = "step_time_model" if "step_time_model" in parameters else "model"
+        assert parameters[name].default is predicted_step_time
 
 
 # --- the report -----------------------------------------------------------------------------
@@ -166,7 +155,7 @@ PREDICTED = dict(step_time_s=1.526, step_time_terms=TERMS,
                  step_time_profile={"gpu": "h200", "gpus_per_node": 1, "profile": "default",
                                     "source": "the device the cell ran on (NVIDIA H200)"})
 CPU_WHY = ("the cell ran on CPU (the study's device: cpu): the step-time model has GPU profiles "
-           "only (dsforge/search/profile.py), so there is no CPU prediction")
+           "only (dsforge/cost/profile.py), so there is no CPU prediction")
 
 
 def _row(stage: int, prediction: dict | None, step_times=(1.52, 1.54), status="ok") -> Row:

@@ -1,4 +1,4 @@
-"""The profile refitted from measured step times (dsforge/search/calibrate.py): which terms the
+"""The profile refitted from measured step times (dsforge/cost/fit.py): which terms the
 points determine, the coefficients they give, the band from leave-one-out residuals, and the
 refitted profile as a --profile file."""
 
@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
+from dsforge.cost import fit as cal
+from dsforge.cost.profile import default_profile, profile_text, read_profile
+from dsforge.cost.step_time import step_time
 from dsforge.recipe import resolve_file
-from dsforge.search import calibrate as cal
-from dsforge.search.cost import step_time
-from dsforge.search.profile import default_profile, profile_text, read_profile
 from tests.conftest import REPO
 
 ONE_B = REPO / "benchmarks" / "gpu" / "recipes" / "1b_1gpu.yaml"
@@ -190,7 +190,7 @@ def test_the_fixed_and_gather_terms_in_the_step_time():
 
 
 def test_model_gemms_divide_the_parallel_widths_by_tp():
-    from dsforge.search.kernel_timing import model_gemms
+    from dsforge.calibrate.kernel_timing import model_gemms
 
     m = _layout().recipe.model
     one, two = model_gemms(m, 4096), model_gemms(m, 4096, tp=2)
@@ -254,8 +254,8 @@ def test_the_engines_output_goes_to_a_log_beside_the_profile(tmp_path):
 def test_attention_at_its_own_rate_costs_only_the_attentions_flops():
     """attention_efficiency moves the attention's FLOPs (the full score matrix, forward,
     backward and recompute) from the GEMMs' rate to its own, and nothing else."""
+    from dsforge.cost.step_time import gemm_saturation
     from dsforge.estimate.flops import attention_flops_forward
-    from dsforge.search.cost import gemm_saturation
 
     resolved = _layout("train.activation_checkpointing=full")
     lay, m, seq = resolved.layout, resolved.recipe.model, resolved.recipe.train.seq_len
@@ -272,7 +272,7 @@ def test_attention_at_its_own_rate_costs_only_the_attentions_flops():
 
 
 def test_the_measured_attention_becomes_its_share_of_the_peak():
-    from dsforge.search.calibrate_command import attention_efficiency
+    from dsforge.calibrate.command import attention_efficiency
 
     timed = {"backends": {"auto": {"seconds": 1.0, "tflops_full_matrix": 654.0}}}
     assert attention_efficiency(timed, H200) == pytest.approx(654e12 / H200.gpu.peak_bf16_flops)
@@ -290,9 +290,9 @@ def test_dsforge_calibrate_refuses_a_bad_recipe_before_measuring(tmp_path):
 
 
 def test_the_optimizer_is_timed_at_sizes_that_fit_the_device():
+    from dsforge.calibrate.command import optimizer_sizes
     from dsforge.recipe.presets import PRESETS
     from dsforge.schema import ModelConfig
-    from dsforge.search.calibrate_command import optimizer_sizes
 
     one_b = _layout().recipe.model
     assert optimizer_sizes(one_b, 50e6 * 1000) == (1, 16)  # all of it fits
@@ -313,8 +313,8 @@ def test_an_optimizer_step_that_did_not_grow_is_timed_again_then_said(monkeypatc
     1.73 ms at 217,664)."""
     import torch
 
-    from dsforge.search import calibrate_command as cc
-    from dsforge.search import optimizer_timing
+    from dsforge.calibrate import command as cc
+    from dsforge.calibrate import optimizer_timing
 
     timings = iter(steps_ms)
     monkeypatch.setattr(cc, "_quiet_deepspeed", lambda on: None)
@@ -386,7 +386,7 @@ def test_the_optimizer_comes_from_the_breakdowns_where_the_steps_cannot_tell_it(
 
 
 def test_the_gemm_knee_is_fitted_from_the_rates_at_three_sizes():
-    from dsforge.search.calibrate_command import knee_of
+    from dsforge.calibrate.command import knee_of
 
     def rate(tokens, knee=300.0, full=700e12):
         return full / (1 + knee / tokens)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsforge.cost.profile import default_profile
+from dsforge.cost.step_time import step_time
 from dsforge.plan import build_plan
 from dsforge.recipe import resolve_file
 from dsforge.runtime.context_shards import context_shard, gathered_order
-from dsforge.search.cost import step_time
-from dsforge.search.profile import default_profile
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.kernels import predicted_memory
 from tests.conftest import REPO

@@ -17,9 +17,9 @@ import subprocess
 import numpy as np
 import pytest
 
+from dsforge.cost.profile import default_profile
 from dsforge.recipe.loader import build_recipe
 from dsforge.search.explorer import write_explorer
-from dsforge.search.profile import default_profile
 from dsforge.search.search import search
 from dsforge.search.space import Space
 

@@ -454,7 +454,7 @@ def test_probe_env_quick_on_this_cpu(tmp_path):
 def test_gemm_code_runs_on_the_cpu_at_tiny_shapes():
     import gemm
 
-    from dsforge.search import kernel_timing
+    from dsforge.calibrate import kernel_timing
 
     result = gemm.run(["benchmarks/gpu/recipes/1b_1gpu.yaml"], "h100", tiny=True, reps=1, warmup=0)
     [model] = result["models"]
@@ -489,7 +489,7 @@ def test_adam_step_builds_fused_adam_in_the_environment_a_rank_gives_it(monkeypa
     a dsforge rank maps the list first, and so does the script, with dsforge's own code."""
     import adam_step
 
-    from dsforge.search.optimizer_timing import build_environment
+    from dsforge.calibrate.optimizer_timing import build_environment
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     fused_adam = adam_step.resolve("benchmarks/gpu/recipes/1b_1gpu.yaml", 1, "deepspeed")

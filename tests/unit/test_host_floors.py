@@ -1,5 +1,5 @@
 """The host floor under each layer's grad-enabled forward: its wait in the step time
-(dsforge/search/cost.py) and its fit in the refit (search/calibrate.py, search/floor_fit.py)."""
+(dsforge/cost/step_time.py) and its fit in the refit (cost/fit.py, cost/floor_fit.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from functools import partial
 import numpy as np
 import pytest
 
+from dsforge.cost import fit as cal
+from dsforge.cost.fit import term_margins
+from dsforge.cost.floor_fit import Waits, fit_floors
+from dsforge.cost.profile import default_profile
+from dsforge.cost.step_time import forward_share, step_time
 from dsforge.recipe import resolve_file
-from dsforge.search import calibrate as cal
-from dsforge.search.calibrate import term_margins
-from dsforge.search.cost import forward_share, step_time
-from dsforge.search.floor_fit import Waits, fit_floors
-from dsforge.search.profile import default_profile
 from tests.conftest import REPO
 
 ONE_B = REPO / "benchmarks" / "gpu" / "recipes" / "1b_1gpu.yaml"
@@ -137,9 +137,9 @@ def test_no_floor_may_run_the_gemms_faster_than_the_peak():
 
 
 def test_calibrate_times_the_floor_on_the_recipes_own_layers_at_few_tokens():
-    """search/layer_timing.py: the recipe's model at 1 and 3 layers on one device, one
+    """calibrate/layer_timing.py: the recipe's model at 1 and 3 layers on one device, one
     microbatch of a few tokens, at each ZeRO stage; MoE layers stay MoE."""
-    from dsforge.search.layer_timing import HOST_SEQ_LEN, small_recipe
+    from dsforge.calibrate.layer_timing import HOST_SEQ_LEN, small_recipe
 
     for path in ("recipes/70b_pp4.yaml", "recipes/moe_32gpu_tp4_ep2.yaml"):
         resolved = resolve_file(REPO / path)
@@ -155,7 +155,7 @@ def test_calibrate_times_the_floor_on_the_recipes_own_layers_at_few_tokens():
 
 
 def _measured_layers(forward_per_layer_s: float = 0.010, zero3_per_layer_s: float = 0.0105) -> dict:
-    """What search/layer_timing.py returns, made up: floors of 3 and 8 ms; a layer of the 1B
+    """What calibrate/layer_timing.py returns, made up: floors of 3 and 8 ms; a layer of the 1B
     at 8,192 tokens taking 30 ms forward and backward, its forward 10.5 ms at ZeRO-3."""
     return {"floors": {0: {"forward_s": {1: 0.010, 3: 0.016}, "per_layer_s": 0.003},
                        3: {"forward_s": {1: 0.020, 3: 0.036}, "per_layer_s": 0.008}},
@@ -169,8 +169,8 @@ ATTENTION = {"backends": {"auto": {"seconds": 0.004, "tflops_full_matrix": 300.0
 
 
 def test_the_measured_floors_and_other_work_go_into_a_gpus_profile_and_not_a_cpus():
-    from dsforge.search.calibrate_layers import layer_fields, layer_lines, other_work
-    from dsforge.search.kernel_timing import model_gemms
+    from dsforge.calibrate.kernel_timing import model_gemms
+    from dsforge.calibrate.layers import layer_fields, layer_lines, other_work
 
     resolved = _layout("train.micro_batch=2")
     layers, rate = _measured_layers(), 600e12
@@ -199,7 +199,7 @@ def test_a_zero3_forward_the_host_paces_at_the_recipes_shapes_sets_the_zero3_flo
     forward takes 10% or more over its ZeRO-0 forward (10 ms), the host's fetches pace it, and
     its time a layer is the floor at these shapes; within 10% the device's work paces it, and
     the bare layer's floor stands (the recipe's forward bounds it only from above)."""
-    from dsforge.search.calibrate_layers import layer_fields, layer_lines, zero3_floor
+    from dsforge.calibrate.layers import layer_fields, layer_lines, zero3_floor
 
     resolved = _layout("train.micro_batch=2")
     assert zero3_floor(_measured_layers(zero3_per_layer_s=0.0105)) == 0.008  # device-paced
@@ -221,7 +221,7 @@ def test_a_slope_the_larger_count_did_not_time_longer_is_reported_and_kept_out()
     """Noise (a busy machine) gives a slope at or under 0: clamped to 0 it would write a 0
     floor or 0 `other` into a GPU's profile as if measured. The GPU's defaults stay instead,
     and the lines say so."""
-    from dsforge.search.calibrate_layers import NOT_RESOLVED, layer_fields, layer_lines, other_work
+    from dsforge.calibrate.layers import NOT_RESOLVED, layer_fields, layer_lines, other_work
 
     resolved = _layout("train.micro_batch=2")
     noisy = _measured_layers()
@@ -237,7 +237,7 @@ def test_a_slope_the_larger_count_did_not_time_longer_is_reported_and_kept_out()
 
 
 def test_the_other_work_is_not_measured_where_the_host_paces_the_layer_or_experts_run():
-    from dsforge.search.calibrate_layers import layer_fields, other_work
+    from dsforge.calibrate.layers import layer_fields, other_work
 
     resolved = _layout("train.micro_batch=2")
     host_bound = _measured_layers(forward_per_layer_s=0.004)  # within 1.5 x the 3 ms floor

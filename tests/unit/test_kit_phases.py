@@ -30,7 +30,7 @@ def test_the_predicted_phases_add_up_to_the_predicted_step(kit_phases):
 
 
 def test_the_refit_leaves_each_dense_run_out_and_the_moe_out_of_the_fit(kit_phases):
-    """The refit is dsforge's own (search/calibrate.py, tested in test_calibrate.py)."""
+    """The refit is dsforge's own (cost/fit.py, tested in test_calibrate.py)."""
     runs = kit_phases.kit_runs()
     calibration = kit_phases.calibration(runs)
     labels = [row.label for row in calibration.rows]
@@ -41,12 +41,12 @@ def test_the_refit_leaves_each_dense_run_out_and_the_moe_out_of_the_fit(kit_phas
 
 
 def test_the_shipped_host_floors_are_the_refit_of_the_kits_runs(kit_phases):
-    """dsforge/search/profile.py's floors for the H200 and the H100 are what --measure's refit
+    """dsforge/cost/profile.py's floors for the H200 and the H100 are what --measure's refit
     gives the kit's dense runs of that GPU in the default profile's form (one compute
     efficiency, no `other` term) to 0.01 ms, with the compute's scale within 1% of the
     default's, so the shipped efficiencies stand beside them."""
+    from dsforge.cost.profile import default_profile
     from dsforge.hardware import gpu_for_device_name
-    from dsforge.search.profile import default_profile
 
     runs = kit_phases.kit_runs()
     for device in {r.device for r in runs}:

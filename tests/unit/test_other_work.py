@@ -1,5 +1,5 @@
 """The work outside the GEMMs and attention (cost.py `other`): its count, and the refit that
-fits it only where runs of different widths tell it from the GEMMs (search/calibrate.py)."""
+fits it only where runs of different widths tell it from the GEMMs (cost/fit.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
+from dsforge.cost import fit as cal
+from dsforge.cost.profile import default_profile
+from dsforge.cost.step_time import other_units, step_time
 from dsforge.recipe import resolve_file
-from dsforge.search import calibrate as cal
-from dsforge.search.cost import other_units, step_time
-from dsforge.search.profile import default_profile
 from tests.conftest import REPO
 
 ONE_B = REPO / "benchmarks" / "gpu" / "recipes" / "1b_1gpu.yaml"

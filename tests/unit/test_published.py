@@ -133,7 +133,7 @@ def test_search_band_is_the_comparisons_median_relative_error(stats):
     (profile.py keeps a copy so a search need not score 279 runs). It must be the comparison's
     median |predicted / measured - 1| over all scored runs, to the rounding it is written with;
     a change to the step-time model that moves the error must move the band with it."""
-    from dsforge.search.profile import PREDICTION_ERROR, ClusterProfile
+    from dsforge.cost.profile import PREDICTION_ERROR, ClusterProfile
 
     computed = stats["all"].median_relative_error
     assert PREDICTION_ERROR == pytest.approx(computed, abs=0.0005), (

@@ -10,14 +10,14 @@ import pytest
 from click.testing import CliRunner
 
 from dsforge.cli import main
+from dsforge.cost.profile import ClusterProfile, ProfileFile, default_profile, load_profile
+from dsforge.cost.step_time import gemm_saturation, step_time
 from dsforge.estimate.flops import flops_per_token
 from dsforge.problems import RecipeError
 from dsforge.recipe import load_recipe, resolve, resolve_file
 from dsforge.recipe.loader import build_recipe
 from dsforge.search.command import SearchRequest, base_recipe, render, search_space, write_recipe
-from dsforge.search.cost import gemm_saturation, step_time
 from dsforge.search.explain import reason
-from dsforge.search.profile import ClusterProfile, ProfileFile, default_profile, load_profile
 from dsforge.search.search import evaluate, search
 from dsforge.search.space import Candidate, Space
 from tests.conftest import REPO, load_tool
@@ -178,7 +178,7 @@ def test_pipeline_sends_cross_nodes_where_the_ranks_do():
     """tp2 x pp16 x dp1 with 4 GPUs per node: stages 2j and 2j+1 share a node, so every rank
     inside the pipeline has one intra- and one inter-node neighbour; with interleaving the
     wrap-around from the last stage to the first crosses nodes too (docs/search.md)."""
-    from dsforge.search.cost import boundary_counts, pipeline_send_seconds
+    from dsforge.cost.step_time import boundary_counts, pipeline_send_seconds
 
     assert boundary_counts(2, 16, 1, 4) == {(1, 0), (1, 1)}  # the two ends, the inner ranks
     assert boundary_counts(2, 16, 5, 4) == {(5, 5), (5, 4)}  # the ends: 4 wrap-arounds each
@@ -206,7 +206,7 @@ def test_tensor_parallel_across_nodes_is_slower():
 
 
 def test_a_ring_across_nodes_drives_one_nic_per_rank_of_its_group_in_each_node():
-    from dsforge.search.cost import ring_bandwidth
+    from dsforge.cost.step_time import ring_bandwidth
 
     profile = default_profile("h100")  # 8 a node, 360 GB/s inside, 40 GB/s a NIC
     assert ring_bandwidth(8, 8, profile) == 360e9  # one node
@@ -354,7 +354,7 @@ def test_zero2_with_pipelines_traffic():
     """With pp > 1, ZeRO-2 moves (m+1)/2 times ZeRO-1's bytes, none of it hidden, in m v
     reduce-scatters whose ring latency is added; interleaving splits the same bytes into v
     times as many collectives. The per-microbatch part lengthens the bubble too."""
-    from dsforge.search.cost import dp_traffic
+    from dsforge.cost.step_time import dp_traffic
 
     for m in (1, 4, 32):
         assert sum(dp_traffic(2, m)) / sum(dp_traffic(1, m)) == pytest.approx((m + 1) / 2)
@@ -609,7 +609,7 @@ def test_the_explorers_time_bars_draw_every_step_time_term():
     from dataclasses import fields
     from pathlib import Path
 
-    from dsforge.search.cost import StepTime
+    from dsforge.cost.step_time import StepTime
 
     page = (Path(__file__).resolve().parents[2] / "dsforge" / "search" / "explorer.html").read_text()
     parts = re.search(r"const TIME_PARTS = \[(.*?)\];", page, re.DOTALL).group(1)
@@ -619,7 +619,7 @@ def test_the_explorers_time_bars_draw_every_step_time_term():
 def test_the_step_time_is_the_sum_of_every_term():
     from dataclasses import fields
 
-    from dsforge.search.cost import StepTime
+    from dsforge.cost.step_time import StepTime
 
     names = [f.name for f in fields(StepTime)]
     terms = StepTime(**{name: 2.0 ** i for i, name in enumerate(names)})  # each term one bit

@@ -10,13 +10,13 @@ import re
 
 import pytest
 
+from dsforge.cost.profile import default_profile
 from dsforge.estimate import memory
 from dsforge.problems import RecipeError
 from dsforge.recipe.loader import build_recipe
 from dsforge.recipe.resolve import resolve
 from dsforge.search import search as search_module
 from dsforge.search.command import render, result_json
-from dsforge.search.profile import default_profile
 from dsforge.search.prune import shape_refusal, variant_refusal
 from dsforge.search.space import (Sections, Space, enumerate_candidates, exhaustive_candidates,
                                   variants)

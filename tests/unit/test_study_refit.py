@@ -1,4 +1,4 @@
-"""`dsforge refit RESULTS.db --out PROFILE.yaml` (dsforge/search/study_refit.py): the planner's
+"""`dsforge refit RESULTS.db --out PROFILE.yaml` (dsforge/calibrate/refit.py): the planner's
 profile refitted from bench cells, which cells it reads, and what it refuses."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 from click.testing import CliRunner
 
 from dsforge.bench.store import Row, Store
+from dsforge.calibrate.refit import read_cells
 from dsforge.cli import main
+from dsforge.cost import fit as cal
+from dsforge.cost.profile import default_profile, load_profile
+from dsforge.cost.step_time import step_time
 from dsforge.recipe import resolve_file
 from dsforge.recipe.loader import dump_recipe
-from dsforge.search import calibrate as cal
-from dsforge.search.cost import step_time
-from dsforge.search.profile import default_profile, load_profile
-from dsforge.search.study_refit import read_cells
 from tests.conftest import REPO
 
 ONE_B = REPO / "benchmarks" / "gpu" / "recipes" / "1b_1gpu.yaml"  # cluster: 1 x h100
@@ -146,8 +146,8 @@ def test_the_gpu_trials_of_the_search_refit_here_as_they_did_on_the_gpu():
     """`dsforge plan --search --measure` on one H200 (benchmarks/gpu/results/2026-11-27-h200/
     2-search-measure): its three trials, read back from the committed results.db, refit to the
     profile the GPU wrote beside them (compute's efficiency and the band), on any machine."""
-    from dsforge.search.profile import read_profile
-    from dsforge.search.study_refit import refit_cells, starting_profile
+    from dsforge.calibrate.refit import refit_cells, starting_profile
+    from dsforge.cost.profile import read_profile
 
     folder = REPO / "benchmarks" / "gpu" / "results" / "2026-11-27-h200" / "2-search-measure"
     store = Store(folder / "results.db")

@@ -12,9 +12,9 @@ import sys
 
 import torch
 
+from dsforge.calibrate.layer_timing import build_layers, recipe_shaped, synthetic_batch
+from dsforge.calibrate.optimizer_timing import init_world
 from dsforge.recipe import resolve_file
-from dsforge.search.layer_timing import build_layers, recipe_shaped, synthetic_batch
-from dsforge.search.optimizer_timing import init_world
 from tests.conftest import REPO
 
 ATTENTION = "decoder.layers.0.self_attention"

@@ -1,4 +1,4 @@
-"""`dsforge calibrate`'s figures from the recipe's own layers (search/layer_timing.py): the host
+"""`dsforge calibrate`'s figures from the recipe's own layers (calibrate/layer_timing.py): the host
 floors and the work outside the GEMMs and attention, as profile fields and report lines.
 
 On a GPU the host launches kernels beside the device, so a layer's forward at a handful of
@@ -10,8 +10,8 @@ profile keeps neither (the refit's additive costs stand for them there).
 
 from __future__ import annotations
 
+from dsforge.cost.profile import ClusterProfile
 from dsforge.recipe.resolve import Resolved
-from dsforge.search.profile import ClusterProfile
 
 # A layer whose forward at the recipe's shapes takes less than this many times the host's
 # floor is launched as fast as the host can: its time is the host's, not the device's work.
@@ -29,7 +29,7 @@ def measure_layers(resolved: Resolved, on, reps: int) -> dict | str:
     (no Transformer Engine, no Apex) are not this command's lines."""
     import warnings
 
-    from dsforge.search.layer_timing import host_floors, layer_work, zero3_forward
+    from dsforge.calibrate.layer_timing import host_floors, layer_work, zero3_forward
 
     warnings.filterwarnings("ignore", module=r"megatron\.")
     try:
@@ -87,7 +87,7 @@ def other_work(resolved: Resolved, layers: dict, gemm_rate: float, attention: di
     the measured rate) and its attention (timed alone), per token and hidden unit; or why it
     is not measured: a model with experts (its expert loop is not the dense GEMMs), an
     attention without a kernel here, or a layer the host's launching paces."""
-    from dsforge.search.kernel_timing import model_gemms
+    from dsforge.calibrate.kernel_timing import model_gemms
 
     m, work = resolved.recipe.model, layers["work"]
     if not rises(work["forward_backward_s"]):
@@ -110,7 +110,7 @@ def other_work(resolved: Resolved, layers: dict, gemm_rate: float, attention: di
 def layer_lines(layers: dict | str, profile: ClusterProfile, resolved: Resolved, gemm_rate: float,
                 attention: dict, on_gpu: bool) -> list[str]:
     """What was measured of the layers, for the terminal and the profile's comments."""
-    from dsforge.search.layer_timing import HOST_SEQ_LEN
+    from dsforge.calibrate.layer_timing import HOST_SEQ_LEN
 
     if isinstance(layers, str):
         return [f"the recipe's layers: not measured ({layers}); kept: host floors "

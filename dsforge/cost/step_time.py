@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass
 
+from dsforge.cost.profile import ClusterProfile
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.estimate.context_parallel import step_exchange_bytes
 from dsforge.estimate.flops import flops_per_token, pipeline_rank_flops
 from dsforge.estimate.memory import largest_stage_params
 from dsforge.recipe.resolve import Layout, Resolved
 from dsforge.schema import ModelConfig, padded_vocab_size
-from dsforge.search.profile import ClusterProfile
 
 GB = 1e9
 _GEMM_KNEE = 256.0
@@ -132,13 +132,17 @@ def step_time(resolved: Resolved, profile: ClusterProfile) -> StepTime:
 
 
 def _flop_rate(resolved: Resolved, profile: ClusterProfile) -> float:
-    """FLOP/s of the layout's GEMMs: the profile's efficiency, less where a tensor-parallel
-    shard's width or a microbatch's tokens leave them short of saturating the GPU."""
+    return modelled_gemm_rate(resolved, profile, profile.compute_efficiency)
+
+
+def modelled_gemm_rate(resolved: Resolved, profile: ClusterProfile, efficiency: float) -> float:
+    """FLOP/s of the layout's GEMMs at `efficiency`: less where a tensor-parallel shard's width
+    or a microbatch's tokens leave them short of saturating the GPU (calibration divides a
+    measured rate by it at efficiency 1)."""
     lay, m, t = resolved.layout, resolved.recipe.model, resolved.recipe.train
     microbatch_tokens = lay.micro_batch * t.seq_len // lay.cp
-    efficiency = (profile.compute_efficiency * gemm_saturation(m.hidden_size / lay.tp)
-                  * gemm_saturation(microbatch_tokens, profile.gemm_knee_tokens))
-    return profile.gpu.peak_bf16_flops * efficiency
+    return (profile.gpu.peak_bf16_flops * efficiency * gemm_saturation(m.hidden_size / lay.tp)
+            * gemm_saturation(microbatch_tokens, profile.gemm_knee_tokens))
 
 
 def compute_split(resolved: Resolved, profile: ClusterProfile,
@@ -382,3 +386,12 @@ def _dp_comm(resolved: Resolved, worst, profile: ClusterProfile, grad_bytes: int
         # completes its trace (docs/runtime.md): every gather waits, nothing is hidden.
         slots -= min(slots * profile.dp_overlap, compute)
     return slots + once, (slots if lay.pp > 1 else 0.0)
+
+
+def predicted_step_time(resolved: Resolved, gpu_key: str, gpus_per_node: int) -> dict[str, float]:
+    """The step-time model's terms and total, seconds per optimizer step (`StepTime.to_dict()`),
+    of the resolved layout on the default profile of GPU `gpu_key` (profile.py): what `dsforge
+    bench` stores with each cell that runs on that GPU, and the GPU kit beside each run."""
+    from dsforge.cost.profile import default_profile
+
+    return step_time(resolved, default_profile(gpu_key, gpus_per_node)).to_dict()

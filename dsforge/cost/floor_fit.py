@@ -1,4 +1,4 @@
-"""The host floors fitted beside the refit's least squares (search/calibrate.py,
+"""The host floors fitted beside the refit's least squares (cost/fit.py,
 docs/search.md "Calibration").
 
 A floor is not a linear term: a layer's grad-enabled forward costs max(floor, the device's

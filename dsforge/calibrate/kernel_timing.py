@@ -1,7 +1,7 @@
 """Timing the kernels a training step runs, at a model's shapes: its GEMMs in the three
 passes of training, dsforge's attention per SDPA backend, and the device's memory bandwidth.
 
-Used by `dsforge calibrate` (search/calibrate_command.py), which turns the figures into a
+Used by `dsforge calibrate` (calibrate/command.py), which turns the figures into a
 --profile file, and by the GPU kit's gemm.py (benchmarks/gpu). CUDA events on a GPU,
 perf_counter on a CPU; medians of `reps` after `warmup` calls.
 """

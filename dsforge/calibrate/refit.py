@@ -1,5 +1,5 @@
 """`dsforge refit RESULTS.db --out PROFILE.yaml`: the planner's profile refitted from the
-measured cells of bench studies (search/calibrate.py), so any study (a ZeRO stage
+measured cells of bench studies (cost/fit.py), so any study (a ZeRO stage
 comparison, a schedule sweep) also calibrates the planner to the machine it ran on, as
 `dsforge plan --search --measure` does with its own trials.
 
@@ -27,15 +27,15 @@ import click
 
 from dsforge.bench.report import current_cells
 from dsforge.bench.store import BenchError, Row, Store, unusable
+from dsforge.cost.fit import Calibration, Point, calibrate, render
+from dsforge.cost.profile import (ClusterProfile, load_profile, profile_text, provenance_lines,
+                                    read_profile)
 from dsforge.files import write_atomic
 from dsforge.hardware import gpu_for_device_name
 from dsforge.job.metrics_file import median_breakdown
 from dsforge.problems import EXIT_INVALID, RecipeError
 from dsforge.recipe.loader import build_recipe, parse_yaml
 from dsforge.recipe.resolve import Resolved, resolve, topology_for
-from dsforge.search.calibrate import Calibration, Point, calibrate, render
-from dsforge.search.profile import (ClusterProfile, load_profile, profile_text, provenance_lines,
-                                    read_profile)
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ class ClusterProfile:
     # A fixed cost per microbatch and layer on the busiest rank: launching a layer's kernels
     # from Python, which short kernels cannot hide (the 1B's forward on an H200: ~31 ms a
     # microbatch more at micro-batch 1 than 2). 0 until a calibration measures it
-    # (search/calibrate.py).
+    # (cost/fit.py).
     microbatch_layer_s: float = 0.0
     # ZeRO-3's fetch of a layer's parameters, beyond the bytes dp_comm counts (DeepSpeed's
     # per-module bookkeeping, and on one GPU the copy it still makes): per layer and pass.

@@ -18,7 +18,7 @@ at RECIPE's shapes, term by term (docs/search.md "Calibration").
   as a share of the peak.
 - The memory bandwidth (a copy) is measured and written beside the profile; the cost model has
   no term of its own for it yet.
-- The recipe's own layers (search/calibrate_layers.py): on a GPU the host floors and the work
+- The recipe's own layers (calibrate/layers.py): on a GPU the host floors and the work
   outside the GEMMs and attention.
 
 The band, and on a CPU the costs that show only in a whole run (per microbatch, ZeRO-3's
@@ -35,14 +35,14 @@ from pathlib import Path
 
 import click
 
+from dsforge.calibrate.kernel_timing import device_name, measured_on
+from dsforge.calibrate.layers import layer_fields, layer_lines, measure_layers
+from dsforge.cost.profile import ClusterProfile, default_profile, profile_text, provenance_lines
+from dsforge.cost.step_time import modelled_gemm_rate
 from dsforge.files import write_atomic
 from dsforge.hardware import gpu_for_device_name
 from dsforge.problems import EXIT_INVALID
 from dsforge.recipe.resolve import Resolved
-from dsforge.search.calibrate_layers import layer_fields, layer_lines, measure_layers
-from dsforge.search.cost import gemm_saturation
-from dsforge.search.kernel_timing import device_name, measured_on
-from dsforge.search.profile import ClusterProfile, default_profile, profile_text, provenance_lines
 
 CPU_COPY_MIB, GPU_COPY_MIB = 256, 1024
 CPU_GEMM_LIMIT_S = 120.0  # what a calibration's GEMMs may take on a CPU before it is refused
@@ -64,7 +64,7 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
     gemms, optimizer, attention, bandwidth, layers = _measure(resolved, on, reps, log)
     profile = dataclasses.replace(profile, gemm_knee_tokens=gemms["knee"])
     measured = dataclasses.replace(
-        profile, compute_efficiency=min(1.0, gemms["rate"] / _modelled_rate(resolved, profile, 1.0)),
+        profile, compute_efficiency=min(1.0, gemms["rate"] / modelled_gemm_rate(resolved, profile, 1.0)),
         attention_efficiency=attention_efficiency(attention, profile),
         measured_on=measured_on(on),
         measured_runs=0, **optimizer_fields(resolved, profile, optimizer),
@@ -109,7 +109,7 @@ def leave_world() -> None:
 def refuse_a_long_cpu_calibration(resolved: Resolved, on, reps: int) -> None:
     """A GPU-sized recipe's GEMMs on a CPU take hours: estimated from this CPU's rate at a
     small product, refused (exit 2) with the fix before anything is measured."""
-    from dsforge.search.kernel_timing import Gemm, model_gemms, time_gemm
+    from dsforge.calibrate.kernel_timing import Gemm, model_gemms, time_gemm
 
     tokens = resolved.layout.micro_batch * resolved.recipe.train.seq_len
     gemms = model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp)
@@ -148,13 +148,6 @@ def _dtype(resolved: Resolved):
     return torch.float32 if resolved.recipe.train.precision == "fp32" else torch.bfloat16
 
 
-def _modelled_rate(resolved: Resolved, profile: ClusterProfile, efficiency: float) -> float:
-    """FLOP/s the cost model gives the recipe's GEMMs at `efficiency` (cost.step_time)."""
-    lay, m = resolved.layout, resolved.recipe.model
-    return (profile.gpu.peak_bf16_flops * efficiency * gemm_saturation(m.hidden_size / lay.tp)
-            * gemm_saturation(lay.micro_batch * resolved.recipe.train.seq_len, profile.gemm_knee_tokens))
-
-
 TOKEN_FRACTIONS = (1, 2, 4)  # the microbatch's tokens, a half and a quarter of them
 GEMM_WARMUP = 2
 
@@ -183,7 +176,7 @@ def knee_of(rates: dict[int, float]) -> float:
 
 
 def _gemm_rate_at(resolved: Resolved, on, reps: int, tokens: int) -> tuple[float, list]:
-    from dsforge.search.kernel_timing import model_gemms, time_gemm
+    from dsforge.calibrate.kernel_timing import model_gemms, time_gemm
 
     rows, flops, seconds = [], 0.0, 0.0
     for g in model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp):
@@ -197,7 +190,7 @@ def _gemm_rate_at(resolved: Resolved, on, reps: int, tokens: int) -> tuple[float
 def optimizer_cost(resolved: Resolved, on, reps: int) -> dict:
     """The step at one layer and at more (optimizer_sizes): seconds a parameter (the slope
     between them) and fixed seconds (the line at zero parameters)."""
-    from dsforge.search.optimizer_timing import init_world, time_optimizer
+    from dsforge.calibrate.optimizer_timing import init_world, time_optimizer
 
     _quiet_deepspeed(on)
     init_world(on)
@@ -222,7 +215,7 @@ def optimizer_sizes(model, budget: float) -> tuple[int, int]:
     where two layers fit, else halved until they do; then as many layers as fit, at least 2
     and at most the model's. A large model's optimizer step is a memory-bound stream, so its
     cost a parameter does not need the full model (nor would the full model fit one device)."""
-    from dsforge.search.optimizer_timing import parameter_shapes
+    from dsforge.calibrate.optimizer_timing import parameter_shapes
 
     def count(divisor: int, layers: int) -> int:
         modules = parameter_shapes(model, divisor, layers)
@@ -286,7 +279,7 @@ def attention_efficiency(attention: dict, profile: ClusterProfile) -> float | No
 
 
 def _side_figures(resolved: Resolved, on, reps: int) -> tuple[dict, float]:
-    from dsforge.search.kernel_timing import memory_bandwidth, time_attention
+    from dsforge.calibrate.kernel_timing import memory_bandwidth, time_attention
 
     m, lay = resolved.recipe.model, resolved.layout
     attention = time_attention(m, lay.micro_batch, resolved.recipe.train.seq_len, on,

@@ -29,7 +29,7 @@ last other term is left out at the profile's coefficient).
 On a GPU (`host_floors`) the host launches kernels beside the device, so its cost is a floor
 under each layer's grad-enabled forward (cost.host_wait), not an addition: the two floors
 (ZeRO 0-2's and ZeRO-3's) are fitted in place of f and g, right after compute, each only where
-the points determine it (search/floor_fit.py searches them; the linear terms are solved at
+the points determine it (cost/floor_fit.py searches them; the linear terms are solved at
 each).
 
 The refitted profile: compute_efficiency / a (and a measured attention_efficiency / (a + d):
@@ -50,12 +50,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsforge.cost.floor_fit import Waits, fit_floors
+from dsforge.cost.profile import ClusterProfile
+from dsforge.cost.step_time import (compute_split, forward_pass, gather_count, microbatch_layers,
+                                 other_factor, other_units, step_time)
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.recipe.resolve import Resolved
-from dsforge.search.cost import (compute_split, forward_pass, gather_count, microbatch_layers,
-                                 other_factor, other_units, step_time)
-from dsforge.search.floor_fit import Waits, fit_floors
-from dsforge.search.profile import ClusterProfile
 
 # The order they are fitted. `other` comes after the fixed costs: within one model it differs
 # from compute only by the GEMMs' saturation, so it needs runs of different widths.
@@ -220,7 +220,7 @@ def term_margins(chosen: list[str], solution: np.ndarray) -> np.ndarray:
 
 def _floor_solver(waits: HostWaits, profile: ClusterProfile, coefficients: dict[str, float],
                   floors: list[str]) -> Solver:
-    """The chosen terms beside the floors (search/floor_fit.py), searched where `floors` names
+    """The chosen terms beside the floors (cost/floor_fit.py), searched where `floors` names
     them, the others at the profile's."""
     fitted = tuple(name in floors for name in FLOOR_NAMES)
     kept_floors = tuple(coefficients[name] for name in FLOOR_NAMES)
