@@ -271,3 +271,15 @@ def test_no_module_of_the_package_grows_past_600_lines():
     long = {str(p.relative_to(package)): n for p in sorted(package.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > 600}
     assert long == {}
+
+
+def test_the_cost_model_needs_no_torch():
+    """dsforge/cost/ is torch-free (a laptop plans and refits without it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dsforge.cost.step_time, dsforge.cost.fit, dsforge.cost.profile, "
+            "dsforge.cost.floor_fit; print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
