@@ -30,7 +30,7 @@ def single_process(store: Path) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from dsforge.runtime.build import cpu_backend, megatron_fixes
+    from dsforge.runtime.assemble import cpu_backend, megatron_fixes
 
     megatron_fixes.apply()
     cpu_backend.activate()
@@ -44,7 +44,7 @@ def build_chunk(resolved):
     """dsforge's model (one chunk) for a resolved one-process recipe, and its padded vocabulary."""
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    from dsforge.runtime.build.model import build_model_chunks
+    from dsforge.runtime.assemble.model import build_model_chunks
     from dsforge.translate.experts import choose_experts
     from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                             transformer_config_kwargs)

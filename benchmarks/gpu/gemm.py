@@ -4,7 +4,7 @@ For each recipe: the matrix products of one transformer layer and of the output 
 the three shapes a training step runs them (nn.Linear layout, weight [out, in]: forward
 X W^T, input gradient dY W, weight gradient dY^T X), timed in bf16 with CUDA events (median of
 `reps` after warm-up, random inputs), and torch's scaled_dot_product_attention, causal, forward
-and backward, through dsforge's own attention module (runtime/build/layers.py) with each of
+and backward, through dsforge's own attention module (runtime/assemble/layers.py) with each of
 `model.sdpa_backend`'s kernels (flash, cudnn, efficient, torch's choice): the SDPA backend
 comparison at the models' shapes.
 The FLOP-weighted throughput of all of a step's products over the GPU's peak is the figure to

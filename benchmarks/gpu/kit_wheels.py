@@ -358,7 +358,7 @@ def resolve_install(folder: Path, requirements: list[str], python312: str) -> tu
 
 # What a rank and the dsforge commands import: every distribution they load must be carried or
 # in the image. (setuptools' vendored packages show up under their own names.)
-RUNTIME_MODULES = ("dsforge.cli", "dsforge.plan", "dsforge.runtime.rank", "dsforge.runtime.build.engine",
+RUNTIME_MODULES = ("dsforge.cli", "dsforge.plan", "dsforge.runtime.rank", "dsforge.runtime.assemble.engine",
                    "dsforge.runtime.loop.trainer", "dsforge.bench.report", "deepspeed", "megatron.core",
                    "megatron.core.models.gpt", "megatron.core.pipeline_parallel")
 SETUPTOOLS_VENDORED = frozenset({"backports-tarfile", "jaraco-context", "jaraco-functools",

@@ -10,8 +10,8 @@ launcher, like dsforge launches its ranks:
 
 Two things come from dsforge on purpose, because they define *what* is trained rather than
 the glue around it: the two layer modules plugged into Megatron's local spec (RMSNorm,
-SDPA attention; dsforge/runtime/build/layers.py) and, on CPU, the CPU backend that lets
-Megatron-Core run without CUDA at all (dsforge/runtime/build/cpu_backend.py).
+SDPA attention; dsforge/runtime/assemble/layers.py) and, on CPU, the CPU backend that lets
+Megatron-Core run without CUDA at all (dsforge/runtime/assemble/cpu_backend.py).
 Rank 0 (the last pipeline stage's first rank with --pp 2) writes each step's end time.
 """
 
@@ -42,7 +42,7 @@ def main():
     if cuda:
         torch.cuda.set_device(device)
     else:
-        from dsforge.runtime.build import cpu_backend
+        from dsforge.runtime.assemble import cpu_backend
 
         cpu_backend.activate()
 
@@ -54,7 +54,7 @@ def main():
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from dsforge.runtime.build.layers import RMSNorm, SDPAttention
+    from dsforge.runtime.assemble.layers import RMSNorm, SDPAttention
 
     backend = "nccl" if cuda else "gloo"
     torch.distributed.init_process_group(backend, rank=int(os.environ["RANK"]),

@@ -80,14 +80,14 @@ SDPA_BACKENDS = ("flash", "cudnn", "efficient", "auto")
 
 def time_attention(model, micro_batch: int, seq: int, device, dtype, reps: int, warmup: int,
                    divisor: int = 1, backends: tuple[str, ...] = SDPA_BACKENDS) -> dict:
-    """dsforge's core attention (runtime/build/layers.py SDPAttention: causal, grouped KV heads as
+    """dsforge's core attention (runtime/assemble/layers.py SDPAttention: causal, grouped KV heads as
     they are, Megatron's [seq, batch, heads, dim] layout), forward and backward, with each
     `model.sdpa_backend`; FLOPs counted as dsforge does (full s x s matrix: 12 b s^2 heads d),
     about twice what a causal kernel computes. A backend torch has no kernel for at these
     shapes is recorded with its error."""
     from types import SimpleNamespace
 
-    from dsforge.runtime.build.layers import SDPAttention
+    from dsforge.runtime.assemble.layers import SDPAttention
 
     heads, groups, d = model.num_attention_heads, model.query_groups, max(model.head_dim // divisor, 1)
     q = torch.randn(seq, micro_batch, heads, d, device=device, dtype=dtype, requires_grad=True)

@@ -3,7 +3,7 @@ layer's forward (cost.host_wait) and the layer's work outside its GEMMs and atte
 `other`).
 
 The recipe's model, at one and at three of its layers, runs under DeepSpeed's engine as a
-rank builds it (runtime/build/engine.py), on one device at tp = pp = cp = 1, without an
+rank builds it (runtime/assemble/engine.py), on one device at tp = pp = cp = 1, without an
 optimizer (neither measurement needs one, and a large model's layers then fit). The slope
 between the two layer counts is one layer's cost; the embedding and the output layer cancel.
 
@@ -116,7 +116,7 @@ def time_passes(resolved: Resolved, device: torch.device, reps: int, backward: b
     the engine, its process groups and its memory freed after."""
     from megatron.core import parallel_state
 
-    from dsforge.runtime.build.engine import initialize_deepspeed
+    from dsforge.runtime.assemble.engine import initialize_deepspeed
     from dsforge.translate.deepspeed_config import deepspeed_config
 
     r = resolved.recipe
@@ -149,7 +149,7 @@ def build_layers(resolved: Resolved, device: torch.device):
     """(the rank's model chunks as one module, whether it has experts): the resolved recipe's
     model as a rank builds it, on one device; init_world first. Also what
     tools/loss_peak_memory.py and tests/unit/helpers/saved_activations.py measure."""
-    from dsforge.runtime.build.engine import build_model
+    from dsforge.runtime.assemble.engine import build_model
     from dsforge.runtime.startup import StartupClock
 
     backend = "nccl" if device.type == "cuda" else "gloo"

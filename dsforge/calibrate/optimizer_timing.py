@@ -84,7 +84,7 @@ def init_world(device: torch.device) -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     if device.type == "cpu":
-        from dsforge.runtime.build.cpu_backend import skip_deepspeed_shm_allreduce
+        from dsforge.runtime.assemble.cpu_backend import skip_deepspeed_shm_allreduce
 
         skip_deepspeed_shm_allreduce()  # the CPU all-reduce op DeepSpeed would compile
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")

@@ -32,10 +32,10 @@ from dsforge.schema import Recipe
 # Evaluation settings and where the data's indices are cached change no training step either,
 # nor where the weights came from: the checkpoint's weights replace model.init_from's.
 # The kernels, attention backend and the way experts run compute the same model with the same
-# parameters (runtime/build/kernels.py, layers.py, grouped_moe.py).
+# parameters (runtime/assemble/kernels.py, layers.py, grouped_moe.py).
 # What the guard does with a bad step changes only steps it finds bad (runtime/guard/health.py).
-# Compiling the layers runs the same operations (runtime/build/compile.py); float8 GEMMs keep
-# the weights bf16 parameters and their dynamic scales no state (runtime/build/fp8.py), so a
+# Compiling the layers runs the same operations (runtime/assemble/compile.py); float8 GEMMs keep
+# the weights bf16 parameters and their dynamic scales no state (runtime/assemble/fp8.py), so a
 # run may go between bf16 and fp8, compiled and eager.
 # train.steps continues a run: the schedule then spans the new total unless
 # train.lr_decay_steps holds it to the old one (`schedule_change` says which).

@@ -1,4 +1,4 @@
-"""What context parallelism (Ulysses, runtime/build/layers.py) sends: one rule for `dsforge
+"""What context parallelism (Ulysses, runtime/assemble/layers.py) sends: one rule for `dsforge
 plan`'s line and the step-time model's term (cost/step_time.py)."""
 
 from __future__ import annotations

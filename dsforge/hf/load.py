@@ -1,7 +1,7 @@
 """A Hugging Face folder's tensors as dsforge global tensors, one global tensor at a time.
 
 `model.init_from` starts a model from a Llama or Mixtral folder: every rank asks, for each of
-its own parameters, for that parameter's global tensor (runtime/build/init.py), and keeps its shard.
+its own parameters, for that parameter's global tensor (runtime/assemble/init.py), and keeps its shard.
 `HFWeights.full(name)` reads only the Hugging Face tensors that make that one tensor
 (names.by_source: q/k/v for linear_qkv, gate/up for linear_fc1), from the file the index names
 (safetensors' safe_open memory-maps it and reads a tensor's bytes on request), so a rank's

@@ -1,7 +1,7 @@
 """dsforge global tensors <-> Hugging Face Llama / Mixtral tensors (pure; shapes and slicing).
 
 dsforge's global names are those of a single-process (tp1, pp1, ep1) model
-(runtime/build/init.py:_global_name); a checkpoint reader gives each one as a full tensor. The map
+(runtime/assemble/init.py:_global_name); a checkpoint reader gives each one as a full tensor. The map
 (derivation: docs/design/checkpoints-plan.md sections 3-4; table: docs/export.md):
 - linear_qkv holds, per query group g, [the q heads of g; k_g; v_g] (Megatron's
   SelfAttention.get_query_key_value_tensors): viewed as [groups, heads per group + 2, head_dim,

@@ -1,6 +1,6 @@
 """The correctness half of `dsforge run --tiny`: the layout's losses against one rank's.
 
-dsforge initialises every layout identically (runtime/build/init.py) and feeds step t the same
+dsforge initialises every layout identically (runtime/assemble/init.py) and feeds step t the same
 samples whatever the layout (runtime/loop/data.py), so the tiny model on the recipe's layout and
 the same tiny model on a single rank must follow the same loss trajectory up to the order of
 floating-point reductions. A larger difference means the layout computes something else.

@@ -1,5 +1,5 @@
 """Rules FP1-FP5: what train.fp8 (float8 GEMMs in the transformer layers' linear layers,
-runtime/build/fp8.py) needs of the recipe, whatever the device (translate/fp8.py checks the
+runtime/assemble/fp8.py) needs of the recipe, whatever the device (translate/fp8.py checks the
 devices)."""
 
 from __future__ import annotations

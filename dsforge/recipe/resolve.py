@@ -50,7 +50,7 @@ class Layout:
     def dp_cp(self) -> int:
         """The data-parallel size DeepSpeed sees: the replicas times the context-parallel
         ranks (each holds a shard of the same sequences), the group ZeRO partitions over and
-        the dense gradients reduce over (runtime/build/engine.py MegatronMPU)."""
+        the dense gradients reduce over (runtime/assemble/engine.py MegatronMPU)."""
         return self.dp * self.cp
 
 

@@ -231,7 +231,7 @@ def _expert_width(recipe: Recipe, ctx: Context, etp: int) -> Iterator[Problem]:
 
 
 def context_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
-    """T7: context parallelism (Ulysses, runtime/build/layers.py) cuts each sequence into
+    """T7: context parallelism (Ulysses, runtime/assemble/layers.py) cuts each sequence into
     2 cp chunks, two per rank (runtime/context_shards.py), and trades the sequence
     shard for heads / cp of every head: the sequence, the heads and the KV heads each rank
     holds after tp must divide by cp."""
@@ -375,7 +375,7 @@ def compiled_layers(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
     (DeepSpeed disables compilation inside them: a graph break at every linear layer);
     CM2: compiled MoE layers, whose token dispatch sizes every expert's work from the data (a
     graph, and a recompile, per expert batch shape); CM3: compiled layers with tensor
-    parallelism (measured: torch.compile fails). runtime/build/compile.py."""
+    parallelism (measured: torch.compile fails). runtime/assemble/compile.py."""
     if recipe.model.compile == "none":
         return
     if recipe.zero.stage == 3:

@@ -1,6 +1,6 @@
 """Which tokens of a sequence each context-parallel rank holds, in one place: the data loader
 cuts the shards (runtime/loop/data.py) and Ulysses' attention undoes the cut around SDPA
-(runtime/build/layers.py).
+(runtime/assemble/layers.py).
 
 The sequence is cut into 2 cp chunks and rank r holds chunks r and 2 cp - 1 - r, so every rank
 does the same causal attention work (a rank with a late chunk also holds an early one). It is

@@ -3,7 +3,7 @@
 WORD (dsforge/job/word.py) holds the resolved recipe, the run directory, the options and
 the forwarded environment. Every rank writes the recipe to RUN_DIR/recipe.yaml on its own node,
 re-resolves it against WORLD_SIZE (pure and deterministic, so all ranks agree) and trains. The
-order in which parallelism is applied is written once, in dsforge/runtime/build/engine.py's
+order in which parallelism is applied is written once, in dsforge/runtime/assemble/engine.py's
 `build_rank`; the training loop is trainer.py's `train_loop`.
 """
 
@@ -27,7 +27,7 @@ from dsforge.job.pids import write_pid
 from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec, check_names
 from dsforge.recipe import resolve_file
-from dsforge.runtime.build.build_locks import clear_stale_locks
+from dsforge.runtime.assemble.build_locks import clear_stale_locks
 from dsforge.runtime.guard.drills import NumericDrill
 from dsforge.runtime.guard.faults import FAULT_ENV, StopDrill, inject_fault, parse_fault, save_fault
 from dsforge.runtime.guard.preempt import Stopped, StopRequest

@@ -80,7 +80,7 @@ class ModelConfig:
     kernels: Kernels = "auto"
     sdpa_backend: SdpaBackend = "auto"  # the attention kernel torch's SDPA may use
     # none: eager; layers: each transformer layer compiled once with torch.compile (regional
-    # compilation, runtime/build/compile.py; rules CM1-CM5).
+    # compilation, runtime/assemble/compile.py; rules CM1-CM5).
     compile: Compile = "none"
 
     def __post_init__(self) -> None:

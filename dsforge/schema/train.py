@@ -50,7 +50,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     precision: Precision = "bf16"
     # float8 GEMMs in the transformer layers' linear layers (torchao's dynamic scaling), the
-    # rest as in bf16; needs precision bf16 (runtime/build/fp8.py, rules FP1-FP6).
+    # rest as in bf16; needs precision bf16 (runtime/assemble/fp8.py, rules FP1-FP6).
     fp8: Fp8 = "none"
     activation_checkpointing: Checkpointing = "none"
     seed: int = 1234

@@ -1,5 +1,5 @@
 """What model.compile runs as (torch-free: `dsforge plan` and the manifest say it; the ranks
-compile with it in runtime/build/compile.py).
+compile with it in runtime/assemble/compile.py).
 
 The backend is inductor; DSFORGE_COMPILE_BACKEND names another (the tests use aot_eager on CPU,
 where inductor compiles each kernel with a C++ compiler in ~13 s)."""

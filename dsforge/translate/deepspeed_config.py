@@ -25,7 +25,7 @@ def deepspeed_config(*, model: ModelConfig, train: TrainConfig, zero: ZeroConfig
     check_device(device)
     config: dict[str, Any] = {
         # DeepSpeed checks train_batch_size == micro x grad_accum x its data-parallel size.
-        # Its data-parallel size is dp x cp (runtime/build/engine.py MegatronMPU): each
+        # Its data-parallel size is dp x cp (runtime/assemble/engine.py MegatronMPU): each
         # sequence counts once per context-parallel shard.
         "train_batch_size": layout.global_batch * layout.cp,
         "train_micro_batch_size_per_gpu": layout.micro_batch,

@@ -5,7 +5,7 @@ each, the token counts copied to the host to split the tokens. `grouped` runs ev
 expert of a layer in two grouped GEMMs (gate and up projections together, then the down
 projection) on torch's own kernel (`grouped_mm`; CUTLASS on sm90 GPUs, with the groups' offsets
 on the device), and at expert parallelism 1 dsforge's own token dispatch sorts the tokens by
-expert on the device, so the layer copies nothing to the host (runtime/build/grouped_moe.py).
+expert on the device, so the layer copies nothing to the host (runtime/assemble/grouped_moe.py).
 Both compute the same function with the same parameters under the same names.
 
 `auto` picks grouped where torch's grouped GEMM has its fast kernel: CUDA devices of compute

@@ -3,7 +3,7 @@
 `torch` is the plain path: torch's RMSNorm, Megatron-Core's unfused SwiGLU (silu, multiply),
 the output layer's whole [tokens, vocab] logits and Megatron's vocab-parallel cross-entropy,
 which keeps an fp32 copy of them. `liger` runs Liger Kernel's Triton kernels
-(runtime/build/kernels.py): RMSNorm, the gate-and-up SwiGLU read straight from fc1's output, and at
+(runtime/assemble/kernels.py): RMSNorm, the gate-and-up SwiGLU read straight from fc1's output, and at
 tp 1 the output layer fused with the cross-entropy, the logits made a chunk of tokens at a
 time (at tp > 1 its vocab-parallel cross-entropy). Rotary embeddings stay Megatron's.
 Triton compiles each kernel on its first call (seconds, cached under ~/.triton, with the

@@ -71,7 +71,7 @@ def transformer_config_kwargs(*, model: ModelConfig, train: TrainConfig, layout:
         "pipeline_dtype": dtype,
         # Megatron initialises the weights on the CPU for CPU ranks (else on the current GPU).
         # Its init must run either way: it marks tensor-parallel parameters (tensor_model_parallel,
-        # partition_dim), which DeepSpeed's gradient norm and runtime/build/init.py rely on; init.py
+        # partition_dim), which DeepSpeed's gradient norm and runtime/assemble/init.py rely on; init.py
         # then overwrites the values layout-invariantly.
         "use_cpu_initialization": device == "cpu",
         # CPU (gloo) pairs same-tag point-to-point messages by posting order, and with pp = 2
@@ -80,7 +80,7 @@ def transformer_config_kwargs(*, model: ModelConfig, train: TrainConfig, layout:
         # by rank parity.
         "batch_p2p_comm": device != "cpu",
         # The MLP hands its activation module the whole fc1 output (gate and up): the slot
-        # runtime/build/kernels.py's LigerSwiGLU fills. Megatron names it for Transformer Engine,
+        # runtime/assemble/kernels.py's LigerSwiGLU fills. Megatron names it for Transformer Engine,
         # but any module taking the config fits it.
         "use_te_activation_func": kernels == "liger",
     }

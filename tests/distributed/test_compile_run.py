@@ -1,4 +1,4 @@
-"""model.compile: layers end to end (runtime/build/compile.py): compiled runs train with
+"""model.compile: layers end to end (runtime/assemble/compile.py): compiled runs train with
 eager's losses, through `dsforge run` as a user starts it. Two CPU ranks with aot_eager (the
 same graphs, no code generated) at dp 2 with ZeRO-2 and selective checkpointing, and at pp 2
 with full checkpointing; one rank with inductor, whose kernels a second run finds in dsforge's

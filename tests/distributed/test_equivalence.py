@@ -5,7 +5,7 @@ For a fixed tiny model, seed and global batch (8 sequences of 128 tokens per ste
 Megatron-Core's GPTDataset and BlendedDataset), the loss and the global gradient norm of every
 step, and the validation loss after steps 2 and 4, must match the single-process reference
 (world 1, 4 microbatches of 2). Evaluating must not change training: cases without
-evaluation have bitwise the same training losses as the same layout with it. Weights start layout-invariant (dsforge/runtime/build/init.py) and
+evaluation have bitwise the same training losses as the same layout with it. Weights start layout-invariant (dsforge/runtime/assemble/init.py) and
 every layout sees the same samples per step, so any difference is a bug in the glue:
 gradients reduced over the wrong group, a pipeline message swapped, a shard misplaced.
 Tolerance: float32 on CPU; only the order of floating-point sums differs between layouts,
@@ -97,7 +97,7 @@ WORLD2_MOE = {
     # Megatron's expert grid takes ep out of dp x cp: here out of cp alone.
     "moe_cp2_ep2": _moe("parallel.dp=1", "parallel.ep=2", "parallel.cp=2"),
 }
-# Grouped experts (runtime/build/grouped_moe.py): at ep 1 behind dsforge's on-device dispatch,
+# Grouped experts (runtime/assemble/grouped_moe.py): at ep 1 behind dsforge's on-device dispatch,
 # at ep 2 (or etp 2) behind Megatron's all-to-all dispatcher; ZeRO-3 gathers them as one leaf.
 # Each against the single-process reference and against its sequential twin (below).
 WORLD2_MOE_GROUPED = {

@@ -26,8 +26,8 @@ def _moe_layer(experts: str):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from dsforge.recipe import resolve_file
-    from dsforge.runtime.build import megatron_fixes
-    from dsforge.runtime.build.model import build_model_chunks
+    from dsforge.runtime.assemble import megatron_fixes
+    from dsforge.runtime.assemble.model import build_model_chunks
     from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                             transformer_config_kwargs)
 

@@ -48,10 +48,10 @@ def test_default_run_builds_nothing(gpu_runs):
 
 
 def test_weights_are_drawn_on_the_gpu_the_same_for_every_layout():
-    """runtime/build/init.py draws each weight on its parameter's device (a CPU draw was
+    """runtime/assemble/init.py draws each weight on its parameter's device (a CPU draw was
     ~30 s of a 7B rank's start-up): the GPU's generator, seeded by the name, gives the same
     full tensor on every call, so every layout's shard comes from the same weights."""
-    from dsforge.runtime.build.init import _draw
+    from dsforge.runtime.assemble.init import _draw
 
     device = torch.device("cuda", torch.cuda.current_device())
     first = _draw("decoder.layers.0.mlp.linear_fc1.weight", [512, 256], torch.bfloat16, 1234, 0.02, device)

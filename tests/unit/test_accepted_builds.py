@@ -26,8 +26,8 @@ import torch.distributed as dist
 from dsforge.recipe import Resolved, Topology, resolve, resolve_file
 from dsforge.recipe.loader import build_recipe, dump_recipe, parse_yaml
 from dsforge.recipe.tiny import tiny_resolved
-from dsforge.runtime.build import cpu_backend, megatron_fixes
-from dsforge.runtime.build.model import build_model_chunks
+from dsforge.runtime.assemble import cpu_backend, megatron_fixes
+from dsforge.runtime.assemble.model import build_model_chunks
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         transformer_config_kwargs)
 from tests.conftest import RECIPES, REPO, make_recipe

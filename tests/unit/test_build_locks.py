@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from dsforge.runtime.build.build_locks import clear_stale_locks, extensions_root, stale_locks
+from dsforge.runtime.assemble.build_locks import clear_stale_locks, extensions_root, stale_locks
 
 
 def _op_dir(root, name, age_s, lock=True):

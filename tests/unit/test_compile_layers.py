@@ -1,4 +1,4 @@
-"""model.compile: layers (runtime/build/compile.py): a dense Megatron-Core layer as dsforge
+"""model.compile: layers (runtime/assemble/compile.py): a dense Megatron-Core layer as dsforge
 builds it is one graph for torch.compile, with and without selective checkpointing; the rules
 that refuse what does not compile (CM1-CM5); the recompile watch. That compiled runs train
 with eager's losses is tests/distributed/test_compile_run.py's."""
@@ -73,8 +73,8 @@ def _explain(layer, hidden: int, rope, dtype=torch.float32) -> dict:
 
 
 def _child(folder: Path) -> None:
-    from dsforge.runtime.build.compile import traceable
-    from dsforge.runtime.build.model import build_model_chunks
+    from dsforge.runtime.assemble.compile import traceable
+    from dsforge.runtime.assemble.model import build_model_chunks
     from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                             transformer_config_kwargs)
     from tests.unit.test_accepted_builds import _init_one_rank_world
@@ -99,7 +99,7 @@ def _unfixed(chunk, hidden: int) -> dict:
     """The same layer with Megatron-Core's RowParallelLinear and offloading context restored."""
     import importlib
 
-    from dsforge.runtime.build import megatron_fixes
+    from dsforge.runtime.assemble import megatron_fixes
 
     attention = importlib.import_module(megatron_fixes.ATTENTION)
     row = importlib.import_module(megatron_fixes.LAYERS).RowParallelLinear
@@ -135,7 +135,7 @@ def test_inductor_needs_a_compiler_and_a_writable_cache(tmp_path, monkeypatch):
 
 
 def test_a_recompile_after_the_warm_up_is_said_once(monkeypatch):
-    from dsforge.runtime.build import compile as compiled
+    from dsforge.runtime.assemble import compile as compiled
 
     graphs = iter([2, 3, 3, 3, 5, 6])  # after step 0 (said with the time), then each step
     monkeypatch.setattr(compiled, "graphs_compiled", lambda: next(graphs))
@@ -149,7 +149,7 @@ def test_a_recompile_after_the_warm_up_is_said_once(monkeypatch):
 
 
 def test_evaluation_graphs_are_not_recompiles(monkeypatch):
-    from dsforge.runtime.build import compile as compiled
+    from dsforge.runtime.assemble import compile as compiled
 
     graphs = iter([2, 3, 3, 5, 5])  # step 0, 1, 2; evaluation adds two; step 3
     monkeypatch.setattr(compiled, "graphs_compiled", lambda: next(graphs))

@@ -1,4 +1,4 @@
-"""The CPU backend (dsforge.runtime.build.cpu_backend): CUDA calls redirected to the CPU, and a
+"""The CPU backend (dsforge.runtime.assemble.cpu_backend): CUDA calls redirected to the CPU, and a
 loud refusal when a patched function is gone. Each test runs in a fresh interpreter, since the
 backend patches the whole process."""
 
@@ -21,7 +21,7 @@ def test_cpu_backend_fails_loudly_when_a_patch_target_disappears():
     script = (
         "import megatron.core.transformer.moe.moe_utils as m\n"
         "del m.maybe_move_tensor_to_cpu\n"
-        "from dsforge.runtime.build import cpu_backend\n"
+        "from dsforge.runtime.assemble import cpu_backend\n"
         "try:\n"
         "    cpu_backend.activate()\n"
         "except cpu_backend.CpuBackendError as e:\n"
@@ -33,7 +33,7 @@ def test_cpu_backend_fails_loudly_when_a_patch_target_disappears():
 def test_cpu_backend_redirects_cuda_devices():
     script = (
         "import torch\n"
-        "from dsforge.runtime.build import cpu_backend\n"
+        "from dsforge.runtime.assemble import cpu_backend\n"
         "cpu_backend.activate()\n"
         "a = torch.empty(2, device=torch.cuda.current_device())\n"
         "b = torch.zeros(2, device='cuda').cuda()\n"

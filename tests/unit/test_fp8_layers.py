@@ -1,4 +1,4 @@
-"""train.fp8 (runtime/build/fp8.py): Megatron-Core's linear layers multiply in float8 through
+"""train.fp8 (runtime/assemble/fp8.py): Megatron-Core's linear layers multiply in float8 through
 torchao's function, checked on the CPU, where torch runs float8 products too (the product
 dsforge refuses on CPU ranks, rule FP6, for speed, not for numbers): the model's loss and
 gradients follow bf16's, every transformer linear layer goes through torchao and nothing
@@ -83,8 +83,8 @@ def _step(chunk, tokens) -> tuple[float, torch.Tensor]:
 
 
 def _chunk(resolved):
-    from dsforge.runtime.build.init import init_layout_invariant
-    from dsforge.runtime.build.model import build_model_chunks
+    from dsforge.runtime.assemble.init import init_layout_invariant
+    from dsforge.runtime.assemble.model import build_model_chunks
     from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                             transformer_config_kwargs)
 
@@ -100,7 +100,7 @@ def _chunk(resolved):
 def _child(folder: Path) -> None:
     from torchao.float8 import float8_linear
 
-    from dsforge.runtime.build.fp8 import float8_linears
+    from dsforge.runtime.assemble.fp8 import float8_linears
     from tests.unit.test_accepted_builds import _init_one_rank_world
     from tests.unit.test_compile_layers import _explain
 

@@ -1,4 +1,4 @@
-"""Grouped experts' pieces (runtime/build/grouped_moe.py) and how `model.moe.experts` is
+"""Grouped experts' pieces (runtime/assemble/grouped_moe.py) and how `model.moe.experts` is
 decided (translate/experts.py); tests/distributed/test_equivalence.py trains them against
 Megatron's sequential experts at every layout."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsforge.runtime.build.grouped_moe import ALIGN_ROWS, _GroupedLinear, aligned_rows
+from dsforge.runtime.assemble.grouped_moe import ALIGN_ROWS, _GroupedLinear, aligned_rows
 from dsforge.translate.experts import choose_experts
 
 

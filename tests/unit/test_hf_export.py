@@ -446,7 +446,7 @@ def test_transformers_loads_every_tensor_and_gives_dsforges_logits(built, name, 
 # ----------------------------------------------------------------------------- the child
 
 def _child(folder: Path) -> None:
-    from dsforge.runtime.build.init import init_layout_invariant
+    from dsforge.runtime.assemble.init import init_layout_invariant
     from tests.hf_check import build_chunk, logits, single_process
 
     single_process(folder / "store")

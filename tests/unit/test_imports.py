@@ -199,7 +199,7 @@ LAYERS = (
 )
 # Inside a rank the same rule, from the top down: rank.py, then the sub-packages of runtime/.
 RUNTIME_LAYERS = (("dsforge.runtime",), ("dsforge.runtime.rank",), ("dsforge.runtime.loop",),
-                  ("dsforge.runtime.checkpoint",), ("dsforge.runtime.build",),
+                  ("dsforge.runtime.checkpoint",), ("dsforge.runtime.assemble",),
                   ("dsforge.runtime.guard",))
 
 

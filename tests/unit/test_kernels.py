@@ -107,7 +107,7 @@ class _StandIns:
         self.calls = {"rms_norm": 0, "swiglu": 0, "cross_entropy": 0, "linear_cross_entropy": 0}
 
     def ops(self):
-        from dsforge.runtime.build.kernels import LigerOps
+        from dsforge.runtime.assemble.kernels import LigerOps
 
         def rms_norm(x, weight, eps):
             self.calls["rms_norm"] += 1
@@ -132,7 +132,7 @@ class _StandIns:
 
 
 def _build(resolved, kernels: str, sdpa_backend: str):
-    from dsforge.runtime.build.model import build_model_chunks
+    from dsforge.runtime.assemble.model import build_model_chunks
     from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                             transformer_config_kwargs)
 
@@ -154,7 +154,7 @@ def _loss_and_grads(chunk, tokens):
 def _compare(overrides: tuple[str, ...], sdpa_backend: str) -> dict:
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    from dsforge.runtime.build import kernels as kernels_mod
+    from dsforge.runtime.assemble import kernels as kernels_mod
 
     resolved = resolve(make_recipe("parallel.dp=1", "train.precision=fp32", *overrides),
                        Topology(world_size=1))
@@ -201,7 +201,7 @@ if __name__ == "__main__":
 def test_auto_falls_back_to_torch_where_liger_does_not_load(monkeypatch):
     """A broken Triton or liger-kernel install: auto trains on torch's kernels and says why;
     liger asked for by name is not silently replaced."""
-    from dsforge.runtime.build import kernels as kernels_mod
+    from dsforge.runtime.assemble import kernels as kernels_mod
     from dsforge.translate.kernels import KernelChoice
 
     def broken():

@@ -1,4 +1,4 @@
-"""Megatron-Core bugs dsforge works around on every device (dsforge.runtime.build.megatron_fixes).
+"""Megatron-Core bugs dsforge works around on every device (dsforge.runtime.assemble.megatron_fixes).
 
 Each test runs in a fresh interpreter without the CPU backend, as a GPU rank would: the fix
 must not depend on the CPU backend being active."""
@@ -37,7 +37,7 @@ def test_the_pinned_megatron_core_still_has_the_router_bug():
 
 
 def test_the_router_gemm_runs_without_transformer_engine():
-    fix = "from dsforge.runtime.build import megatron_fixes\nmegatron_fixes.apply()\n"
+    fix = "from dsforge.runtime.assemble import megatron_fixes\nmegatron_fixes.apply()\n"
     out = _python(GATING.format(fix=fix))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "gated"

@@ -221,7 +221,7 @@ def test_the_guard_relies_on_these_internals():
     """runtime/guard/health.py: DeepSpeed drops an update whose gradient norm is not finite at
     ZeRO 1-3 (is_invalid_grad_norm) and reports it through the optimizer's `overflow`, which the
     engine reads to count the skip and hold the schedule; dsforge's fp32 ZeRO-0 step sets the same
-    flag (runtime/build/engine.py). runtime/loop/data.py names a sample's documents through
+    flag (runtime/assemble/engine.py). runtime/loop/data.py names a sample's documents through
     Megatron's GPTDataset and BlendedDataset index attributes."""
     import inspect
 
@@ -247,7 +247,7 @@ def test_the_guard_relies_on_these_internals():
 
 
 def test_grouped_experts_rely_on_these_internals():
-    """runtime/build/grouped_moe.py: MoELayer's forward goes route -> preprocess -> dispatch ->
+    """runtime/assemble/grouped_moe.py: MoELayer's forward goes route -> preprocess -> dispatch ->
     routed_experts_compute -> combine -> postprocess (dsforge's on-device dispatch overrides the
     four after route); the experts are called with (tokens sorted by expert, the count per
     expert, their probabilities) and keep their weights in local_experts[i].linear_fc1/fc2."""

@@ -35,7 +35,7 @@ def deepspeed_comm(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import deepspeed
-    from dsforge.runtime.build.cpu_backend import skip_deepspeed_shm_allreduce
+    from dsforge.runtime.assemble.cpu_backend import skip_deepspeed_shm_allreduce
 
     skip_deepspeed_shm_allreduce()  # a CPU-only op this test has no use for
     store = tmp_path_factory.mktemp("dist") / "store"
@@ -135,7 +135,7 @@ def _rates(*overrides: str) -> list[float]:
     import torch
     from deepspeed.runtime import lr_schedules
 
-    from dsforge.runtime.build.engine import start_schedule
+    from dsforge.runtime.assemble.engine import start_schedule
 
     train = make_recipe(*overrides).train
     resolved = resolve(make_recipe(*overrides), Topology(world_size=8))

@@ -1,3 +1,3 @@
 """A rank's side of checkpoints: saving and loading engine state, the layout-free state, ZeRO
 state views. The format, the reader and the trust checks are dsforge/ckpt's. May import
-runtime/build and runtime/guard."""
+runtime/assemble and runtime/guard."""

@@ -14,7 +14,7 @@ No ZeRO stage applies a non-finite update. DeepSpeed 0.19.8 drops it at ZeRO 1-3
 precision and at ZeRO 0 in bf16 and fp16 (its overflow check: the update is skipped, the
 gradient norm reads inf, `skipped_steps` counts it and the learning-rate schedule does not
 advance); fp32 at ZeRO 0 has no such check, and dsforge gives it the same one
-(runtime/build/engine.py). A non-finite loss is made to give non-finite gradients
+(runtime/assemble/engine.py). A non-finite loss is made to give non-finite gradients
 (runtime/loop/step.py), so its update is dropped the same way. Then, by `train.on_nonfinite`:
 - stop: the first bad step ends the run, before its evaluation and any save (`BadStep.action`);
 - skip: the run goes on (the step's data is consumed, the schedule does not advance, as for

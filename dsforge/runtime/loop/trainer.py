@@ -21,7 +21,7 @@ from dsforge.job.console import RankConsole
 from dsforge.job.metrics_file import median_breakdown
 from dsforge.job.run_dir import RunDir
 from dsforge.recipe import Resolved
-from dsforge.runtime.build.engine import build_rank
+from dsforge.runtime.assemble.engine import build_rank
 from dsforge.runtime.checkpoint import save_load as checkpoint
 from dsforge.runtime.guard import health
 from dsforge.runtime.guard.preempt import Stopped, Stopper
@@ -35,7 +35,7 @@ from dsforge.runtime.loop.phase_hooks import marking
 from dsforge.runtime.loop.profiler import open_profiler
 from dsforge.runtime.loop.timers import median_bubble
 from dsforge.runtime.loop.tracking import open_tracker
-from dsforge.runtime.build.compile import CompileReport
+from dsforge.runtime.assemble.compile import CompileReport
 from dsforge.translate.compiled import compiled_with
 from dsforge.runtime.startup import StartupClock
 from dsforge.units import MiB
@@ -218,7 +218,7 @@ class Trainer:
 
     def _after_compiled_step(self, step: int) -> None:
         """The compile time joins the start-up breakdown; a recompile after the warm-up is
-        said once, by the rank it happened on (runtime/build/compile.py)."""
+        said once, by the rank it happened on (runtime/assemble/compile.py)."""
         said = self.compiled.after_step(step, warm=step >= self._first_timed_step())
         if self.compiled.compile_s is not None:
             self.startup.phases["compile"] = self.compiled.compile_s

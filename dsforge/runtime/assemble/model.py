@@ -5,7 +5,7 @@ Megatron-Core's local spec with dsforge's RMSNorm (sequence-parallel aware) and 
 attention; MoE layers come from the same spec when the recipe has `model.moe`, their experts
 Megatron's SequentialMLP or dsforge's grouped ones (grouped_moe.py, model.moe.experts). With
 `kernels="liger"` the norms, every MLP's SwiGLU (dense, and each expert's) and the loss are
-Liger Kernel's (runtime/build/kernels.py; the TransformerConfig has use_te_activation_func on,
+Liger Kernel's (runtime/assemble/kernels.py; the TransformerConfig has use_te_activation_func on,
 translate/megatron.py).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dsforge.runtime.build.layers import RMSNorm, SDPAttention, UlyssesAttention
+from dsforge.runtime.assemble.layers import RMSNorm, SDPAttention, UlyssesAttention
 
 
 def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: str = "auto",
@@ -35,7 +35,7 @@ def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: st
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=UlyssesAttention if cp > 1 else SDPAttention, params={"sdpa_backend": sdpa_backend})
     if kernels == "liger":
-        from dsforge.runtime.build.kernels import LigerSwiGLU
+        from dsforge.runtime.assemble.kernels import LigerSwiGLU
 
         for mlp in _mlp_submodules(spec.submodules.mlp):
             mlp.activation_func = LigerSwiGLU
@@ -43,7 +43,7 @@ def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: st
 
 
 def _grouped_experts(moe_spec, local_dispatch: bool) -> None:
-    from dsforge.runtime.build.grouped_moe import DeviceDispatchMoELayer, GroupedExperts
+    from dsforge.runtime.assemble.grouped_moe import DeviceDispatchMoELayer, GroupedExperts
 
     moe_spec.submodules.experts.module = GroupedExperts
     if local_dispatch:
@@ -61,7 +61,7 @@ def _mlp_submodules(mlp_spec) -> list:
 
 def norm_class(kernels: str) -> type:
     if kernels == "liger":
-        from dsforge.runtime.build.kernels import LigerRMSNorm
+        from dsforge.runtime.assemble.kernels import LigerRMSNorm
 
         return LigerRMSNorm
     return RMSNorm
@@ -103,7 +103,7 @@ def build_model_chunks(config, gpt_kwargs: dict[str, Any], device: torch.device,
 
 def _gpt_model_class(kernels: str) -> type:
     if kernels == "liger":
-        from dsforge.runtime.build.kernels import liger_loss_gpt_model
+        from dsforge.runtime.assemble.kernels import liger_loss_gpt_model
 
         return liger_loss_gpt_model()
     from megatron.core.models.gpt import GPTModel

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from dsforge.runtime.build.compile import transformer_layers
+from dsforge.runtime.assemble.compile import transformer_layers
 
 LINEARS = (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
            ("mlp", "linear_fc1"), ("mlp", "linear_fc2"))

@@ -7,7 +7,7 @@
   accumulation) always see the complete gradient.
 - The global gradient norm for ZeRO 0 in fp32, where DeepSpeed's clip_grad_norm_ counts
   replicated parameters on model-parallel rank 0 only (one pipeline stage) and does not sum
-  expert gradients over the expert-parallel ranks (runtime/build/engine.py clips with it and
+  expert gradients over the expert-parallel ranks (runtime/assemble/engine.py clips with it and
   skips an update whose norm is not finite).
 """
 

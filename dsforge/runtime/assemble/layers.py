@@ -2,7 +2,7 @@
 
 - RMSNorm that works with sequence parallelism: the local spec's torch norm refuses it. The
   weight is marked `sequence_parallel`, so its gradient is summed over the tensor-parallel
-  group (each TP rank only saw its slice of the sequence; runtime/build/grads.py).
+  group (each TP rank only saw its slice of the sequence; runtime/assemble/grads.py).
 - Core attention on torch's scaled_dot_product_attention: flash/memory-efficient kernels on
   GPU (no s x s matrix), a fused kernel on CPU; causal, with grouped KV heads. With context
   parallelism the same attention between two all-to-alls (Ulysses).
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        # Megatron's marker: the gradient is summed over the TP group (runtime/build/grads.py).
+        # Megatron's marker: the gradient is summed over the TP group (runtime/assemble/grads.py).
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x):

@@ -7,7 +7,7 @@ checkpoints, resharding and Hugging Face export see the same names as an eager r
 
 What a Megatron-Core layer needs to be one graph (torch._dynamo.explain on a dense layer gave 9
 graphs, 12 with selective checkpointing): two Megatron-Core fixes that hold for eager runs too
-(runtime/build/megatron_fixes.py: the row-parallel linear's warning, the offloading context);
+(runtime/assemble/megatron_fixes.py: the row-parallel linear's warning, the offloading context);
 and, with selective checkpointing, the attention core recomputed through torch's non-reentrant
 checkpoint instead of Megatron's reentrant CheckpointFunction (which saves every RNG state
 through calls torch.compile cannot trace). The recomputation is the same (dsforge's attention

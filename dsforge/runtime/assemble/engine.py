@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from dsforge.recipe import Resolved
-from dsforge.runtime.build import megatron_fixes
-from dsforge.runtime.build.grads import sum_sequence_parallel_grads
-from dsforge.runtime.build.init import init_from_hugging_face, init_layout_invariant
-from dsforge.runtime.build.kernels import loadable
-from dsforge.runtime.build.model import build_model_chunks
-from dsforge.runtime.build.moe_glue import deepspeed_sees_megatron_moe, register_experts
+from dsforge.runtime.assemble import megatron_fixes
+from dsforge.runtime.assemble.grads import sum_sequence_parallel_grads
+from dsforge.runtime.assemble.init import init_from_hugging_face, init_layout_invariant
+from dsforge.runtime.assemble.kernels import loadable
+from dsforge.runtime.assemble.model import build_model_chunks
+from dsforge.runtime.assemble.moe_glue import deepspeed_sees_megatron_moe, register_experts
 from dsforge.runtime.startup import StartupClock
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.experts import ExpertsChoice, choose_experts
@@ -85,7 +85,7 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
     recipe, layout = resolved.recipe, resolved.layout
     megatron_fixes.apply()
     if device.type == "cpu":
-        from dsforge.runtime.build import cpu_backend
+        from dsforge.runtime.assemble import cpu_backend
 
         cpu_backend.activate()
     init_distributed(backend, timeout_s)
@@ -111,12 +111,12 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
                               num_layers=recipe.model.num_layers)
     startup.mark("weights")
     if recipe.train.fp8 != "none":  # before compiling, so compiled layers fuse the casts
-        from dsforge.runtime.build.fp8 import device_check, float8_linears
+        from dsforge.runtime.assemble.fp8 import device_check, float8_linears
 
         device_check(recipe.train.fp8, device)
         float8_linears(chunks, recipe.train.fp8)
     if recipe.model.compile == "layers":  # after the weights: compiling changes no parameter
-        from dsforge.runtime.build.compile import compile_layers
+        from dsforge.runtime.assemble.compile import compile_layers
 
         compile_layers(chunks, selective=recipe.train.activation_checkpointing == "selective")
     container = ModelChunks(chunks)
@@ -259,7 +259,7 @@ def _guard_fp32_zero0_steps(engine, has_experts: bool) -> None:
     if engine.optimizer is None or engine.fp16_enabled() or engine.bfloat16_enabled() or \
             engine.zero_optimization():
         return
-    from dsforge.runtime.build.grads import clip_to_norm_, global_grad_norm
+    from dsforge.runtime.assemble.grads import clip_to_norm_, global_grad_norm
 
     optimizer, step, max_norm = engine.optimizer, engine.optimizer.step, engine.gradient_clipping()
 

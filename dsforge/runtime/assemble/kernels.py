@@ -1,7 +1,7 @@
 """Liger Kernel's fused kernels inside Megatron-Core's model (model.kernels: liger).
 
 translate/kernels.py decides which kernels a rank runs; this module holds the three pieces
-the liger choice plugs into the model (runtime/build/model.py builds the spec with them):
+the liger choice plugs into the model (runtime/assemble/model.py builds the spec with them):
   - `LigerRMSNorm`: dsforge's RMSNorm (the sequence-parallel marker) on Liger's RMSNorm
     kernel, with Llama's casting (statistics in fp32, the weight applied in the input dtype);
   - `LigerSwiGLU`: MLP's activation on the whole fc1 output [.., 2 x ffn] (gate, then up),
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dsforge.runtime.build.layers import RMSNorm
+from dsforge.runtime.assemble.layers import RMSNorm
 from dsforge.translate.kernels import KernelChoice
 
 

@@ -79,7 +79,7 @@ def _replace(module_name: str, attribute: str, value: Any) -> None:
     if not hasattr(module, attribute):
         raise CpuBackendError(
             f"{module_name}.{attribute} no longer exists: the installed megatron-core/torch "
-            "changed what dsforge's CPU backend redirects. Update dsforge/runtime/build/cpu_backend.py.")
+            "changed what dsforge's CPU backend redirects. Update dsforge/runtime/assemble/cpu_backend.py.")
     setattr(module, attribute, value)
 
 
