@@ -107,7 +107,7 @@ class CompileReport:
         if self.compile_s is None:
             self.compile_s = compile_seconds()
             return (f"layers compiled in {self.compile_s:.1f} s, inside step {step} "
-                    f"({graphs_compiled()} graph(s); more than one a layer kind means breaks)")
+                    f"({graphs_compiled()} graph(s))")
         if not warm or self.baseline is None:
             self.baseline = graphs_compiled()
             return None
