@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -30,7 +29,8 @@ from dsforge.runtime.assemble import cpu_backend, megatron_fixes
 from dsforge.runtime.assemble.model import build_model_chunks
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         transformer_config_kwargs)
-from tests.conftest import RECIPES, REPO, make_recipe
+from tests.conftest import RECIPES, make_recipe
+from tests.unit.helpers.child import run_child
 from tests.unit.test_validate import ACCEPTED, MOE
 
 SEQ_LEN = 16
@@ -66,10 +66,7 @@ def built(tmp_path_factory) -> dict[str, dict]:
     cases = {name: [dump_recipe(CASES[name].recipe), CASES[name].layout.world_size]
              for name in unique.values()}
     (folder / "cases.json").write_text(json.dumps(cases))
-    child = subprocess.run([sys.executable, "-m", "tests.unit.test_accepted_builds", str(folder)],
-                           cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert child.returncode == 0, child.stderr[-4000:]
-    results = json.loads((folder / "results.json").read_text())
+    results = run_child("tests.unit.test_accepted_builds", folder, "results.json", timeout_s=240)
     return {name: results[unique[key]] for name, key in keys.items()}
 
 

@@ -6,7 +6,6 @@ with eager's losses is tests/distributed/test_compile_run.py's."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 from dsforge.problems import RecipeError
 from dsforge.recipe import resolve_file
 from tests.conftest import REPO
+from tests.unit.helpers.child import run_child
 
 TINY = REPO / "recipes" / "tiny.yaml"
 
@@ -26,11 +26,8 @@ SEQ, BATCH = 16, 2
 def graphs(tmp_path_factory) -> dict[str, dict]:
     """torch._dynamo.explain on the first layer of the tiny model, per checkpointing, from one
     child (Megatron-Core and a process group stay out of pytest's process)."""
-    folder = tmp_path_factory.mktemp("compile")
-    child = subprocess.run([sys.executable, "-m", "tests.unit.test_compile_layers", str(folder)],
-                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads((folder / "graphs.json").read_text())
+    return run_child("tests.unit.test_compile_layers", tmp_path_factory.mktemp("compile"),
+                     "graphs.json")
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "selective"])

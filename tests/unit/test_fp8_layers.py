@@ -7,7 +7,6 @@ else does, and a compiled layer stays one graph with the casts inside. The rules
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from dsforge.problems import RecipeError
 from dsforge.recipe import resolve_file
 from dsforge.translate.fp8 import fp8_device_problems
 from tests.conftest import REPO
+from tests.unit.helpers.child import run_child
 
 TINY = REPO / "recipes" / "tiny.yaml"
 SEQ = 32
@@ -26,11 +26,7 @@ pytest.importorskip("torchao")
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory) -> dict:
-    folder = tmp_path_factory.mktemp("fp8")
-    child = subprocess.run([sys.executable, "-m", "tests.unit.test_fp8_layers", str(folder)],
-                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads((folder / "fp8.json").read_text())
+    return run_child("tests.unit.test_fp8_layers", tmp_path_factory.mktemp("fp8"), "fp8.json")
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
