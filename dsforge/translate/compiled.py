@@ -17,10 +17,13 @@ def compile_backend() -> str:
     return os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
 
 
-def inductor_cache_dir() -> str:
-    """Where inductor keeps its kernels: TORCHINDUCTOR_CACHE_DIR, else with dsforge's other
-    caches (dsforge_inductor_dir), so a second run on the machine reuses them."""
-    return os.environ.get(INDUCTOR_CACHE_ENV) or dsforge_inductor_dir()
+def inductor_cache_dir(torch_default: str | None = None) -> str:
+    """Where inductor keeps its kernels: TORCHINDUCTOR_CACHE_DIR where the user chose one, else
+    with dsforge's other caches (dsforge_inductor_dir), so a second run on the machine reuses
+    them. `torch_default`: torch's own folder, which torch writes into the variable the first
+    time it looks (so that value is no choice; in a process that imported inductor)."""
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    return chosen if chosen and chosen != torch_default else dsforge_inductor_dir()
 
 
 def dsforge_inductor_dir() -> str:

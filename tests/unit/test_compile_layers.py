@@ -155,3 +155,17 @@ def test_evaluation_graphs_are_not_recompiles(monkeypatch):
     said = [report.after_step(step, warm=step >= 1) for step in range(3)]
     report.rebaseline()
     assert said[1:] == [None, None] and report.after_step(3, warm=True) is None
+
+
+def test_inductor_cache_is_the_users_choice_else_dsforges(tmp_path, monkeypatch):
+    from dsforge.translate.compiled import INDUCTOR_CACHE_ENV, inductor_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ours = str(tmp_path / "dsforge" / "inductor")
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
+    assert inductor_cache_dir() == ours
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, "/tmp/torchinductor_me")  # written by torch itself
+    assert inductor_cache_dir(torch_default="/tmp/torchinductor_me") == ours
+    assert inductor_cache_dir() == "/tmp/torchinductor_me"  # where torch's default is unknown
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
+    assert inductor_cache_dir(torch_default="/tmp/torchinductor_me") == str(tmp_path / "mine")

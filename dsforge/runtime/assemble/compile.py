@@ -24,7 +24,7 @@ import types
 
 import torch
 
-from dsforge.translate.compiled import INDUCTOR_CACHE_ENV, compile_backend, dsforge_inductor_dir
+from dsforge.translate.compiled import INDUCTOR_CACHE_ENV, compile_backend, inductor_cache_dir
 
 
 def transformer_layers(chunks) -> list[torch.nn.Module]:
@@ -43,13 +43,11 @@ def compile_layers(chunks, *, selective: bool) -> int:
 
 
 def _cache_with_dsforge() -> None:
-    """Inductor's kernels in dsforge's cache unless the user chose a folder. Torch writes its
-    own default into TORCHINDUCTOR_CACHE_DIR the first time it looks (at import), so that
-    value means "not chosen"; later lookups read the variable again."""
+    """Inductor's kernels where translate/compiled.py says (later lookups read the variable
+    again)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    if os.environ.get(INDUCTOR_CACHE_ENV) in (None, "", default_cache_dir()):
-        os.environ[INDUCTOR_CACHE_ENV] = dsforge_inductor_dir()
+    os.environ[INDUCTOR_CACHE_ENV] = inductor_cache_dir(torch_default=default_cache_dir())
 
 
 def traceable(layer: torch.nn.Module, *, selective: bool) -> torch.nn.Module:

@@ -97,8 +97,9 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
         model=recipe.model, train=recipe.train, layout=layout, device=device.type,
         kernels=kernels.impl))
     gpt_kwargs = gpt_model_kwargs(model=recipe.model, layout=layout)
+    capability = _capability(device)  # what the experts' kernel and float8 GEMMs need
     experts = choose_experts(recipe.model, device=device.type,
-                             precision=recipe.train.precision, capability=_capability(device))
+                             precision=recipe.train.precision, capability=capability)
     chunks = build_model_chunks(config, gpt_kwargs, device, kernels=kernels.impl,
                                 sdpa_backend=recipe.model.sdpa_backend,
                                 experts=experts.impl if experts else "sequential")
@@ -113,7 +114,7 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
     if recipe.train.fp8 != "none":  # before compiling, so compiled layers fuse the casts
         from dsforge.runtime.assemble.fp8 import device_check, float8_linears
 
-        device_check(recipe.train.fp8, device)
+        device_check(recipe.train.fp8, device, capability)
         float8_linears(chunks, recipe.train.fp8)
     if recipe.model.compile == "layers":  # after the weights: compiling changes no parameter
         from dsforge.runtime.assemble.compile import compile_layers

@@ -69,13 +69,12 @@ def _float8_product(input, weight, bias=None, *, config, mm_config, **megatron_o
     return output if bias is None else output + bias.to(output.dtype)
 
 
-def device_check(scaling: str, device: torch.device) -> None:
-    """The rank's own GPU runs float8 GEMMs (the fit check and preflight checked the GPUs
-    they know by name; this is the last word, before any step)."""
+def device_check(scaling: str, device: torch.device, capability: tuple[int, int] | None) -> None:
+    """The rank's own GPU (its compute `capability`) runs float8 GEMMs (the fit check and
+    preflight checked the GPUs they know by name; this is the last word, before any step)."""
     from dsforge.problems import RecipeError
     from dsforge.translate.fp8 import fp8_device_problems, torchao_installed
 
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     problems = fp8_device_problems(scaling, device=device.type, capability=capability,
                                    torchao_available=torchao_installed())
     if problems:
