@@ -29,8 +29,8 @@ def _load():
 
 
 kr = _load()
-PLACES = kr.default_places("/work/main", "/tmp/dsforge-gpu-kit", "/root/out", homes=("/root",))
-DB = b"SQLite format 3\0/work/main/inside-a-database"  # binary: left as it is
+PLACES = kr.default_places("/srv/checkout", "/tmp/dsforge-gpu-kit", "/root/out", homes=("/root",))
+DB = b"SQLite format 3\0/srv/checkout/inside-a-database"  # binary: left as it is
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,11 +38,11 @@ DB = b"SQLite format 3\0/work/main/inside-a-database"  # binary: left as it is
 
 
 def test_scrub_replaces_whole_paths_only():
-    text = ("/work/main/recipes/a.yaml /work/mainline /x/work/main /work/main. (/work/main) "
-            "/work/main-2 /work/main.d /work/main")
+    text = ("/srv/checkout/recipes/a.yaml /srv/checkoutline /x/srv/checkout /srv/checkout. (/srv/checkout) "
+            "/srv/checkout-2 /srv/checkout.d /srv/checkout")
     assert kr.scrub(text, PLACES) == (
-        "<checkout>/recipes/a.yaml /work/mainline /x/work/main <checkout>. (<checkout>) "
-        "/work/main-2 /work/main.d <checkout>")
+        "<checkout>/recipes/a.yaml /srv/checkoutline /x/srv/checkout <checkout>. (<checkout>) "
+        "/srv/checkout-2 /srv/checkout.d <checkout>")
 
 
 def test_scrub_takes_the_longest_path_first_and_is_idempotent():
@@ -91,7 +91,7 @@ ARCHIVED = {
 
 def _results_folder(folder):
     """A results folder as a session copies the kit's OUT into the repository."""
-    files = {name: f"{name}: made in /work/main by /root/out/x\n" for name in KEPT | ARCHIVED}
+    files = {name: f"{name}: made in /srv/checkout by /root/out/x\n" for name in KEPT | ARCHIVED}
     files["README.md"] = ("# H200\n\n[the search](2-search/search.txt), [records](records.tar.gz), "
                           "[the kit](../../README.md), [a site](https://example.com/a.log)\n")
     files["1-essential/bench/zero/report.md"] = "![plot](plot.png)\n"
@@ -171,7 +171,7 @@ def test_pack_unfolds_the_old_kit_files_archive_of_an_out_folder(tmp_path):
     (out / "table.md").write_text("| run |\n")
     (out / "kit.log").write_text("kit: 3 steps\n")
     (out / "kit-files.tar.gz").write_bytes(_archive({
-        "runs/7b/summary.json": b"{}", "runs/7b/job.log": b"/work/main\n", "env.json": b"{}"}))
+        "runs/7b/summary.json": b"{}", "runs/7b/job.log": b"/srv/checkout\n", "env.json": b"{}"}))
     kr.pack(out, PLACES)
     assert _tree(out) == {"table.md", "runs/7b/summary.json", "records.tar.gz"}
     assert kr.read_records(out / "records.tar.gz") == {
@@ -183,7 +183,7 @@ def test_pack_unfolds_the_old_kit_files_archive_of_an_out_folder(tmp_path):
 
 
 def _kit_work(work):
-    files = {"runs/7b/summary.json": "{}", "runs/7b/recipe.yaml": "source: /work/main/data\n",
+    files = {"runs/7b/summary.json": "{}", "runs/7b/recipe.yaml": "source: /srv/checkout/data\n",
              "runs/7b/job.log": "started\n", "logs/7b.log": "/root/.cache/x\n",
              "plans/7b.json": "{}", "env.json": "{}", "profile-7b.yaml": "gpu: h200\n",
              "torch_extensions/fused_adam/build.ninja": "never a record\n",
@@ -236,6 +236,8 @@ def test_pack_out_leaves_out_an_out_folder_inside_the_work_folder(tmp_path):
 # The repository
 
 RESULTS = REPO / "benchmarks" / "gpu" / "results"
+# The GPU machine's checkout, the device tool's $OUT and the kit's scratch folder, as the
+# records of 2026-11 wrote them: what no tracked record may hold any more.
 MACHINE = ("/work/main", "/root/out", "/tmp/dsforge-gpu-kit")
 BINARY = (".db", ".png", ".tar.gz", ".bin", ".idx")
 
