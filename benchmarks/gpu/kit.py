@@ -311,8 +311,8 @@ def corpus_check(selected: list[str]) -> tuple[list[str], Path | None]:
         return [f"corpus: not built at {prefix} (bash benchmarks/gpu/build_kit.sh builds it); "
                 f"the runs are checked on a {kit_corpus.STAND_IN_BYTES // 1024} KiB stand-in"], stand_in
     about = kit_corpus.about(prefix)
-    most = max(kit_plan.tokens_read(spec) for m in kit_plan.select(selected) for spec in m.runs) \
-        if any(m.runs for m in kit_plan.select(selected)) else 0
+    most = max((kit_plan.tokens_read(spec) for m in kit_plan.select(selected) for spec in m.runs),
+               default=0)
     line = (f"corpus: {about['tokens'] / 1e6:.2f}M tokens ({about['source']}, vocabulary "
             f"{about['vocab_size']:,}); the largest run reads {most / 1e6:.2f}M")
     return [line + ("" if most <= about["tokens"] else " (it wraps around: more text needed)")], None
