@@ -14,6 +14,7 @@ from dsforge.hardware import GPU_KEYS
 from dsforge.launch.entry import (RunOptions, check_hosts, deepspeed_argv, launch,
                                   launched_rank_job, warn)
 from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
+from dsforge.launch.run_options import run_options
 from dsforge.launch.sbatch import sbatch_options, write_batch_script
 from dsforge.problems import EXIT_INVALID
 from dsforge.search.options import search_options
@@ -104,48 +105,7 @@ def plan(recipe, world_size, hostfile, overrides, as_json, search, top, device, 
 
 @main.command()
 @_recipe_options
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where metrics, the resolved recipe and checkpoints go "
-                   "[default: runs/NAME-TIMESTAMP].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
-              show_default=True, help="auto = cuda when a GPU is visible, else cpu.")
-@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto",
-              show_default=True, help="auto = nccl on GPUs, gloo on CPU.")
-@click.option("--step-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
-              show_default=True,
-              help="Seconds a step may take before its rank is declared stuck and the job ends.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Wall-clock limit for the whole job.")
-@click.option("--stop-grace", type=click.FloatRange(min=0), default=300.0, show_default=True,
-              help="Seconds the ranks get to save a checkpoint and exit after SIGTERM or SIGUSR1 "
-                   "before the job is stopped at once.")
-@click.option("--resume", is_flag=True,
-              help="Continue the run in --run-dir from its latest complete checkpoint.")
-@click.option("--launcher", type=click.Choice(["pdsh", "openmpi", "mvapich", "slurm"]),
-              default="pdsh", show_default=True,
-              help="With --hostfile: DeepSpeed's multi-node runner. slurm: start the ranks with "
-                   "srun inside a Slurm allocation (salloc, or a script from `dsforge sbatch`).")
-@click.option("--include", default="", help="DeepSpeed --include: NODE[:SLOT,...][@NODE...].")
-@click.option("--exclude", default="", help="DeepSpeed --exclude, same format.")
-@click.option("--no-ssh", "node_rank", type=click.IntRange(min=0), default=None,
-              metavar="NODE_RANK",
-              help="Start only this node's ranks, without ssh (run once per node).")
-@click.option("--master-addr", default=None, help="Address of the first node (multi-node).")
-@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
-              help="Rendezvous port [default: free; 29500 with --no-ssh, so every node agrees].")
-@click.option("--dry-run", is_flag=True, help="Print the command lines and exit.")
-@click.option("--tiny", is_flag=True,
-              help="Keep the recipe's layout, shrink model and batch to the smallest valid size, "
-                   "train a few steps on CPU ranks and compare the loss with one rank's.")
-@click.option("--skip-fit-check", is_flag=True,
-              help="Start even if the job's ranks or memory do not fit this machine, or it lacks "
-                   "what the ranks build or run.")
-@click.option("--verbose", is_flag=True,
-              help="Also show the engines' and the launcher's output (always in RUN_DIR/job.log).")
-@click.option("--profile", "profile_steps", metavar="A:B", default=None,
-              help="Write a torch profiler trace of steps A to B (0-based) of rank 0 to "
-                   "RUN_DIR/profile; the same as --set tracking.profile=\"A:B\".")
-@click.option("--local_rank", type=int, default=None, hidden=True)
+@run_options
 def run(**options):
     """Train RECIPE: validate, check that it fits this machine, then start the ranks with
     DeepSpeed's launcher, here or on the hosts of --hostfile. Also runs as the script

@@ -41,6 +41,7 @@ def main() -> None:
     args = parse_args()
     import torch
 
+    from dsforge.job.run_dir import RunDir
     from dsforge.recipe import resolve_file
     from dsforge.runtime.loop.trainer import Trainer
     from dsforge.runtime.rank import pick_device, threads_per_rank
@@ -52,7 +53,7 @@ def main() -> None:
     resolved = resolve_file(args.recipe, [*args.overrides, f"train.steps={args.steps}"],
                             world_size=int(os.environ["WORLD_SIZE"]))
     with tempfile.TemporaryDirectory(prefix="breakdown-bench-") as run_dir:
-        trainer = Trainer(resolved, device=device, backend=backend, run_dir=Path(run_dir),
+        trainer = Trainer(resolved, device=device, backend=backend, run_dir=RunDir(run_dir),
                           collective_timeout_s=600)
         clock = trainer.clock
         rows = [_timed_step(trainer, step, clock) for step in range(args.steps)]

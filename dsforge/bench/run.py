@@ -119,7 +119,7 @@ def bench_study(study: Study, recipe_path: Path, out_dir: Path, *, retry_failed:
         log("dsforge bench: interrupted")
         return 130
     except StoreLocked as exc:
-        kept = RunDir(out_dir / "cells" / "KEY" / "repeatN").bench_result
+        kept = RunDir(out_dir / "cells" / "KEY" / "repeatN").bench_result  # a pattern, not a cell
         log("dsforge bench: " + str(StoreLocked(
             f"{exc.message}; each finished result is kept in its cell directory ({kept}) and "
             "imported when the study runs again", argument=exc.argument, value=exc.value,
@@ -185,22 +185,24 @@ def _import_saved(study: Study, cell: Cell, repeat: int, store: Store, out_dir: 
     """The cell's row, after importing its saved result if the store lacks it (a database
     that was locked, or a bench killed between the two writes)."""
     previous = store.get(study.name, cell.key, repeat)
-    saved = saved_result(cell_dir(out_dir, cell, repeat), study.name, cell.key, repeat)
+    run_dir = cell_dir(out_dir, cell, repeat)
+    saved = saved_result(run_dir, study.name, cell.key, repeat)
     if saved is not None and (previous is None or (previous.finished or 0) < saved.finished):
         store.write(saved)
-        log(f"{where}: {saved.status} (imported from {RunDir(cell_dir(out_dir, cell, repeat)).bench_result})")
+        log(f"{where}: {saved.status} (imported from {run_dir.bench_result})")
         return saved
     return previous
 
 
-def cell_dir(out_dir: Path, cell: Cell, repeat: int) -> Path:
-    return out_dir / "cells" / cell.key / f"repeat{repeat}"
+def cell_dir(out_dir: Path, cell: Cell, repeat: int) -> RunDir:
+    """One repeat of a cell runs in a run directory of its own, under OUT."""
+    return RunDir(out_dir / "cells" / cell.key / f"repeat{repeat}")
 
 
-def saved_result(run_dir: Path, study: str, key: str, repeat: int) -> Row | None:
+def saved_result(run_dir: RunDir, study: str, key: str, repeat: int) -> Row | None:
     """RUN_DIR/result.json if it is a complete result of this study, cell and repeat."""
     try:
-        row = Row(**json.loads((RunDir(run_dir).bench_result).read_text()))
+        row = Row(**json.loads(run_dir.bench_result.read_text()))
     except (OSError, ValueError, TypeError):
         return None
     return row if (row.study, row.cell, row.repeat) == (study, key, repeat) and row.finished else None
@@ -229,15 +231,15 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
     if refusal:
         return Row(**base, status="rejected", reason=refusal, finished=time.time())
     run_dir = cell_dir(out_dir, cell, repeat)
-    with lock.hold_directory(run_dir, what=f"dsforge bench {study.name} cell {cell.key} repeat {repeat}"):
-        shutil.rmtree(run_dir, ignore_errors=True)  # an earlier attempt's files
-        run_dir.mkdir(parents=True)
+    with lock.hold_directory(run_dir.path, what=f"dsforge bench {study.name} cell {cell.key} repeat {repeat}"):
+        shutil.rmtree(run_dir.path, ignore_errors=True)  # an earlier attempt's files
+        run_dir.path.mkdir(parents=True)
         started = time.monotonic()
         code = launch_cell(study, resolved, run_dir, device=device)
         if code in STOPPED:
             raise Interrupted(code, cell, repeat)
         status, reason = classify(code, run_dir)
-        manifest = _read_json(RunDir(run_dir).manifest)
+        manifest = _read_json(run_dir.manifest)
         step = step_time_prediction(resolved, device=device, tiny=tiny, manifest=manifest,
                                     model=step_time_model)
         row = Row(**base, status=status, reason=reason, seconds=time.monotonic() - started,
@@ -245,7 +247,7 @@ def run_cell(study: Study, recipe_path: Path, cell: Cell, repeat: int, out_dir: 
                   figures=figures(run_dir) if status == "ok" else None,
                   prediction=prediction(resolved, step, device=ranks_device(manifest, device)),
                   finished=time.time())
-        write_atomic(RunDir(run_dir).bench_result, json.dumps(dataclasses.asdict(row)))
+        write_atomic(run_dir.bench_result, json.dumps(dataclasses.asdict(row)))
     return row
 
 
@@ -272,20 +274,20 @@ def resolve_cell(study: Study, recipe_path: Path, cell: Cell, tiny: bool = False
     return tiny_resolved(resolved, cell.overrides) if tiny else resolved
 
 
-def launch_cell(study: Study, resolved: Resolved, run_dir: Path, device: str) -> int:
+def launch_cell(study: Study, resolved: Resolved, run_dir: RunDir, device: str) -> int:
     """The cell's job; it ends itself if this bench dies (owner watch, job/owner.py), and
     its local processes carry the run directory (job word and DSFORGE_JOB_DIR) so the next
     owner of the cell can tell whether it still runs (dsforge/lock.py)."""
-    run_dir = run_dir.resolve()
+    run_dir = run_dir.absolute()
     job = job_spec(resolved, run_dir, device=device, step_timeout_s=study.measure.step_timeout_s,
                    census=True)
     placement = Placement(world_size=resolved.layout.world_size, hostfile=study.hostfile,
                           master_port=free_port())
     return run_job(launch_command(placement, job), timeout_s=study.measure.timeout_s,
-                   env={**os.environ, lock.JOB_DIR_ENV: str(run_dir)}, log_path=RunDir(run_dir).job_log)
+                   env={**os.environ, lock.JOB_DIR_ENV: str(run_dir)}, log_path=run_dir.job_log)
 
 
-def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
+def classify(code: int, run_dir: RunDir) -> tuple[str, str | None]:
     """ok / diverged / timeout / oom / crashed from the launcher's exit code and the ranks'
     failure records (job/failure.py): diverged when the training went bad (a non-finite loss
     or gradient, runtime/guard/health.py); a hang ended by a rank's watchdog is a timeout of
@@ -294,7 +296,7 @@ def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
     first = failure.first(run_dir)
     if first is not None and first.kind == "nonfinite":  # the ranks stopped together, exit 0
         return "diverged", one_line(first.headline())
-    if code == 0 and RunDir(run_dir).summary.exists():
+    if code == 0 and run_dir.summary.exists():
         return "ok", None
     if code == 124:
         return "timeout", "exceeded the cell's wall-clock limit"
@@ -306,10 +308,10 @@ def classify(code: int, run_dir: Path) -> tuple[str, str | None]:
         return "oom", one_line(explain(first, run_dir))
     if code in _KILLED:
         return "oom", (f"a rank was killed by SIGKILL (launcher exit code {code}), usually the "
-                       f"kernel's out-of-memory killer; see {RunDir(run_dir).job_log}")
+                       f"kernel's out-of-memory killer; see {run_dir.job_log}")
     if first is not None:
         return "crashed", one_line(explain(first, run_dir))
-    return "crashed", f"exit code {code}; see {RunDir(run_dir).job_log}"
+    return "crashed", f"exit code {code}; see {run_dir.job_log}"
 
 
 # Terminal control sequences, and a progress bar as tqdm draws it
@@ -328,13 +330,13 @@ def one_line(text: str) -> str:
     return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
 
 
-def figures(run_dir: Path) -> dict:
+def figures(run_dir: RunDir) -> dict:
     """Measured figures of one repeat: per-step times of the measured steps, throughput,
     MFU/HFU medians, the first step's and the last step's loss (did it learn), peak memory max over ranks, measured bubble per pipeline stage, the
     reporting rank's step breakdown (median seconds per phase; None without one)."""
-    records, _ = read_metrics(RunDir(run_dir).metrics)
+    records, _ = read_metrics(run_dir.metrics)
     measured = [r for r in records if not r["warmup"]]
-    ranks = [_read_json(p) for p in RunDir(run_dir).rank_summaries()]
+    ranks = [_read_json(p) for p in run_dir.rank_summaries()]
     bubbles: dict[int, list[float]] = {}
     for r in ranks:
         if r["bubble_share"] is not None:

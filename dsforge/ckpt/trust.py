@@ -306,11 +306,11 @@ def _defaults(section: str) -> dict[str, Any]:
             if f.default is not dataclasses.MISSING}
 
 
-def check_resumable(run_dir: Path, recipe: dict[str, Any], world_size: int) -> dict[str, Any]:
+def check_resumable(run_dir: RunDir, recipe: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The completion record a run of `recipe` on `world_size` ranks can resume from: the
     newest complete checkpoint in `run_dir`, safe to load, of this same model, data and
     schedule. The record's "layout_changes" lists how the layout differs (empty: the same)."""
-    root = RunDir(run_dir).checkpoints
+    root = run_dir.checkpoints
     record = latest_complete(root)
     if record is None:
         raise CheckpointError(f"no complete checkpoint under {root}")

@@ -5,7 +5,9 @@ exits; `dsforge run` prints the first one and `dsforge bench` classifies a cell 
 neither has to read meaning into the text a rank printed. Kinds: "exception", "build" (it died
 building a DeepSpeed op, a Triton kernel or a torch.compile graph: `what`, `cause` and `fix`
 say which, why and what to change, runtime/guard/build_failure.py), "oom" (an out-of-memory error
-the rank caught; `memory` holds what it measured), "hang" (its watchdog ended a step that made
+the rank caught; `memory` holds what it measured), "collective" (a collective or the connection
+to its peers failed: an NCCL or gloo error, a lost peer, the rendezvous store), "device" (a CUDA
+error other than out-of-memory: an illegal access, an ECC error, a lost GPU), "hang" (its watchdog ended a step that made
 no progress), "killed" (ended by a signal without a word) and "stopped" (stopped from outside,
 SIGSTOP or SIGTSTP, and ended while stopped; `time` is when it stopped), both written by its
 supervisor, runtime/guard/supervise.py; "nonfinite": the ranks stopped together because the
@@ -18,14 +20,14 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from dsforge.files import write_atomic
 from dsforge.job.run_dir import RunDir
 from dsforge.units import format_bytes
 
-KINDS = ("exception", "build", "oom", "hang", "killed", "stopped", "nonfinite")
+KINDS = ("exception", "build", "oom", "collective", "device", "hang", "killed", "stopped",
+         "nonfinite")
 # Ended from outside: the likely cause of what their peers then recorded.
 FROM_OUTSIDE = ("killed", "stopped")
 
@@ -61,7 +63,8 @@ class Failure:
         if self.kind == "nonfinite":
             return f"the training stopped {when}: {self.message}"
         what = {"hang": "stuck", "oom": "out of memory", "killed": "died",
-                "stopped": "was stopped"}.get(self.kind, "failed")
+                "stopped": "was stopped", "collective": "lost its peers",
+                "device": "had a device error"}.get(self.kind, "failed")
         return f"rank {self.rank} {what} {when}: {self.message}"
 
     @property
@@ -71,22 +74,22 @@ class Failure:
             (self.kind == "oom" and bool(self.memory)) or self.kind == "nonfinite"
 
 
-def write(run_dir: Path, failure: Failure) -> None:
+def write(run_dir: RunDir, failure: Failure) -> None:
     """Best effort and atomic: a failing rank must still exit if its disk is full."""
     try:
-        path = RunDir(run_dir).failure(failure.rank)
+        path = run_dir.failure(failure.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(asdict(failure) | {"time": failure.time or time.time()}))
     except OSError:
         pass
 
 
-def read_all(run_dir: Path) -> list[Failure]:
+def read_all(run_dir: RunDir) -> list[Failure]:
     """Every complete record, the likely cause first: ranks killed or stopped from outside
     (their peers then fail on the broken connection or wait for them until their watchdogs
     end them, before the kill or the stop is recorded), then the rest, earliest first."""
     failures = []
-    for _, path in RunDir(run_dir).failure_files():
+    for _, path in run_dir.failure_files():
         try:
             failures.append(Failure(**json.loads(path.read_text())))
         except (OSError, ValueError, TypeError):
@@ -94,7 +97,7 @@ def read_all(run_dir: Path) -> list[Failure]:
     return sorted(failures, key=lambda f: (f.kind not in FROM_OUTSIDE, f.time))
 
 
-def first(run_dir: Path) -> Failure | None:
+def first(run_dir: RunDir) -> Failure | None:
     """The likely cause (see read_all)."""
     failures = read_all(run_dir)
     return failures[0] if failures else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
 from dsforge.job.run_dir import RunDir
 
@@ -21,8 +20,8 @@ WRITE_EVERY_S = 0.25
 
 
 class Heartbeat:
-    def __init__(self, run_dir: Path, rank: int, write_every_s: float = WRITE_EVERY_S):
-        self.path = RunDir(run_dir).heartbeat(rank)
+    def __init__(self, run_dir: RunDir, rank: int, write_every_s: float = WRITE_EVERY_S):
+        self.path = run_dir.heartbeat(rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._beat: tuple[int, float] | None = None  # (step, unix time it started)
         self._written: tuple[int, float] | None = None
@@ -52,16 +51,16 @@ class Heartbeat:
             self.flush()
 
 
-def read_all(run_dir: Path) -> dict[int, tuple[int, float]]:
+def read_all(run_dir: RunDir) -> dict[int, tuple[int, float]]:
     """rank -> (step, seconds since its last beat)."""
     now, beats = time.time(), {}
-    for rank, path in RunDir(run_dir).heartbeat_files():
+    for rank, path in run_dir.heartbeat_files():
         step, stamp = path.read_text().split()
         beats[rank] = (int(step), now - float(stamp))
     return beats
 
 
-def summarize(run_dir: Path) -> str:
+def summarize(run_dir: RunDir) -> str:
     beats = read_all(run_dir)
     if not beats:
         return "no rank reported progress"

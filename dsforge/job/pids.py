@@ -6,22 +6,21 @@ but neither reported completion nor recorded a failure (launch/diagnose.py).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from dsforge.files import write_atomic
 from dsforge.job.run_dir import RunDir
 
 
-def write_pid(run_dir: Path, rank: int, host: str, pid: int) -> None:
-    path = RunDir(run_dir).pid_file(rank)
+def write_pid(run_dir: RunDir, rank: int, host: str, pid: int) -> None:
+    path = run_dir.pid_file(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, f"{host} {pid}\n")
 
 
-def started_ranks(run_dir: Path) -> dict[int, str]:
+def started_ranks(run_dir: RunDir) -> dict[int, str]:
     """rank -> "host pid" for every rank that got as far as starting."""
     found = {}
-    for rank, path in RunDir(run_dir).pid_files():
+    for rank, path in run_dir.pid_files():
         try:
             found[rank] = path.read_text().strip()
         except OSError:

@@ -29,6 +29,16 @@ class RunDir:
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
 
+    def __str__(self) -> str:  # messages name the directory as the user gave it
+        return str(self.path)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def absolute(self) -> RunDir:
+        """The same directory named from the root: what a job word carries to every rank."""
+        return RunDir(self.path.resolve())
+
     @property
     def job_log(self) -> Path:
         """Everything the launcher and the ranks printed (engine logs included)."""
@@ -80,9 +90,9 @@ class RunDir:
         return self.path / "wandb"
 
     @property
-    def reference(self) -> Path:
+    def reference(self) -> RunDir:
         """`dsforge run --check`'s single-rank reference run: a run directory of its own."""
-        return self.path / "reference"
+        return RunDir(self.path / "reference")
 
     @property
     def bench_result(self) -> Path:
@@ -103,6 +113,16 @@ class RunDir:
     def heartbeats(self) -> Path:
         """Each rank's step and time of its last progress (rankNNNNN, job/heartbeat.py)."""
         return self.path / "heartbeats"
+
+    @property
+    def attempts(self) -> Path:
+        """What each failed attempt of a restarted job left (`dsforge run --max-restarts`,
+        launch/restart.py): attempts/N/ holds attempt N's failures/, heartbeats/ and ranks/,
+        and everything it wrote when it restarted from the start."""
+        return self.path / "attempts"
+
+    def attempt(self, number: int) -> RunDir:
+        return RunDir(self.attempts / str(number))
 
     def rank_summary(self, rank: int) -> Path:
         return self.ranks / f"{rank_name(rank)}.json"
@@ -148,7 +168,6 @@ def _per_rank(paths) -> Iterator[tuple[int, Path]]:
     yield from sorted(found)
 
 
-
 class RunDirError(ValueError):
     pass
 
@@ -157,27 +176,27 @@ def runs_root(environ=os.environ) -> Path:
     return Path(environ.get("DSFORGE_RUNS") or "runs")
 
 
-def new_run_dir(run_dir: Path | None, name: str, *, create: bool = True,
-                peers_may_join: bool = False) -> Path:
-    """`run_dir`, or a fresh one under runs_root(); it must be empty so no earlier run's
-    metrics are mixed in. (With `create`, call `claim` before relying on the emptiness: two
-    runs may check at the same moment.)"""
-    if run_dir is None:
-        run_dir = runs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+def new_run_dir(given: Path | None, name: str, *, create: bool = True,
+                peers_may_join: bool = False) -> RunDir:
+    """The --run-dir the user `given`, or a fresh one under runs_root(); it must be empty so no
+    earlier run's metrics are mixed in. (With `create`, call `claim` before relying on the
+    emptiness: two runs may check at the same moment.)"""
+    run_dir = RunDir(given if given is not None
+                     else runs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     _check_empty(run_dir, peers_may_join)
     if create:
         _make(run_dir)
     return run_dir
 
 
-def claim(run_dir: Path, *, fresh: bool, peers_may_join: bool = False) -> Lock:
+def claim(run_dir: RunDir, *, fresh: bool, peers_may_join: bool = False) -> Lock:
     """Own `run_dir` for this process's lifetime (dsforge/lock.py: a flock beside it, and no
     live process of an earlier job in it). A `fresh` directory is checked again for
     emptiness once owned, so of two runs started together one is refused. With
     `peers_may_join` (--no-ssh node 0) other nodes' processes of this same job may already
     run here (several nodes on one machine), so live job processes are not waited for."""
     try:
-        lock = hold_directory(run_dir, what=f"dsforge run (run directory {run_dir})",
+        lock = hold_directory(run_dir.path, what=f"dsforge run (run directory {run_dir})",
                               check_jobs=not peers_may_join)
     except Busy as busy:
         raise RunDirError(f"{busy}; wait for it to end, or choose another --run-dir") from None
@@ -190,24 +209,25 @@ def claim(run_dir: Path, *, fresh: bool, peers_may_join: bool = False) -> Lock:
     return lock
 
 
-def _check_empty(run_dir: Path, peers_may_join: bool = False) -> None:
+def _check_empty(run_dir: RunDir, peers_may_join: bool = False) -> None:
     if peers_may_join:
-        used = RunDir(run_dir).earlier_run()
+        used = run_dir.earlier_run()
     else:
-        used = run_dir.exists() and any(run_dir.iterdir())
+        used = run_dir.path.exists() and any(run_dir.path.iterdir())
     if used:
         raise RunDirError(f"--run-dir {run_dir} is not empty; choose a new directory so no "
                           "earlier run's metrics are mixed in")
 
 
-def existing_run_dir(run_dir: Path | None, *, resume: bool, create: bool = True) -> Path:
+def existing_run_dir(given: Path | None, *, resume: bool, create: bool = True) -> RunDir:
     """The run directory to resume (--resume: it must exist) or to join (--no-ssh node ranks
     > 0: node 0's, made here if node 0 has not made it yet)."""
-    if run_dir is None:
+    if given is None:
         raise RunDirError("--resume needs --run-dir: the run directory to continue (the one a run "
                           "names first, runs/NAME-DATE)" if resume else
                           "--no-ssh node ranks > 0 need --run-dir: the directory node 0's run writes")
-    if resume and not run_dir.is_dir():  # refused before anything is made there
+    run_dir = RunDir(given)
+    if resume and not run_dir.path.is_dir():  # refused before anything is made there
         raise RunDirError(f"--resume: {run_dir} does not exist, so there is nothing to resume; give "
                           "the run directory a run wrote (it names it first: 'run directory "
                           "runs/NAME-DATE'), or start anew without --resume")
@@ -216,11 +236,11 @@ def existing_run_dir(run_dir: Path | None, *, resume: bool, create: bool = True)
     return run_dir
 
 
-def _make(run_dir: Path) -> None:
+def _make(run_dir: RunDir) -> None:
     """Create it and check that it can be written, before any rank starts."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".dsforge-write-test"
+        run_dir.path.mkdir(parents=True, exist_ok=True)
+        probe = run_dir.path / ".dsforge-write-test"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:

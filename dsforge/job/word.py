@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
+from dsforge.job.run_dir import RunDir
 from dsforge.problems import Problem, RecipeError
 
 # Variables forwarded to every rank (inside the job word, never through a shell).
@@ -47,9 +48,21 @@ class JobSpec:
     # Unix time the job started (made by `dsforge run`; a rank started by a plain `deepspeed`
     # makes its own): train.time_limit counts from it.
     started_at: float = field(default_factory=time.time)
+    # Unix time this attempt was launched, when it is a restart (launch/restart.py): start-up's
+    # "launch" phase counts from it. None: from started_at.
+    launched_at: float | None = None
     # Started by srun (launch/slurm.py): each rank sets RANK, WORLD_SIZE, LOCAL_RANK and
     # LOCAL_SIZE from its SLURM_* variables.
     slurm: bool = False
+    # The restarts before this attempt (`dsforge run --max-restarts`, launch/restart.py), each
+    # {"attempt", "kind", "cause", "step", "resumed_after_step"}: rank 0 counts them in
+    # summary.json.
+    restarts: list[dict] = field(default_factory=list)
+
+    @property
+    def directory(self) -> RunDir:
+        """The run directory (`run_dir` is its absolute path, as the word carries it)."""
+        return RunDir(self.run_dir)
 
     def encode(self) -> str:
         return base64.urlsafe_b64encode(json.dumps(asdict(self)).encode()).decode()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dsforge.job.owner import current_owner
+from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec
 from dsforge.problems import Problem
 from dsforge.recipe import Resolved
@@ -43,12 +44,12 @@ class Placement:
     node_rank: int | None = None  # with --no-ssh: which node this process starts
 
 
-def job_spec(resolved: Resolved, run_dir: Path, *, owned: bool = True, **options) -> JobSpec:
+def job_spec(resolved: Resolved, run_dir: RunDir, *, owned: bool = True, **options) -> JobSpec:
     """The job word for `resolved` trained in `run_dir`, with JobSpec's `options` (device,
     backend, step_timeout_s, resume, env, ...). `owned`: its ranks end themselves when this
     process is gone (job/owner.py); not for ranks a plain `deepspeed` command started."""
     return JobSpec(recipe_yaml=dump_recipe(resolved.recipe),
-                   run_dir=str(Path(run_dir).resolve()),
+                   run_dir=str(run_dir.absolute()),
                    owner=current_owner() if owned else "", **options)
 
 
@@ -116,7 +117,7 @@ def placement_flags(placement: Placement, extra: list[str] | None = None) -> lis
     return words + ["--master_port", str(placement.master_port)]
 
 
-def plain_deepspeed_command(placement: Placement, recipe: Path, run_dir: Path,
+def plain_deepspeed_command(placement: Placement, recipe: Path, run_dir: RunDir,
                             overrides: tuple[str, ...], run_options: tuple[str, ...] = ()) -> str:
     """The same job as a `deepspeed` command a user can paste: DeepSpeed starts `dsforge run`
     on every rank, which then acts as the rank program; `run_options`: the `dsforge run`

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 import signal
-from pathlib import Path
 
 from dsforge.estimate.memory_fixes import HEADROOM, estimate, fit_limit, memory_fixes
 from dsforge.job import failure
@@ -47,9 +46,8 @@ def describe_code(code: int) -> str:
     return f"exit code {code}"
 
 
-def failure_report(run_dir: Path, code: int, done_ranks: set[int]) -> str:
-    run_dir = Path(run_dir)
-    log = RunDir(run_dir).job_log
+def failure_report(run_dir: RunDir, code: int, done_ranks: set[int]) -> str:
+    log = run_dir.job_log
     log_text = log.read_text(errors="replace") if log.exists() else ""
     records = failure.read_all(run_dir)
     recorded = {r.rank for r in records}
@@ -66,7 +64,7 @@ def failure_report(run_dir: Path, code: int, done_ranks: set[int]) -> str:
     return "\n".join(lines + [summarize(run_dir)])
 
 
-def _silent_lines(silent: dict[int, str], run_dir: Path, codes: list[int]) -> list[str]:
+def _silent_lines(silent: dict[int, str], run_dir: RunDir, codes: list[int]) -> list[str]:
     beats = read_all(run_dir)
     seen = f"; DeepSpeed's launcher saw {', '.join(describe_code(c) for c in codes)}" if codes else ""
     lines = [f"  ranks that stopped without reporting an error (killed or stopped from outside?{seen}):"]
@@ -78,10 +76,10 @@ def _silent_lines(silent: dict[int, str], run_dir: Path, codes: list[int]) -> li
     return lines
 
 
-def _record_lines(records: list[failure.Failure], run_dir: Path) -> list[str]:
+def _record_lines(records: list[failure.Failure], run_dir: RunDir) -> list[str]:
     first = records[0]
     if first.explained:
-        lines = [f"  first failure: {explain(first, run_dir)}; traceback in {RunDir(run_dir).job_log}"]
+        lines = [f"  first failure: {explain(first, run_dir)}; traceback in {run_dir.job_log}"]
     else:
         lines = [f"  first failure: {first.headline()}"]
         lines += ["    " + line for line in first.detail.rstrip().splitlines()[-12:]]
@@ -92,20 +90,20 @@ def _record_lines(records: list[failure.Failure], run_dir: Path) -> list[str]:
     return lines
 
 
-def explain(record: failure.Failure, run_dir: Path) -> str:
+def explain(record: failure.Failure, run_dir: RunDir) -> str:
     """The record in one line; an out-of-memory also with what the memory model predicted for
     the run's recipe (RUN_DIR/recipe.yaml, as the ranks resolved it) and what would fit."""
     if record.kind != "oom" or not record.memory:
         return record.headline()
     resolved = run_recipe(run_dir)
     if resolved is None:
-        return f"{record.headline()}; no prediction: {RunDir(run_dir).recipe} cannot be resolved"
+        return f"{record.headline()}; no prediction: {run_dir.recipe} cannot be resolved"
     return f"{record.headline()}; {memory_advice(record.memory, resolved)}"
 
 
-def run_recipe(run_dir: Path) -> Resolved | None:
+def run_recipe(run_dir: RunDir) -> Resolved | None:
     try:
-        return resolve_file(RunDir(run_dir).recipe)
+        return resolve_file(run_dir.recipe)
     except (OSError, RecipeError):
         return None
 

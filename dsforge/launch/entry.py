@@ -20,9 +20,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsforge.job.run_dir import RunDirError, runs_root
+from dsforge.job.run_dir import RunDir, RunDirError, runs_root
 from dsforge.job.word import JobSpec, forwarded_env
-from dsforge.launch import start
+from dsforge.launch import restart, start
 from dsforge.launch.commands import (Placement, job_spec, launch_command, plain_deepspeed_command,
                                      remote_shell_problems)
 from dsforge.launch.local import STOP_GRACE_S, free_port
@@ -34,6 +34,12 @@ from dsforge.recipe import Resolved
 from dsforge.recipe.hostfile import active_hosts, read_hostfile
 
 Say = start.Say
+# Why --max-restarts and --no-ssh do not go together (docs/launch.md, "Restarts").
+NO_SSH_RESTARTS = (
+    "--max-restarts cannot restart a --no-ssh job: each node's dsforge starts only its own "
+    "ranks and cannot stop or start the other nodes', so node 0 alone would wait for peers that "
+    "ended; run the job from one place (--hostfile with pdsh, or --launcher slurm), or have "
+    "each node's supervisor (systemd, Kubernetes) start `dsforge run ... --resume` again")
 NO_SSH_PORT = 29500  # DeepSpeed's default rendezvous port, as `dsforge preflight` checks
 # Run-directory locks this process holds until it exits (job/run_dir.claim).
 _HELD: list[Lock | None] = []
@@ -54,6 +60,7 @@ class RunOptions:
     timeout: float | None = None  # seconds for the whole job
     stop_grace: float = STOP_GRACE_S  # seconds to save and exit after a stop request
     resume: bool = False
+    max_restarts: int = 0  # starts again after a lost rank (launch/restart.py)
     launcher: str = "pdsh"
     include: str = ""
     exclude: str = ""
@@ -79,7 +86,7 @@ class RunOptions:
             overrides = (*overrides, f"tracking.profile={json.dumps(profile_steps)}")
         return cls(overrides=tuple(overrides), **options)
 
-    def job(self, resolved: Resolved, run_dir: Path, **fields) -> JobSpec:
+    def job(self, resolved: Resolved, run_dir: RunDir, **fields) -> JobSpec:
         """The job word with these options; `fields`: job_spec's others (launch/commands.py).
         A dry run's is neither owned nor marked: its commands are for a user to run after this
         process is gone (owned ranks would end themselves at once, job/owner.py), with no
@@ -117,26 +124,51 @@ def launched_rank_job(options: RunOptions) -> JobSpec:
     directory; the ranks print to the terminal themselves and watch no owner."""
     resolved = resolve_or_refuse(options.recipe, options.overrides, int(os.environ["WORLD_SIZE"]),
                                  None)
-    run_dir = options.run_dir or runs_root() / (
+    run_dir = RunDir(options.run_dir or runs_root() / (
         f"{resolved.recipe.name}-{os.environ.get('MASTER_ADDR', 'local')}"
-        f"-{os.environ.get('MASTER_PORT', '0')}")
+        f"-{os.environ.get('MASTER_PORT', '0')}"))
     return options.job(resolved, run_dir, owned=False, marked_output=False)
 
 
 def launch(options: RunOptions, *, say: Say, show: Say) -> int:
-    """Run the job and return `dsforge run`'s exit code; `show` prints `--dry-run`'s lines."""
+    """Run the job and return `dsforge run`'s exit code; `show` prints `--dry-run`'s lines.
+    With --max-restarts, a job that loses a rank starts again (launch/restart.py)."""
     options, resolved, slurm_plan = _checked(options, say)
     if slurm_plan is not None:
-        run_dir, how = _srun_start(options, resolved, slurm_plan, say)
+        run_dir = _own_run_dir(options, resolved, say, joining=False, peers_may_join=False)
+        job = options.job(resolved, run_dir, env=checked_env(), slurm=True)
+        starts = _SrunStarts(options, slurm_plan)
     else:
-        run_dir, how = _deepspeed_start(options, resolved, say)
+        starts = _DeepSpeedStarts(options, resolved, say)
+        # With --no-ssh every node starts its own dsforge; nodes after the first join the run
+        # directory the first one made (it may already hold their peers' files).
+        run_dir = _own_run_dir(options, resolved, say,
+                               joining=options.node_rank is not None and options.node_rank > 0,
+                               peers_may_join=options.node_rank is not None)
+        job = options.job(resolved, run_dir, env=checked_env())
+    how = starts.first(job)
     if options.dry_run:
         show(how.shown)
         return 0
-    code = start.launch_and_watch(how.command, run_dir, _ranks_started_here(options, resolved),
-                                  timeout=options.timeout, verbose=options.verbose, say=say,
-                                  stop_grace=options.stop_grace, extra_env=how.srun_env,
-                                  srun=how.srun_env is not None)
+    ranks = _ranks_started_here(options, resolved)
+
+    def watched(how: _Start):
+        return lambda: start.launch_and_watch(
+            how.command, run_dir, ranks, timeout=options.timeout, verbose=options.verbose,
+            say=say, stop_grace=options.stop_grace, extra_env=how.srun_env,
+            srun=how.srun_env is not None)
+
+    def again(job: JobSpec):
+        """A restart's start, once the job fits again: this machine's check, and the hosts'
+        preflight inside `starts.again` (a hostfile's)."""
+        if not options.skip_fit_check:
+            _check_this_machine(start.command_words(options.recipe, options.overrides,
+                                                    options.world_size),
+                                resolved, options, say)
+        return watched(starts.again(job))
+
+    code = restart.run_with_restarts(job, watched(how), max_restarts=options.max_restarts,
+                                     prepare=again, say=say)
     if code == 0 and options.tiny:
         code = start.check_tiny_layout(resolved, run_dir, env=checked_env(),
                                        timeout=options.timeout, verbose=options.verbose, say=say)
@@ -158,6 +190,8 @@ def _checked(options: RunOptions, say: Say) -> tuple[RunOptions, Resolved, Slurm
     slurm_plan = None
     if options.node_rank is not None:
         _check_no_ssh_options(options)
+    if options.max_restarts and options.node_rank is not None:
+        raise BadOptions(NO_SSH_RESTARTS)
     if options.launcher == "slurm":
         _check_slurm_options(options)
         slurm_plan = start.plan_slurm(options.recipe, resolved, device=options.device,
@@ -206,44 +240,65 @@ def _check_this_machine(command: list[str], resolved: Resolved, options: RunOpti
         warn(start.check_fit(command, resolved, options.device, options.tiny), say)
 
 
-def _srun_start(options: RunOptions, resolved: Resolved, plan: SlurmPlan,
-                say: Say) -> tuple[Path, _Start]:
-    """`--launcher slurm`: one srun for every rank of the job (launch/slurm.py)."""
-    run_dir = _own_run_dir(options, resolved, say, joining=False, peers_may_join=False)
-    job = options.job(resolved, run_dir, env=checked_env(), slurm=True)
-    command = plan.command([sys.executable, "-u", "-m", "dsforge.runtime.rank",
-                            "--job", job.encode()])
-    env = plan.env()
-    shown = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command) + "\n"
-    return run_dir, _Start(command, shown, srun_env=env)
+class _SrunStarts:
+    """`--launcher slurm`: one srun for every rank of the job (launch/slurm.py); a restart
+    runs srun again inside the same allocation, on a new port unless --master-port gave one."""
+
+    def __init__(self, options: RunOptions, plan: SlurmPlan):
+        self.options, self.plan = options, plan
+
+    def first(self, job: JobSpec) -> _Start:
+        command = self.plan.command([sys.executable, "-u", "-m", "dsforge.runtime.rank",
+                                     "--job", job.encode()])
+        env = self.plan.env()
+        shown = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command) + "\n"
+        return _Start(command, shown, srun_env=env)
+
+    def again(self, job: JobSpec) -> _Start:
+        if self.options.master_port is None:
+            from dsforge.launch.slurm import master_port_for
+
+            port = master_port_for(self.plan.allocation, self.plan.master_addr, free_port)
+            self.plan = dataclasses.replace(self.plan, master_port=port)
+        return self.first(job)
 
 
-def _deepspeed_start(options: RunOptions, resolved: Resolved, say: Say) -> tuple[Path, _Start]:
-    """DeepSpeed's launcher: this machine, a hostfile's hosts, or with --no-ssh this node."""
-    placement = Placement(world_size=resolved.layout.world_size, hostfile=options.hostfile,
-                          launcher=options.launcher, include=options.include,
-                          exclude=options.exclude, master_addr=options.master_addr,
-                          master_port=options.master_port or _default_port(options),
-                          node_rank=options.node_rank)
-    problems = remote_shell_problems(placement, cwd=os.getcwd(), python=sys.executable)
-    if problems:
-        raise Refused("launch", problems)
-    # With --no-ssh every node starts its own dsforge; nodes after the first join the run
-    # directory the first one made (it may already hold their peers' files).
-    run_dir = _own_run_dir(options, resolved, say,
-                           joining=options.node_rank is not None and options.node_rank > 0,
-                           peers_may_join=options.node_rank is not None)
-    command = launch_command(placement, options.job(resolved, run_dir, env=checked_env()))
-    if (options.hostfile and options.node_rank is None and not options.dry_run
-            and options.launcher in ("pdsh", "openmpi", "mvapich")):
-        preflight_or_refuse(options.hostfile, options.include, options.exclude,
-                            placement.master_port, say=say,
-                            fit=None if options.skip_fit_check else (resolved, options.device))
-    shown = shlex.join(command) + "\n" + _plain_form(options, placement, run_dir)
-    return run_dir, _Start(command, shown)
+class _DeepSpeedStarts:
+    """DeepSpeed's launcher: this machine, a hostfile's hosts, or with --no-ssh this node. A
+    restart starts the same hosts again, on a new port unless --master-port gave one, after
+    the hosts' preflight (pdsh, openmpi, mvapich) passes again."""
+
+    def __init__(self, options: RunOptions, resolved: Resolved, say: Say):
+        self.options, self.resolved, self.say = options, resolved, say
+        self.placement = Placement(
+            world_size=resolved.layout.world_size, hostfile=options.hostfile,
+            launcher=options.launcher, include=options.include, exclude=options.exclude,
+            master_addr=options.master_addr,
+            master_port=options.master_port or _default_port(options), node_rank=options.node_rank)
+        problems = remote_shell_problems(self.placement, cwd=os.getcwd(), python=sys.executable)
+        if problems:
+            raise Refused("launch", problems)
+
+    def first(self, job: JobSpec) -> _Start:
+        options, placement = self.options, self.placement
+        command = launch_command(placement, job)
+        if (options.hostfile and options.node_rank is None and not options.dry_run
+                and options.launcher in ("pdsh", "openmpi", "mvapich")):
+            preflight_or_refuse(options.hostfile, options.include, options.exclude,
+                                placement.master_port, say=self.say,
+                                fit=None if options.skip_fit_check else (self.resolved,
+                                                                         options.device))
+        shown = shlex.join(command) + "\n" + _plain_form(options, placement, job.directory)
+        return _Start(command, shown)
+
+    def again(self, job: JobSpec) -> _Start:
+        if self.options.master_port is None:
+            self.placement = dataclasses.replace(self.placement,
+                                                 master_port=_default_port(self.options))
+        return self.first(job)
 
 
-def _plain_form(options: RunOptions, placement: Placement, run_dir: Path) -> str:
+def _plain_form(options: RunOptions, placement: Placement, run_dir: RunDir) -> str:
     """The dry run's second line: the job as a plain `deepspeed` command, with the options
     its ranks read; --tiny has none (dsforge makes the tiny recipe)."""
     if options.tiny:
@@ -265,7 +320,7 @@ def _default_port(options: RunOptions) -> int:
 
 
 def _own_run_dir(options: RunOptions, resolved: Resolved, say: Say, *, joining: bool,
-                 peers_may_join: bool) -> Path:
+                 peers_may_join: bool) -> RunDir:
     """The run directory, owned by this process until it exits (launch/start.own_run_dir)."""
     from dsforge.ckpt.trust import CheckpointError
 

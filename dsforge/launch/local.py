@@ -53,7 +53,7 @@ def free_port() -> int:
 
 def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | None = None,
             log_path: Path | None = None, on_line: Callable[[str], None] | None = None,
-            run_dir: Path | None = None, stop_grace_s: float = STOP_GRACE_S,
+            run_dir: RunDir | None = None, stop_grace_s: float = STOP_GRACE_S,
             srun_ranks: int = 0) -> int:
     """Run the launcher to completion; returns its exit code (124 on timeout, 130 on Ctrl-C,
     128 + N when dsforge receives signal N and stops the job at once: 129 for SIGHUP, 143 for
@@ -173,7 +173,7 @@ def _stop_on_signals(on_usr2: Callable[[], object] | None = None):
             signal.signal(sig, handler)
 
 
-def _save_and_stop(proc: subprocess.Popen, run_dir: Path, signum: int, grace_s: float) -> int:
+def _save_and_stop(proc: subprocess.Popen, run_dir: RunDir, signum: int, grace_s: float) -> int:
     """Ask every rank of this host to save and stop, and wait up to `grace_s` for the job to
     end (the launcher's exit code). Ranks that start later are asked as their pid files
     appear. A second signal raises Stopped, the end of the grace GraceOver."""
@@ -191,7 +191,7 @@ def _save_and_stop(proc: subprocess.Popen, run_dir: Path, signum: int, grace_s: 
                 raise GraceOver(signum) from None
 
 
-def _save_and_stop_srun(proc: subprocess.Popen, run_dir: Path, signum: int, grace_s: float, *,
+def _save_and_stop_srun(proc: subprocess.Popen, run_dir: RunDir, signum: int, grace_s: float, *,
                         ranks: int, since: float) -> int:
     """`_save_and_stop` for ranks started by srun: one SIGUSR1 to srun, which passes it to
     every task (SIGTERM would make srun kill them). It is sent once every rank of this job has
@@ -215,10 +215,10 @@ def _save_and_stop_srun(proc: subprocess.Popen, run_dir: Path, signum: int, grac
                 raise GraceOver(signum) from None
 
 
-def _ranks_started_since(run_dir: Path, since: float) -> int:
+def _ranks_started_since(run_dir: RunDir, since: float) -> int:
     """Pid files written by this job's ranks (a resumed run's directory holds older ones)."""
     count = 0
-    for _, path in RunDir(run_dir).pid_files():
+    for _, path in run_dir.pid_files():
         try:
             count += path.stat().st_mtime >= since - 1.0  # 1 s: coarse file-system clocks
         except OSError:
@@ -233,7 +233,7 @@ def _signal_pid(pid: int, sig: int) -> None:
         pass
 
 
-def signal_ranks(run_dir: Path, pgid: int, sig: int, skip: set[int] = frozenset()) -> set[int]:
+def signal_ranks(run_dir: RunDir, pgid: int, sig: int, skip: set[int] = frozenset()) -> set[int]:
     """Send `sig` to every rank of this host that wrote its pid file (launch/diagnose.py) and
     is a rank of this job: in process group `pgid`, running the rank program, and the child of
     a rank's supervisor (runtime/guard/supervise.py), which would pass the signal on a second time.

@@ -20,9 +20,12 @@ from dsforge.launch.start import Say
 def write_batch_script(recipe: str, *, nodes: int | None, gpus_per_node: int | None,
                        time_limit: str | None, partition: str | None, account: str | None,
                        signal_grace: int, run_dir: Path | None, out: Path | None,
-                       overrides: tuple[str, ...], say: Say, show: Say) -> None:
+                       overrides: tuple[str, ...], say: Say, show: Say,
+                       max_restarts: int = 0) -> None:
     """The script for RECIPE on `nodes` x `gpus_per_node` (the recipe's cluster, else its world
-    on one node), shown, or written to `out` (which must not exist) and made executable."""
+    on one node), shown, or written to `out` (which must not exist) and made executable.
+    `max_restarts`: the script's `dsforge run --max-restarts`, which runs srun again inside the
+    allocation after a lost rank (launch/restart.py)."""
     resolved = resolve_or_refuse(recipe, overrides, None, None)
     cluster = resolved.recipe.cluster
     nodes = nodes or (cluster.nodes if cluster else 1)
@@ -39,6 +42,7 @@ def write_batch_script(recipe: str, *, nodes: int | None, gpus_per_node: int | N
         raise Refused("dsforge sbatch", problems)
     limit = slurm.derived_time_limit(time_limit, signal_grace, resolved.recipe.train.time_limit)
     run_args += ["--set", f"train.time_limit={limit}"] if limit else []
+    run_args += ["--max-restarts", str(max_restarts)] if max_restarts else []
     name = resolved.recipe.name
     run_dir = (run_dir or runs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     run_dir.parent.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there
@@ -80,6 +84,10 @@ SBATCH_OPTIONS = (
                  help="The job's run directory, the same for every requeue [runs/NAME-TIMESTAMP]."),
     click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
                  help="Write the script here (it must not exist) instead of printing it."),
+    click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+                 metavar="N",
+                 help="dsforge run --max-restarts N in the script: after a lost rank, srun again "
+                      "inside the allocation from the last complete checkpoint, up to N times."),
     click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
                  help="Override a recipe field (passed to dsforge run in the script). Repeatable."),
 )

@@ -242,7 +242,8 @@ DSFORGE=({' '.join(q(w) for w in job.dsforge)})
 
 # dsforge run starts the ranks with srun inside this job (--launcher slurm), one task a rank.
 # --stop-grace: after a stop request the ranks get this long to save before dsforge stops
-# them at once; it ends before Slurm kills the job.
+# them at once; it ends before Slurm kills the job. --max-restarts N (when given): after a
+# lost rank, dsforge run runs srun again in this allocation from the last checkpoint.
 ARGS=(--launcher slurm --run-dir "$RUN_DIR" --stop-grace {job.stop_grace_s}{' ' + args if args else ''})
 # A requeued job (or a job submitted again) continues from the run's latest checkpoint.
 if [ -e "$RUN_DIR/checkpoints/latest" ]; then

@@ -9,7 +9,6 @@ floating-point reductions. A larger difference means the layout computes somethi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from dsforge.job.run_dir import RunDir
 from dsforge.job.metrics_file import read_metrics
@@ -37,9 +36,9 @@ class LossCheck:
                 f"tolerance {self.tolerance:.0e})")
 
 
-def losses(run_dir: Path) -> dict[tuple[str, int], float]:
+def losses(run_dir: RunDir) -> dict[tuple[str, int], float]:
     """Training losses by ("loss", step) and validation losses by ("val_loss", step)."""
-    path = RunDir(run_dir).metrics
+    path = run_dir.metrics
     if not path.exists():
         return {}
     steps, evals = read_metrics(path)
@@ -47,7 +46,7 @@ def losses(run_dir: Path) -> dict[tuple[str, int], float]:
             **{("val_loss", r["step"]): r["val_loss"] for r in evals}}
 
 
-def compare_losses(run_dir: Path, reference_dir: Path, precision: str) -> LossCheck:
+def compare_losses(run_dir: RunDir, reference_dir: RunDir, precision: str) -> LossCheck:
     run, reference = losses(run_dir), losses(reference_dir)
     common = set(run) & set(reference)
     worst = max((abs(run[key] - reference[key]) for key in common), default=float("inf"))

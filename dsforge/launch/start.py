@@ -137,20 +137,20 @@ def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
     return "\n".join(lines)
 
 
-def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joining: bool,
-                create: bool, say: Say, peers_may_join: bool = False) -> tuple[Path, Lock | None]:
-    """A new, empty run directory; or, to resume or join, the existing one (with a checkpoint
+def own_run_dir(given: Path | None, resolved: Resolved, *, resume: bool, joining: bool,
+                create: bool, say: Say, peers_may_join: bool = False) -> tuple[RunDir, Lock | None]:
+    """The --run-dir `given` (or a new one): a new, empty run directory; or, to resume or join, the existing one (with a checkpoint
     this recipe can continue from, to resume). Unless joining another node's run or only
     printing commands, the returned lock makes this process its owner: keep it until exit.
     Raises RunDirError or CheckpointError."""
     from dsforge.ckpt.trust import check_resumable
 
     if not (resume or joining):
-        run_dir = new_run_dir(run_dir, resolved.recipe.name, create=create,
+        run_dir = new_run_dir(given, resolved.recipe.name, create=create,
                               peers_may_join=peers_may_join)
         lock = claim(run_dir, fresh=True, peers_may_join=peers_may_join) if create else None
         return run_dir, lock
-    run_dir = existing_run_dir(run_dir, resume=resume, create=create)
+    run_dir = existing_run_dir(given, resume=resume, create=create)
     lock = claim(run_dir, fresh=False, peers_may_join=peers_may_join) if resume and create else None
     if resume:
         record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),
@@ -163,7 +163,7 @@ def own_run_dir(run_dir: Path | None, resolved: Resolved, *, resume: bool, joini
     return run_dir, lock
 
 
-def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: float | None,
+def launch_and_watch(command: list[str], run_dir: RunDir, ranks: int, *, timeout: float | None,
                      verbose: bool, say: Say, stop_grace: float = STOP_GRACE_S,
                      extra_env: dict[str, str] | None = None, srun: bool = False) -> int:
     """Run the job with dsforge's lines on the terminal and everything in RUN_DIR/job.log.
@@ -173,11 +173,11 @@ def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: 
     `srun`: the command is srun (launch/slurm.py), with `extra_env` for its tasks."""
     env, dropped = runner_env(os.environ)
     env.update(extra_env or {})
-    env[JOB_DIR_ENV] = str(run_dir.resolve())  # tags every local process of the job
+    env[JOB_DIR_ENV] = str(run_dir.absolute())  # tags every local process of the job
     for name in dropped:
         say(f"  note: {name} is forwarded inside the job, not exported by DeepSpeed's runner "
             "(its value is not shell-safe)")
-    log = RunDir(run_dir).job_log
+    log = run_dir.job_log
     say(f"dsforge: starting {ranks} rank{'s' if ranks > 1 else ''}; run directory {run_dir}, "
         f"engine logs in {log}")
     view = JobView(verbose=verbose)
@@ -190,7 +190,7 @@ def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: 
     if code == 0 and view.halted_ranks and accounted:
         step, _ = min(view.halted_ranks.values())
         say(f"dsforge: the ranks stopped together at step {step}: exit code {EXIT_NONFINITE}; the "
-            f"report above is kept in {RunDir(run_dir).failure(0)}")
+            f"report above is kept in {run_dir.failure(0)}")
         return EXIT_NONFINITE
     if code == 0 and view.stopped_ranks and accounted:
         return _stopped(run_dir, view.stopped_ranks, say)
@@ -205,7 +205,7 @@ def launch_and_watch(command: list[str], run_dir: Path, ranks: int, *, timeout: 
     return code
 
 
-def _stopped(run_dir: Path, stopped_ranks: dict[int, tuple[int, str, bool]], say: Say) -> int:
+def _stopped(run_dir: RunDir, stopped_ranks: dict[int, tuple[int, str, bool]], say: Say) -> int:
     """What `dsforge run` says and returns when the ranks stopped on request: after which step,
     why, and the checkpoint a resume continues from (an earlier one when the last step was bad:
     runtime/guard/health.py; with none at all, nothing can be resumed)."""
@@ -218,7 +218,7 @@ def _stopped(run_dir: Path, stopped_ranks: dict[int, tuple[int, str, bool]], say
             f"resumable, exit code {EXIT_RESUMABLE}; {resume}")
         return EXIT_RESUMABLE
     try:
-        latest = latest_complete(RunDir(run_dir).checkpoints)
+        latest = latest_complete(run_dir.checkpoints)
     except CheckpointError:
         latest = None
     bad = f"dsforge: stopped after step {steps} ({reason}); its last step was bad, so no " \
@@ -252,12 +252,12 @@ def plan_slurm(recipe: str, resolved: Resolved, *, device: str, master_addr: str
     return plan
 
 
-def check_tiny_layout(tiny: Resolved, run_dir: Path, *, env: dict[str, str],
+def check_tiny_layout(tiny: Resolved, run_dir: RunDir, *, env: dict[str, str],
                       timeout: float | None, verbose: bool, say: Say) -> int:
     """Train the same tiny model on one rank and compare losses; 1 if they disagree."""
     reference = reference_resolved(tiny)
-    ref_dir = RunDir(run_dir).reference
-    ref_dir.mkdir()
+    ref_dir = run_dir.reference
+    ref_dir.path.mkdir()
     job = job_spec(reference, ref_dir, device="cpu", backend="gloo", env=env)
     command = launch_command(Placement(world_size=1, master_port=free_port()), job)
     say("dsforge: checking the layout against a single-rank run of the same tiny model")

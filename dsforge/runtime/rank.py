@@ -84,7 +84,7 @@ def main(argv=None) -> None:
         from dsforge.job.slurm_env import rank_env
 
         os.environ.update(rank_env(os.environ))
-    run_supervised(lambda: run_rank(job), run_dir=Path(job.run_dir),
+    run_supervised(lambda: run_rank(job), run_dir=job.directory,
                    rank=int(os.environ.get("RANK", 0)), forward=not job.slurm)
 
 
@@ -97,7 +97,7 @@ def run_rank(job: JobSpec) -> None:
     # and `dsforge run` signals the ranks whose pid file exists.
     stop_request = StopRequest()
     stop_request.install()
-    startup = StartupClock(launched_at=job.started_at)
+    startup = StartupClock(launched_at=job.launched_at or job.started_at)
     watch_owner(job.owner)
     check_names(job.env)
     os.environ.update(job.env)
@@ -106,7 +106,7 @@ def run_rank(job: JobSpec) -> None:
     # `kill -USR2` on a rank prints every thread's Python stack without stopping it.
     faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)
     console = RankConsole(marked=job.marked_output)
-    write_pid(Path(job.run_dir), rank, socket.gethostname(), os.getpid())
+    write_pid(job.directory, rank, socket.gethostname(), os.getpid())
     progress = {"step": -1}
     try:
         stopped = _train(job, rank, progress, console, stop_request, startup)
@@ -135,7 +135,7 @@ def _report_failure(job: JobSpec, rank: int, step: int, exc: Exception,
     which `dsforge run` writes to RUN_DIR/job.log)."""
     detail = traceback.format_exc()
     record = record_for(exc, rank=rank, step=step, detail=detail)
-    failure.write(Path(job.run_dir), record)
+    failure.write(job.directory, record)
     console.say(f"dsforge: {record.headline()}")
     print(f"dsforge: {record.headline()}\n{detail}", file=sys.stderr, flush=True)
 
@@ -154,7 +154,7 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         # Before the process group forms, so no rank of this job is building an op yet.
         clear_stale_locks(log=console.say)
-    run_dir = Path(job.run_dir)
+    run_dir = job.directory
     resolved = resolve_file(_write_recipe(run_dir, job.recipe_yaml, rank),
                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
     device, backend = pick_device(job.device, job.backend)
@@ -163,7 +163,8 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
     startup.mark("setup")
     trainer = Trainer(resolved, device=device, backend=backend, run_dir=run_dir,
                       collective_timeout_s=job.step_timeout_s, resume=job.resume,
-                      census=job.census, console=console, startup=startup)
+                      census=job.census, console=console, startup=startup,
+                      restarts=job.restarts)
     fault = parse_fault(os.environ.get(FAULT_ENV))
     stop_drill = StopDrill(fault, rank, job.owner, stop_request)
     numeric_drill = NumericDrill(fault, rank)
@@ -202,11 +203,11 @@ def _readable_arch_list(resolved, device: str, rank: int, console: RankConsole) 
         console.say(line)
 
 
-def _write_recipe(run_dir: Path, text: str, rank: int) -> Path:
+def _write_recipe(run_dir: RunDir, text: str, rank: int) -> Path:
     """RUN_DIR/recipe.yaml on this node (ranks of one node write the same text, atomically)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = RunDir(run_dir).recipe
-    partial = run_dir / f".recipe.yaml.rank{rank}"
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    path = run_dir.recipe
+    partial = run_dir.path / f".recipe.yaml.rank{rank}"
     partial.write_text(text)
     os.replace(partial, path)
     return path

@@ -59,6 +59,7 @@ def _outcome(stopped):
 def _run_leg(leg: dict, spec: dict, rank: int, request):
     from megatron.core import parallel_state
 
+    from dsforge.job.run_dir import RunDir
     from dsforge.recipe import resolve_file
     from dsforge.runtime.guard.drills import NumericDrill
     from dsforge.runtime.guard.preempt import Stopper, TimeBudget
@@ -68,8 +69,8 @@ def _run_leg(leg: dict, spec: dict, rank: int, request):
     started = time.time()
     resolved = resolve_file(leg.get("recipe") or spec["recipe"], leg["overrides"],
                             world_size=int(os.environ["WORLD_SIZE"]))
-    run_dir = Path(spec["out"]) / leg["run"]
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = RunDir(Path(spec["out"]) / leg["run"])
+    run_dir.path.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(resolved, device=torch.device("cpu"), backend="gloo", run_dir=run_dir,
                       collective_timeout_s=spec["timeout_s"], resume=leg["resume"])
     train = resolved.recipe.train

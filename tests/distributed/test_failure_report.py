@@ -8,6 +8,7 @@ import json
 import time
 
 from dsforge.job import failure
+from dsforge.job.run_dir import RunDir
 from tests.distributed.test_run import QUICK, TINY, _job_processes, dsforge
 
 TRACEBACK = "Traceback (most recent call last)"
@@ -21,7 +22,7 @@ def _failed_run(tmp_path, env: dict) -> tuple[str, str, failure.Failure]:
     assert not _job_processes(run_dir)
     log = (run_dir / "job.log").read_text()
     assert TRACEBACK in log and TRACEBACK not in result.stderr
-    return result.stderr, str(run_dir / "job.log"), failure.first(run_dir)
+    return result.stderr, str(run_dir / "job.log"), failure.first(RunDir(run_dir))
 
 
 def _report_line(stderr: str) -> str:

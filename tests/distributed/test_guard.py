@@ -30,6 +30,7 @@ from dsforge.ckpt.retention import complete_checkpoints
 from dsforge.ckpt.trust import read_latest
 from dsforge.job import failure
 from dsforge.job.metrics_file import read_metrics
+from dsforge.job.run_dir import RunDir
 from tests.conftest import REPO
 from tests.distributed.legs_worker import run_legs
 from tests.distributed.test_checkpoint import TEXT
@@ -100,7 +101,7 @@ def test_a_nan_step_stops_the_run_before_any_save(world, layout):
     [bad] = _anomalies(run_dir)
     assert bad["step"] == 3 and bad["action"] == "stop" and bad["ranks"] == [1]
     assert bad["data"]["samples"] == [24, 31] and str(TEXT) in bad["data"]["token offsets"]
-    record = failure.first(run_dir)
+    record = failure.first(RunDir(run_dir))
     assert record.kind == "nonfinite" and record.rank == 0 and record.step == 3
     assert "the last good checkpoint: " + str(root / "step00000002") in record.detail
     assert "--set train.on_nonfinite=skip" in record.detail
@@ -134,7 +135,7 @@ def test_skipping_stops_after_too_many_bad_steps_in_a_row(world):
                 "train.max_consecutive_skips (2)"}
     assert [a["action"] for a in _anomalies(out / "limit")] == ["skip", "skip", "stop"]
     assert not (out / "limit" / "checkpoints").exists()  # the save after step 1 was withheld
-    assert "the run has likely diverged" in failure.first(out / "limit").detail
+    assert "the run has likely diverged" in failure.first(RunDir(out / "limit")).detail
 
 
 def test_a_loss_spike_is_reported_with_its_documents_or_stops_the_run(world):
@@ -148,7 +149,7 @@ def test_a_loss_spike_is_reported_with_its_documents_or_stops_the_run(world):
     assert len(_records(out / "spike-report")) == 6
     assert ends["spike-stop"]["halted"] == 4 and ends["spike-stop"]["kind"] == "spike"
     assert read_latest(out / "spike-stop" / "checkpoints") == "step00000004"
-    assert "--set train.on_spike=report" in failure.first(out / "spike-stop").detail
+    assert "--set train.on_spike=report" in failure.first(RunDir(out / "spike-stop")).detail
 
 
 def test_non_finite_weights_are_never_saved(world):
@@ -159,7 +160,7 @@ def test_non_finite_weights_are_never_saved(world):
     root = out / "weights" / "checkpoints"
     assert read_latest(root) == "step00000002" and list(complete_checkpoints(root)) == [2]
     assert not (root / "step00000004").exists()
-    assert "on rank 1" in failure.first(out / "weights").detail
+    assert "on rank 1" in failure.first(RunDir(out / "weights")).detail
 
 
 def test_a_finished_run_continues_as_one_longer_run(world):

@@ -116,8 +116,9 @@ def test_a_hung_rank_is_named_and_the_job_ends(tmp_path):
     assert "stuck: step 3 made no progress" in result.stderr
     assert "inject_fault" in result.stderr  # the Python stack of the stuck rank
     from dsforge.job import failure
+    from dsforge.job.run_dir import RunDir
 
-    assert failure.first(run_dir).kind == "hang"
+    assert failure.first(RunDir(run_dir)).kind == "hang"
     assert "rank 0: step 3, last progress" in result.stderr  # the launcher's summary
     assert not _job_processes(run_dir)
 

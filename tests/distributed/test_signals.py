@@ -91,7 +91,7 @@ def test_the_leftover_check_sees_a_real_orphan(tmp_path):
     run_dir.mkdir()
     resolved = resolve_file(TINY, [FOREVER[1]])
     # nobody to watch, as when a plain `deepspeed` starts the ranks
-    job = job_spec(resolved, run_dir, owned=False, device="cpu")
+    job = job_spec(resolved, RunDir(run_dir), owned=False, device="cpu")
     command = launch_command(Placement(world_size=2, master_port=free_port()), job)
     env = {k: v for k, v in os.environ.items() if k != "DSFORGE_JOB_DIR"}  # found by job word
     runner = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
@@ -111,7 +111,7 @@ def test_the_leftover_check_sees_a_real_orphan(tmp_path):
 def _rank_pid(run_dir, rank: int) -> int:
     from dsforge.job.pids import started_ranks
 
-    return int(started_ranks(run_dir)[rank].split()[1])
+    return int(started_ranks(RunDir(run_dir))[rank].split()[1])
 
 
 @pytest.mark.parametrize("sig, recipe, victim", [

@@ -48,20 +48,21 @@ def _stopped_after(root: Path, step: int) -> None:
 def _run_case(case: dict, spec: dict) -> None:
     from megatron.core import parallel_state
 
+    from dsforge.job.run_dir import RunDir
     from dsforge.recipe import resolve_file
     from dsforge.runtime.loop.trainer import Trainer, train_loop
 
     recipe = case.get("recipe") or spec["recipe"]
     resolved = resolve_file(recipe, case["overrides"], world_size=int(os.environ["WORLD_SIZE"]))
-    run_dir = Path(spec["out"]) / case["name"]
+    run_dir = RunDir(Path(spec["out"]) / case["name"])
     # resume_from: a case trained earlier in this world (so the process group exists); its
     # checkpoints are copied, then this case resumes from them on its own layout.
     resume_from = case.get("resume_from")
     if resume_from and int(os.environ["RANK"]) == 0:
-        shutil.copytree(Path(spec["out"]) / resume_from / "checkpoints", run_dir / "checkpoints")
+        shutil.copytree(RunDir(Path(spec["out"]) / resume_from).checkpoints, run_dir.checkpoints)
         if case.get("resume_step") is not None:
-            _stopped_after(run_dir / "checkpoints", case["resume_step"])
-    run_dir.mkdir(parents=True, exist_ok=True)
+            _stopped_after(run_dir.checkpoints, case["resume_step"])
+    run_dir.path.mkdir(parents=True, exist_ok=True)
     if resume_from:
         torch.distributed.barrier()
     trainer = Trainer(resolved, device=torch.device("cpu"), backend="gloo", run_dir=run_dir,

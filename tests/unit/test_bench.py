@@ -106,29 +106,32 @@ def test_store_keeps_rows_and_overwrites_a_retry(tmp_path):
 ])
 def test_classification_from_exit_code_and_failure_records(tmp_path, code, record, expected):
     """Classified from the ranks' structured failure records, never from the text they print."""
-    (tmp_path / "job.log").write_text("RuntimeError: out of memory (printed text is not read)\n")
+    run_dir = RunDir(tmp_path)
+    run_dir.job_log.write_text("RuntimeError: out of memory (printed text is not read)\n")
     if record is not None:
-        failure.write(tmp_path, failure.Failure(rank=1, step=2, **record))
-    status, reason = classify(code, tmp_path)
+        failure.write(run_dir, failure.Failure(rank=1, step=2, **record))
+    status, reason = classify(code, run_dir)
     assert status == expected
     if record is not None:
         assert reason.startswith("rank 1 ") and record["message"] in reason
 
 
 def test_a_run_whose_training_went_bad_is_diverged_though_its_ranks_exit_0(tmp_path):
-    (tmp_path / "summary.json").write_text("{}")  # it wrote its summaries before stopping
-    failure.write(tmp_path, failure.Failure(rank=0, step=3, kind="nonfinite",
-                                            message="non-finite loss and gradient norm"))
-    assert classify(0, tmp_path) == (
+    run_dir = RunDir(tmp_path)
+    run_dir.summary.write_text("{}")  # it wrote its summaries before stopping
+    failure.write(run_dir, failure.Failure(rank=0, step=3, kind="nonfinite",
+                                           message="non-finite loss and gradient norm"))
+    assert classify(0, run_dir) == (
         "diverged", "the training stopped at step 3: non-finite loss and gradient norm")
 
 
 def test_the_earliest_failure_record_is_the_cause(tmp_path):
-    failure.write(tmp_path, failure.Failure(rank=0, step=2, kind="exception", message="peer gone",
-                                            time=200.0))
-    failure.write(tmp_path, failure.Failure(rank=3, step=2, kind="hang", message="stuck", time=100.0))
-    (RunDir(tmp_path).failures / "rank00009.partial").write_text("{half")  # never read
-    assert classify(1, tmp_path) == ("timeout", "rank 3 stuck at step 2: stuck")
+    run_dir = RunDir(tmp_path)
+    failure.write(run_dir, failure.Failure(rank=0, step=2, kind="exception", message="peer gone",
+                                           time=200.0))
+    failure.write(run_dir, failure.Failure(rank=3, step=2, kind="hang", message="stuck", time=100.0))
+    (run_dir.failures / "rank00009.partial").write_text("{half")  # never read
+    assert classify(1, run_dir) == ("timeout", "rank 3 stuck at step 2: stuck")
 
 
 def test_report_lists_every_cell_with_predictions_and_plots(tmp_path):
@@ -264,12 +267,12 @@ def test_a_busy_cell_is_neither_run_nor_recorded(tmp_path, monkeypatch):
     out = tmp_path / "out"
     first = expand(study, base=study_identity(study, recipe))[0]
     busy_dir = cell_dir(out, first, 0)
-    busy_dir.mkdir(parents=True)
-    (busy_dir / "job.log").write_text("the other owner's job\n")
+    busy_dir.path.mkdir(parents=True)
+    busy_dir.job_log.write_text("the other owner's job\n")
     lines = []
-    with lock.hold_directory(busy_dir, what="another bench", wait_s=0):
+    with lock.hold_directory(busy_dir.path, what="another bench", wait_s=0):
         assert bench_study(study, recipe, out, log=lines.append) == 75
-    assert (busy_dir / "job.log").read_text() == "the other owner's job\n"
+    assert busy_dir.job_log.read_text() == "the other owner's job\n"
     assert jobs.launched == [cell_dir(out, expand(study, base=study_identity(study, recipe))[1], 0)]
     assert [status for _, _, status in _rows(out / "results.db")] == ["crashed"]
     assert any("zero.stage=0 repeat 0: busy, not run" in line and "another bench" in line
@@ -462,7 +465,7 @@ def test_a_locked_database_keeps_the_result_in_the_cell_and_imports_it(tmp_path,
     assert lines[-1].endswith("again. Fix: run the study again once the other process lets go of "
                               f"it (fuser -v {out / 'results.db'} lists who has it open), or "
                               "give a longer --db-timeout")
-    saved = cell_dir(out, expand(study, base=study_identity(study, recipe))[0], 0) / "result.json"
+    saved = cell_dir(out, expand(study, base=study_identity(study, recipe))[0], 0).bench_result
     assert json.loads(saved.read_text())["status"] == "crashed"
     other.rollback()
     other.close()
@@ -559,7 +562,7 @@ def test_bench_waits_as_long_as_the_study_cells_may_run_by_default(tmp_path, mon
     assert time.monotonic() - started < 10
     assert "waiting up to 1s for it to go" in lines[-2] and "more than 1s" in lines[-1]
     cell = expand(study, base=study_identity(study, recipe))[0]
-    assert json.loads((cell_dir(out, cell, 0) / "result.json").read_text())["status"] == "crashed"
+    assert json.loads(cell_dir(out, cell, 0).bench_result.read_text())["status"] == "crashed"
     assert bench_run.db_timeout_s(study) == 1.0
 
 
@@ -570,7 +573,7 @@ def test_a_saved_result_newer_than_its_row_replaces_it(tmp_path, monkeypatch):
     out = tmp_path / "out"
     bench_study(study, recipe, out, log=lambda _: None)
     cell = expand(study, base=study_identity(study, recipe))[0]
-    saved = cell_dir(out, cell, 0) / "result.json"
+    saved = cell_dir(out, cell, 0).bench_result
     newer = json.loads(saved.read_text()) | {"status": "ok", "reason": None,
                                               "finished": time.time() + 1}
     saved.write_text(json.dumps(newer))
@@ -582,12 +585,13 @@ def test_a_saved_result_newer_than_its_row_replaces_it(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("code", [-9, 137, 247])
 def test_a_rank_killed_by_sigkill_is_oom(tmp_path, code):
-    status, reason = classify(code, tmp_path)
+    run_dir = RunDir(tmp_path)
+    status, reason = classify(code, run_dir)
     assert status == "oom" and "killed by SIGKILL" in reason
     # Its peers may record the broken connection; the kill is still the cause.
-    failure.write(tmp_path, failure.Failure(rank=1, step=3, kind="exception",
-                                            message="RuntimeError: Connection closed by peer"))
-    assert classify(code, tmp_path)[0] == "oom"
+    failure.write(run_dir, failure.Failure(rank=1, step=3, kind="exception",
+                                           message="RuntimeError: Connection closed by peer"))
+    assert classify(code, run_dir)[0] == "oom"
 
 
 @pytest.mark.parametrize("message, code, expected", [
@@ -596,15 +600,17 @@ def test_a_rank_killed_by_sigkill_is_oom(tmp_path, code):
 ])
 def test_a_rank_its_supervisor_saw_killed(tmp_path, message, code, expected):
     """runtime/guard/supervise.py records a rank that died of a signal as kind 'killed'."""
-    failure.write(tmp_path, failure.Failure(rank=1, step=3, kind="killed", message=message))
-    assert classify(code, tmp_path) == (expected, f"rank 1 died at step 3: {message}")
+    run_dir = RunDir(tmp_path)
+    failure.write(run_dir, failure.Failure(rank=1, step=3, kind="killed", message=message))
+    assert classify(code, run_dir) == (expected, f"rank 1 died at step 3: {message}")
 
 
 def test_a_reason_never_holds_progress_bars_or_escapes(tmp_path):
     bar = "\rTraining:  40%|####      | 4/10 [00:01<00:02,  3.10it/s]"
-    failure.write(tmp_path, failure.Failure(
+    run_dir = RunDir(tmp_path)
+    failure.write(run_dir, failure.Failure(
         rank=1, step=2, kind="exception", message=f"{bar}\x1b[31mRuntimeError: boom\x1b[0m{bar}\nnext"))
-    status, reason = classify(1, tmp_path)
+    status, reason = classify(1, run_dir)
     assert (status, reason) == ("crashed", "rank 1 failed at step 2: RuntimeError: boom next")
     assert one_line("x" * 900).endswith("...") and len(one_line("x" * 900)) == 500
 

@@ -93,9 +93,9 @@ def _study(tmp_path, device: str):
 
 def _launcher(manifest: dict | None):
     """A job that writes the manifest a rank would, then fails (the row is stored all the same)."""
-    def launch(study, resolved, run_dir, device):
+    def launch(study, resolved, run_dir: RunDir, device):
         if manifest is not None:
-            RunDir(run_dir).manifest.write_text(json.dumps(manifest))
+            run_dir.manifest.write_text(json.dumps(manifest))
         return 3
     return launch
 

@@ -18,6 +18,7 @@ from dsforge.bench.report import write_report
 from dsforge.bench.store import Row, Store
 from dsforge.cli import main
 from dsforge.job.metrics_file import PHASES, median_breakdown
+from dsforge.job.run_dir import RunDir
 from dsforge.runtime.loop import breakdown, phase_hooks
 from dsforge.runtime.loop.breakdown import Marked, StepClock, StepTimings
 from dsforge.runtime.loop.metrics import MetricsWriter, format_breakdown, make_record
@@ -324,10 +325,11 @@ def _traced_steps(path) -> set[str]:
 
 def test_the_profiler_traces_exactly_steps_a_to_b(tmp_path):
     said = []
-    profiler = StepProfiler(2, 3, start_step=0, run_dir=tmp_path, device=torch.device("cpu"),
+    run_dir = RunDir(tmp_path)
+    profiler = StepProfiler(2, 3, start_step=0, run_dir=run_dir, device=torch.device("cpu"),
                             say=said.append)
     _train(profiler, range(6))
-    path = trace_path(tmp_path, 2, 3)
+    path = trace_path(run_dir, 2, 3)
     assert path.name == "rank0-steps2-3.pt.trace.json.gz"
     assert _traced_steps(path) == {"dsforge step 2", "dsforge step 3"}  # step 1 warmed it up
     assert [p.name for p in path.parent.iterdir()] == [path.name]
@@ -335,15 +337,16 @@ def test_the_profiler_traces_exactly_steps_a_to_b(tmp_path):
 
 
 def test_a_trace_from_the_first_step_and_one_cut_short(tmp_path):
-    first = StepProfiler(0, 1, start_step=0, run_dir=tmp_path / "a", device=torch.device("cpu"),
+    a, b = RunDir(tmp_path / "a"), RunDir(tmp_path / "b")
+    first = StepProfiler(0, 1, start_step=0, run_dir=a, device=torch.device("cpu"),
                          say=lambda text: None)
     _train(first, range(3))
-    assert _traced_steps(trace_path(tmp_path / "a", 0, 1)) == {"dsforge step 0", "dsforge step 1"}
-    cut = StepProfiler(1, 5, start_step=0, run_dir=tmp_path / "b", device=torch.device("cpu"),
+    assert _traced_steps(trace_path(a, 0, 1)) == {"dsforge step 0", "dsforge step 1"}
+    cut = StepProfiler(1, 5, start_step=0, run_dir=b, device=torch.device("cpu"),
                        say=lambda text: None)
     _train(cut, range(3))  # the run stops after step 2
     cut.close()
-    assert _traced_steps(trace_path(tmp_path / "b", 1, 2)) == {"dsforge step 1", "dsforge step 2"}
+    assert _traced_steps(trace_path(b, 1, 2)) == {"dsforge step 1", "dsforge step 2"}
 
 
 def test_run_profile_is_the_recipe_field():

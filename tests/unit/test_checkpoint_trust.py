@@ -3,7 +3,6 @@ who may have written the files, and whether every saved file is still there."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,67 +12,46 @@ import torch
 from dsforge.ckpt import trust
 from dsforge.ckpt.trust import (CheckpointError, check_complete, check_resumable,
                                 check_safe_to_load, latest_complete)
+from dsforge.job.run_dir import RunDir
 from dsforge.runtime.checkpoint import save_load as checkpoint
-
-RECIPE = {"name": "t", "model": {"num_layers": 2}, "parallel": {"tp": 1}, "zero": {"stage": 1},
-          "train": {"steps": 6}, "data": {"source": "synthetic"}, "cluster": None}
-FILES = {"mp_rank_00_model_states.pt": 100, "zero_pp_rank_0_mp_rank_00_optim_states.pt": 300,
-         "zero_pp_rank_1_mp_rank_00_optim_states.pt": 300, "dsforge_rng_rank00000.pt": 20,
-         "dsforge_rng_rank00001.pt": 20}
-
-
-def _checkpoint(run_dir: Path, step: int = 3, files: dict[str, int] | None = FILES,
-                world_size: int = 2, recipe: dict = RECIPE) -> Path:
-    """A run directory whose checkpoint `step` looks like dsforge saved it (2 ranks)."""
-    root = run_dir / "checkpoints"
-    tag = f"step{step:08d}"
-    (root / tag).mkdir(parents=True)
-    for name, size in (files or FILES).items():
-        (root / tag / name).write_bytes(b"x" * size)
-    record = {"step": step, "tag": tag, "world_size": world_size, "recipe": recipe}
-    if files is not None:
-        record["files"] = files
-    (root / tag / "dsforge_complete.json").write_text(json.dumps(record))
-    (root / "latest").write_text(tag)
-    return root
-
+from tests.unit.helpers.checkpoints import FILES, RECIPE, fake_checkpoint
 
 def _refused(run_dir: Path) -> CheckpointError:
     with pytest.raises(CheckpointError) as info:
-        check_resumable(run_dir, RECIPE, 2)
+        check_resumable(RunDir(run_dir), RECIPE, 2)
     return info.value
 
 
 def test_a_complete_checkpoint_of_your_own_is_resumable(tmp_path):
-    _checkpoint(tmp_path)
-    assert check_resumable(tmp_path, RECIPE, 2)["step"] == 3
+    fake_checkpoint(tmp_path)
+    assert check_resumable(RunDir(tmp_path), RECIPE, 2)["step"] == 3
 
 
 def test_a_finished_run_is_not_resumed_and_says_what_to_do_instead(tmp_path):
     """A run saves its last step too: resuming it with the same total would train nothing."""
-    _checkpoint(tmp_path, step=6)
+    fake_checkpoint(tmp_path, step=6)
     error = _refused(tmp_path)
     assert "has finished: its newest checkpoint is after step 6 and train.steps is 6" in str(error)
     assert "continue it with a larger total (--set train.steps=N, N > 6)" in str(error)
     assert f"dsforge export {tmp_path} --to OUT" in str(error)
     fewer = {**RECIPE, "train": {**RECIPE["train"], "steps": 5}}
     with pytest.raises(CheckpointError, match="train.steps is 5"):
-        check_resumable(tmp_path, fewer, 2)
+        check_resumable(RunDir(tmp_path), fewer, 2)
 
 
 def test_a_finished_run_continues_with_a_larger_total(tmp_path):
     """Its schedule then spans the new total from the resumed step on, unless
     train.lr_decay_steps holds it to the old one; the launcher and the manifest say so."""
-    _checkpoint(tmp_path, step=6)
+    fake_checkpoint(tmp_path, step=6)
     longer = {**RECIPE, "train": {**RECIPE["train"], "steps": 12}}
-    record = check_resumable(tmp_path, longer, 2)
+    record = check_resumable(RunDir(tmp_path), longer, 2)
     assert record["step"] == 6 and record["layout_changes"] == []
     assert record["changes"] == [
         "train.steps: 6 in the checkpoint, 12 now",
         "the learning-rate schedule now decays over 12 steps instead of 6, from the resumed "
         "step on; set train.lr_decay_steps: 6 to keep the old decay"]
     held = {**RECIPE, "train": {**RECIPE["train"], "steps": 12, "lr_decay_steps": 6}}
-    assert check_resumable(tmp_path, held, 2)["changes"] == [
+    assert check_resumable(RunDir(tmp_path), held, 2)["changes"] == [
         "train.lr_decay_steps: None in the checkpoint, 6 now",
         "train.steps: 6 in the checkpoint, 12 now"]
 
@@ -83,31 +61,31 @@ def test_the_experts_implementation_may_change_on_resume_field_by_field(tmp_path
     the same names), its number of experts may not."""
     moe = {"num_experts": 4, "top_k": 2, "experts": "sequential"}
     saved = {**RECIPE, "model": {**RECIPE["model"], "moe": moe}}
-    _checkpoint(tmp_path, recipe=saved)
+    fake_checkpoint(tmp_path, recipe=saved)
     grouped = {**saved, "model": {**saved["model"], "moe": {**moe, "experts": "grouped"}}}
-    assert check_resumable(tmp_path, grouped, 2)["changes"] == [
+    assert check_resumable(RunDir(tmp_path), grouped, 2)["changes"] == [
         "model.moe.experts: 'sequential' in the checkpoint, 'grouped' now"]
     more = {**saved, "model": {**saved["model"], "moe": {**moe, "num_experts": 8}}}
     with pytest.raises(CheckpointError, match="model.moe.num_experts: 4 in the checkpoint, 8 now"):
-        check_resumable(tmp_path, more, 2)
+        check_resumable(RunDir(tmp_path), more, 2)
 
 
 def test_a_run_may_go_between_bf16_and_fp8_and_compiled_and_eager(tmp_path):
     """train.fp8 keeps the weights bf16 parameters (dynamic scales hold no state) and compiling
     runs the same operations: both may change on resume, either way."""
-    _checkpoint(tmp_path, recipe=RECIPE)
+    fake_checkpoint(tmp_path, recipe=RECIPE)
     changed = {**RECIPE, "train": {**RECIPE["train"], "fp8": "tensorwise"},
                "model": {**RECIPE["model"], "compile": "layers"}}
-    assert check_resumable(tmp_path, changed, 2)["changes"] == [
+    assert check_resumable(RunDir(tmp_path), changed, 2)["changes"] == [
         "model.compile: 'none' in the checkpoint, 'layers' now",
         "train.fp8: 'none' in the checkpoint, 'tensorwise' now"]
 
 
 def test_a_refused_change_lists_what_may_change(tmp_path):
-    _checkpoint(tmp_path)
+    fake_checkpoint(tmp_path)
     other_lr = {**RECIPE, "train": {**RECIPE["train"], "lr": 2e-3}}
     with pytest.raises(CheckpointError) as info:
-        check_resumable(tmp_path, other_lr, 2)
+        check_resumable(RunDir(tmp_path), other_lr, 2)
     text = str(info.value)
     assert "train.lr: None in the checkpoint, 0.002 now" in text
     assert "train.eval_every" in text and "train.time_limit" in text and "docs/checkpoints.md" in text
@@ -117,15 +95,15 @@ def test_a_refused_change_lists_what_may_change(tmp_path):
 def test_a_checkpoint_from_before_a_field_existed_resumes_at_its_default(tmp_path):
     """A recipe saved by an older dsforge lacks the fields added since; they held their
     defaults then. The kernels and attention backend may change on resume (same model)."""
-    _checkpoint(tmp_path)
+    fake_checkpoint(tmp_path)
     now = {**RECIPE, "model": {**RECIPE["model"], "kernels": "auto", "sdpa_backend": "auto"},
            "train": {**RECIPE["train"], "adam_impl": "auto"}}
-    assert check_resumable(tmp_path, now, 2)["step"] == 3
+    assert check_resumable(RunDir(tmp_path), now, 2)["step"] == 3
     changed = {**now, "model": {**now["model"], "kernels": "liger", "sdpa_backend": "flash"}}
-    assert check_resumable(tmp_path, changed, 2)["step"] == 3
+    assert check_resumable(RunDir(tmp_path), changed, 2)["step"] == 3
     other_adam = {**now, "train": {**now["train"], "adam_impl": "deepspeed"}}
     with pytest.raises(CheckpointError, match="train.adam_impl: 'auto' in the checkpoint"):
-        check_resumable(tmp_path, other_adam, 2)
+        check_resumable(RunDir(tmp_path), other_adam, 2)
 
 
 @pytest.mark.parametrize("content", [
@@ -136,7 +114,7 @@ def test_a_checkpoint_from_before_a_field_existed_resumes_at_its_default(tmp_pat
     "",
 ])
 def test_latest_must_be_a_plain_step_tag(tmp_path, content):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     (root / "latest").write_text(content)
     error = _refused(tmp_path)
     assert error.problem.rule == "CK1" and "not the tag of a checkpoint" in str(error)
@@ -145,27 +123,27 @@ def test_latest_must_be_a_plain_step_tag(tmp_path, content):
 
 def test_latest_pointing_outside_the_run_is_refused_even_when_the_target_is_complete(tmp_path):
     """Issue 10: ../../other-run/checkpoints/step00000002 resumed someone else's run."""
-    _checkpoint(tmp_path / "other-run", step=2)
-    root = _checkpoint(tmp_path / "mine")
+    fake_checkpoint(tmp_path / "other-run", step=2)
+    root = fake_checkpoint(tmp_path / "mine")
     (root / "latest").write_text("../../other-run/checkpoints/step00000002")
     assert _refused(tmp_path / "mine").problem.rule == "CK1"
 
 
 def test_a_binary_latest_is_a_clear_error(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     (root / "latest").write_bytes(b"\x80\x00\xff" * 1000)
     error = _refused(tmp_path)
     assert error.problem.rule == "CK1" and len(str(error)) < 600
 
 
 def test_latest_naming_a_missing_directory(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     (root / "latest").write_text("step00000009")
     assert "names step00000009, which does not exist" in str(_refused(tmp_path))
 
 
 def test_latest_as_a_symlink_is_refused(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     (root / "latest").unlink()
     (root / "latest").symlink_to(root / "step00000003" / "dsforge_complete.json")
     error = _refused(tmp_path)
@@ -183,14 +161,14 @@ def test_latest_as_a_symlink_is_refused(tmp_path):
      '"files": {"../../etc/passwd": 1}}', "relative paths"),
 ])
 def test_a_truncated_or_damaged_marker_is_a_clear_error(tmp_path, text, why):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     (root / "step00000003" / "dsforge_complete.json").write_bytes(text.encode("latin-1"))
     error = _refused(tmp_path)
     assert error.problem.rule == "CK3" and why in str(error)
 
 
 def test_a_missing_marker_says_the_save_never_finished(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     (root / "step00000003" / "dsforge_complete.json").unlink()
     assert "whose save never finished" in str(_refused(tmp_path))
 
@@ -201,7 +179,7 @@ def test_nothing_published_is_none(tmp_path):
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "empty"])
 def test_a_missing_or_truncated_optimizer_shard_is_found_before_any_rank_starts(tmp_path, damage):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     shard = root / "step00000003" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     if damage == "missing":
         shard.unlink()
@@ -212,7 +190,7 @@ def test_a_missing_or_truncated_optimizer_shard_is_found_before_any_rank_starts(
 
 
 def test_a_marker_without_a_file_list_needs_an_rng_file_per_rank_and_no_empty_file(tmp_path):
-    root = _checkpoint(tmp_path, files=None)
+    root = fake_checkpoint(tmp_path, files=None)
     record = latest_complete(root)
     check_complete(root, record)
     (root / "step00000003" / "dsforge_rng_rank00001.pt").unlink()
@@ -224,27 +202,27 @@ def test_a_marker_without_a_file_list_needs_an_rng_file_per_rank_and_no_empty_fi
 
 
 def test_world_writable_files_are_refused(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     os.chmod(root / "step00000003" / "mp_rank_00_model_states.pt", 0o666)
     error = _refused(tmp_path)
     assert error.problem.rule == "CK2" and "writable by every user" in str(error)
 
 
 def test_world_writable_latest_is_refused(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     os.chmod(root / "latest", 0o666)
     assert "writable by every user" in str(_refused(tmp_path))
 
 
 def test_group_writable_files_are_refused_unless_the_group_is_yours_alone(tmp_path, monkeypatch):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     os.chmod(root / "step00000003" / "mp_rank_00_model_states.pt", 0o664)
     monkeypatch.setattr(trust, "private_group", lambda gid, uid: False)
     error = _refused(tmp_path)
     assert error.problem.rule == "CK2" and "writable by group" in str(error)
     assert "chmod -R g-w" in str(error)
     monkeypatch.setattr(trust, "private_group", lambda gid, uid: True)
-    check_resumable(tmp_path, RECIPE, 2)
+    check_resumable(RunDir(tmp_path), RECIPE, 2)
 
 
 class _Account:
@@ -278,7 +256,7 @@ def test_an_unknown_group_is_not_private():
 
 
 def test_a_symlink_is_called_a_symlink(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     shard = root / "step00000003" / "mp_rank_00_model_states.pt"
     target = tmp_path / "elsewhere.pt"
     shard.rename(target)
@@ -289,13 +267,13 @@ def test_a_symlink_is_called_a_symlink(tmp_path):
 
 @pytest.mark.skipif(os.getuid() != 0, reason="changing a file's owner needs root")
 def test_a_file_of_another_user_is_refused(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     os.chown(root / "step00000003" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", 4242, 4242)
     assert "belongs to uid 4242" in str(_refused(tmp_path))
 
 
 def test_load_checks_before_unpickling(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     (root / "step00000003" / "dsforge_rng_rank00001.pt").unlink()
 
     class NeverLoads:

@@ -149,6 +149,9 @@ def test_ranks_started_here_are_refused_kernels_this_machine_cannot_run(tmp_path
     (["--timeout", "-5"], "Invalid value for '--timeout'"),
     (["--step-timeout", "0"], "Invalid value for '--step-timeout'"),
     (["--master-port", "99999"], "Invalid value for '--master-port'"),
+    (["--max-restarts", "-1"], "Invalid value for '--max-restarts'"),
+    (["--hostfile", "HOSTFILE", "--no-ssh", "0", "--master-addr", "127.0.0.1", "--max-restarts",
+      "2"], "--max-restarts cannot restart a --no-ssh job"),
 ])
 def test_launch_options_that_cannot_work_are_refused_before_anything_starts(tmp_path, words, expected):
     """Each node of a --no-ssh job must name the hostfile, node 0's address and a node rank the

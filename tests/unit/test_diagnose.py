@@ -7,6 +7,7 @@ import pytest
 
 from dsforge.job import failure
 from dsforge.job.pids import write_pid
+from dsforge.job.run_dir import RunDir
 from dsforge.launch.commands import Placement, remote_shell_problems
 from dsforge.launch.diagnose import describe_code, explain, failure_report, launcher_exit_codes
 
@@ -19,21 +20,23 @@ def test_exit_codes_name_their_signal():
 
 
 def test_a_silent_rank_is_named_before_the_peer_that_lost_it(tmp_path):
+    run_dir = RunDir(tmp_path)
     for rank in (0, 1):
-        write_pid(tmp_path, rank, "node-a", 100 + rank)
-    failure.write(tmp_path, failure.Failure(rank=0, step=5, kind="exception",
-                                            message="RuntimeError: Connection closed by peer"))
-    (tmp_path / "job.log").write_text("[...] exits with return code = -9\n")
-    report = failure_report(tmp_path, 1, done_ranks=set())
+        write_pid(run_dir, rank, "node-a", 100 + rank)
+    failure.write(run_dir, failure.Failure(rank=0, step=5, kind="exception",
+                                           message="RuntimeError: Connection closed by peer"))
+    run_dir.job_log.write_text("[...] exits with return code = -9\n")
+    report = failure_report(run_dir, 1, done_ranks=set())
     silent = report.index("rank 1 (pid 101 on node-a)")
     assert "killed by SIGKILL" in report and silent < report.index("first failure: rank 0")
 
 
 def test_ranks_that_finished_or_recorded_are_not_silent(tmp_path):
+    run_dir = RunDir(tmp_path)
     for rank in (0, 1, 2):
-        write_pid(tmp_path, rank, "h", rank)
-    failure.write(tmp_path, failure.Failure(rank=2, step=1, kind="exception", message="boom"))
-    report = failure_report(tmp_path, 1, done_ranks={0, 1})
+        write_pid(run_dir, rank, "h", rank)
+    failure.write(run_dir, failure.Failure(rank=2, step=1, kind="exception", message="boom"))
+    report = failure_report(run_dir, 1, done_ranks={0, 1})
     assert "without reporting" not in report and "first failure: rank 2 failed at step 1: boom" in report
 
 
@@ -79,16 +82,18 @@ def _run_dir_of(tmp_path, recipe: str, overrides=()):
     from tests.conftest import REPO
 
     resolved = resolve_file(REPO / "recipes" / recipe, overrides)
-    (tmp_path / "recipe.yaml").write_text(dump_recipe(resolved.recipe))
-    return tmp_path
+    run_dir = RunDir(tmp_path)
+    run_dir.recipe.write_text(dump_recipe(resolved.recipe))
+    return run_dir
 
 
 def test_a_build_failure_is_one_line_without_its_traceback(tmp_path):
-    failure.write(tmp_path, failure.Failure(
+    run_dir = RunDir(tmp_path)
+    failure.write(run_dir, failure.Failure(
         rank=0, step=-1, kind="build", message="ValueError: invalid literal", detail=TRACE,
         what="DeepSpeed's fused_adam op", cause="TORCH_CUDA_ARCH_LIST='9.0a' cannot be parsed",
         fix="export TORCH_CUDA_ARCH_LIST='9.0' before dsforge run"))
-    report = failure_report(tmp_path, 1, done_ranks=set())
+    report = failure_report(run_dir, 1, done_ranks=set())
     assert ("  first failure: rank 0 failed building DeepSpeed's fused_adam op before its first "
             "step: TORCH_CUDA_ARCH_LIST='9.0a' cannot be parsed. Fix: export "
             f"TORCH_CUDA_ARCH_LIST='9.0' before dsforge run; traceback in {tmp_path / 'job.log'}") \
@@ -97,9 +102,10 @@ def test_a_build_failure_is_one_line_without_its_traceback(tmp_path):
 
 
 def test_an_exception_still_shows_the_end_of_its_traceback(tmp_path):
-    failure.write(tmp_path, failure.Failure(rank=0, step=2, kind="exception",
-                                            message="ValueError: boom", detail=TRACE))
-    assert 'File "x.py", line 1, in f' in failure_report(tmp_path, 1, done_ranks=set())
+    run_dir = RunDir(tmp_path)
+    failure.write(run_dir, failure.Failure(rank=0, step=2, kind="exception",
+                                           message="ValueError: boom", detail=TRACE))
+    assert 'File "x.py", line 1, in f' in failure_report(run_dir, 1, done_ranks=set())
 
 
 def test_an_out_of_memory_against_the_prediction_with_the_fixes_that_fit(tmp_path):
@@ -116,7 +122,7 @@ def test_an_out_of_memory_against_the_prediction_with_the_fixes_that_fit(tmp_pat
         "requested; the memory model predicts 135.7 GiB (at the backward). Fix, each predicted "
         "under 126.4 GiB (90% of 140.4 GiB): --set train.micro_batch=1 --set train.grad_accum=8 "
         "(118.9 GiB); or --set train.activation_checkpointing=full (106.9 GiB); traceback in "
-        f"{run_dir / 'job.log'}")
+        f"{run_dir.job_log}")
     assert "Traceback" not in report
 
 
@@ -134,7 +140,7 @@ def test_an_out_of_memory_the_model_does_not_explain(tmp_path):
 def test_an_out_of_memory_nothing_simple_fixes_or_without_a_recipe(tmp_path):
     record = failure.Failure(rank=0, step=3, kind="oom", message="m",
                              memory={**H200_OOM, "capacity": 40 * GiB})
-    assert explain(record, tmp_path).endswith(f"no prediction: {tmp_path / 'recipe.yaml'} "
+    assert explain(record, RunDir(tmp_path)).endswith(f"no prediction: {tmp_path / 'recipe.yaml'} "
                                               "cannot be resolved")
     run_dir = _run_dir_of(tmp_path, "7b_1gpu.yaml", NO_CHECKPOINTING)
     assert explain(record, run_dir).endswith(
@@ -150,7 +156,7 @@ def test_bench_reasons_carry_the_cause_and_the_prediction(tmp_path):
     failure.write(run_dir, failure.Failure(rank=0, step=3, kind="oom", message="m", memory=H200_OOM))
     status, reason = classify(1, run_dir)
     assert status == "oom" and "the memory model predicts 135.7 GiB" in reason
-    build = tmp_path / "build"
+    build = RunDir(tmp_path / "build")
     failure.write(build, failure.Failure(rank=0, step=-1, kind="build", message="ValueError: x",
                                          what="DeepSpeed's fused_adam op", cause="c", fix="f"))
     assert classify(1, build) == ("crashed", "rank 0 failed building DeepSpeed's fused_adam op "

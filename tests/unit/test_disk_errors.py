@@ -10,6 +10,7 @@ import torch
 
 from dsforge.ckpt.trust import CheckpointError
 from dsforge.job.heartbeat import Heartbeat
+from dsforge.job.run_dir import RunDir
 from dsforge.runtime.checkpoint import save_load as checkpoint
 from dsforge.runtime.loop.trainer import Trainer
 
@@ -21,7 +22,7 @@ def test_a_failed_checkpoint_write_names_the_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "save", full_disk)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     trainer = types.SimpleNamespace(
-        run_dir=tmp_path, engine=types.SimpleNamespace(module=torch.nn.Linear(2, 2)),
+        run_dir=RunDir(tmp_path), engine=types.SimpleNamespace(module=torch.nn.Linear(2, 2)),
         device=torch.device("cpu"), last_step_bad=False, resolved=types.SimpleNamespace(
             recipe=types.SimpleNamespace(), layout=types.SimpleNamespace(world_size=1)))
     monkeypatch.setattr("dsforge.runtime.loop.trainer.asdict", lambda _: {})
@@ -36,7 +37,7 @@ def test_heartbeat_survives_a_failing_write(tmp_path, monkeypatch):
     import errno
     from pathlib import Path
 
-    beat = Heartbeat(tmp_path, rank=0, write_every_s=3600)
+    beat = Heartbeat(RunDir(tmp_path), rank=0, write_every_s=3600)
     real_write = Path.write_text
 
     def no_space(self, *args, **kwargs):

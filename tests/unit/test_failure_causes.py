@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsforge.job import failure
+from dsforge.job.run_dir import RunDir
 from dsforge.runtime.guard import oom
 from dsforge.runtime.guard.build_failure import BuildCause, Evidence, Frame, Raised, diagnose
 from dsforge.runtime.guard.record import record_for
@@ -226,7 +227,8 @@ def test_records_round_trip_with_their_cause_and_figures(tmp_path):
     oom = failure.Failure(rank=1, step=2, kind="oom", message="OutOfMemoryError", time=2.0,
                           memory={"source": "s", "peak": 1, "capacity": 2, "device": "d",
                                   "requested": None})
+    run_dir = RunDir(tmp_path)
     for record in (build, oom):
-        failure.write(tmp_path, record)
-    assert failure.read_all(tmp_path) == [build, oom]
+        failure.write(run_dir, record)
+    assert failure.read_all(run_dir) == [build, oom]
     assert build.headline() == "rank 0 failed building w before its first step: c. Fix: f"

@@ -181,10 +181,11 @@ DATA = {"samples": [24, 31], "source": "training samples",
 
 
 def test_the_report_names_the_last_good_checkpoint_and_how_to_go_on(tmp_path):
-    root = RunDir(tmp_path).checkpoints
+    run_dir = RunDir(tmp_path)
+    root = run_dir.checkpoints
     halted = Halted(step=3, what="non-finite loss and gradient norm", kind="nonfinite",
                     ranks=[1], data=DATA)
-    lines = bad_steps.report_lines(halted, run_dir=tmp_path, skipped_updates=1, fp16=False)
+    lines = bad_steps.report_lines(halted, run_dir=run_dir, skipped_updates=1, fp16=False)
     assert lines[0] == ("dsforge: the training stopped at step 3: non-finite loss and gradient "
                         "norm (on rank 1)")
     assert lines[1] == "  DeepSpeed skipped 1 update of this run (non-finite gradients)"
@@ -194,18 +195,18 @@ def test_the_report_names_the_last_good_checkpoint_and_how_to_go_on(tmp_path):
     assert lines[3] == "  no checkpoint had been saved before it"
     assert "start a new run with train.on_nonfinite: skip" in lines[4]
     _complete(root, 2)
-    lines = bad_steps.report_lines(halted, run_dir=tmp_path, skipped_updates=1, fp16=False)
+    lines = bad_steps.report_lines(halted, run_dir=run_dir, skipped_updates=1, fp16=False)
     assert lines[3] == (f"  the last good checkpoint: {root / 'step00000002'} (after step 2, "
                         "`latest`); nothing was saved after it")
     assert lines[4].endswith(f"--resume --run-dir {tmp_path} --set train.on_nonfinite=skip; or "
                              "start a new run with a lower train.lr or train.grad_clip")
     _complete(root, 3)  # saved right before the bad step: the update before it may be the cause
-    text = bad_steps.report_lines(halted, run_dir=tmp_path, skipped_updates=1, fp16=False)[3]
+    text = bad_steps.report_lines(halted, run_dir=run_dir, skipped_updates=1, fp16=False)[3]
     assert text.endswith("It was saved right before the bad step, so the update of step 2 may be "
                          "the cause; the checkpoint before it is after step 2")
     diverged = Halted(step=9, what="...", kind="nonfinite", in_a_row=6)
     assert "the run has likely diverged: go back to an earlier checkpoint" in \
-        bad_steps.report_lines(diverged, run_dir=tmp_path, skipped_updates=6, fp16=True)[-1]
+        bad_steps.report_lines(diverged, run_dir=run_dir, skipped_updates=6, fp16=True)[-1]
 
 
 def test_a_skipped_steps_line_says_what_the_run_did():
@@ -222,10 +223,11 @@ def test_dsforge_run_reads_halted_ranks_and_a_stop_without_its_checkpoint(tmp_pa
     view.feed('@dsforge {"kind": "halted", "rank": 0, "step": 3, "reason": "non-finite loss"}')
     assert view.halted_ranks == {0: (3, "non-finite loss")}
     said = []
-    assert _stopped(tmp_path, {0: (7, "SIGTERM", False)}, said.append) == 1
+    run_dir = RunDir(tmp_path)
+    assert _stopped(run_dir, {0: (7, "SIGTERM", False)}, said.append) == 1
     assert "nothing to resume" in said[-1]
-    _complete(RunDir(tmp_path).checkpoints, 6)
-    assert _stopped(tmp_path, {0: (7, "SIGTERM", False)}, said.append) == 75
+    _complete(run_dir.checkpoints, 6)
+    assert _stopped(run_dir, {0: (7, "SIGTERM", False)}, said.append) == 75
     assert said[-1].endswith("(from the checkpoint after step 6)")
 
 

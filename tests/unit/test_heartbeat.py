@@ -6,16 +6,18 @@ from __future__ import annotations
 import time
 
 from dsforge.job.heartbeat import Heartbeat, read_all
+from dsforge.job.run_dir import RunDir
 
 
 def test_heartbeat_file_follows_the_beats_off_the_hot_path(tmp_path):
-    heartbeat = Heartbeat(tmp_path, rank=3, write_every_s=0.05)
+    run_dir = RunDir(tmp_path)
+    heartbeat = Heartbeat(run_dir, rank=3, write_every_s=0.05)
     heartbeat.beat(7)
-    assert read_all(tmp_path) == {}  # nothing written on the caller's thread
+    assert read_all(run_dir) == {}  # nothing written on the caller's thread
     deadline = time.monotonic() + 5
-    while 3 not in read_all(tmp_path) and time.monotonic() < deadline:
+    while 3 not in read_all(run_dir) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert read_all(tmp_path)[3][0] == 7
+    assert read_all(run_dir)[3][0] == 7
     heartbeat.beat(8)
     heartbeat.flush()
-    assert read_all(tmp_path)[3][0] == 8
+    assert read_all(run_dir)[3][0] == 8

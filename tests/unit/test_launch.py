@@ -7,6 +7,7 @@ import shlex
 
 import pytest
 
+from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec, forwarded_env
 from dsforge.launch.commands import Placement, launch_command, plain_deepspeed_command, runner_env
 from dsforge.launch.preflight import ssh_command, version_problems
@@ -59,7 +60,7 @@ def test_the_plain_deepspeed_command_is_the_same_job():
     and the dsforge run options the ranks read."""
     text = plain_deepspeed_command(
         Placement(world_size=2, hostfile="h", master_addr="10.0.0.1", master_port=7, node_rank=1),
-        recipe="r.yaml", run_dir="runs/x", overrides=(), run_options=("--device", "cpu"))
+        recipe="r.yaml", run_dir=RunDir("runs/x"), overrides=(), run_options=("--device", "cpu"))
     assert shlex.split(text) == ["deepspeed", "--hostfile", "h", "--launcher", "pdsh", "--no_ssh",
                                  "--node_rank", "1", "--master_addr", "10.0.0.1", "--master_port",
                                  "7", "--module", "dsforge", "run", "r.yaml", "--run-dir", "runs/x",
@@ -68,7 +69,8 @@ def test_the_plain_deepspeed_command_is_the_same_job():
 
 def test_plain_deepspeed_command_quotes_everything():
     text = plain_deepspeed_command(Placement(world_size=2, hostfile="my hosts", master_port=7),
-                                   recipe="r.yaml", run_dir="runs/x", overrides=("train.lr=1e-3",))
+                                   recipe="r.yaml", run_dir=RunDir("runs/x"),
+                                   overrides=("train.lr=1e-3",))
     assert shlex.split(text) == ["deepspeed", "--hostfile", "my hosts", "--launcher", "pdsh",
                                  "--force_multi", "--master_port", "7", "--module", "dsforge", "run", "r.yaml",
                                  "--run-dir", "runs/x", "--set", "train.lr=1e-3"]

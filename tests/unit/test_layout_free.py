@@ -15,7 +15,8 @@ from dsforge.ckpt.format import COMPLETE, FORMAT_VERSION, STATE_DIR, STATE_FILE,
 from dsforge.ckpt.names import ParamSpec, shard, unshard
 from dsforge.ckpt.reader import StateError, open_state
 from dsforge.ckpt.trust import CheckpointError, check_resumable
-from tests.unit.test_checkpoint_trust import RECIPE, _checkpoint
+from dsforge.job.run_dir import RunDir
+from tests.unit.helpers.checkpoints import RECIPE, fake_checkpoint
 
 
 def _spec(shape, dim, stride, rank, size):
@@ -109,27 +110,27 @@ def _other_layout(**changes) -> dict:
 
 
 def test_a_layout_change_needs_the_layout_free_state(tmp_path):
-    _checkpoint(tmp_path)
+    fake_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="resumes only on the layout that wrote it") as info:
-        check_resumable(tmp_path, _other_layout(parallel__tp=2), 2)
+        check_resumable(RunDir(tmp_path), _other_layout(parallel__tp=2), 2)
     assert "parallel.tp: 1 in the checkpoint, 2 now" in str(info.value)
 
 
 def test_a_layout_change_is_listed_when_the_state_is_there(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     (root / "step00000003" / STATE_DIR).mkdir()
-    record = check_resumable(tmp_path, _other_layout(parallel__tp=2, zero__stage=3), 4)
+    record = check_resumable(RunDir(tmp_path), _other_layout(parallel__tp=2, zero__stage=3), 4)
     assert record["layout_changes"] == ["parallel.tp: 1 in the checkpoint, 2 now",
                                         "zero.stage: 1 in the checkpoint, 3 now",
                                         "world size: 2 in the checkpoint, 4 now"]
-    assert check_resumable(tmp_path, RECIPE, 2)["layout_changes"] == []
+    assert check_resumable(RunDir(tmp_path), RECIPE, 2)["layout_changes"] == []
 
 
 def test_a_model_change_is_still_refused_with_the_list(tmp_path):
-    root = _checkpoint(tmp_path)
+    root = fake_checkpoint(tmp_path)
     (root / "step00000003" / STATE_DIR).mkdir()
     with pytest.raises(CheckpointError, match="model.num_layers: 2 in the checkpoint, 4 now"):
-        check_resumable(tmp_path, _other_layout(model__num_layers=4, parallel__tp=2), 2)
+        check_resumable(RunDir(tmp_path), _other_layout(model__num_layers=4, parallel__tp=2), 2)
 
 
 def test_a_new_vocabulary_padding_keeps_the_rows_and_says_so():

@@ -4,6 +4,7 @@ and how `dsforge run` passes a stop request on, waits out its grace or stops at 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from dsforge.ckpt.format import COMPLETE, LATEST
 from dsforge.ckpt.trust import tag_for
 from dsforge.job.console import MARK
 from dsforge.job.pids import write_pid
+from dsforge.job.run_dir import RunDir
 from dsforge.launch import local
 from dsforge.launch.output import JobView
 from dsforge.problems import RecipeError
@@ -190,15 +192,15 @@ _FAKE_RANKS = textwrap.dedent("""
 """)
 
 
-def _fake_job(run_dir, seconds=0.0):
+def _fake_job(run_dir: RunDir, seconds=0.0):
     """A stand-in launcher: a supervisor and its rank; the rank writes its pid file."""
     proc = subprocess.Popen([sys.executable, "-c", _FAKE_RANKS, str(run_dir), "dsforge.runtime.rank"],
                             start_new_session=True, cwd=REPO)
     deadline = time.monotonic() + 20
-    while not (run_dir / "child").exists():
+    while not (run_dir.path / "child").exists():
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    child = int((run_dir / "child").read_text())
+    child = int((run_dir.path / "child").read_text())
     import socket
     write_pid(run_dir, 0, socket.gethostname(), child)
     write_pid(run_dir, 1, socket.gethostname(), proc.pid)  # a supervisor: never signalled
@@ -208,13 +210,16 @@ def _fake_job(run_dir, seconds=0.0):
 
 
 def test_signal_ranks_reaches_only_the_jobs_supervised_ranks(tmp_path):
-    proc, child = _fake_job(tmp_path)
+    run_dir = RunDir(tmp_path)
+    proc, child = _fake_job(run_dir)
     try:
-        assert local.signal_ranks(tmp_path, proc.pid, signal.SIGUSR1) == {child}
+        assert local.signal_ranks(run_dir, proc.pid, signal.SIGUSR1) == {child}
         assert proc.wait(timeout=20) == 0
-        assert (tmp_path / "asked").read_text() == str(int(signal.SIGUSR1))
-    finally:
-        proc.kill()
+        assert (run_dir.path / "asked").read_text() == str(int(signal.SIGUSR1))
+    finally:  # its own session: the group holds the supervisor and its rank, even on failure
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _send_later(*signals, after=0.3):
@@ -230,26 +235,27 @@ def test_run_job_passes_a_stop_request_to_the_ranks_and_waits(tmp_path, capsys):
     job's own exit code comes back."""
     script = tmp_path / "launcher.py"
     script.write_text(_FAKE_RANKS)
-    (tmp_path / "run").mkdir()
-    command = [sys.executable, str(script), str(tmp_path / "run"), "dsforge.runtime.rank"]
-    helper = threading.Thread(target=_register_rank_then_stop, args=(tmp_path / "run",), daemon=True)
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.path.mkdir()
+    command = [sys.executable, str(script), str(run_dir), "dsforge.runtime.rank"]
+    helper = threading.Thread(target=_register_rank_then_stop, args=(run_dir,), daemon=True)
     helper.start()
-    code = local.run_job(command, timeout_s=60, run_dir=tmp_path / "run", stop_grace_s=30)
+    code = local.run_job(command, timeout_s=60, run_dir=run_dir, stop_grace_s=30)
     assert code == 0
-    assert (tmp_path / "run" / "asked").read_text() == str(int(signal.SIGTERM))
+    assert (run_dir.path / "asked").read_text() == str(int(signal.SIGTERM))
     assert "every rank saves a checkpoint" in capsys.readouterr().err
 
 
-def _register_rank_then_stop(run_dir):
+def _register_rank_then_stop(run_dir: RunDir):
     """Write the rank's pid file as a real rank would, then SIGTERM this process (dsforge):
     the signal is sent only once the rank can be found, however slow the machine."""
     import socket
     deadline = time.monotonic() + 30
-    while not (run_dir / "child").exists():
+    while not (run_dir.path / "child").exists():
         if time.monotonic() > deadline:
             return  # run_job's own timeout then fails the test
         time.sleep(0.02)
-    write_pid(run_dir, 0, socket.gethostname(), int((run_dir / "child").read_text()))
+    write_pid(run_dir, 0, socket.gethostname(), int((run_dir.path / "child").read_text()))
     time.sleep(0.2)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -262,7 +268,8 @@ def test_a_second_signal_or_the_end_of_the_grace_stops_the_job_at_once(tmp_path,
     signals = (signal.SIGTERM, signal.SIGTERM) if second else (signal.SIGTERM,)
     _send_later(*signals)
     started = time.monotonic()
-    code = local.run_job(command, timeout_s=60, run_dir=tmp_path, stop_grace_s=60 if second else 1)
+    code = local.run_job(command, timeout_s=60, run_dir=RunDir(tmp_path),
+                         stop_grace_s=60 if second else 1)
     assert code == 143 and time.monotonic() - started < 20
     err = capsys.readouterr().err
     assert ("SIGTERM received; stopping every rank" in err) if second else \
@@ -301,8 +308,8 @@ def test_ctrl_c_ends_srun_tasks_at_once(tmp_path):
         os.kill(os.getpid(), signal.SIGINT)
     threading.Thread(target=interrupt_once_started, daemon=True).start()
     started = time.monotonic()
-    code = local.run_job([sys.executable, str(script), str(marker)], timeout_s=60, run_dir=tmp_path,
-                         srun_ranks=2)
+    code = local.run_job([sys.executable, str(script), str(marker)], timeout_s=60,
+                         run_dir=RunDir(tmp_path), srun_ranks=2)
     assert code == 130 and marker.read_text() == "ended"
     assert time.monotonic() - started < local.GRACE_S  # ended by srun, not by the SIGKILL after
 

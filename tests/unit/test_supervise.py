@@ -12,10 +12,11 @@ import time
 import pytest
 
 from dsforge.job import failure
+from dsforge.job.run_dir import RunDir
 
 SCRIPT = """
 import os, signal, sys, time
-from pathlib import Path
+from dsforge.job.run_dir import RunDir
 from dsforge.runtime.guard.supervise import run_supervised
 how = sys.argv[2]
 def rank():
@@ -23,7 +24,7 @@ def rank():
         os._exit(3)
     os.kill(os.getpid(), getattr(signal, how))
     time.sleep(5)
-run_supervised(rank, run_dir=Path(sys.argv[1]), rank=7)
+run_supervised(rank, run_dir=RunDir(sys.argv[1]), rank=7)
 """
 
 
@@ -34,9 +35,10 @@ run_supervised(rank, run_dir=Path(sys.argv[1]), rank=7)
     ("SIGTERM", -signal.SIGTERM, False),  # DeepSpeed's launcher stopping the node's ranks
 ])
 def test_supervisor_ends_like_its_rank(tmp_path, how, code, recorded):
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), how], timeout=60)
+    run_dir = RunDir(tmp_path)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(run_dir), how], timeout=60)
     assert done.returncode == code
-    records = failure.read_all(tmp_path)
+    records = failure.read_all(run_dir)
     assert bool(records) == recorded
     if recorded:
         assert records[0].rank == 7 and records[0].kind == "killed"
@@ -49,10 +51,10 @@ def test_supervisor_ends_like_its_rank(tmp_path, how, code, recorded):
 # the first failure, not the ranks that waited for it.
 STOPPABLE = """
 import os, socket, sys, time
-from pathlib import Path
 from dsforge.job.pids import write_pid
+from dsforge.job.run_dir import RunDir
 from dsforge.runtime.guard.supervise import run_supervised
-run_dir = Path(sys.argv[1])
+run_dir = RunDir(sys.argv[1])
 def rank():
     write_pid(run_dir, 2, socket.gethostname(), os.getpid())  # as runtime/rank.py does
     time.sleep(60)
@@ -68,10 +70,9 @@ def _state(pid: int) -> str:
         return ""
 
 
-def _stopped_rank(run_dir):
+def _stopped_rank(run_dir: RunDir):
     """A supervised rank 2, stopped; heartbeats of a pp2 job's four ranks all at step 18."""
     from dsforge.job.pids import started_ranks
-    from dsforge.job.run_dir import RunDir
 
     supervisor = subprocess.Popen([sys.executable, "-c", STOPPABLE, str(run_dir)])
     deadline = time.monotonic() + 30
@@ -79,10 +80,10 @@ def _stopped_rank(run_dir):
         assert supervisor.poll() is None and time.monotonic() < deadline
         time.sleep(0.02)
     rank = int(started_ranks(run_dir)[2].split()[1])
-    beats = RunDir(run_dir).heartbeats
+    beats = run_dir.heartbeats
     beats.mkdir(exist_ok=True)
     for peer in range(4):  # in a pipeline every rank starts the step the stopped one is on
-        RunDir(run_dir).heartbeat(peer).write_text(f"18 {time.time() - 0.5:.3f}\n")
+        run_dir.heartbeat(peer).write_text(f"18 {time.time() - 0.5:.3f}\n")
     os.kill(rank, signal.SIGSTOP)
     while _state(rank) != "T":
         assert time.monotonic() < deadline
@@ -91,7 +92,7 @@ def _stopped_rank(run_dir):
     return supervisor, rank
 
 
-def _hangs(run_dir, ranks):
+def _hangs(run_dir: RunDir, ranks):
     """What the peers' watchdogs record, after the stop (runtime/guard/watchdog.py)."""
     for peer in ranks:
         failure.write(run_dir, failure.Failure(
@@ -105,9 +106,10 @@ def test_a_stopped_rank_is_the_first_failure_not_the_peers_that_waited(tmp_path,
     the stopped rank); or the stopped rank gets SIGKILL (Slurm's end of a task)."""
     from dsforge.launch.diagnose import failure_report
 
-    supervisor, rank = _stopped_rank(tmp_path)
+    run_dir = RunDir(tmp_path)
+    supervisor, rank = _stopped_rank(run_dir)
     try:
-        _hangs(tmp_path, (3, 0, 1))
+        _hangs(run_dir, (3, 0, 1))
         if end == "SIGKILL":
             os.kill(rank, signal.SIGKILL)
             expected = -signal.SIGKILL
@@ -119,9 +121,9 @@ def test_a_stopped_rank_is_the_first_failure_not_the_peers_that_waited(tmp_path,
     finally:
         _end(supervisor, rank)
     assert _state(rank) == ""
-    first = failure.first(tmp_path)
+    first = failure.first(run_dir)
     assert (first.rank, first.kind, first.step) == (2, "stopped", 18)
-    report = failure_report(tmp_path, 3, done_ranks=set())
+    report = failure_report(run_dir, 3, done_ranks=set())
     ended = "SIGKILL" if end == "SIGKILL" else "SIGTERM"
     assert ("  first failure: rank 2 was stopped at step 18: SIGSTOP from outside, never "
             f"continued (its peers waited for it); ended by {ended} ") in report, report
@@ -139,7 +141,8 @@ def _end(supervisor, rank: int) -> None:
 
 
 def test_a_stopped_rank_that_was_continued_is_not_a_stop(tmp_path):
-    supervisor, rank = _stopped_rank(tmp_path)
+    run_dir = RunDir(tmp_path)
+    supervisor, rank = _stopped_rank(run_dir)
     try:
         os.kill(rank, signal.SIGCONT)
         time.sleep(0.3)
@@ -147,4 +150,4 @@ def test_a_stopped_rank_that_was_continued_is_not_a_stop(tmp_path):
         assert supervisor.wait(timeout=20) == -signal.SIGTERM
     finally:
         _end(supervisor, rank)
-    assert failure.read_all(tmp_path) == []
+    assert failure.read_all(run_dir) == []

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dsforge.job.run_dir import RunDir
 from dsforge.launch.smoke import compare_losses
 from dsforge.recipe import RecipeError, resolve_file
 from dsforge.recipe.tiny import TINY_STEPS, reference_resolved, tiny_resolved
@@ -93,17 +94,19 @@ def test_reference_is_one_rank_with_the_same_global_batch():
     assert lay.global_batch == tiny.layout.global_batch and ref.recipe.model == tiny.recipe.model
 
 
-def _metrics(path, losses):
-    path.mkdir()
-    (path / "metrics.jsonl").write_text(
+def _metrics(path, losses) -> RunDir:
+    run_dir = RunDir(path)
+    run_dir.path.mkdir()
+    run_dir.metrics.write_text(
         "".join(json.dumps({"step": i, "loss": loss}) + "\n" for i, loss in enumerate(losses)))
+    return run_dir
 
 
 def test_loss_comparison(tmp_path):
-    _metrics(tmp_path / "run", [5.5, 5.4, 5.3])
-    _metrics(tmp_path / "same", [5.5, 5.4000001, 5.3])
-    _metrics(tmp_path / "other", [6.2, 6.1, 6.0])
-    assert compare_losses(tmp_path / "run", tmp_path / "same", "fp32").ok
-    bad = compare_losses(tmp_path / "run", tmp_path / "other", "fp32")
+    run = _metrics(tmp_path / "run", [5.5, 5.4, 5.3])
+    same = _metrics(tmp_path / "same", [5.5, 5.4000001, 5.3])
+    other = _metrics(tmp_path / "other", [6.2, 6.1, 6.0])
+    assert compare_losses(run, same, "fp32").ok
+    bad = compare_losses(run, other, "fp32")
     assert not bad.ok and "DOES NOT match" in bad.describe()
-    assert not compare_losses(tmp_path / "run", tmp_path / "missing", "bf16").ok
+    assert not compare_losses(run, RunDir(tmp_path / "missing"), "bf16").ok

@@ -71,13 +71,14 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_events_hold_the_train_and_val_scalars(tmp_path):
     pytest.importorskip("tensorboard", reason=TB_REASON)
-    tracker = open_tracker(make_recipe("tracking.tensorboard=true"), tmp_path)
+    run_dir = RunDir(tmp_path)
+    tracker = open_tracker(make_recipe("tracking.tensorboard=true"), run_dir)
     assert tracker.backends == ["tensorboard"]
     for r in RECORDS:
         tracker.log_step(r)
     tracker.log_eval(2, 2.5)
     tracker.close()
-    scalars = tensorboard_scalars(RunDir(tmp_path).tensorboard)
+    scalars = tensorboard_scalars(run_dir.tensorboard)
     assert scalars["train/loss"] == [(0, 5.0), (1, 4.0), (2, 3.0)]  # the warmup step too
     assert scalars["val/loss"] == [(2, 2.5)]
     assert scalars["train/loss_scale"] == [(1, 1024.0), (2, 2048.0)]
@@ -90,22 +91,23 @@ def test_tensorboard_events_hold_the_train_and_val_scalars(tmp_path):
 def test_tensorboard_on_resume_shows_the_steps_trained_again_once(tmp_path):
     pytest.importorskip("tensorboard", reason=TB_REASON)
     recipe = make_recipe("tracking.tensorboard=true")
-    first = open_tracker(recipe, tmp_path)
+    run_dir = RunDir(tmp_path)
+    first = open_tracker(recipe, run_dir)
     for step in range(4):  # a checkpoint after step 1, then a crash after step 3
         first.log_step(record(step, 10.0 + step))
     first.close()
-    again = open_tracker(recipe, tmp_path, resumed_at=2)
+    again = open_tracker(recipe, run_dir, resumed_at=2)
     for step in range(2, 5):
         again.log_step(record(step, 20.0 + step))
     again.close()
-    assert tensorboard_scalars(RunDir(tmp_path).tensorboard)["train/loss"] == [
+    assert tensorboard_scalars(run_dir.tensorboard)["train/loss"] == [
         (0, 10.0), (1, 11.0), (2, 22.0), (3, 23.0), (4, 24.0)]
 
 
 def test_a_backend_that_cannot_open_is_told_and_training_goes_on(tmp_path):
     pytest.importorskip("tensorboard", reason=TB_REASON)
-    run_dir = tmp_path / "not-a-directory"
-    run_dir.write_text("")
+    run_dir = RunDir(tmp_path / "not-a-directory")
+    run_dir.path.write_text("")
     told = []
     tracker = open_tracker(make_recipe("tracking.tensorboard=true"), run_dir, warn=told.append)
     assert tracker.backends == [] and len(told) == 1
@@ -136,7 +138,7 @@ def test_a_failing_backend_is_told_once_switched_off_and_released(tmp_path):
     full = FakeBackend("tensorboard", OSError(28, "No space left on device"))
     fine = FakeBackend("wandb")
     told = []
-    tracker = Tracker([full, fine], run_dir=tmp_path, warn=told.append)
+    tracker = Tracker([full, fine], run_dir=RunDir(tmp_path), warn=told.append)
     for r in RECORDS:
         tracker.log_step(r)
     tracker.log_eval(2, 2.5)
@@ -157,7 +159,7 @@ def test_a_failure_while_closing_is_told_and_the_other_backend_still_closes(tmp_
 
     other = FakeBackend("tensorboard")
     told = []
-    Tracker([CloseFails("wandb"), other], run_dir=tmp_path, warn=told.append).close()
+    Tracker([CloseFails("wandb"), other], run_dir=RunDir(tmp_path), warn=told.append).close()
     assert len(told) == 1 and "wandb failed while closing it" in told[0]
     assert other.closed == 1
 
@@ -167,13 +169,12 @@ def test_a_failure_while_closing_is_told_and_the_other_backend_still_closes(tmp_
 # A StepRecord's fields without importing metrics.py, which imports torch (seconds).
 NO_OP_SCRIPT = """
 import json, sys
-from pathlib import Path
 from types import SimpleNamespace
 from dsforge.job.run_dir import RunDir
 from dsforge.runtime.loop.tracking import open_tracker
 from tests.conftest import make_recipe
 
-tracker = open_tracker(make_recipe(), Path(sys.argv[1]))
+tracker = open_tracker(make_recipe(), RunDir(sys.argv[1]))
 tracker.log_step(SimpleNamespace(step=0, warmup=True, loss=1.0, grad_norm=None, lr=0.1,
                                  step_time_s=1.0, tokens_per_s=1.0, tokens_per_s_per_gpu=1.0,
                                  tflops_per_gpu=0.0, mfu=None, hfu=None, peak_memory_bytes=1,
@@ -298,10 +299,10 @@ def wandb_records(path: Path):
             chunks = []
 
 
-def read_offline_run(run_dir: Path) -> dict:
+def read_offline_run(run_dir: RunDir) -> dict:
     """Each offline run's id, config, history rows and final summary, in start order."""
     runs = []
-    for log in sorted(RunDir(run_dir).wandb.glob("offline-run-*/run-*.wandb")):
+    for log in sorted(run_dir.wandb.glob("offline-run-*/run-*.wandb")):
         run = {"history": [], "summary": {}, "metrics": {}}
         for r in wandb_records(log):
             kind = r.WhichOneof("record_type")
@@ -325,8 +326,8 @@ def _key(item) -> str:
 def test_wandb_offline_run_holds_the_logged_values_and_leaves_no_process(wandb_sandbox, tmp_path):
     recipe = make_recipe("tracking.wandb=true", "tracking.wandb_mode=offline",
                          "tracking.wandb_project=tests")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.path.mkdir()
     before = live_children()
     tracker = open_tracker(recipe, run_dir, warn=pytest.fail)
     assert tracker.backends == ["wandb"] and os.environ["WANDB_ERROR_REPORTING"] == "false"
@@ -339,7 +340,7 @@ def test_wandb_offline_run_holds_the_logged_values_and_leaves_no_process(wandb_s
     assert_no_new_children(before)
 
     [run] = read_offline_run(run_dir)
-    assert run["id"] == (RunDir(run_dir).wandb / WANDB_ID_FILE).read_text().strip()
+    assert run["id"] == (run_dir.wandb / WANDB_ID_FILE).read_text().strip()
     assert (run["project"], run["name"]) == ("tests", recipe.name)
     assert run["config"]["train"]["seq_len"] == recipe.train.seq_len
     assert run["metrics"]["*"] == "step"  # every chart's x axis is the training step
@@ -351,15 +352,16 @@ def test_wandb_offline_run_holds_the_logged_values_and_leaves_no_process(wandb_s
 
 def test_wandb_resumed_run_continues_the_same_run(wandb_sandbox, tmp_path):
     recipe = make_recipe("tracking.wandb=true", "tracking.wandb_mode=offline")
+    run_dir = RunDir(tmp_path)
     before = live_children()
-    first = open_tracker(recipe, tmp_path, warn=pytest.fail)
+    first = open_tracker(recipe, run_dir, warn=pytest.fail)
     first.log_step(RECORDS[0])
     first.close()
-    again = open_tracker(recipe, tmp_path, resumed_at=1, warn=pytest.fail)
+    again = open_tracker(recipe, run_dir, resumed_at=1, warn=pytest.fail)
     again.log_step(RECORDS[1])
     again.close()
     assert_no_new_children(before)
-    runs = read_offline_run(tmp_path)
+    runs = read_offline_run(run_dir)
     assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"]  # `wandb sync` uploads both, in order
     assert [row["step"] for run in runs for row in run["history"]] == [0, 1]
 
@@ -371,7 +373,7 @@ def test_wandb_online_without_a_login_is_told_and_leaves_nothing(wandb_sandbox, 
     before = live_children()
     told = []
     tracker = open_tracker(make_recipe("tracking.wandb=true", "tracking.wandb_mode=online"),
-                           tmp_path, warn=told.append)
+                           RunDir(tmp_path), warn=told.append)
     assert tracker.backends == [] and len(told) == 1
     assert "wandb failed while opening it" in told[0] and "metrics.jsonl" in told[0]
     tracker.log_step(RECORDS[0])
@@ -388,7 +390,7 @@ from dsforge.runtime.loop.tracking import open_tracker
 from tests.conftest import make_recipe
 
 told = []
-tracker = open_tracker(make_recipe("tracking.wandb=true"), Path(sys.argv[1]), warn=told.append)
+tracker = open_tracker(make_recipe("tracking.wandb=true"), RunDir(sys.argv[1]), warn=told.append)
 tracker.close()
 Path(sys.argv[2]).write_text(json.dumps({"backends": tracker.backends, "told": told}))
 """

@@ -1,12 +1,15 @@
 """A rank's failure record made from its exception (the record itself is job/failure.py's).
 
 An out-of-memory gets the memory measured right then; a failed build of a DeepSpeed op, a
-Triton kernel or torch.compile graph its cause and fix (runtime/guard/build_failure.py).
+Triton kernel or torch.compile graph its cause and fix (runtime/guard/build_failure.py); a
+failed collective or a CUDA error its own kind, which `dsforge run --max-restarts` retries
+(launch/restart.py).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import traceback
 
 from dsforge.job.failure import Failure
@@ -31,7 +34,36 @@ def record_for(exc: BaseException, *, rank: int, step: int, detail: str) -> Fail
     if built is not None:
         return Failure(rank=rank, step=step, kind="build", message=message, detail=detail,
                        what=built.what, cause=built.cause, fix=built.fix)
-    return Failure(rank=rank, step=step, kind="exception", message=message, detail=detail)
+    return Failure(rank=rank, step=step, kind=_passing_kind(exc) or "exception", message=message,
+                   detail=detail)
+
+
+# What a collective's failure says when torch raises it as a plain RuntimeError: gloo's
+# transport and NCCL's watchdog name themselves, a lost peer's socket is closed or reset.
+_COLLECTIVE_TEXT = re.compile(r"NCCL|gloo|Connection (closed|reset) by peer|Broken pipe|"
+                              r"ProcessGroup|TCPStore|Socket Timeout|Timed out waiting")
+_DEVICE_TEXT = re.compile(r"CUDA error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|ECC error")
+
+
+def _passing_kind(exc: BaseException) -> str | None:
+    """"collective" or "device" when `exc`, or an exception it was raised from, is a failed
+    collective or a CUDA error; None for any other exception (a bug or a bad input, which
+    running again would only repeat)."""
+    import torch
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if isinstance(current, torch.distributed.DistError) or \
+                (isinstance(current, RuntimeError) and _COLLECTIVE_TEXT.search(text)):
+            return "collective"
+        if isinstance(current, torch.AcceleratorError) or \
+                (isinstance(current, RuntimeError) and _DEVICE_TEXT.search(text)):
+            return "device"
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _exception_line(exc: BaseException) -> str:

@@ -23,10 +23,10 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 from dsforge.job import failure
+from dsforge.job.run_dir import RunDir
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 STOP_REQUESTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -38,7 +38,7 @@ FAILURES = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signa
 _PR_SET_PDEATHSIG = 1
 
 
-def run_supervised(run: Callable[[], None], *, run_dir: Path, rank: int,
+def run_supervised(run: Callable[[], None], *, run_dir: RunDir, rank: int,
                    forward: bool = True) -> None:
     """Run `run` (which never returns) in a forked child and end as it ends. `forward`:
     pass FORWARDED signals on to the child; else only survive them (the child gets its own)."""
@@ -114,7 +114,7 @@ class _Child:
             return status
 
 
-def _record_kill(run_dir: Path, rank: int, signum: int) -> None:
+def _record_kill(run_dir: RunDir, rank: int, signum: int) -> None:
     """A failure record, unless the rank wrote its own before dying (then that one is right)."""
     if any(f.rank == rank for f in failure.read_all(run_dir)):
         return
@@ -127,7 +127,7 @@ def _record_kill(run_dir: Path, rank: int, signum: int) -> None:
                                            message=f"killed by {name}{hint}"))
 
 
-def _record_stop(run_dir: Path, rank: int, stop: tuple[int, float], *, ended_by: int) -> None:
+def _record_stop(run_dir: RunDir, rank: int, stop: tuple[int, float], *, ended_by: int) -> None:
     """A rank that ended while stopped from outside (SIGSTOP, SIGTSTP) did nothing since: its
     peers waited for it in their next collective until their watchdogs ended them. The record
     carries the moment it stopped, before any of theirs (job/failure.py puts it first)."""

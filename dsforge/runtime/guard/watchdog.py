@@ -14,10 +14,10 @@ import tempfile
 import threading
 import time
 import traceback
-from pathlib import Path
 
 from dsforge.job import failure
 from dsforge.job.console import RankConsole
+from dsforge.job.run_dir import RunDir
 
 # The other ranks are usually stuck too (waiting for this one): give their watchdogs time to
 # record their stacks before this exit makes the launcher kill them.
@@ -26,7 +26,7 @@ EXIT_CODE = 3
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float, rank: int, *, run_dir: Path, console: RankConsole):
+    def __init__(self, timeout_s: float, rank: int, *, run_dir: RunDir, console: RankConsole):
         self.timeout_s, self.rank, self.run_dir, self.console = timeout_s, rank, run_dir, console
         self.step, self.deadline = -1, None
         self._lock = threading.Lock()

@@ -43,8 +43,8 @@ def record(bad: BadStep, ranks: list[int], data: dict) -> dict:
             "ranks": ranks, "data": data}
 
 
-def append_record(run_dir: Path, line: dict) -> None:
-    with RunDir(run_dir).anomalies.open("a") as f:
+def append_record(run_dir: RunDir, line: dict) -> None:
+    with run_dir.anomalies.open("a") as f:
         f.write(json.dumps(line) + "\n")
 
 
@@ -83,7 +83,7 @@ def data_text(data: dict) -> str:
     return "; ".join(parts)
 
 
-def report_halt(halted: Halted, *, run_dir: Path, skipped_updates: int, fp16: bool,
+def report_halt(halted: Halted, *, run_dir: RunDir, skipped_updates: int, fp16: bool,
                 say) -> None:
     """Rank 0's report, said and kept as the failure record of kind "nonfinite"."""
     lines = report_lines(halted, run_dir=run_dir, skipped_updates=skipped_updates, fp16=fp16)
@@ -93,7 +93,7 @@ def report_halt(halted: Halted, *, run_dir: Path, skipped_updates: int, fp16: bo
                                            message=halted.what, detail="\n".join(lines)))
 
 
-def report_lines(halted: Halted, *, run_dir: Path, skipped_updates: int,
+def report_lines(halted: Halted, *, run_dir: RunDir, skipped_updates: int,
                  fp16: bool) -> list[str]:
     """Rank 0's report of a run that stopped because its training went bad."""
     why = "non-finite gradients and the loss scaler's overflows" if fp16 else \
@@ -104,7 +104,7 @@ def report_lines(halted: Halted, *, run_dir: Path, skipped_updates: int,
              f"of this run ({why})"]
     if halted.data is not None:
         lines.append(f"  {data_text(halted.data)}")
-    root = RunDir(run_dir).checkpoints
+    root = run_dir.checkpoints
     try:
         latest = latest_complete(root)
     except CheckpointError as exc:
@@ -129,17 +129,17 @@ def _checkpoint_text(root: Path, latest: dict | None, halted: Halted) -> str:
     return text
 
 
-def _way_forward(halted: Halted, run_dir: Path, resumable: bool) -> str:
+def _way_forward(halted: Halted, run_dir: RunDir, resumable: bool) -> str:
     if halted.in_a_row > 1:  # skipping did not help: the weights themselves are likely bad
         back = (f"go back to an earlier checkpoint (write its tag into "
-                f"{RunDir(run_dir).checkpoints / 'latest'}) or " if resumable else "")
+                f"{run_dir.checkpoints / 'latest'}) or " if resumable else "")
         return (f"the run has likely diverged: {back}start a new run with a lower train.lr or "
                 "train.grad_clip")
     if not resumable:
         change = {"spike": "train.on_spike: report", "weights": "a lower train.lr"}.get(
             halted.kind, "train.on_nonfinite: skip, or a lower train.lr or train.grad_clip")
         return f"to go on: start a new run with {change}"
-    resume = ["dsforge", "run", str(RunDir(run_dir).recipe), "--resume", "--run-dir", str(run_dir)]
+    resume = ["dsforge", "run", str(run_dir.recipe), "--resume", "--run-dir", str(run_dir)]
     if halted.kind == "spike":
         return ("to go on past it: " + shlex.join(resume + ["--set", "train.on_spike=report"])
                 + "; or start a new run without the spike's data")

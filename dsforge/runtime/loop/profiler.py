@@ -23,11 +23,11 @@ from dsforge.files import fsync_directory
 from dsforge.job.run_dir import RunDir
 
 
-def trace_path(run_dir: Path, first: int, last: int) -> Path:
-    return RunDir(run_dir).profile / f"rank0-steps{first}-{last}.pt.trace.json.gz"
+def trace_path(run_dir: RunDir, first: int, last: int) -> Path:
+    return run_dir.profile / f"rank0-steps{first}-{last}.pt.trace.json.gz"
 
 
-def open_profiler(steps: tuple[int, int] | None, *, run_dir: Path, start_step: int,
+def open_profiler(steps: tuple[int, int] | None, *, run_dir: RunDir, start_step: int,
                   device: torch.device, say: Callable[[str], None]) -> "StepProfiler | None":
     """The profiler of this rank: None unless it is rank 0 and the run trains a traced step."""
     if steps is None or torch.distributed.get_rank() != 0:
@@ -44,7 +44,7 @@ def open_profiler(steps: tuple[int, int] | None, *, run_dir: Path, start_step: i
 class StepProfiler:
     """`with profiler.step(n): <train step n>` for every step of the run."""
 
-    def __init__(self, first: int, last: int, *, start_step: int, run_dir: Path,
+    def __init__(self, first: int, last: int, *, start_step: int, run_dir: RunDir,
                  device: torch.device, say: Callable[[str], None]):
         self.first, self.last, self.run_dir, self.say = first, last, run_dir, say
         self._warmup = 1 if first > start_step else 0

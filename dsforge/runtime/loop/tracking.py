@@ -60,7 +60,7 @@ def step_scalars(record: StepRecord) -> Scalars:
 class Tracker:
     """Sends steps and validation losses to its backends; with none it does nothing."""
 
-    def __init__(self, backends: list[Backend], *, run_dir: Path, warn: Warn):
+    def __init__(self, backends: list[Backend], *, run_dir: RunDir, warn: Warn):
         self._backends = list(backends)
         self._run_dir, self._warn = run_dir, warn
 
@@ -100,15 +100,15 @@ class Tracker:
             backend.close()
 
 
-def failure_text(name: str, doing: str, exc: BaseException, run_dir: Path) -> str:
+def failure_text(name: str, doing: str, exc: BaseException, run_dir: RunDir) -> str:
     hint = f" (pip install 'dsforge[{name}]')" if isinstance(exc, ImportError) else ""
     detail = str(exc).rstrip(". ")
     return (f"tracking: {name} failed while {doing}: {type(exc).__name__}: {detail}{hint}. "
             f"{name} is off for the rest of this run; training goes on and "
-            f"{RunDir(run_dir).metrics} still has every step")
+            f"{run_dir.metrics} still has every step")
 
 
-def open_tracker(recipe, run_dir: Path, *, resumed_at: int | None = None,
+def open_tracker(recipe, run_dir: RunDir, *, resumed_at: int | None = None,
                  warn: Warn | None = None) -> Tracker:
     """The tracker recipe.tracking asks for, writing under run_dir.
 
@@ -120,7 +120,7 @@ def open_tracker(recipe, run_dir: Path, *, resumed_at: int | None = None,
     tracking = recipe.tracking
     openers: list[tuple[str, Callable[[], Backend]]] = []
     if tracking.tensorboard:
-        openers.append(("tensorboard", lambda: TensorBoardBackend(RunDir(run_dir).tensorboard,
+        openers.append(("tensorboard", lambda: TensorBoardBackend(run_dir.tensorboard,
                                                                   resumed_at=resumed_at)))
     if tracking.wandb:
         openers.append(("wandb", lambda: WandbBackend.open(recipe, run_dir, resumed_at=resumed_at,
@@ -163,7 +163,7 @@ class WandbBackend:
         self._run, self._wandb = run, wandb
 
     @classmethod
-    def open(cls, recipe, run_dir: Path, *, resumed_at: int | None, warn: Warn) -> WandbBackend:
+    def open(cls, recipe, run_dir: RunDir, *, resumed_at: int | None, warn: Warn) -> WandbBackend:
         tracking = recipe.tracking
         if tracking.wandb_mode == "offline":
             _no_error_reports()
@@ -196,12 +196,12 @@ class WandbBackend:
             self._wandb.teardown()
 
 
-def _wandb_init(wandb: Any, recipe, run_dir: Path, resumed_at: int | None) -> Any:
+def _wandb_init(wandb: Any, recipe, run_dir: RunDir, resumed_at: int | None) -> Any:
     tracking = recipe.tracking
     return wandb.init(project=tracking.wandb_project, entity=tracking.wandb_entity,
                       mode=tracking.wandb_mode, dir=str(run_dir), name=recipe.name,
                       config=dataclasses.asdict(recipe), resume="allow",
-                      id=_wandb_run_id(RunDir(run_dir).wandb, resumed_at),
+                      id=_wandb_run_id(run_dir.wandb, resumed_at),
                       # console="off": the rank's stdout carries dsforge's marked lines, which
                       # W&B's capture would wrap.
                       settings=wandb.Settings(console="off"))

@@ -8,7 +8,6 @@ import json
 import os
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -42,14 +41,16 @@ from dsforge.units import MiB
 
 
 class Trainer:
-    def __init__(self, resolved: Resolved, *, device: torch.device, backend: str, run_dir: Path,
+    def __init__(self, resolved: Resolved, *, device: torch.device, backend: str, run_dir: RunDir,
                  collective_timeout_s: float, resume: bool = False, census: bool = False,
-                 console: RankConsole | None = None, startup: StartupClock | None = None):
+                 console: RankConsole | None = None, startup: StartupClock | None = None,
+                 restarts: list[dict] | None = None):
         # Without a clock from runtime/rank.py (the distributed tests' worker), start-up is
         # counted from here.
         self.startup = startup or StartupClock()
         self.resolved, self.device, self.run_dir = resolved, device, run_dir
         self.census = census  # take the live-tensor censuses (dsforge bench)
+        self.restarts = restarts or []  # the job's restarts before this attempt (summary.json)
         self.censuses: dict[str, dict[str, int]] = {}  # point of the step -> live tensor bytes
         self.console = console or RankConsole(marked=False)
         recipe = resolved.recipe
@@ -86,7 +87,7 @@ class Trainer:
                                       say=self.console.say)
         self.reporter = self._is_reporter()
         self._adds_loss = self._adds_to_mean_loss()
-        self.metrics = MetricsWriter(RunDir(run_dir).metrics) if self.reporter else None
+        self.metrics = MetricsWriter(run_dir.metrics) if self.reporter else None
         if self.reporter and resume:
             self.metrics.keep_steps_before(self.start_step)
         self.tracker = open_tracker(recipe, run_dir, resumed_at=self.start_step if resume else None,
@@ -97,7 +98,7 @@ class Trainer:
             self.console.say(f"dsforge: {self.startup.line()}")
 
     def _resume(self) -> int:
-        root = RunDir(self.run_dir).checkpoints
+        root = self.run_dir.checkpoints
         record = latest_complete(root)
         if record is None:
             raise CheckpointError(f"no complete checkpoint under {root}")
@@ -118,7 +119,7 @@ class Trainer:
         """The checkpoint of `steps_done` steps; whether it was written. Not right after a bad
         step (its update was dropped: a resume must not start inside a run of bad steps), and
         not when a weight on some rank is not finite (the run then stops: `halted`)."""
-        root = RunDir(self.run_dir).checkpoints
+        root = self.run_dir.checkpoints
         rank = torch.distributed.get_rank()
         if self.last_step_bad:
             if rank == 0:
@@ -331,7 +332,7 @@ class Trainer:
         manifest = environment_manifest(self.device, asdict(self.resolved.layout), used)
         if self.resumed is not None:  # the checkpoint continued and the recipe's changes
             manifest["resumed"] = self.resumed
-        write_atomic(RunDir(self.run_dir).manifest, json.dumps(manifest, indent=2) + "\n")
+        write_atomic(self.run_dir.manifest, json.dumps(manifest, indent=2) + "\n")
 
     def finish(self, closing_line: bool = True) -> None:
         """The rank's summary and, on the reporting rank, the run's; rank 0's report when the
@@ -356,8 +357,9 @@ class Trainer:
 
     def _write_summary(self) -> dict:
         """RUN_DIR/summary.json: the run's medians (metrics.py) and its start-up."""
-        summary = {**self.metrics.summary(), "startup_s": self.startup.phases}
-        write_atomic(RunDir(self.run_dir).summary, json.dumps(summary, indent=2) + "\n")
+        summary = {**self.metrics.summary(), "startup_s": self.startup.phases,
+                   "restarts": len(self.restarts), "restart_causes": self.restarts}
+        write_atomic(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
         return summary
 
     def _write_rank_summary(self) -> None:
@@ -377,7 +379,7 @@ class Trainer:
                    "breakdown_s": median_breakdown(r.phases for r in readings),
                    "tensor_bytes": self._tensor_census(),
                    **{f"tensor_bytes_{point}": census for point, census in self.censuses.items()}}
-        path = RunDir(self.run_dir).rank_summary(summary["rank"])
+        path = self.run_dir.rank_summary(summary["rank"])
         path.parent.mkdir(exist_ok=True)
         write_atomic(path, json.dumps(summary) + "\n")
 
@@ -480,7 +482,7 @@ def save_and_prune(trainer: Trainer, steps_done: int, fault=None) -> bool:
     if keep_last and torch.distributed.get_rank() == 0:
         from dsforge.ckpt.retention import prune
 
-        prune(RunDir(trainer.run_dir).checkpoints, keep_last,
+        prune(trainer.run_dir.checkpoints, keep_last,
               warn=lambda text: trainer.console.say(f"dsforge: warning: {text}"))
     return True
 

@@ -1,0 +1,194 @@
+"""`dsforge run --max-restarts N`: a job that loses a rank comes back by itself.
+
+When the job ends badly, `decide` reads the failure records its ranks wrote (job/failure.py)
+and says whether starting it again can help. Retried, as passing faults of the machines: a rank
+killed by a signal or lost without a word (its host or supervisor gone), a rank stopped from
+outside, a hang its watchdog ended, a failed collective (NCCL, gloo, the rendezvous store), a
+CUDA error. Not retried, because running again repeats them or because somebody asked for the
+end: a refusal (nothing started), an exception in the code or the recipe, a failed build, an
+out-of-memory, training that went bad (non-finite), a stop asked for (Ctrl-C, SIGTERM, SIGUSR1,
+SIGHUP: a preemption still ends with 75 for the scheduler's requeue), `--timeout`, and the same
+failure at the same step as an earlier attempt's.
+
+A restart sets the failed attempt's records aside (RUN_DIR/attempts/N: its failures, heartbeats
+and pid files, so the next attempt's are its own) and starts the same job word again with
+`resume` from the newest complete checkpoint, exactly as `--resume` would (same layout: the
+losses equal an uninterrupted run's), or from the start in the same run directory when no
+checkpoint was complete (then everything the attempt wrote moves aside). The job word keeps its
+`started_at`, so train.time_limit counts from the first start, and this process keeps the run
+directory's lock throughout. Before each restart the caller checks again that the job fits
+(`recheck`): a machine that lost a GPU, or a host the preflight cannot reach, refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from dsforge.job import failure
+from dsforge.job.failure import Failure
+from dsforge.job.heartbeat import read_all as read_heartbeats
+from dsforge.job.pids import started_ranks
+from dsforge.job.run_dir import RunDir
+from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
+from dsforge.job.word import JobSpec
+from dsforge.launch.refusal import BadOptions, Refused
+
+Say = Callable[[str], None]
+
+# Kinds of failure record a restart can get past.
+RETRIED = ("killed", "stopped", "hang", "collective", "device")
+# Why the others are not retried: said when a job with restarts left ends on one.
+NOT_RETRIED = {
+    "exception": "an exception repeats when the same code runs on the same data",
+    "build": "a failed build repeats until its cause is fixed",
+    "oom": "an out-of-memory repeats at the same sizes; the report above lists what fits",
+    "nonfinite": "the training itself went bad; the same checkpoint and data would repeat it",
+}
+# Exit codes of `dsforge run` that mean a stop somebody asked for (launch/local.run_job).
+_ASKED = {130: "interrupted (Ctrl-C)", 129: "SIGHUP received", 138: "SIGUSR1 received",
+          143: "SIGTERM received", EXIT_RESUMABLE: "the ranks stopped with a checkpoint on request "
+          "(a signal or train.time_limit): resume it, or let the scheduler requeue it",
+          EXIT_NONFINITE: NOT_RETRIED["nonfinite"], 124: "the job ran past --timeout"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    retry: bool
+    why: str  # the cause (retry) or why not (no retry)
+    cause: Failure | None = None
+
+
+def decide(code: int, run_dir: RunDir, earlier: list[dict]) -> Verdict:
+    """Whether the attempt that ended with `code` is worth starting again, after the `earlier`
+    restarts (their records, as `restart_record` made them)."""
+    if code in _ASKED:
+        return Verdict(False, _ASKED[code])
+    cause = failure.first(run_dir) or _lost_without_a_word(run_dir)
+    if cause is None:
+        return Verdict(False, f"no rank started (exit code {code}); the launcher's error is in "
+                              f"{run_dir.job_log}")
+    if cause.kind not in RETRIED:
+        return Verdict(False, NOT_RETRIED.get(cause.kind, f"a failure of kind {cause.kind}"), cause)
+    if any((r["kind"], r["step"], r["message"]) == (cause.kind, cause.step, cause.message)
+           for r in earlier):
+        return Verdict(False, f"the same failure came back at step {cause.step} "
+                              f"({cause.message}): not a passing fault", cause)
+    return Verdict(True, cause.headline(), cause)
+
+
+def _lost_without_a_word(run_dir: RunDir) -> Failure | None:
+    """A rank that started, did not finish and left no record: its host, or its supervisor
+    with it, is gone (a supervisor records its rank's death, runtime/guard/supervise.py). None
+    when no rank started, or every one that did finished."""
+    started = started_ranks(run_dir)
+    finished = {rank for rank in started if run_dir.rank_summary(rank).exists()}
+    silent = sorted(set(started) - finished)
+    if not silent:
+        return None
+    beats = read_heartbeats(run_dir)
+    rank, host = silent[0], started[silent[0]].split()[0]
+    return Failure(rank=rank, step=beats[rank][0] if rank in beats else -1, kind="killed",
+                   message=f"ended on {host} without a record (its host or its supervisor is "
+                           "gone)")
+
+
+def restart_record(attempt: int, cause: Failure, resumed_after: int | None) -> dict:
+    """One restart as the job word and summary.json keep it."""
+    return {"attempt": attempt, "kind": cause.kind, "cause": cause.headline(),
+            "message": cause.message, "step": cause.step, "resumed_after_step": resumed_after,
+            "time": time.time()}
+
+
+def set_aside(run_dir: RunDir, attempt: int, *, from_start: bool) -> RunDir:
+    """Move what attempt `attempt` left that the next one must not read into attempts/N:
+    failure records, heartbeats and pid files; with `from_start`, everything it wrote (its
+    metrics, manifest, trackers' files, incomplete checkpoints) but the job log, which every
+    attempt appends to, and the recipe."""
+    kept = run_dir.attempt(attempt)
+    kept.path.mkdir(parents=True, exist_ok=False)
+    moved = [run_dir.failures, run_dir.heartbeats, run_dir.ranks]
+    if from_start:
+        stay = {run_dir.job_log, run_dir.recipe, run_dir.attempts}
+        moved = [p for p in run_dir.path.iterdir() if p not in stay]
+    for path in moved:
+        if path.exists():
+            os.replace(path, kept.path / path.name)
+    return kept
+
+
+def newest_complete_step(run_dir: RunDir) -> int | None:
+    """The step the newest complete checkpoint follows, or None without one. Raises
+    CheckpointError when `latest` is damaged or untrustworthy (ckpt/trust.py)."""
+    from dsforge.ckpt.trust import latest_complete
+
+    record = latest_complete(run_dir.checkpoints)
+    return None if record is None else record["step"]
+
+
+Start = Callable[[], int]  # runs one attempt of the job, returns its exit code
+
+
+def run_with_restarts(job: JobSpec, first: Start, *, max_restarts: int,
+                      prepare: Callable[[JobSpec], Start], say: Say) -> int:
+    """Run the `first` attempt of `job`; after a failure worth retrying, start it again from
+    its newest complete checkpoint, up to `max_restarts` times. `prepare(job)` checks that the
+    job still fits (raising Refused or BadOptions when it does not) and gives its start.
+    Returns the last attempt's exit code."""
+    from dsforge.ckpt.trust import CheckpointError
+
+    restarts: list[dict] = []
+    go = first
+    while True:
+        code = go()
+        if code == 0 or max_restarts == 0:
+            _said_done(code, restarts, job.directory, say)
+            return code
+        verdict = decide(code, job.directory, restarts)
+        if verdict.retry and len(restarts) == max_restarts:
+            verdict = Verdict(False, f"--max-restarts {max_restarts} is used up; the last "
+                                     "failure is the one reported above")
+        if not verdict.retry:
+            say(f"dsforge: not restarted: {verdict.why}")
+            return code
+        try:
+            job, go = _restarted(job, verdict.cause, restarts, max_restarts, prepare, say)
+        except (Refused, BadOptions, CheckpointError) as exc:
+            say(f"dsforge: not restarted: {_refusal_text(exc)}")
+            return code
+        except KeyboardInterrupt:  # between two attempts: nothing of the job runs
+            say("dsforge: interrupted before the restart")
+            return 130
+
+
+def _restarted(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts: int,
+               prepare: Callable[[JobSpec], Start], say: Say) -> tuple[JobSpec, Start]:
+    """The next attempt of `job` and its start, once `prepare` found that it fits; the failed
+    attempt's records set aside and the restart appended to `restarts`."""
+    attempt = len(restarts) + 1
+    after = newest_complete_step(job.directory)
+    record = restart_record(attempt, cause, after)
+    following = dataclasses.replace(job, resume=after is not None, restarts=[*restarts, record],
+                                    launched_at=time.time())
+    go = prepare(following)
+    kept = set_aside(job.directory, attempt, from_start=after is None)
+    restarts.append(record)
+    where = "from the start" if after is None else f"from the checkpoint after step {after}"
+    say(f"dsforge: restarting ({attempt} of {max_restarts}) {where}; the failed attempt's "
+        f"records are in {kept}")
+    return following, go
+
+
+def _said_done(code: int, restarts: list[dict], run_dir: RunDir, say: Say) -> None:
+    if code == 0 and restarts:
+        say(f"dsforge: finished after {len(restarts)} restart{'s' if len(restarts) > 1 else ''} "
+            f"(each cause in {run_dir.summary}, restart_causes)")
+
+
+def _refusal_text(exc: Exception) -> str:
+    if isinstance(exc, Refused):
+        return f"{exc.source}: " + "; ".join(str(p) for p in exc.problems)
+    return str(exc)

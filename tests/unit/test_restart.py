@@ -1,0 +1,271 @@
+"""`dsforge run --max-restarts` (launch/restart.py): what is retried and what is not, what a
+restart sets aside, and the loop's budget, refusals and job word. The whole job killed and
+brought back: tests/distributed/test_restarts.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from dsforge.job import failure
+from dsforge.job.failure import Failure
+from dsforge.job.heartbeat import Heartbeat
+from dsforge.job.pids import write_pid
+from dsforge.job.run_dir import RunDir
+from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
+from dsforge.job.word import JobSpec
+from dsforge.launch.refusal import Refused
+from dsforge.launch.restart import decide, run_with_restarts, set_aside
+from dsforge.problems import Problem
+from dsforge.runtime.guard.record import record_for
+from tests.unit.helpers.checkpoints import fake_checkpoint
+
+
+def _record(run_dir: RunDir, kind: str, *, rank: int = 1, step: int = 5,
+            message: str = "boom") -> None:
+    failure.write(run_dir, Failure(rank=rank, step=step, kind=kind, message=message))
+
+
+@pytest.mark.parametrize("kind", ["killed", "stopped", "hang", "collective", "device"])
+def test_passing_faults_are_retried(tmp_path, kind):
+    run_dir = RunDir(tmp_path)
+    _record(run_dir, kind)
+    verdict = decide(1, run_dir, earlier=[])
+    assert verdict.retry and verdict.cause.kind == kind
+
+
+@pytest.mark.parametrize("kind, why", [("exception", "repeats"), ("build", "build"),
+                                       ("oom", "out-of-memory"), ("nonfinite", "went bad")])
+def test_faults_that_would_repeat_are_not_retried(tmp_path, kind, why):
+    run_dir = RunDir(tmp_path)
+    _record(run_dir, kind)
+    verdict = decide(1, run_dir, earlier=[])
+    assert not verdict.retry and why in verdict.why
+
+
+@pytest.mark.parametrize("code, why", [(130, "Ctrl-C"), (143, "SIGTERM"), (129, "SIGHUP"),
+                                       (EXIT_RESUMABLE, "requeue"), (EXIT_NONFINITE, "went bad"),
+                                       (124, "--timeout")])
+def test_stops_somebody_asked_for_are_not_retried(tmp_path, code, why):
+    run_dir = RunDir(tmp_path)
+    _record(run_dir, "killed")  # e.g. what a peer recorded while the job was stopped
+    verdict = decide(code, run_dir, earlier=[])
+    assert not verdict.retry and why in verdict.why
+
+
+def test_the_same_failure_at_the_same_step_twice_is_not_retried(tmp_path):
+    run_dir = RunDir(tmp_path)
+    _record(run_dir, "device", step=7, message="CUDA error: an illegal memory access")
+    earlier = [{"kind": "device", "step": 7, "message": "CUDA error: an illegal memory access"}]
+    verdict = decide(1, run_dir, earlier)
+    assert not verdict.retry and "same failure came back at step 7" in verdict.why
+    elsewhere = [{**earlier[0], "step": 3}]
+    assert decide(1, run_dir, elsewhere).retry
+
+
+def test_a_rank_gone_without_a_record_is_retried_and_no_rank_started_is_not(tmp_path):
+    run_dir = RunDir(tmp_path)
+    assert not decide(1, run_dir, []).retry  # the launcher failed before any rank
+    for rank in (0, 1):
+        write_pid(run_dir, rank, "node7", 100 + rank)
+    run_dir.rank_summary(0).write_text("{}")  # rank 0 finished; rank 1 left nothing
+    heartbeat = Heartbeat(run_dir, 1)
+    heartbeat.beat(4)
+    heartbeat.flush()
+    verdict = decide(1, run_dir, [])
+    assert verdict.retry
+    assert (verdict.cause.rank, verdict.cause.step) == (1, 4)
+    assert "node7" in verdict.cause.message
+
+
+@pytest.mark.parametrize("exc, kind", [
+    (RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"),
+     "collective"),
+    (torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system "
+                                        "error"), "collective"),
+    (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), "device"),
+    (RuntimeError("CUDA error: uncorrectable ECC error encountered"), "device"),
+    (ValueError("bad shape"), "exception"),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), "exception"),
+])
+def test_a_ranks_exception_is_recorded_with_its_kind(exc, kind):
+    assert record_for(exc, rank=0, step=3, detail="").kind == kind
+
+
+def test_a_collective_failure_raised_from_inside_is_still_one():
+    try:
+        try:
+            raise torch.distributed.DistNetworkError("Connection closed by peer")
+        except RuntimeError as inner:
+            raise RuntimeError("step failed") from inner
+    except RuntimeError as outer:
+        assert record_for(outer, rank=0, step=3, detail="").kind == "collective"
+
+
+def test_a_restart_sets_the_failed_attempts_records_aside(tmp_path):
+    run_dir = RunDir(tmp_path)
+    _record(run_dir, "killed")
+    write_pid(run_dir, 1, "here", 123)
+    run_dir.metrics.write_text('{"step": 0}\n')
+    run_dir.job_log.write_text("log\n")
+    kept = set_aside(run_dir, 1, from_start=False)
+    assert kept == run_dir.attempt(1)
+    assert not run_dir.failures.exists() and not run_dir.ranks.exists()
+    assert failure.first(kept).kind == "killed" and kept.pid_file(1).exists()
+    assert run_dir.metrics.exists()  # resumed: the steps before the checkpoint stay
+
+
+def test_a_restart_from_the_start_leaves_only_the_log_and_the_recipe(tmp_path):
+    run_dir = RunDir(tmp_path)
+    _record(run_dir, "hang")
+    for path in (run_dir.metrics, run_dir.manifest, run_dir.job_log, run_dir.recipe):
+        path.write_text("x\n")
+    (run_dir.checkpoints / "step00000002").mkdir(parents=True)  # a save that never finished
+    set_aside(run_dir, 1, from_start=True)
+    set_aside(run_dir, 2, from_start=True)  # a second attempt, also before any checkpoint
+    assert sorted(p.name for p in run_dir.path.iterdir()) == ["attempts", "job.log", "recipe.yaml"]
+    assert run_dir.attempt(1).metrics.exists() and run_dir.attempt(1).checkpoints.exists()
+
+
+class _Attempts:
+    """Fake attempts: each call of a start records the given failure and returns its code."""
+
+    def __init__(self, run_dir: RunDir, outcomes: list[tuple[int, str | None, int]]):
+        self.run_dir, self.outcomes, self.jobs = run_dir, list(outcomes), []
+
+    def start(self, job: JobSpec):
+        def go() -> int:
+            self.jobs.append(job)
+            code, kind, step = self.outcomes.pop(0)
+            if kind:
+                _record(self.run_dir, kind, step=step, message=f"{kind} at {step}")
+            return code
+        return go
+
+
+def _job(run_dir: RunDir) -> JobSpec:
+    return JobSpec(recipe_yaml="", run_dir=str(run_dir), started_at=1000.0)
+
+
+def test_restarts_continue_the_same_job_until_it_succeeds(tmp_path):
+    run_dir = RunDir(tmp_path)
+    attempts = _Attempts(run_dir, [(1, "killed", 2), (1, "collective", 5), (0, None, 0)])
+    said = []
+    job = _job(run_dir)
+    code = run_with_restarts(job, attempts.start(job), max_restarts=3,
+                             prepare=attempts.start, say=said.append)
+    assert code == 0
+    first, second, third = attempts.jobs
+    assert (second.resume, third.resume) == (False, False)  # no checkpoint: from the start
+    assert [r["kind"] for r in third.restarts] == ["killed", "collective"]
+    assert {j.started_at for j in attempts.jobs} == {1000.0}  # time_limit from the first start
+    assert third.launched_at > 1000.0
+    assert "finished after 2 restarts" in said[-1]
+    assert run_dir.attempt(2).failures.exists()
+
+
+def test_a_used_up_budget_ends_with_the_last_failure(tmp_path):
+    run_dir = RunDir(tmp_path)
+    attempts = _Attempts(run_dir, [(1, "killed", 2), (1, "hang", 4)])
+    said = []
+    job = _job(run_dir)
+    code = run_with_restarts(job, attempts.start(job), max_restarts=1, prepare=attempts.start,
+                             say=said.append)
+    assert code == 1 and len(attempts.jobs) == 2
+    assert "--max-restarts 1 is used up" in said[-1]
+    assert failure.first(run_dir).kind == "hang"  # the last failure stays where reports look
+
+
+def test_a_restart_that_no_longer_fits_is_refused_and_nothing_moves(tmp_path):
+    run_dir = RunDir(tmp_path)
+    attempts = _Attempts(run_dir, [(1, "device", 2)])
+    said = []
+
+    def no_longer_fits(job):
+        raise Refused("tiny.yaml does not fit this machine (1 GPU)",
+                      [Problem(rule="F1", fields={"world": 2}, message="2 ranks need 2 GPUs")])
+
+    job = _job(run_dir)
+    code = run_with_restarts(job, attempts.start(job), max_restarts=2, prepare=no_longer_fits,
+                             say=said.append)
+    assert code == 1
+    assert said[-1].startswith("dsforge: not restarted: tiny.yaml does not fit this machine")
+    assert "2 ranks need 2 GPUs" in said[-1]
+    assert not run_dir.attempts.exists() and failure.first(run_dir).kind == "device"
+
+
+def test_a_checkpoint_makes_the_restart_a_resume(tmp_path):
+    run_dir = RunDir(tmp_path)
+    fake_checkpoint(run_dir.path, step=3)
+    attempts = _Attempts(run_dir, [(1, "killed", 4), (0, None, 0)])
+    job = _job(run_dir)
+    assert run_with_restarts(job, attempts.start(job), max_restarts=1, prepare=attempts.start,
+                             say=lambda line: None) == 0
+    restarted = attempts.jobs[1]
+    assert restarted.resume and restarted.restarts[0]["resumed_after_step"] == 3
+    assert run_dir.checkpoints.exists()  # a resume keeps them
+    assert json.loads(json.dumps(restarted.restarts))  # the job word carries them
+
+
+def test_without_restarts_nothing_is_said_or_moved(tmp_path):
+    run_dir = RunDir(tmp_path)
+    attempts = _Attempts(run_dir, [(1, "killed", 2)])
+    said = []
+    job = _job(run_dir)
+    assert run_with_restarts(job, attempts.start(job), max_restarts=0, prepare=attempts.start,
+                             say=said.append) == 1
+    assert said == [] and not run_dir.attempts.exists()
+
+
+def test_sbatch_passes_the_restarts_to_its_dsforge_run(tmp_path):
+    from dsforge.launch.sbatch import write_batch_script
+    from tests.conftest import REPO
+
+    shown = []
+    write_batch_script(str(REPO / "recipes" / "tiny.yaml"), nodes=1, gpus_per_node=0,
+                       time_limit="10:00", partition=None, account=None, signal_grace=60,
+                       run_dir=tmp_path / "run", out=None, overrides=(), say=shown.append,
+                       show=shown.append, max_restarts=2)
+    run_line = next(line for line in shown[0].splitlines() if line.startswith("ARGS=("))
+    assert "--max-restarts 2" in run_line
+
+
+def _word(command: list[str]) -> JobSpec:
+    return JobSpec.decode(command[command.index("--job") + 1])
+
+
+def test_a_local_restart_starts_the_same_job_word_on_a_new_port(tmp_path):
+    from dsforge.launch.entry import RunOptions, _DeepSpeedStarts
+    from dsforge.recipe import resolve_file
+    from tests.conftest import REPO
+
+    recipe = str(REPO / "recipes" / "tiny.yaml")
+    options = RunOptions(recipe=recipe, max_restarts=2)
+    starts = _DeepSpeedStarts(options, resolve_file(recipe), say=lambda line: None)
+    job = _job(RunDir(tmp_path))
+    first = starts.first(job)
+    again = starts.again(dataclasses.replace(job, resume=True, restarts=[{"attempt": 1}]))
+    port = lambda command: command[command.index("--master_port") + 1]  # noqa: E731
+    assert port(first.command) != port(again.command)
+    assert (_word(first.command).resume, _word(again.command).resume) == (False, True)
+    assert _word(again.command).started_at == job.started_at
+    fixed = _DeepSpeedStarts(dataclasses.replace(options, master_port=29555), resolve_file(recipe),
+                             say=lambda line: None)
+    assert port(fixed.again(job).command) == "29555"  # --master-port is kept
+
+
+def test_a_slurm_restart_runs_srun_again_in_the_allocation(tmp_path):
+    from dsforge.launch import slurm
+    from dsforge.launch.entry import RunOptions, _SrunStarts
+    from tests.unit.test_slurm import BATCH
+
+    plan, _ = slurm.plan_job(16, BATCH, cpu_only=False, master_addr=None, master_port=None,
+                             free_port=lambda: 1, hostnames=lambda _: ["gpu01", "gpu02"])
+    starts = _SrunStarts(RunOptions(recipe="r.yaml", launcher="slurm", max_restarts=1), plan)
+    job = _job(RunDir(tmp_path))
+    again = starts.again(dataclasses.replace(job, resume=True))
+    assert again.command[:3] == ["srun", "--nodes=2", "--ntasks=16"]
+    assert _word(again.command).resume and again.srun_env["MASTER_ADDR"] == "gpu01"
