@@ -4,7 +4,8 @@
 - pdsh over ssh to two loopback host aliases served by a private sshd (tests/distributed/sshd.py):
   the real `deepspeed --hostfile` path, with dsforge's preflight in front.
 A tiny recipe trains with data parallelism across the two nodes and its losses must equal the
-single-node run's; killing one node's rank ends the whole job with nothing left running.
+single-node run's; killing one node's rank ends the whole job with nothing left running, and
+with --max-restarts brings the job back on both hosts.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import time
 
 import pytest
 
+from dsforge.job.run_dir import RunDir
 from tests.conftest import REPO
 from tests.distributed import sshd
+from tests.distributed.test_restarts import RUN as RESTARTED
+from tests.distributed.test_restarts import TIMEOUT_S, run_killing
+from tests.distributed.test_restarts import losses as restarted_losses
 from tests.distributed.test_run import _job_processes, dsforge
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
@@ -117,6 +122,21 @@ def test_killing_one_nodes_rank_ends_the_whole_job(loopback_hosts, hostfile, tmp
     assert elapsed < 150
     time.sleep(1)
     assert not _job_processes(run_dir)
+
+
+def test_pdsh_restarts_the_whole_job_on_the_same_hosts(loopback_hosts, hostfile, tmp_path):
+    """--max-restarts over a hostfile: node-b's rank SIGKILLed mid-run, the job comes back on
+    both hosts after a second preflight, and ends with the single-node run's losses."""
+    reference = RunDir(tmp_path / "reference")
+    done = dsforge("run", TINY, *RESTARTED, "--run-dir", str(reference), timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = RunDir(tmp_path / "run")
+    code, stderr = run_killing(run_dir, [(1, 4)], max_restarts=1, env=loopback_hosts.env,
+                               extra=("--hostfile", str(hostfile), "--master-addr", "127.0.0.1"))
+    assert code == 0, stderr[-4000:]
+    assert stderr.count("preflight ok") == 2 and "restarting (1 of 1)" in stderr
+    assert restarted_losses(run_dir) == pytest.approx(restarted_losses(reference), abs=1e-5)
+    assert not _job_processes(run_dir.path)
 
 
 def _free_port() -> int:

@@ -23,7 +23,7 @@ RUN = ["--set", "train.steps=40", "--set", "train.checkpoint_every=2", "--step-t
 TIMEOUT_S = 420
 
 
-def _losses(run_dir: RunDir) -> dict[int, float]:
+def losses(run_dir: RunDir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir.metrics)[0]}
 
 
@@ -34,7 +34,7 @@ def _beat(run_dir: RunDir, rank: int) -> int:
         return -1
 
 
-def _kill_rank_at(run_dir: RunDir, rank: int, step: int, *, after_restarts: int,
+def kill_rank_at(run_dir: RunDir, rank: int, step: int, *, after_restarts: int,
                   deadline: float) -> int:
     """SIGKILL `rank` (its pid file) once the attempt after `after_restarts` restarts has it
     past `step`; the pid killed."""
@@ -49,19 +49,21 @@ def _kill_rank_at(run_dir: RunDir, rank: int, step: int, *, after_restarts: int,
     raise AssertionError(f"rank {rank} never passed step {step}")
 
 
-def _run_killing(run_dir: RunDir, kills: list[tuple[int, int]], max_restarts: int):
-    """`dsforge run` with restarts while a thread SIGKILLs (rank, past step) once per attempt."""
+def run_killing(run_dir: RunDir, kills: list[tuple[int, int]], max_restarts: int,
+                extra: tuple[str, ...] = (), env: dict | None = None):
+    """`dsforge run` with restarts while a thread SIGKILLs (rank, past step) once per attempt;
+    its exit code and stderr. `extra`: more options (a hostfile), `env`: more variables."""
     deadline = time.monotonic() + TIMEOUT_S
-    proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, *RUN, "--run-dir",
-                             str(run_dir), "--max-restarts", str(max_restarts)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, *RUN, *extra,
+                             "--run-dir", str(run_dir), "--max-restarts", str(max_restarts)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
     killed, errors = [], []
 
     def killer():
         try:
             for attempt, (rank, step) in enumerate(kills):
-                killed.append(_kill_rank_at(run_dir, rank, step, after_restarts=attempt,
+                killed.append(kill_rank_at(run_dir, rank, step, after_restarts=attempt,
                                             deadline=deadline))
         except AssertionError as exc:
             errors.append(exc)
@@ -84,11 +86,11 @@ def test_a_killed_rank_comes_back_and_trains_on_exactly(tmp_path):
     done = dsforge("run", TINY, *RUN, "--run-dir", str(reference), timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = RunDir(tmp_path / "run")
-    code, stderr = _run_killing(run_dir, [(1, 4)], max_restarts=2)
+    code, stderr = run_killing(run_dir, [(1, 4)], max_restarts=2)
     assert code == 0, stderr[-4000:]
     assert "dsforge: restarting (1 of 2) from the checkpoint after step" in stderr
     assert "finished after 1 restart" in stderr
-    assert _losses(run_dir) == _losses(reference)  # every step, bit for bit
+    assert losses(run_dir) == losses(reference)  # every step, bit for bit
     summary = json.loads(run_dir.summary.read_text())
     assert summary["restarts"] == 1
     cause = summary["restart_causes"][0]
@@ -99,7 +101,7 @@ def test_a_killed_rank_comes_back_and_trains_on_exactly(tmp_path):
 
 def test_a_used_up_budget_ends_with_the_last_failures_report(tmp_path):
     run_dir = RunDir(tmp_path / "run")
-    code, stderr = _run_killing(run_dir, [(1, 4), (0, 12)], max_restarts=1)
+    code, stderr = run_killing(run_dir, [(1, 4), (0, 12)], max_restarts=1)
     assert code != 0, stderr[-4000:]
     assert "restarting (1 of 1)" in stderr
     assert "not restarted: --max-restarts 1 is used up" in stderr

@@ -7,7 +7,9 @@ when the Debian packages are absent or the daemons do not start) runs the batch 
 - a second job is sent SIGTERM the way `--signal=B:TERM@S` sends it (`scancel --signal=TERM
   --batch`: the batch shell only): its trap passes it to `dsforge run`, the ranks save, the
   job exits 75 and requeues itself, and the requeued job resumes; its losses equal the
-  straight job's bitwise (CPU fp32, same layout).
+  straight job's bitwise (CPU fp32, same layout);
+- a third, written with --max-restarts 1, loses a rank to SIGKILL: `dsforge run` runs srun
+  again inside the same job and ends with the straight job's losses.
 Without a cluster: `--launcher slurm` outside an allocation, and a world the allocation cannot
 hold, are refused before anything starts.
 One node only: Debian's slurmd cannot pose as several nodes on one machine.
@@ -21,7 +23,9 @@ import time
 import pytest
 
 from tests.conftest import REPO
+from dsforge.job.run_dir import RunDir
 from tests.distributed import slurm
+from tests.distributed.test_restarts import kill_rank_at
 from tests.distributed.test_run import dsforge
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
@@ -46,11 +50,11 @@ def cluster(tmp_path_factory):
     slurm.stop(started)
 
 
-def _script(cluster, tmp_path, name: str):
+def _script(cluster, tmp_path, name: str, *extra: str):
     script, run_dir = tmp_path / f"{name}.sh", tmp_path / name
     result = dsforge("sbatch", TINY, "--gpus-per-node", "0", "--time", "10:00",
                      "--signal-grace", "60", "--run-dir", str(run_dir), "--out", str(script),
-                     *JOB, env=cluster.env)
+                     *JOB, *extra, env=cluster.env)
     assert result.returncode == 0, result.stderr[-3000:]
     return script, run_dir
 
@@ -108,6 +112,23 @@ def test_signalled_job_saves_requeues_and_resumes_exactly(cluster, straight_job,
     assert "done: 40 steps" in output
     straight = _losses(straight_job[0])
     assert _losses(run_dir) == straight and len(straight) == 40  # bitwise
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_is_restarted_with_srun_inside_the_allocation(cluster, straight_job,
+                                                                     tmp_path):
+    """`dsforge sbatch --max-restarts 1`: a rank SIGKILLed mid-run; the script's dsforge run
+    runs srun again in the same job (no requeue) and the losses equal the straight job's."""
+    script, run_dir = _script(cluster, tmp_path, "run", "--max-restarts", "1")
+    job_id = cluster.run("sbatch", "--parsable", str(script)).stdout.strip().split(";")[0]
+    kill_rank_at(RunDir(run_dir), 1, 3, after_restarts=0, deadline=time.monotonic() + 150)
+    _until(lambda: cluster.job(job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                                                          "TIMEOUT"), 180, cluster, job_id)
+    job, output = cluster.job(job_id), _output(run_dir, job_id)
+    assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("COMPLETED", "0", "0:0"), output
+    assert "rank 1 died" in output and "restarting (1 of 1)" in output
+    assert output.count("1 x 2 ranks with srun") == 1 and "done: 40 steps" in output
+    assert _losses(run_dir) == _losses(straight_job[0])  # bitwise
 
 
 def _until(condition, timeout_s: float, cluster, job_id: str) -> None:
