@@ -116,13 +116,18 @@ class RunDir:
 
     @property
     def attempts(self) -> Path:
-        """What each failed attempt of a restarted job left (`dsforge run --max-restarts`,
-        launch/restart.py): attempts/N/ holds attempt N's failures/, heartbeats/ and ranks/,
-        and everything it wrote when it restarted from the start."""
+        """What each earlier attempt left (`set_aside`, before a restart or a --resume):
+        attempts/N/ holds attempt N's failures/, heartbeats/ and ranks/, and everything it
+        wrote when the job restarted from the start."""
         return self.path / "attempts"
 
     def attempt(self, number: int) -> RunDir:
         return RunDir(self.attempts / str(number))
+
+    def next_attempt(self) -> RunDir:
+        """attempts/N for the next attempt set aside: one more than the highest there."""
+        taken = [int(p.name) for p in self.attempts.glob("*") if p.name.isdigit()]
+        return self.attempt(max(taken, default=0) + 1)
 
     def rank_summary(self, rank: int) -> Path:
         return self.ranks / f"{rank_name(rank)}.json"
@@ -166,6 +171,28 @@ def _per_rank(paths) -> Iterator[tuple[int, Path]]:
         if digits.isdigit():
             found.append((int(digits), path))
     yield from sorted(found)
+
+
+def set_aside(run_dir: RunDir, *, everything: bool = False) -> RunDir | None:
+    """Move what the last attempt left that the next one must not read into
+    run_dir.next_attempt(): its failure records (a stale one would be reported as the next
+    attempt's cause, and would stop a supervisor recording its rank's death), heartbeats and
+    pid files (a rank of an earlier, larger world would look silent; its pid may be reused).
+    With `everything`, all it wrote (metrics, manifest, trackers' files, incomplete
+    checkpoints) but the job log, which every attempt appends to, the recipe and earlier
+    attempts: for a start from scratch. The folder it made, or None with nothing to move."""
+    moved = [run_dir.failures, run_dir.heartbeats, run_dir.ranks]
+    if everything:
+        stay = {run_dir.job_log, run_dir.recipe, run_dir.attempts}
+        moved = [p for p in run_dir.path.iterdir() if p not in stay]
+    moved = [p for p in moved if p.exists()]
+    if not moved:
+        return None
+    kept = run_dir.next_attempt()
+    kept.path.mkdir(parents=True)
+    for path in moved:
+        os.replace(path, kept.path / path.name)
+    return kept
 
 
 class RunDirError(ValueError):

@@ -10,20 +10,19 @@ out-of-memory, training that went bad (non-finite), a stop asked for (Ctrl-C, SI
 SIGHUP: a preemption still ends with 75 for the scheduler's requeue), `--timeout`, and the same
 failure at the same step as an earlier attempt's.
 
-A restart sets the failed attempt's records aside (RUN_DIR/attempts/N: its failures, heartbeats
-and pid files, so the next attempt's are its own) and starts the same job word again with
+A restart sets the failed attempt's records aside (RUN_DIR/attempts/N, job/run_dir.set_aside:
+its failures, heartbeats and pid files, so the next attempt's are its own) and starts the same job word again with
 `resume` from the newest complete checkpoint, exactly as `--resume` would (same layout: the
 losses equal an uninterrupted run's), or from the start in the same run directory when no
 checkpoint was complete (then everything the attempt wrote moves aside). The job word keeps its
 `started_at`, so train.time_limit counts from the first start, and this process keeps the run
 directory's lock throughout. Before each restart the caller checks again that the job fits
-(`recheck`): a machine that lost a GPU, or a host the preflight cannot reach, refuses it.
+(`prepare`): a machine that lost a GPU, or a host the preflight cannot reach, refuses it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -32,7 +31,7 @@ from dsforge.job import failure
 from dsforge.job.failure import Failure
 from dsforge.job.heartbeat import read_all as read_heartbeats
 from dsforge.job.pids import started_ranks
-from dsforge.job.run_dir import RunDir
+from dsforge.job.run_dir import RunDir, set_aside
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.word import JobSpec
 from dsforge.launch.refusal import BadOptions, Refused
@@ -103,23 +102,6 @@ def restart_record(attempt: int, cause: Failure, resumed_after: int | None) -> d
             "time": time.time()}
 
 
-def set_aside(run_dir: RunDir, attempt: int, *, from_start: bool) -> RunDir:
-    """Move what attempt `attempt` left that the next one must not read into attempts/N:
-    failure records, heartbeats and pid files; with `from_start`, everything it wrote (its
-    metrics, manifest, trackers' files, incomplete checkpoints) but the job log, which every
-    attempt appends to, and the recipe."""
-    kept = run_dir.attempt(attempt)
-    kept.path.mkdir(parents=True, exist_ok=False)
-    moved = [run_dir.failures, run_dir.heartbeats, run_dir.ranks]
-    if from_start:
-        stay = {run_dir.job_log, run_dir.recipe, run_dir.attempts}
-        moved = [p for p in run_dir.path.iterdir() if p not in stay]
-    for path in moved:
-        if path.exists():
-            os.replace(path, kept.path / path.name)
-    return kept
-
-
 def newest_complete_step(run_dir: RunDir) -> int | None:
     """The step the newest complete checkpoint follows, or None without one. Raises
     CheckpointError when `latest` is damaged or untrustworthy (ckpt/trust.py)."""
@@ -174,7 +156,7 @@ def _restarted(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts:
     following = dataclasses.replace(job, resume=after is not None, restarts=[*restarts, record],
                                     launched_at=time.time())
     go = prepare(following)
-    kept = set_aside(job.directory, attempt, from_start=after is None)
+    kept = set_aside(job.directory, everything=after is None)
     restarts.append(record)
     where = "from the start" if after is None else f"from the checkpoint after step {after}"
     say(f"dsforge: restarting ({attempt} of {max_restarts}) {where}; the failed attempt's "

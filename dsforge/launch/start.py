@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
-from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir
+from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir, set_aside
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.launch.commands import Placement, job_spec, launch_command, runner_env
 from dsforge.launch.diagnose import failure_report
@@ -139,10 +139,11 @@ def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
 
 def own_run_dir(given: Path | None, resolved: Resolved, *, resume: bool, joining: bool,
                 create: bool, say: Say, peers_may_join: bool = False) -> tuple[RunDir, Lock | None]:
-    """The --run-dir `given` (or a new one): a new, empty run directory; or, to resume or join, the existing one (with a checkpoint
-    this recipe can continue from, to resume). Unless joining another node's run or only
-    printing commands, the returned lock makes this process its owner: keep it until exit.
-    Raises RunDirError or CheckpointError."""
+    """The run directory of --run-dir `given`: a new, empty one (a fresh name without
+    `given`); or, to resume or join, the existing one (with a checkpoint this recipe can
+    continue from, to resume: the earlier attempt's records are set aside, job/run_dir.py).
+    Unless joining another node's run or only printing commands, the returned lock makes this
+    process its owner: keep it until exit. Raises RunDirError or CheckpointError."""
     from dsforge.ckpt.trust import check_resumable
 
     if not (resume or joining):
@@ -156,6 +157,8 @@ def own_run_dir(given: Path | None, resolved: Resolved, *, resume: bool, joining
         record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),
                                  resolved.layout.world_size)
         say(f"dsforge: resuming {run_dir} after step {record['step']}")
+        if create and not peers_may_join:  # other nodes' ranks may already write there
+            set_aside(run_dir)
         for change in record["layout_changes"]:
             say(f"  new layout: {change}")
         for change in record["changes"]:

@@ -109,6 +109,12 @@ def test_a_used_up_budget_ends_with_the_last_failures_report(tmp_path):
     assert "first failure: rank 0 died" in report and "SIGKILL" in report
     assert not run_dir.summary.exists()
     assert not _job_processes(run_dir.path)
+    # Continued by hand: the last attempt's records move aside, so its report is its own.
+    done = dsforge("run", TINY, *RUN, "--run-dir", str(run_dir.path), "--resume",
+                   timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(run_dir.attempt(2).failure(0).read_text())["kind"] == "killed"
+    assert not run_dir.failures.exists() and sorted(losses(run_dir)) == list(range(40))
 
 
 def test_an_exception_is_not_retried(tmp_path):

@@ -14,11 +14,11 @@ from dsforge.job import failure
 from dsforge.job.failure import Failure
 from dsforge.job.heartbeat import Heartbeat
 from dsforge.job.pids import write_pid
-from dsforge.job.run_dir import RunDir
+from dsforge.job.run_dir import RunDir, set_aside
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.word import JobSpec
 from dsforge.launch.refusal import Refused
-from dsforge.launch.restart import decide, run_with_restarts, set_aside
+from dsforge.launch.restart import decide, run_with_restarts
 from dsforge.problems import Problem
 from dsforge.runtime.guard.record import record_for
 from tests.unit.helpers.checkpoints import fake_checkpoint
@@ -111,7 +111,7 @@ def test_a_restart_sets_the_failed_attempts_records_aside(tmp_path):
     write_pid(run_dir, 1, "here", 123)
     run_dir.metrics.write_text('{"step": 0}\n')
     run_dir.job_log.write_text("log\n")
-    kept = set_aside(run_dir, 1, from_start=False)
+    kept = set_aside(run_dir)
     assert kept == run_dir.attempt(1)
     assert not run_dir.failures.exists() and not run_dir.ranks.exists()
     assert failure.first(kept).kind == "killed" and kept.pid_file(1).exists()
@@ -124,8 +124,9 @@ def test_a_restart_from_the_start_leaves_only_the_log_and_the_recipe(tmp_path):
     for path in (run_dir.metrics, run_dir.manifest, run_dir.job_log, run_dir.recipe):
         path.write_text("x\n")
     (run_dir.checkpoints / "step00000002").mkdir(parents=True)  # a save that never finished
-    set_aside(run_dir, 1, from_start=True)
-    set_aside(run_dir, 2, from_start=True)  # a second attempt, also before any checkpoint
+    set_aside(run_dir, everything=True)
+    run_dir.metrics.write_text("x\n")  # a second attempt, also before any checkpoint
+    assert set_aside(run_dir, everything=True) == run_dir.attempt(2)
     assert sorted(p.name for p in run_dir.path.iterdir()) == ["attempts", "job.log", "recipe.yaml"]
     assert run_dir.attempt(1).metrics.exists() and run_dir.attempt(1).checkpoints.exists()
 
@@ -269,3 +270,9 @@ def test_a_slurm_restart_runs_srun_again_in_the_allocation(tmp_path):
     again = starts.again(dataclasses.replace(job, resume=True))
     assert again.command[:3] == ["srun", "--nodes=2", "--ntasks=16"]
     assert _word(again.command).resume and again.srun_env["MASTER_ADDR"] == "gpu01"
+
+
+def test_nothing_to_set_aside_makes_no_attempt(tmp_path):
+    run_dir = RunDir(tmp_path)
+    run_dir.metrics.write_text("x\n")  # a resume keeps the steps before its checkpoint
+    assert set_aside(run_dir) is None and not run_dir.attempts.exists()
