@@ -32,11 +32,9 @@ class RunDir:
     def __str__(self) -> str:  # messages name the directory as the user gave it
         return str(self.path)
 
-    def __fspath__(self) -> str:
-        return str(self.path)
-
     def absolute(self) -> RunDir:
-        """The same directory named from the root: what a job word carries to every rank."""
+        """The same directory named from the root, symbolic links resolved: what a job word
+        carries to every rank and what tags the job's processes (dsforge/lock.py)."""
         return RunDir(self.path.resolve())
 
     @property
@@ -91,7 +89,7 @@ class RunDir:
 
     @property
     def reference(self) -> RunDir:
-        """`dsforge run --check`'s single-rank reference run: a run directory of its own."""
+        """`dsforge run --tiny`'s single-rank reference run: a run directory of its own."""
         return RunDir(self.path / "reference")
 
     @property

@@ -55,8 +55,7 @@ class JobSpec:
     # LOCAL_SIZE from its SLURM_* variables.
     slurm: bool = False
     # The restarts before this attempt (`dsforge run --max-restarts`, launch/restart.py), each
-    # {"attempt", "kind", "cause", "step", "resumed_after_step"}: rank 0 counts them in
-    # summary.json.
+    # as restart.restart_record makes it: rank 0 counts them in summary.json.
     restarts: list[dict] = field(default_factory=list)
 
     @property

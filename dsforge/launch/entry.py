@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from dsforge.job.word import JobSpec, forwarded_env
 from dsforge.launch import restart, start
 from dsforge.launch.commands import (Placement, job_spec, launch_command, plain_deepspeed_command,
                                      remote_shell_problems)
-from dsforge.launch.local import STOP_GRACE_S, free_port
+from dsforge.launch.local import STOP_GRACE_S, StopAsked, free_port
 from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
 from dsforge.launch.slurm import SlurmPlan
 from dsforge.lock import Lock
@@ -150,17 +151,19 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
     if options.dry_run:
         show(how.shown)
         return 0
-    ranks = _ranks_started_here(options, resolved)
+    ranks, asked = _ranks_started_here(options, resolved), StopAsked()
+    clock = _JobClock(options.timeout)
 
     def watched(how: _Start):
         return lambda: start.launch_and_watch(
-            how.command, run_dir, ranks, timeout=options.timeout, verbose=options.verbose,
+            how.command, run_dir, ranks, timeout=clock.left(), verbose=options.verbose,
             say=say, stop_grace=options.stop_grace, extra_env=how.srun_env,
-            srun=how.srun_env is not None)
+            srun=how.srun_env is not None, asked=asked)
 
     def again(job: JobSpec):
         """A restart's start, once the job fits again: this machine's check, and the hosts'
-        preflight inside `starts.again` (a hostfile's)."""
+        preflight inside `starts.again` (a hostfile's); --timeout counts every attempt."""
+        clock.check()
         if not options.skip_fit_check:
             _check_this_machine(start.command_words(options.recipe, options.overrides,
                                                     options.world_size),
@@ -168,11 +171,26 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
         return watched(starts.again(job))
 
     code = restart.run_with_restarts(job, watched(how), max_restarts=options.max_restarts,
-                                     prepare=again, say=say)
+                                     prepare=again, say=say, asked=asked)
     if code == 0 and options.tiny:
         code = start.check_tiny_layout(resolved, run_dir, env=checked_env(),
                                        timeout=options.timeout, verbose=options.verbose, say=say)
     return code
+
+
+class _JobClock:
+    """--timeout for the whole job, restarts included."""
+
+    def __init__(self, timeout_s: float | None):
+        self.timeout_s, self.began = timeout_s, time.monotonic()
+
+    def left(self) -> float | None:
+        return None if self.timeout_s is None else self.timeout_s - (time.monotonic() - self.began)
+
+    def check(self) -> None:
+        left = self.left()
+        if left is not None and left <= 0:
+            raise restart.NotRestarted(f"--timeout {self.timeout_s:g}s is used up")
 
 
 def _checked(options: RunOptions, say: Say) -> tuple[RunOptions, Resolved, SlurmPlan | None]:

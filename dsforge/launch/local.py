@@ -32,6 +32,7 @@ from dsforge.job.run_dir import RunDir
 from dsforge.job.pids import started_ranks
 from dsforge.job.signals import STOP_SIGNALS
 
+EXIT_TIMEOUT = 124  # the job ran past --timeout (as coreutils' timeout exits)
 # How long ranks get to exit after the group is signalled before it is killed.
 GRACE_S = 10.0
 # How long ranks get to save a checkpoint and exit after a stop request (`--stop-grace`).
@@ -54,7 +55,7 @@ def free_port() -> int:
 def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | None = None,
             log_path: Path | None = None, on_line: Callable[[str], None] | None = None,
             run_dir: RunDir | None = None, stop_grace_s: float = STOP_GRACE_S,
-            srun_ranks: int = 0) -> int:
+            srun_ranks: int = 0, asked: StopAsked | None = None) -> int:
     """Run the launcher to completion; returns its exit code (124 on timeout, 130 on Ctrl-C,
     128 + N when dsforge receives signal N and stops the job at once: 129 for SIGHUP, 143 for
     a second SIGTERM or when the stop grace runs out).
@@ -63,7 +64,9 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
     `on_line` as it arrives (the terminal view of `dsforge run`). With `run_dir`, SIGTERM and
     SIGUSR1 ask the job's ranks to save and stop, and SIGUSR2 makes them print their stacks.
     `srun_ranks` > 0: the command is srun starting that many ranks (launch/slurm.py); those
-    requests go to srun, which passes them to its tasks wherever they run."""
+    requests go to srun, which passes them to its tasks wherever they run. `asked` notes the
+    first stop dsforge was asked for (a signal, Ctrl-C), whatever the job then ended with."""
+    asked = asked or StopAsked()
     out = open(log_path, "ab") if log_path else None
     piped = on_line is not None
     proc = subprocess.Popen(command, start_new_session=True, env=env,
@@ -75,7 +78,7 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
     if srun_ranks:
         stacks = lambda: _signal_pid(proc.pid, signal.SIGUSR2)  # noqa: E731
     try:
-        with _stop_on_signals(on_usr2=stacks):
+        with stop_on_signals(on_usr2=stacks, on_stop=asked.note):
             try:
                 return proc.wait(timeout=timeout_s)
             except Stopped as stop:
@@ -93,8 +96,9 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
     except subprocess.TimeoutExpired:
         print(f"dsforge: job exceeded {timeout_s:.0f}s; stopping every rank", file=sys.stderr)
         stop_group(proc, signal.SIGTERM)
-        return 124
+        return EXIT_TIMEOUT
     except KeyboardInterrupt:
+        asked.note(signal.SIGINT)
         print("dsforge: interrupted; stopping every rank", file=sys.stderr)
         if srun_ranks:  # srun reports its tasks on one SIGINT; a second within 1 s ends them
             _signal_group(proc.pid, signal.SIGINT)
@@ -134,6 +138,18 @@ def _copy_lines(stream, out, on_line: Callable[[str], None]) -> threading.Thread
     return thread
 
 
+class StopAsked:
+    """The first stop somebody asked dsforge for (a signal's number; None: none), kept across
+    a job's attempts (launch/restart.py never restarts a job somebody asked to stop)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def note(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+
 class Stopped(Exception):
     """dsforge itself was asked to stop (SIGTERM, SIGUSR1, SIGHUP)."""
 
@@ -151,15 +167,19 @@ class GraceOver(Exception):
 
 
 @contextlib.contextmanager
-def _stop_on_signals(on_usr2: Callable[[], object] | None = None):
-    """SIGTERM, SIGUSR1 and SIGHUP raise Stopped: they are what `timeout`, systemd, a
-    scheduler's preemption and a dropped ssh session send. SIGUSR2 calls `on_usr2`.
-    (Handlers can only be installed from the main thread; elsewhere the defaults stay.)"""
+def stop_on_signals(on_usr2: Callable[[], object] | None = None,
+                    on_stop: Callable[[int], object] | None = None):
+    """SIGTERM, SIGUSR1 and SIGHUP raise Stopped (after `on_stop(signum)`): they are what
+    `timeout`, systemd, a scheduler's preemption and a dropped ssh session send. SIGUSR2 calls
+    `on_usr2`. (Handlers can only be installed from the main thread; elsewhere the defaults
+    stay.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum, _frame):
+        if on_stop is not None:
+            on_stop(signum)
         raise Stopped(signum)
 
     previous = {sig: signal.signal(sig, stop)

@@ -23,6 +23,8 @@ directory's lock throughout. Before each restart the caller checks again that th
 from __future__ import annotations
 
 import dataclasses
+import re
+import signal
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -34,7 +36,10 @@ from dsforge.job.pids import started_ranks
 from dsforge.job.run_dir import RunDir, set_aside
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.word import JobSpec
+from dsforge.launch.local import EXIT_TIMEOUT, StopAsked, Stopped, stop_on_signals
 from dsforge.launch.refusal import BadOptions, Refused
+from dsforge.launch.start import STOPPED_CODES
+from dsforge.lock import job_processes
 
 Say = Callable[[str], None]
 
@@ -47,11 +52,23 @@ NOT_RETRIED = {
     "oom": "an out-of-memory repeats at the same sizes; the report above lists what fits",
     "nonfinite": "the training itself went bad; the same checkpoint and data would repeat it",
 }
-# Exit codes of `dsforge run` that mean a stop somebody asked for (launch/local.run_job).
-_ASKED = {130: "interrupted (Ctrl-C)", 129: "SIGHUP received", 138: "SIGUSR1 received",
-          143: "SIGTERM received", EXIT_RESUMABLE: "the ranks stopped with a checkpoint on request "
-          "(a signal or train.time_limit): resume it, or let the scheduler requeue it",
-          EXIT_NONFINITE: NOT_RETRIED["nonfinite"], 124: "the job ran past --timeout"}
+# How long the failed attempt's processes on this machine get to be gone before a restart.
+GONE_WITHIN_S = 30.0
+
+
+def _ended_by_choice(code: int) -> str | None:
+    """Why an exit code of launch_and_watch means an end somebody chose, or None."""
+    if code == EXIT_RESUMABLE:
+        return ("the ranks stopped with a checkpoint on request (a signal or train.time_limit): "
+                "resume it, or let the scheduler requeue it")
+    if code == EXIT_NONFINITE:
+        return NOT_RETRIED["nonfinite"]
+    if code == EXIT_TIMEOUT:
+        return "the job ran past --timeout"
+    if code in STOPPED_CODES:  # 128 + the signal's number
+        name = "Ctrl-C" if code == 130 else signal.Signals(code - 128).name
+        return f"dsforge was stopped ({name})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -61,22 +78,44 @@ class Verdict:
     cause: Failure | None = None
 
 
-def decide(code: int, run_dir: RunDir, earlier: list[dict]) -> Verdict:
+class NotRestarted(Exception):
+    """The restart cannot go ahead; the message says why."""
+
+
+def decide(code: int, run_dir: RunDir, earlier: list[dict],
+           asked: StopAsked | None = None) -> Verdict:
     """Whether the attempt that ended with `code` is worth starting again, after the `earlier`
-    restarts (their records, as `restart_record` made them)."""
-    if code in _ASKED:
-        return Verdict(False, _ASKED[code])
-    cause = failure.first(run_dir) or _lost_without_a_word(run_dir)
+    restarts (their records, as `restart_record` made them); never after a stop somebody
+    `asked` for, whatever the job then ended with."""
+    if asked is not None and asked.signum is not None:
+        return Verdict(False, f"{signal.Signals(asked.signum).name} asked dsforge to stop")
+    chosen = _ended_by_choice(code)
+    if chosen:
+        return Verdict(False, chosen)
+    records = failure.read_all(run_dir)
+    # A rank's own error, even behind peers that NCCL's watchdog then aborted (SIGABRT).
+    for record in records:
+        if record.kind not in RETRIED:
+            return Verdict(False, NOT_RETRIED.get(record.kind, f"a failure of kind {record.kind}"),
+                           record)
+    cause = records[0] if records else _lost_without_a_word(run_dir)
     if cause is None:
-        return Verdict(False, f"no rank started (exit code {code}); the launcher's error is in "
-                              f"{run_dir.job_log}")
-    if cause.kind not in RETRIED:
-        return Verdict(False, NOT_RETRIED.get(cause.kind, f"a failure of kind {cause.kind}"), cause)
-    if any((r["kind"], r["step"], r["message"]) == (cause.kind, cause.step, cause.message)
-           for r in earlier):
+        return Verdict(False, f"no rank recorded a failure or went silent (the launcher's exit "
+                              f"code {code}; its output is in {run_dir.job_log})")
+    if any(_same(r, cause) for r in earlier):
         return Verdict(False, f"the same failure came back at step {cause.step} "
                               f"({cause.message}): not a passing fault", cause)
     return Verdict(True, cause.headline(), cause)
+
+
+def _same(earlier: dict, cause: Failure) -> bool:
+    """The same failure at the same step: kind, step and message alike but for numbers (ports,
+    addresses, times and counters differ from one attempt to the next)."""
+    def plain(message: str) -> str:
+        return re.sub(r"\d+", "#", message)
+
+    return (earlier["kind"], earlier["step"], plain(earlier["message"])) == \
+        (cause.kind, cause.step, plain(cause.message))
 
 
 def _lost_without_a_word(run_dir: RunDir) -> Failure | None:
@@ -95,11 +134,13 @@ def _lost_without_a_word(run_dir: RunDir) -> Failure | None:
                            "gone)")
 
 
-def restart_record(attempt: int, cause: Failure, resumed_after: int | None) -> dict:
-    """One restart as the job word and summary.json keep it."""
+def restart_record(attempt: int, cause: Failure, resumed_after: int | None,
+                   records: RunDir) -> dict:
+    """One restart as the job word and summary.json keep it; `records`: where the failed
+    attempt's records go (attempts/N)."""
     return {"attempt": attempt, "kind": cause.kind, "cause": cause.headline(),
             "message": cause.message, "step": cause.step, "resumed_after_step": resumed_after,
-            "time": time.time()}
+            "records": f"{records.path.parent.name}/{records.path.name}", "time": time.time()}
 
 
 def newest_complete_step(run_dir: RunDir) -> int | None:
@@ -115,13 +156,14 @@ Start = Callable[[], int]  # runs one attempt of the job, returns its exit code
 
 
 def run_with_restarts(job: JobSpec, first: Start, *, max_restarts: int,
-                      prepare: Callable[[JobSpec], Start], say: Say) -> int:
+                      prepare: Callable[[JobSpec], Start], say: Say,
+                      asked: StopAsked | None = None) -> int:
     """Run the `first` attempt of `job`; after a failure worth retrying, start it again from
     its newest complete checkpoint, up to `max_restarts` times. `prepare(job)` checks that the
-    job still fits (raising Refused or BadOptions when it does not) and gives its start.
-    Returns the last attempt's exit code."""
-    from dsforge.ckpt.trust import CheckpointError
-
+    job still fits (raising Refused, BadOptions or NotRestarted when it does not) and gives its
+    start. `asked`: the stops asked for while the attempts ran (the starts note them); a stop
+    asked for between attempts ends it too. Returns the last attempt's exit code."""
+    asked = asked or StopAsked()
     restarts: list[dict] = []
     go = first
     while True:
@@ -129,21 +171,70 @@ def run_with_restarts(job: JobSpec, first: Start, *, max_restarts: int,
         if code == 0 or max_restarts == 0:
             _said_done(code, restarts, job.directory, say)
             return code
-        verdict = decide(code, job.directory, restarts)
-        if verdict.retry and len(restarts) == max_restarts:
-            verdict = Verdict(False, f"--max-restarts {max_restarts} is used up; the last "
-                                     "failure is the one reported above")
-        if not verdict.retry:
-            say(f"dsforge: not restarted: {verdict.why}")
-            return code
-        try:
-            job, go = _restarted(job, verdict.cause, restarts, max_restarts, prepare, say)
-        except (Refused, BadOptions, CheckpointError) as exc:
-            say(f"dsforge: not restarted: {_refusal_text(exc)}")
-            return code
-        except KeyboardInterrupt:  # between two attempts: nothing of the job runs
-            say("dsforge: interrupted before the restart")
-            return 130
+        with stop_on_signals(on_stop=asked.note):  # SIGTERM now must not kill dsforge outright
+            try:
+                job, go = _next_attempt(job, code, restarts, max_restarts, prepare, say, asked)
+            except _Over as over:
+                return code if over.code is None else over.code
+            except Stopped as stop:
+                name = signal.Signals(stop.signum).name
+                resumable = _has_checkpoint(job.directory)
+                say(f"dsforge: {name} received before the restart: not restarted" +
+                    (f"; resumable, exit code {EXIT_RESUMABLE}" if resumable else ""))
+                return EXIT_RESUMABLE if resumable else 128 + stop.signum
+            except KeyboardInterrupt:  # between two attempts: nothing of the job runs
+                say("dsforge: interrupted before the restart")
+                return 130
+
+
+class _Over(Exception):
+    """No restart: said already; `code` replaces the attempt's exit code when not None."""
+
+    def __init__(self, code: int | None = None):
+        super().__init__(code)
+        self.code = code
+
+
+def _next_attempt(job: JobSpec, code: int, restarts: list[dict], max_restarts: int,
+                  prepare: Callable[[JobSpec], Start], say: Say,
+                  asked: StopAsked) -> tuple[JobSpec, Start]:
+    """The restarted job and its start, or _Over with the reason said."""
+    from dsforge.ckpt.trust import CheckpointError
+
+    verdict = decide(code, job.directory, restarts, asked)
+    if verdict.retry and len(restarts) == max_restarts:
+        verdict = Verdict(False, f"--max-restarts {max_restarts} is used up; the last failure "
+                                 "is the one reported above")
+    if not verdict.retry:
+        say(f"dsforge: not restarted: {verdict.why}")
+        raise _Over()
+    try:
+        _wait_gone(job.directory)
+        return _restarted(job, verdict.cause, restarts, max_restarts, prepare, say)
+    except (Refused, BadOptions, CheckpointError, NotRestarted) as exc:
+        say(f"dsforge: not restarted: {_refusal_text(exc)}")
+        raise _Over() from None
+
+
+def _wait_gone(run_dir: RunDir, within_s: float = GONE_WITHIN_S) -> None:
+    """Until no process of the failed attempt runs on this machine (dsforge/lock.py finds them
+    by the run directory): a restart must not count their memory against the fit, or meet them
+    in the run directory. NotRestarted if they outlive `within_s`."""
+    deadline = time.monotonic() + within_s
+    while job_processes(run_dir.path):
+        if time.monotonic() > deadline:
+            raise NotRestarted(f"processes of the failed attempt still run after {within_s:.0f}s "
+                               f"(PIDs {', '.join(map(str, job_processes(run_dir.path)))})")
+        time.sleep(0.2)
+
+
+def _has_checkpoint(run_dir: RunDir) -> bool:
+    from dsforge.ckpt.trust import CheckpointError
+
+    try:
+        return newest_complete_step(run_dir) is not None
+    except CheckpointError:
+        return False
 
 
 def _restarted(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts: int,
@@ -152,7 +243,7 @@ def _restarted(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts:
     attempt's records set aside and the restart appended to `restarts`."""
     attempt = len(restarts) + 1
     after = newest_complete_step(job.directory)
-    record = restart_record(attempt, cause, after)
+    record = restart_record(attempt, cause, after, job.directory.next_attempt())
     following = dataclasses.replace(job, resume=after is not None, restarts=[*restarts, record],
                                     launched_at=time.time())
     go = prepare(following)

@@ -21,7 +21,7 @@ from dsforge.launch.commands import Placement, job_spec, launch_command, runner_
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.fit import (Machine, device_for, device_run_problems, fit_problems,
                                 rank_memory_bytes)
-from dsforge.launch.local import STOP_GRACE_S, free_port, run_job
+from dsforge.launch.local import STOP_GRACE_S, StopAsked, free_port, run_job
 from dsforge.launch.output import JobView
 from dsforge.launch.probe import build_facts, probe
 from dsforge.launch.refusal import Refused
@@ -168,12 +168,14 @@ def own_run_dir(given: Path | None, resolved: Resolved, *, resume: bool, joining
 
 def launch_and_watch(command: list[str], run_dir: RunDir, ranks: int, *, timeout: float | None,
                      verbose: bool, say: Say, stop_grace: float = STOP_GRACE_S,
-                     extra_env: dict[str, str] | None = None, srun: bool = False) -> int:
+                     extra_env: dict[str, str] | None = None, srun: bool = False,
+                     asked: StopAsked | None = None) -> int:
     """Run the job with dsforge's lines on the terminal and everything in RUN_DIR/job.log.
     Success is every one of its `ranks` reporting completion, not only the launcher's exit
     code (a launcher killed by a signal, or a cut remote command, can exit 0). Ranks that
     all stopped early with a checkpoint (a signal, train.time_limit) give EXIT_RESUMABLE.
-    `srun`: the command is srun (launch/slurm.py), with `extra_env` for its tasks."""
+    `srun`: the command is srun (launch/slurm.py), with `extra_env` for its tasks. `asked`
+    notes a stop somebody asked for (launch/local.StopAsked)."""
     env, dropped = runner_env(os.environ)
     env.update(extra_env or {})
     env[JOB_DIR_ENV] = str(run_dir.absolute())  # tags every local process of the job
@@ -186,7 +188,8 @@ def launch_and_watch(command: list[str], run_dir: RunDir, ranks: int, *, timeout
     view = JobView(verbose=verbose)
     try:
         code = run_job(command, timeout_s=timeout, env=env, log_path=log, on_line=view.feed,
-                       run_dir=run_dir, stop_grace_s=stop_grace, srun_ranks=ranks if srun else 0)
+                       run_dir=run_dir, stop_grace_s=stop_grace, srun_ranks=ranks if srun else 0,
+                       asked=asked)
     finally:
         view.close()
     accounted = len(view.done_ranks | set(view.stopped_ranks) | set(view.halted_ranks)) >= ranks

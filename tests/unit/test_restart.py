@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -276,3 +279,86 @@ def test_nothing_to_set_aside_makes_no_attempt(tmp_path):
     run_dir = RunDir(tmp_path)
     run_dir.metrics.write_text("x\n")  # a resume keeps the steps before its checkpoint
     assert set_aside(run_dir) is None and not run_dir.attempts.exists()
+
+
+def test_a_ranks_own_error_behind_its_aborted_peers_is_not_retried(tmp_path):
+    """NCCL's watchdog aborts the peers of a rank that raised: their supervisors record
+    "killed by SIGABRT", listed first, but the job is not worth starting again."""
+    run_dir = RunDir(tmp_path)
+    _record(run_dir, "killed", rank=1, message="killed by SIGABRT")
+    _record(run_dir, "oom", rank=0)
+    verdict = decide(1, run_dir, [])
+    assert not verdict.retry and verdict.cause.kind == "oom"
+
+
+def test_a_stop_somebody_asked_for_is_never_retried(tmp_path):
+    """A rank that fails while the job saves and stops on SIGTERM: its failure is not a reason
+    to start again."""
+    from dsforge.launch.local import StopAsked
+
+    run_dir = RunDir(tmp_path)
+    _record(run_dir, "collective")
+    asked = StopAsked()
+    asked.note(signal.SIGTERM)
+    asked.note(signal.SIGINT)  # the first one is kept
+    verdict = decide(1, run_dir, [], asked)
+    assert not verdict.retry and verdict.why == "SIGTERM asked dsforge to stop"
+
+
+def test_the_same_failure_with_other_ports_and_times_is_the_same(tmp_path):
+    run_dir = RunDir(tmp_path)
+    _record(run_dir, "collective", step=7, message="Read error [127.0.0.1]:44691 after 1200ms")
+    earlier = [{"kind": "collective", "step": 7, "message": "Read error [127.0.0.1]:39001 after 987ms"}]
+    assert not decide(1, run_dir, earlier).retry
+
+
+@pytest.mark.parametrize("checkpoint, code", [(False, 128 + signal.SIGTERM), (True, EXIT_RESUMABLE)])
+def test_a_stop_between_two_attempts_ends_the_job(tmp_path, checkpoint, code):
+    run_dir = RunDir(tmp_path)
+    if checkpoint:
+        fake_checkpoint(run_dir.path, step=3)
+    attempts = _Attempts(run_dir, [(1, "killed", 4)])
+    said = []
+
+    def signalled(job):  # SIGTERM while the restart is being checked (a preflight's seconds)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the restart")
+
+    job = _job(run_dir)
+    assert run_with_restarts(job, attempts.start(job), max_restarts=2, prepare=signalled,
+                             say=said.append) == code
+    assert "SIGTERM received before the restart: not restarted" in said[-1]
+    assert len(attempts.jobs) == 1
+
+
+def test_a_restart_waits_for_the_failed_attempts_processes(tmp_path):
+    import subprocess
+    import sys
+
+    from dsforge.launch.restart import NotRestarted, _wait_gone
+    from dsforge.lock import JOB_DIR_ENV
+
+    run_dir = RunDir(tmp_path)
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, JOB_DIR_ENV: str(run_dir.absolute())})
+    try:
+        time.sleep(0.3)  # its environment is readable once it runs
+        with pytest.raises(NotRestarted, match=f"still run after 1s .PIDs {left.pid}"):
+            _wait_gone(run_dir, within_s=1)
+    finally:
+        left.kill()
+        left.wait()
+    _wait_gone(run_dir, within_s=1)
+
+
+def test_timeout_counts_every_attempt():
+    from dsforge.launch.entry import _JobClock
+    from dsforge.launch.restart import NotRestarted
+
+    clock = _JobClock(0.2)
+    assert 0 < clock.left() <= 0.2
+    time.sleep(0.25)
+    with pytest.raises(NotRestarted, match="--timeout 0.2s is used up"):
+        clock.check()
+    _JobClock(None).check()

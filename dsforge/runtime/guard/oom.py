@@ -18,7 +18,10 @@ from typing import Any
 from dsforge.units import GiB, KiB, MiB
 
 # How torch says it ran out, when it is not its own exception class.
-_OOM_TEXT = ("CUDA out of memory", "CUDA error: out of memory")
+# cuBLAS's and NCCL's own words for a device that ran out (NCCL's "Cuda failure 'out of
+# memory'"), which must not pass for a failed kernel or collective (runtime/guard/record.py).
+_OOM_TEXT = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
+             "failure 'out of memory'")
 _REQUESTED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
 _UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": 1024 * GiB}
 

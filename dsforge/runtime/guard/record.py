@@ -34,8 +34,11 @@ def record_for(exc: BaseException, *, rank: int, step: int, detail: str) -> Fail
     if built is not None:
         return Failure(rank=rank, step=step, kind="build", message=message, detail=detail,
                        what=built.what, cause=built.cause, fix=built.fix)
-    return Failure(rank=rank, step=step, kind=_passing_kind(exc) or "exception", message=message,
-                   detail=detail)
+    try:
+        kind = _passing_kind(exc) or "exception"
+    except Exception:  # as above: the record itself matters more
+        kind = "exception"
+    return Failure(rank=rank, step=step, kind=kind, message=message, detail=detail)
 
 
 # What a collective's failure says when torch raises it as a plain RuntimeError: gloo's
@@ -51,15 +54,18 @@ def _passing_kind(exc: BaseException) -> str | None:
     running again would only repeat)."""
     import torch
 
+    # Both are RuntimeErrors in the torch versions that have them (AcceleratorError: 2.8).
+    dist_error = getattr(torch.distributed, "DistError", ())
+    accelerator_error = getattr(torch, "AcceleratorError", ())
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         text = str(current)
-        if isinstance(current, torch.distributed.DistError) or \
+        if isinstance(current, dist_error) or \
                 (isinstance(current, RuntimeError) and _COLLECTIVE_TEXT.search(text)):
             return "collective"
-        if isinstance(current, torch.AcceleratorError) or \
+        if isinstance(current, accelerator_error) or \
                 (isinstance(current, RuntimeError) and _DEVICE_TEXT.search(text)):
             return "device"
         current = current.__cause__ or current.__context__
