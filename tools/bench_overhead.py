@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from dsforge.job.metrics_file import read_metrics
+from dsforge.job.run_dir import RunDir
 from dsforge.launch.local import free_port, run_job
 from dsforge.runtime.rank import threads_per_rank
 
@@ -58,7 +59,7 @@ def run_dsforge(work: Path, overrides: list[str], steps: int, timeout_s: float) 
     for item in overrides:
         command += ["--set", item]
     run_group(command, work / "dsforge.log", timeout_s)
-    records, _ = read_metrics(run_dir / "metrics.jsonl")
+    records, _ = read_metrics(RunDir(run_dir).metrics)
     return [r["ended_at"] for r in records]
 
 

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from dsforge.job.metrics_file import PHASES, read_metrics
+from dsforge.job.run_dir import RunDir
 
 PHASES_SHOWN = [p for p in PHASES if p != "data"]
 
@@ -35,7 +36,7 @@ def run_side(tree: Path, run_args: list[str], run_dir: Path) -> list[dict]:
                           cwd=run_dir.parent)
     if done.returncode != 0:
         raise SystemExit(f"{tree}: dsforge run exited {done.returncode}:\n{done.stderr[-2000:]}")
-    return [r for r in read_metrics(run_dir / "metrics.jsonl")[0] if not r["warmup"]]
+    return [r for r in read_metrics(RunDir(run_dir).metrics)[0] if not r["warmup"]]
 
 
 def summary(repeats: list[list[dict]]) -> dict:

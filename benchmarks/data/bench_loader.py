@@ -77,6 +77,7 @@ def blend_override(a: Path, b: Path) -> str:
 
 def train(work: Path, a: Path, b: Path, steps: int, run: int) -> dict:
     from dsforge.job.metrics_file import read_metrics
+    from dsforge.job.run_dir import RunDir
 
     run_dir = work / f"run-{run}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -87,7 +88,7 @@ def train(work: Path, a: Path, b: Path, steps: int, run: int) -> dict:
                    "--run-dir", str(run_dir))
     wall = time.perf_counter() - started
     after = loadavg()
-    records, validations = read_metrics(run_dir / "metrics.jsonl")
+    records, validations = read_metrics(RunDir(run_dir).metrics)
     measured = [r for r in records if not r["warmup"]]
     shares = [r["data_time_s"] / r["step_time_s"] for r in measured]
     data_line = next((line for line in (done.stdout + done.stderr).splitlines()

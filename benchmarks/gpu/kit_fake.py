@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dsforge.hardware import gpu_by_key
 from dsforge.job.metrics_file import PHASES
+from dsforge.job.run_dir import RunDir
 from dsforge.units import GiB
 from kit_plan import CALIBRATED, RunSpec, Step, StudySpec, prediction, resolve_run, write_study
 from kit_results import GPU_RUNS, shape
@@ -171,17 +172,17 @@ def _fake_run(spec: RunSpec, work: Path, gpu: str) -> dict:
     resolved = resolve_run(spec, gpu)
     predicted = prediction(resolved)
     allocated = int(FAKE_ALLOCATED_SHARE * predicted["memory_bytes"]["total"])
-    run_dir = work / "runs" / spec.label
-    run_dir.mkdir(parents=True, exist_ok=True)
-    writer = MetricsWriter(run_dir / "metrics.jsonl")
+    run_dir = RunDir(work / "runs" / spec.label)
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    writer = MetricsWriter(run_dir.metrics)
     tokens = resolved.layout.global_batch * resolved.recipe.train.seq_len
     for record in _fake_records(predicted, tokens, gpu_by_key(gpu).peak_bf16_flops, allocated,
                                 resolved.recipe.train):
         writer.write(record)
-    _write(run_dir / "summary.json", {**writer.summary(), "startup_s": dict(FAKE_STARTUP_S)})
-    _write(run_dir / "ranks" / "rank00000.json", {"rank": 0, "peak_memory_bytes": allocated,
-                                                   "memory_source": "FAKE"})
-    _write(run_dir / "manifest.json", _fake_manifest(gpu))
+    _write(run_dir.summary, {**writer.summary(), "startup_s": dict(FAKE_STARTUP_S)})
+    _write(run_dir.rank_summary(0), {"rank": 0, "peak_memory_bytes": allocated,
+                                     "memory_source": "FAKE"})
+    _write(run_dir.manifest, _fake_manifest(gpu))
     return {"status": "fake", "smi_peak_bytes": allocated + GiB}
 
 
@@ -240,7 +241,7 @@ def _fake_tests(work: Path) -> None:
     ET.ElementTree(root).write(work / "gpu-tests.xml")
     for name, offset in (("fp32", 0.0), ("torch", 0.01), ("default", 0.012)):
         lines = [json.dumps({"step": i, "loss": 6.0 - 0.04 * i + offset}) for i in range(30)]
-        path = work / GPU_RUNS / name / "metrics.jsonl"
+        path = RunDir(work / GPU_RUNS / name).metrics
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
 

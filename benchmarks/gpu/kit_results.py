@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dsforge.hardware import gpu_for_device_name
 from dsforge.job.metrics_file import PHASES, is_validation
+from dsforge.job.run_dir import RunDir
 from dsforge.units import GiB
 import kit_peers
 from kit_plan import (CALIBRATED, LOOP_TOP, MEASUREMENTS, PREDICTED_SPEEDUP, RunSpec, Step,
@@ -95,11 +96,11 @@ def provenance(manifest: dict) -> dict:
 def run_row(spec: RunSpec, record: dict, work: Path, gpu: str) -> dict:
     """One `dsforge run`: measured figures next to the prediction and both MFUs. A run without
     its manifest.json gives no figures (issue 39: none without the record of what ran)."""
-    run_dir = work / "runs" / spec.label
+    run_dir = RunDir(work / "runs" / spec.label)
     plan = read_json(work / "plans" / f"{spec.label}.json") or {}
-    summary = read_json(run_dir / "summary.json")
-    rank = read_json(run_dir / "ranks" / "rank00000.json") or {}
-    manifest = read_json(run_dir / "manifest.json")
+    summary = read_json(run_dir.summary)
+    rank = read_json(run_dir.rank_summary(0)) or {}
+    manifest = read_json(run_dir.manifest)
     device = ((manifest or {}).get("device") or {}).get("name")
     row = {"label": spec.label, "status": record.get("status"), "seconds": record.get("seconds"),
            "note": record.get("note"), "device": device, "shrunk": spec.shrunk,
@@ -116,7 +117,7 @@ def run_row(spec: RunSpec, record: dict, work: Path, gpu: str) -> dict:
         per_gpu = summary["median_tokens_per_s_per_gpu"]
         # KempnerForge's formula is for dense models: no figure for an MoE.
         kf = None if recipe.model.moe else kempnerforge_flops_per_token(recipe.model, recipe.train.seq_len)
-        steps = step_records(run_dir / "metrics.jsonl")
+        steps = step_records(run_dir.metrics)
         hfus = [r["hfu"] for r in steps if not r["warmup"] and r["hfu"]]
         row.update(losses(steps), measured_steps=sum(1 for r in steps if not r["warmup"]))
         row.update(step_s=summary["median_step_time_s"], tokens_per_s_per_gpu=per_gpu,
@@ -140,7 +141,7 @@ def junit_counts(path: Path) -> dict | None:
 
 
 def _gpu_test_losses(work: Path, name: str) -> list[float]:
-    return [r["loss"] for r in step_records(work / GPU_RUNS / name / "metrics.jsonl")]
+    return [r["loss"] for r in step_records(RunDir(work / GPU_RUNS / name).metrics)]
 
 
 def precision_row(work: Path) -> dict | None:
