@@ -283,3 +283,25 @@ def test_the_cost_model_needs_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+# Where a user names a run directory, or a rank reads it from its job word: the only places
+# in the package that make a RunDir from a path (issue 41). Every other function takes one.
+RUN_DIR_MADE_IN = {"job/run_dir.py", "job/word.py", "launch/entry.py", "hf/export.py",
+                   "bench/run.py"}
+
+
+def test_the_run_directory_travels_as_a_value():
+    """A signature says which directory it means: `run_dir: RunDir`, never a bare Path (but
+    for the --run-dir options a user gives), and RunDir(path) only where a directory is named."""
+    import re
+
+    package = REPO / "dsforge"
+    made = {str(p.relative_to(package)) for p in package.rglob("*.py")
+            if re.search(r"\bRunDir\(", p.read_text())}
+    assert made <= RUN_DIR_MADE_IN, made - RUN_DIR_MADE_IN
+    # The options' --run-dir (RunOptions, sbatch) and the texts that carry its path: the job
+    # word's field and the batch script's.
+    bare = {str(p.relative_to(package)) for p in package.rglob("*.py")
+            if re.search(r"\brun_dir: (Path|str)\b", p.read_text())}
+    assert bare == {"launch/entry.py", "launch/sbatch.py", "job/word.py", "launch/slurm.py"}, bare
