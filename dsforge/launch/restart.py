@@ -10,14 +10,16 @@ out-of-memory, training that went bad (non-finite), a stop asked for (Ctrl-C, SI
 SIGHUP: a preemption still ends with 75 for the scheduler's requeue), `--timeout`, and the same
 failure at the same step as an earlier attempt's.
 
-A restart sets the failed attempt's records aside (RUN_DIR/attempts/N, job/run_dir.set_aside:
-its failures, heartbeats and pid files, so the next attempt's are its own) and starts the same job word again with
-`resume` from the newest complete checkpoint, exactly as `--resume` would (same layout: the
-losses equal an uninterrupted run's), or from the start in the same run directory when no
-checkpoint was complete (then everything the attempt wrote moves aside). The job word keeps its
-`started_at`, so train.time_limit counts from the first start, and this process keeps the run
-directory's lock throughout. Before each restart the caller checks again that the job fits
-(`prepare`): a machine that lost a GPU, or a host the preflight cannot reach, refuses it.
+A restart waits for the failed attempt's processes on this machine to be gone, sets its
+records aside (RUN_DIR/attempts/N, job/run_dir.set_aside: its failures, heartbeats and pid
+files, so the next attempt's are its own) and starts the same job word again with `resume`
+from the newest complete checkpoint, exactly as `--resume` would (same layout: the losses equal
+an uninterrupted run's), or from the start in the same run directory when no checkpoint was
+complete (then everything the attempt wrote moves aside). The job word keeps its `started_at`,
+so train.time_limit counts from the first start, and this process keeps the run directory's
+lock throughout. Before each restart the caller checks again that the job fits (`prepare`): a
+machine that lost a GPU, or a host the preflight cannot reach, refuses it. A stop signal while
+that happens ends the job instead.
 """
 
 from __future__ import annotations
