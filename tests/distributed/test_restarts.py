@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from dsforge.job.metrics_file import read_metrics
 from dsforge.job.run_dir import RunDir
 from tests.conftest import REPO
@@ -81,16 +83,26 @@ def run_killing(run_dir: RunDir, kills: list[tuple[int, int]], max_restarts: int
     return proc.returncode, stderr
 
 
-def test_a_killed_rank_comes_back_and_trains_on_exactly(tmp_path):
-    reference = RunDir(tmp_path / "reference")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    reference = RunDir(tmp_path_factory.mktemp("reference") / "run")
     done = dsforge("run", TINY, *RUN, "--run-dir", str(reference), timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
+    return losses(reference)
+
+
+@pytest.mark.parametrize("saving, where", [
+    ([], "from the checkpoint after step"),
+    (["--set", "train.checkpoint_every=0"], "from the start"),  # no checkpoint to resume
+])
+def test_a_killed_rank_comes_back_and_trains_on_exactly(uninterrupted, tmp_path, saving, where):
     run_dir = RunDir(tmp_path / "run")
-    code, stderr = run_killing(run_dir, [(1, 4)], max_restarts=2)
+    code, stderr = run_killing(run_dir, [(1, 4)], max_restarts=2, extra=tuple(saving))
     assert code == 0, stderr[-4000:]
-    assert "dsforge: restarting (1 of 2) from the checkpoint after step" in stderr
+    assert f"dsforge: restarting (1 of 2) {where}" in stderr
     assert "finished after 1 restart" in stderr
-    assert losses(run_dir) == losses(reference)  # every step, bit for bit
+    assert losses(run_dir) == uninterrupted  # bit for bit
+    assert len(read_metrics(run_dir.metrics)[0]) == len(uninterrupted)  # every step once
     summary = json.loads(run_dir.summary.read_text())
     assert summary["restarts"] == 1
     cause = summary["restart_causes"][0]
