@@ -1,18 +1,19 @@
 """One structured record per failing rank: RUN_DIR/failures/rankNNNNN.json.
 
-A rank that fails writes what happened (rank, step, kind, message, traceback) before it
-exits; `dsforge run` prints the first one and `dsforge bench` classifies a cell by it, so
-neither has to read meaning into the text a rank printed. Kinds: "exception", "build" (it died
-building a DeepSpeed op, a Triton kernel or a torch.compile graph: `what`, `cause` and `fix`
-say which, why and what to change, runtime/guard/build_failure.py), "oom" (an out-of-memory error
-the rank caught; `memory` holds what it measured), "collective" (a collective or the connection
-to its peers failed: an NCCL or gloo error, a lost peer, the rendezvous store), "device" (a CUDA
-error other than out-of-memory: an illegal access, an ECC error, a lost GPU), "hang" (its watchdog ended a step that made
-no progress), "killed" (ended by a signal without a word) and "stopped" (stopped from outside,
-SIGSTOP or SIGTSTP, and ended while stopped; `time` is when it stopped), both written by its
-supervisor, runtime/guard/supervise.py; "nonfinite": the ranks stopped together because the
-training went bad (a non-finite loss or gradient, a loss spike with train.on_spike: stop,
-non-finite weights before a save), written once, by rank 0, with the report as its detail.
+A rank that fails writes what happened (rank, step, kind, message, traceback) before it exits;
+`dsforge run` prints the first one and `dsforge bench` classifies a cell by it, so neither has
+to read meaning into the text a rank printed. Kinds: "exception", "build" (it died building a
+DeepSpeed op, a Triton kernel or a torch.compile graph: `what`, `cause` and `fix` say which, why
+and what to change, runtime/guard/build_failure.py), "oom" (an out-of-memory error the rank
+caught; `memory` holds what it measured), "collective" (a collective or the connection to its
+peers failed: an NCCL or gloo error, a lost peer, the rendezvous store), "device" (a CUDA error
+other than out-of-memory: an illegal access, an ECC error, a lost GPU), "hang" (its watchdog
+ended a step that made no progress), "killed" (ended by a signal without a word) and "stopped"
+(stopped from outside, SIGSTOP or SIGTSTP, and ended while stopped; `time` is when it stopped),
+both written by its supervisor, runtime/guard/supervise.py; "nonfinite": the ranks stopped
+together because the training went bad (a non-finite loss or gradient, a loss spike with
+train.on_spike: stop, non-finite weights before a save), written once, by rank 0, with the
+report as its detail.
 """
 
 from __future__ import annotations
