@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.params import count_params
+from kit_format import num, pct
 from kit_plan import Measurement, PeerSpec, RunSpec, peer_paths, resolve_run
 
 PRECISION = "bf16 (fp32 weights and Adam states)"
@@ -130,17 +131,9 @@ def render(peer_rows: list[dict]) -> str:
             if r.get("first_loss") is not None and r.get("last_loss") is not None else "-"
         lines.append(f"| {r['model']}, seq {r['seq_len']}, {r['global_batch_tokens']:,} tokens a "
                      f"step | {r['framework']} | {settings} | {r.get('measured_steps') or '-'} "
-                     f"| {_num(mine)} | {_pct(r.get('mfu'))} | {ratio} | {loss} | {r.get('status')} |")
+                     f"| {num(mine)} | {pct(r.get('mfu'))} | {ratio} | {loss} | {r.get('status')} |")
     return ("### dsforge and a peer on the same job (peers.json; MFU by dsforge's formula for "
             "every row; the same corpus and tokenizer, sample order not shared)\n" + "\n".join(lines))
-
-
-def _num(value) -> str:
-    return f"{value:,.0f}" if value is not None else "-"
-
-
-def _pct(value) -> str:
-    return f"{value:.1%}" if value is not None else "-"
 
 
 def chart(peer_rows: list[dict], path: Path) -> Path | None:

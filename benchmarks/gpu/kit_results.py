@@ -29,6 +29,8 @@ from dsforge.job.metrics_file import PHASES, is_validation
 from dsforge.job.run_dir import RunDir
 from dsforge.units import GiB
 import kit_peers
+from kit_format import num as _num
+from kit_format import pct
 from kit_plan import (CALIBRATED, LOOP_TOP, MEASUREMENTS, PREDICTED_SPEEDUP, RunSpec, Step,
                       StudySpec, resolve_run)
 from kit_wheels import dsforge_version
@@ -264,11 +266,7 @@ def _gib(value) -> str:
 
 
 def _pct(value) -> str:
-    return f"{value:.1%}" if value is not None else "n/a"
-
-
-def _num(value, fmt: str = ",.0f") -> str:
-    return format(value, fmt) if value is not None else "-"
+    return pct(value, missing="n/a")
 
 
 def _ratio(a, b) -> str:
