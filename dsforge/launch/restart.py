@@ -176,8 +176,8 @@ def run_with_restarts(job: JobSpec, first: Start, *, max_restarts: int,
         with stop_on_signals(on_stop=asked.note):  # SIGTERM now must not kill dsforge outright
             try:
                 job, go = _next_attempt(job, code, restarts, max_restarts, prepare, say, asked)
-            except _Over as over:
-                return code if over.code is None else over.code
+            except _Over:
+                return code
             except Stopped as stop:
                 name = signal.Signals(stop.signum).name
                 resumable = _has_checkpoint(job.directory)
@@ -190,11 +190,7 @@ def run_with_restarts(job: JobSpec, first: Start, *, max_restarts: int,
 
 
 class _Over(Exception):
-    """No restart: said already; `code` replaces the attempt's exit code when not None."""
-
-    def __init__(self, code: int | None = None):
-        super().__init__(code)
-        self.code = code
+    """No restart, and the reason is said: the job ends with the failed attempt's code."""
 
 
 def _next_attempt(job: JobSpec, code: int, restarts: list[dict], max_restarts: int,
