@@ -15,6 +15,9 @@ from dsforge.schema import ModelConfig, TrainConfig, ZeroConfig
 from dsforge.translate.device import check_device
 from dsforge.translate.optimizer import optimizer_section
 
+# The type name of dsforge's own linear-decay schedule (not one of DeepSpeed's classes).
+LINEAR_DECAY = "WarmupLinearDecayLR"
+
 # dsforge prints its own progress; keep DeepSpeed's per-step log out of the way.
 _STEPS_PER_PRINT = 1_000_000
 
@@ -35,8 +38,10 @@ def deepspeed_config(*, model: ModelConfig, train: TrainConfig, zero: ZeroConfig
         "wall_clock_breakdown": False,
         "zero_optimization": zero_section(zero, reduce_bucket_elements(model, layout, zero.stage)),
         "optimizer": optimizer_section(train=train, zero=zero, device=device),
-        "scheduler": scheduler_section(train),
     }
+    schedule = scheduler_section(train)
+    if schedule["type"] != LINEAR_DECAY:  # DeepSpeed builds the ones it has a class for
+        config["scheduler"] = schedule
     if layout.pp > 1:
         # Megatron-Core's schedule runs the backward passes, not engine.backward(); step() is
         # then the accumulation boundary that reduces, clips and updates.
@@ -76,12 +81,20 @@ def zero_section(zero: ZeroConfig, bucket_elements: int) -> dict[str, Any]:
 
 
 def scheduler_section(train: TrainConfig) -> dict[str, Any]:
-    """DeepSpeed's warmup schedulers: linear warmup, then cosine / linear / no decay.
+    """The learning-rate schedule: linear warmup, then cosine / linear / no decay.
 
-    DeepSpeed warms up over at least 2 steps (it raises 0 and 1 to 2), so "no warmup" is
-    expressed as a warmup that starts at the peak (rule R2 rejects warmup_steps: 1). The decay
-    ends at train.schedule_steps; past it the rate stays at its end.
+    DeepSpeed's warmup schedulers warm up over at least 2 steps (they raise 0 and 1 to 2), so
+    "no warmup" is expressed as a warmup that starts at the peak (rule R2 rejects
+    warmup_steps: 1). The decay ends at train.schedule_steps; past it the rate stays at its
+    end: min_lr_ratio x lr for cosine and linear. Linear decay is dsforge's own class
+    (runtime/assemble/schedule.py, the type `WarmupLinearDecayLR`): DeepSpeed's WarmupDecayLR
+    decays toward its warmup's start and knows no floor. `deepspeed_config` leaves it out of
+    DeepSpeed's config; the rank hands it to deepspeed.initialize.
     """
+    if train.lr_decay == "linear":
+        return {"type": LINEAR_DECAY, "params": {
+            "peak_lr": train.lr, "end_lr": train.min_lr_ratio * train.lr,
+            "warmup_num_steps": train.warmup_steps, "total_num_steps": train.schedule_steps}}
     warmup = max(train.warmup_steps, 1)
     start_ratio = 0.0 if train.warmup_steps else 1.0
     if train.lr_decay == "cosine":
@@ -89,9 +102,6 @@ def scheduler_section(train: TrainConfig) -> dict[str, Any]:
             "total_num_steps": train.schedule_steps, "warmup_num_steps": warmup,
             "warmup_min_ratio": start_ratio, "cos_min_ratio": train.min_lr_ratio,
             "warmup_type": "linear"}}
-    params = {"warmup_min_lr": start_ratio * train.lr, "warmup_max_lr": train.lr,
-              "warmup_num_steps": warmup, "warmup_type": "linear"}
-    if train.lr_decay == "linear":
-        return {"type": "WarmupDecayLR",
-                "params": {**params, "total_num_steps": train.schedule_steps}}
-    return {"type": "WarmupLR", "params": params}
+    return {"type": "WarmupLR", "params": {
+        "warmup_min_lr": start_ratio * train.lr, "warmup_max_lr": train.lr,
+        "warmup_num_steps": warmup, "warmup_type": "linear"}}

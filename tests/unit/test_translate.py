@@ -129,23 +129,30 @@ def test_scheduler_without_warmup_starts_at_the_peak():
     assert section["type"] == "WarmupCosineLR" and section["params"]["warmup_min_ratio"] == 1.0
 
 
-def _rates(*overrides: str) -> list[float]:
+def _rates(*overrides: str, steps: int | None = None) -> list[float]:
     """The rate of each step, as DeepSpeed's engine runs the translated scheduler: built (from
-    DeepSpeed's own class of the section's type), started by dsforge, stepped after each step."""
+    DeepSpeed's own class of the section's type, or dsforge's where DeepSpeed has none),
+    started by dsforge, stepped after each step; `steps` past train.steps if given."""
     import torch
     from deepspeed.runtime import lr_schedules
 
     from dsforge.runtime.assemble.engine import start_schedule
+    from dsforge.runtime.assemble.schedule import make_scheduler
+    from dsforge.translate.deepspeed_config import scheduler_section
 
     train = make_recipe(*overrides).train
     resolved = resolve(make_recipe(*overrides), Topology(world_size=8))
-    section = deepspeed_config(model=resolved.recipe.model, train=train, zero=resolved.recipe.zero,
-                               layout=resolved.layout, device="cuda")["scheduler"]
+    config = deepspeed_config(model=resolved.recipe.model, train=train, zero=resolved.recipe.zero,
+                              layout=resolved.layout, device="cuda")
+    section = scheduler_section(train)
+    own = make_scheduler(section)
+    assert (own is None) == (config.get("scheduler") == section)  # DeepSpeed builds it, or dsforge
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=train.lr)
-    scheduler = getattr(lr_schedules, section["type"])(optimizer, **section["params"])
+    scheduler = own(optimizer) if own else \
+        getattr(lr_schedules, section["type"])(optimizer, **section["params"])
     start_schedule(scheduler)
     rates = []
-    for _ in range(train.steps):
+    for _ in range(steps or train.steps):
         rates.append(optimizer.param_groups[0]["lr"])
         scheduler.step()
     return rates
@@ -161,6 +168,37 @@ def test_step_k_of_the_warmup_runs_k_over_warmup_of_the_peak(decay):
     assert rates[4] == pytest.approx(1.0, abs=0.1) and rates[4] > rates[3]
     assert _rates("train.steps=10", "train.warmup_steps=0", "train.lr=1.0",
                   f"train.lr_decay={decay}")[0] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("warmup", [0, 4])
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_every_decay_falls_to_min_lr_ratio_with_and_without_warmup(decay, warmup):
+    """After the warmup (or from step 2 without one: DeepSpeed's cosine holds the peak two
+    steps) the rate falls every step to min_lr_ratio x lr at the schedule's end, and stays
+    there past it (lr_decay_steps shorter than the run). DeepSpeed's WarmupDecayLR, which
+    linear used, never decayed without a warmup and decayed to 0 with one."""
+    rates = _rates("train.steps=20", f"train.warmup_steps={warmup}", "train.lr=1.0",
+                   f"train.lr_decay={decay}", "train.min_lr_ratio=0.2", "train.lr_decay_steps=12")
+    decaying = rates[max(warmup, 2):12]
+    assert all(later < earlier for earlier, later in zip(decaying, decaying[1:])), rates
+    assert rates[12:] == pytest.approx([0.2] * 8), rates
+    assert max(rates) == pytest.approx(1.0, abs=0.1)
+
+
+def test_linear_decay_is_a_straight_line_from_the_peak_to_the_floor():
+    """Megatron-LM's linear decay: the peak at step warmup_steps, min_lr_ratio x lr at step
+    lr_decay_steps, equal steps down between them."""
+    rates = _rates("train.steps=10", "train.warmup_steps=2", "train.lr=1.0", "train.lr_decay=linear",
+                   "train.min_lr_ratio=0.1")
+    assert rates == pytest.approx([0.0, 0.5, 1.0, 0.8875, 0.775, 0.6625, 0.55, 0.4375, 0.325, 0.2125])
+    no_warmup = _rates("train.steps=10", "train.warmup_steps=0", "train.lr=1.0",
+                       "train.lr_decay=linear", "train.min_lr_ratio=0.0")
+    assert no_warmup == pytest.approx([1.0 - k / 10 for k in range(10)])
+
+
+def test_constant_stays_at_the_peak():
+    assert _rates("train.steps=6", "train.warmup_steps=0", "train.lr=1.0",
+                  "train.lr_decay=constant") == pytest.approx([1.0] * 6)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])

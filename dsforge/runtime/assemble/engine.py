@@ -23,8 +23,9 @@ from dsforge.runtime.assemble.init import init_from_hugging_face, init_layout_in
 from dsforge.runtime.assemble.kernels import loadable
 from dsforge.runtime.assemble.model import build_model_chunks
 from dsforge.runtime.assemble.moe_glue import deepspeed_sees_megatron_moe, register_experts
+from dsforge.runtime.assemble.schedule import make_scheduler
 from dsforge.runtime.startup import StartupClock
-from dsforge.translate.deepspeed_config import deepspeed_config
+from dsforge.translate.deepspeed_config import deepspeed_config, scheduler_section
 from dsforge.translate.experts import ExpertsChoice, choose_experts
 from dsforge.translate.kernels import KernelChoice, choose_kernels, liger_installed
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
@@ -71,7 +72,8 @@ def build_rank(resolved: Resolved, *, device: torch.device, backend: str,
     recipe = resolved.recipe
     ds_config = deepspeed_config(model=recipe.model, train=recipe.train, zero=recipe.zero,
                                  layout=resolved.layout, device=device.type)
-    engine = initialize_deepspeed(container, ds_config, has_experts)
+    engine = initialize_deepspeed(container, ds_config, has_experts,
+                                  lr_scheduler=make_scheduler(scheduler_section(recipe.train)))
     startup.mark("engine")
     return RankParts(chunks=list(container.chunks), engine=engine, kernels=kernels,
                      experts=experts)
@@ -214,13 +216,16 @@ def attach_gradient_hooks(container: ModelChunks) -> bool:
     return register_experts(container)
 
 
-def initialize_deepspeed(container: ModelChunks, ds_config: dict[str, Any], has_experts: bool):
+def initialize_deepspeed(container: ModelChunks, ds_config: dict[str, Any], has_experts: bool,
+                         lr_scheduler=None):
+    """`lr_scheduler`: a schedule DeepSpeed's config cannot name (schedule.py), else None."""
     import deepspeed
 
     with deepspeed_sees_megatron_moe() if has_experts else contextlib.nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=container,
                                                model_parameters=list(container.parameters()),
-                                               config=ds_config, mpu=MegatronMPU())
+                                               config=ds_config, mpu=MegatronMPU(),
+                                               lr_scheduler=lr_scheduler)
     _guard_fp32_zero0_steps(engine, has_experts)
     _count_replicated_grads_once_per_stage(engine)
     start_schedule(engine.lr_scheduler)
