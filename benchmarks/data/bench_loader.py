@@ -93,6 +93,9 @@ def train(work: Path, a: Path, b: Path, steps: int, run: int) -> dict:
     shares = [r["data_time_s"] / r["step_time_s"] for r in measured]
     data_line = next((line for line in (done.stdout + done.stderr).splitlines()
                       if line.startswith("dsforge: data:")), "")
+    # The line names the index cache inside WORK, a scratch folder of this machine: the
+    # record says <work> instead, as the GPU kit's records do.
+    data_line = data_line.replace(str(work), "<work>")
     return {"run": run, "steps": len(records), "measured_steps": len(measured),
             "validations": len(validations),
             "share_median": statistics.median(shares), "share_p90": quantile(shares, 0.9),

@@ -58,7 +58,7 @@ import kit_wheels
 from dsforge.units import GiB
 from kit_plan import CALL_BUDGET_S, MEASUREMENTS, PLANNED_GPUS, SELECTIONS, Context, Step
 
-DEFAULT_WORK = Path("/tmp/dsforge-gpu-kit")
+DEFAULT_WORK = Path(kit_records.DEFAULT_WORK)
 EXTENSION_CACHE = kit_wheels.WHEELS / "cache" / "torch_extensions.tar.gz"
 RETURN_FILE_LIMIT = 16 * 1024**2  # the device tool's limit per returned file
 SAMPLED = ("pytest", "run", "bench", "adam")  # steps whose peak GPU memory nvidia-smi records

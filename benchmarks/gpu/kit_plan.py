@@ -24,6 +24,7 @@ from dsforge.hardware import gpu_by_key
 from dsforge.recipe import Resolved, resolve_file
 from dsforge.translate.kernels import choose_kernels
 from dsforge.units import GiB
+from kit_records import DEFAULT_WORK
 from kit_wheels import REPO, WHEELS, dsforge_version, read_pins
 
 PLANNED_GPUS = ("h100", "h200")  # the kinds the device tool lends
@@ -723,7 +724,7 @@ def study_steps(spec: StudySpec, measurement: str, ctx: Context) -> list[Step]:
 
 
 def selection_steps(selection: str, gpu: str, python: str = "python3") -> list[Step]:
-    ctx = Context(gpu=gpu, python=python, work=Path("/tmp/dsforge-gpu-kit"))
+    ctx = Context(gpu=gpu, python=python, work=Path(DEFAULT_WORK))
     return steps(select([selection]), ctx)
 
 

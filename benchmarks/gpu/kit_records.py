@@ -3,6 +3,7 @@
 
     python3 benchmarks/gpu/kit_records.py pack FOLDER...   # a results folder, in place
     python3 benchmarks/gpu/kit_records.py scrub FILE...    # machine paths written as placeholders
+                                                           # (a text file or a SQLite database)
 
 A packed results folder (benchmarks/gpu/results/<date>-<gpu>/) keeps as files: every .md
 (README.md, table.md, bench reports), results.json, peers.json, the charts (*.png), the
@@ -15,8 +16,8 @@ kit-files.tar.gz (the kit's work folder as kit.py archived it before pack_out) i
 
 
 Machine paths (the checkout, the home folder, the kit's scratch folder, the device tool's out
-folder) are written as `<checkout>`, `<home>`, `<work>` and `<out>` in the text of both, so a
-record names no one's machine. The archive is deterministic (sorted names, mtime 0, owner 0),
+folder) are written as `<checkout>`, `<home>`, `<work>` and `<out>` in the text of both, and
+in the text values of a SQLite database (a bench results.db), so a record names no one's machine. The archive is deterministic (sorted names, mtime 0, owner 0),
 and packing a packed folder changes nothing, so a repack does not churn git.
 
 Stdlib only: kit.py calls pack_out on the GPU machine, where nothing of the kit is installed yet.
@@ -31,15 +32,18 @@ import gzip
 import io
 import os
 import re
+import sqlite3
 import sys
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 REPO = Path(__file__).resolve().parents[2]
 ARCHIVE = "records.tar.gz"
 OLD_ARCHIVE = "kit-files.tar.gz"  # the kit's work folder as kit.py archived it before pack_out
-DEFAULT_WORK = "/tmp/dsforge-gpu-kit"  # kit.py's DEFAULT_WORK
+# The kit's scratch folder on the GPU machine (kit.py --work's default): the one place that names it.
+DEFAULT_WORK = "/tmp/dsforge-gpu-kit"
 DEFAULT_OUT = "/root/out"  # the device tool's $OUT in the records of 2026-11
 RUN_FILES = ("summary.json", "manifest.json", "recipe.yaml", "metrics.jsonl",
              "anomalies.jsonl", "result.json")  # dsforge/job/run_dir.py's names
@@ -101,13 +105,78 @@ def _as_text(data: bytes) -> str | None:
         return None
 
 
+SQLITE_HEADER = b"SQLite format 3\0"
+
+
+def is_database(data: bytes) -> bool:
+    return data.startswith(SQLITE_HEADER)
+
+
+def table_columns(connection: sqlite3.Connection) -> list[tuple[str, str]]:
+    """(table, column) of every column of every table of the database."""
+    tables = [row[0] for row in connection.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
+    return [(table, row[1]) for table in tables
+            for row in connection.execute(f'PRAGMA table_info("{table}")')]
+
+
+def scrub_database(path: Path, places: Places) -> bool:
+    """Rewrites the text values of a SQLite database in place where they name a machine path;
+    True if any changed. The file is vacuumed after a change, so no page keeps the old text,
+    and left byte for byte as it was where nothing changed (a repack does not churn git)."""
+    connection = sqlite3.connect(path)
+    try:
+        changed = _scrub_values(connection, places)
+    except sqlite3.DatabaseError:  # not one sqlite reads (a truncated copy): as any binary file
+        changed = 0
+    finally:
+        connection.close()
+    return changed > 0
+
+
+def _scrub_values(connection: sqlite3.Connection, places: Places) -> int:
+    """Scrubs every text value in place; the number of values changed."""
+    changed = 0
+    for table, column in table_columns(connection):
+        values = [row[0] for row in connection.execute(
+            f'SELECT DISTINCT "{column}" FROM "{table}" WHERE typeof("{column}") = \'text\'')]
+        for value in values:
+            scrubbed = scrub(value, places)
+            if scrubbed != value:
+                connection.execute(f'UPDATE "{table}" SET "{column}" = ? WHERE "{column}" = ?',
+                                   (scrubbed, value))
+                changed += 1
+    if changed:
+        connection.commit()
+        connection.execute("VACUUM")
+        # A WAL database keeps the vacuumed pages in its -wal file until a checkpoint.
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return changed
+
+
+def _scrub_database_bytes(data: bytes, places: Places) -> bytes:
+    """A database held in memory (an archive's member), scrubbed through a scratch file."""
+    with tempfile.TemporaryDirectory(prefix="kit-records-") as folder:
+        path = Path(folder) / "records.db"
+        path.write_bytes(data)
+        return path.read_bytes() if scrub_database(path, places) else data
+
+
 def scrub_bytes(data: bytes, places: Places) -> bytes:
+    """A file's bytes with its machine paths written as placeholders: the text of a text file,
+    the text values of a SQLite database; any other binary file as it is."""
+    if is_database(data):
+        return _scrub_database_bytes(data, places)
     text = _as_text(data)
     return data if text is None else scrub(text, places).encode("utf-8")
 
 
 def scrub_file(path: Path, places: Places) -> bool:
-    """Rewrites a text file in place where it names a machine path; True if it changed."""
+    """Rewrites a text file or a SQLite database in place where it names a machine path; True
+    if it changed."""
+    with path.open("rb") as head:
+        if is_database(head.read(len(SQLITE_HEADER))):
+            return scrub_database(path, places)
     data = path.read_bytes()
     scrubbed = scrub_bytes(data, places)
     if scrubbed != data:
@@ -294,7 +363,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("pack", parents=[places], help="pack results folders in place") \
         .add_argument("paths", nargs="+", type=Path, metavar="FOLDER")
-    commands.add_parser("scrub", parents=[places], help="scrub text files in place") \
+    commands.add_parser("scrub", parents=[places], help="scrub text files and SQLite databases in place") \
         .add_argument("paths", nargs="+", type=Path, metavar="FILE")
     return parser.parse_args(argv)
 

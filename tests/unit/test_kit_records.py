@@ -4,33 +4,24 @@ from its work folder; and the repository's own records packed and scrubbed."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import re
 import shutil
+import sqlite3
 import subprocess
-import sys
 import tarfile
+import tempfile
 
 import pytest
 
 from tests.conftest import REPO
+from tests.unit.helpers.kit_modules import load_kit_module
 
-
-def _load():
-    """Registered under its name: its dataclass looks its module up while it is made."""
-    path = REPO / "benchmarks" / "gpu" / "kit_records.py"
-    spec = importlib.util.spec_from_file_location("kit_records", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kit_records"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-kr = _load()
+kr = load_kit_module("kit_records")
 PLACES = kr.default_places("/srv/checkout", "/tmp/dsforge-gpu-kit", "/root/out", homes=("/root",))
-DB = b"SQLite format 3\0/srv/checkout/inside-a-database"  # binary: left as it is
+# A truncated database: no sqlite reads it, so it is left as it is, as any binary file.
+DB = b"SQLite format 3\0/srv/checkout/inside-a-database"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,6 +50,39 @@ def test_places_never_replace_the_root_and_keep_the_first_placeholder_of_a_path(
     assert kr.scrub("/usr/lib /tmp/w/x", places) == "/usr/lib <work>/x"
 
 
+def _results_db(path, source):
+    """A bench results.db (its table cut to what matters here) in WAL mode, as bench keeps it."""
+    connection = sqlite3.connect(path)
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("CREATE TABLE results (cell TEXT, recipe TEXT, seconds REAL)")
+    connection.execute("INSERT INTO results VALUES ('c1', ?, 0.5)", (f"data:\n  source: {source}\n",))
+    connection.commit()
+    connection.close()
+
+
+def _rows(data):
+    """The rows of a database's bytes (a WAL database is read from a file, not from memory)."""
+    with tempfile.TemporaryDirectory(prefix="test-kit-records-") as folder:
+        path = f"{folder}/read.db"
+        with open(path, "wb") as f:
+            f.write(data)
+        connection = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+        rows = connection.execute("SELECT * FROM results").fetchall()
+        connection.close()
+    return rows
+
+
+def test_the_scrub_command_rewrites_the_text_values_of_a_database(tmp_path):
+    db = tmp_path / "results.db"
+    _results_db(db, "/srv/co/data/tempest.u16.bin")
+    assert kr.main(["scrub", str(db), "--checkout", "/srv/co"]) == 0
+    data = db.read_bytes()
+    assert _rows(data) == [("c1", "data:\n  source: <checkout>/data/tempest.u16.bin\n", 0.5)]
+    assert b"/srv/co" not in data  # vacuumed: no free page keeps the old text
+    assert data[18:20] == b"\2\2"  # still a WAL database
+    assert not kr.scrub_file(db, kr.default_places("/srv/co")) and db.read_bytes() == data
+
+
 def test_the_scrub_command_rewrites_text_files_and_leaves_binary_ones(tmp_path):
     text, binary = tmp_path / "a.json", tmp_path / "b.db"
     text.write_text('{"path": "/srv/co/data"}\n')
@@ -85,7 +109,7 @@ ARCHIVED = {
     "1-essential/logs/7b.log", "1-essential/plans/7b.json", "1-essential/runs/7b/job.log",
     "1-essential/runs/7b/ranks/rank00000.json", "1-essential/bench/zero/results.db",
     "1-essential/pytest/gpu-runs/default.out", "1-essential/bench/zero/cells/c1/repeat0/job.log",
-    "2-search/base.yaml",
+    "2-search/base.yaml", "1-essential/bench/zero-real/results.db",
 }
 
 
@@ -99,6 +123,8 @@ def _results_folder(folder):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text)
     (folder / "1-essential/bench/zero/results.db").write_bytes(DB)
+    (folder / "1-essential/bench/zero-real/results.db").unlink()  # written as text above
+    _results_db(folder / "1-essential/bench/zero-real/results.db", "/srv/checkout/data/x.bin")
     return folder
 
 
@@ -117,6 +143,8 @@ def test_pack_keeps_what_a_reader_opens_and_archives_the_rest(tmp_path):
     assert members["1-essential/kit.log"].decode().endswith(said)
     assert (folder / "1-essential/runs/7b/recipe.yaml").read_text().endswith(said)
     assert members["1-essential/bench/zero/results.db"] == DB
+    assert _rows(members["1-essential/bench/zero-real/results.db"]) == [
+        ("c1", "data:\n  source: <checkout>/data/x.bin\n", 0.5)]
 
 
 def test_links_in_kept_markdown_still_resolve(tmp_path):
@@ -236,10 +264,6 @@ def test_pack_out_leaves_out_an_out_folder_inside_the_work_folder(tmp_path):
 # The repository
 
 RESULTS = REPO / "benchmarks" / "gpu" / "results"
-# The GPU machine's checkout, the device tool's $OUT and the kit's scratch folder, as the
-# records of 2026-11 wrote them: what no tracked record may hold any more.
-MACHINE = ("/work/main", "/root/out", "/tmp/dsforge-gpu-kit")
-BINARY = (".db", ".png", ".tar.gz", ".bin", ".idx")
 
 
 def _tracked(*paths):
@@ -250,23 +274,21 @@ def _tracked(*paths):
     return [REPO / name for name in listed if name and (REPO / name).is_file()]
 
 
-def test_no_tracked_record_names_a_machine_path():
-    """Code (.py) names these paths as the defaults that records are scrubbed of."""
-    found = []
-    for path in _tracked("benchmarks", "data"):
-        if path.name.endswith(BINARY) or path.suffix == ".py":
-            continue
-        data = path.read_bytes()
-        text = data.decode(errors="replace") if b"\0" not in data else ""
-        found += [f"{path.relative_to(REPO)}: {m}" for m in MACHINE if m in text]
-    assert not found
+def _files(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.endswith(("-shm", "-wal"))}
 
 
-def test_every_results_folder_is_packed():
-    for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
-        assert (folder / "records.tar.gz").is_file(), folder
-        loose = [p for p in folder.rglob("*") if p.suffix in (".log", ".xml", ".out")]
-        assert not loose, loose
+@pytest.mark.parametrize("folder", sorted(p.name for p in RESULTS.iterdir() if p.is_dir()))
+def test_every_results_folder_is_packed_as_the_kit_packs(folder, tmp_path):
+    """Packing a copy of the committed folder with this machine's places archives nothing and
+    changes no byte: every file left out of records.tar.gz is one a reader opens, scrubbed."""
+    copy = tmp_path / folder
+    shutil.copytree(RESULTS / folder, copy, ignore=shutil.ignore_patterns("*-shm", "*-wal"))
+    before = _files(copy)
+    assert "records.tar.gz" in before
+    assert kr.pack(copy, kr.default_places(REPO)) == []
+    assert _files(copy) == before
 
 
 def test_every_relative_markdown_link_resolves():
