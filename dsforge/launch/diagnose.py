@@ -1,12 +1,12 @@
 """What `dsforge run` says when a job fails: who failed first, who said nothing, and where.
 
-Sources, most specific first: the ranks' failure records (job/failure.py: exception,
-build, oom, hang, with tracebacks; killed or stopped from outside, by their supervisors, the
-first failure before the peers that then lost or waited for them); the ranks that neither
-recorded a failure nor reported completion although they started (RUN_DIR/ranks/rankNNNNN.pid):
-ended from outside without a word, the usual cause when their peers then fail on a broken
-connection; DeepSpeed's launcher's own exit line for the code it saw (a negative code is the
-signal that ended a rank); and each rank's last heartbeat. A failure the record explains (a
+Sources, most specific first (read once, job/who_failed.py): the ranks' failure records
+(job/failure.py: exception, build, oom, hang, with tracebacks; killed or stopped from outside,
+by their supervisors, the first failure before the peers that then lost or waited for them);
+the ranks that went silent (started, neither finished nor recorded a failure): ended from
+outside without a word, the usual cause when their peers then fail on a broken connection;
+DeepSpeed's launcher's own exit line for the code it saw (a negative code is the signal that
+ended a rank); and each rank's last heartbeat. A failure the record explains (a
 build's cause and fix; an out-of-memory's measured peak, set against the memory model's
 prediction and the changes predicted to fit) is one line, its traceback left in the job log;
 any other shows the end of its traceback.
@@ -21,8 +21,8 @@ from dsforge.estimate.memory_fixes import HEADROOM, estimate, fit_limit, memory_
 from dsforge.job import failure
 from dsforge.job.failure import needed_bytes
 from dsforge.job.heartbeat import read_all, summarize
-from dsforge.job.pids import started_ranks
 from dsforge.job.run_dir import RunDir
+from dsforge.job.who_failed import who_failed
 from dsforge.problems import RecipeError
 from dsforge.recipe import Resolved, resolve_file
 from dsforge.translate.kernels import fused_loss
@@ -46,14 +46,12 @@ def describe_code(code: int) -> str:
     return f"exit code {code}"
 
 
-def failure_report(run_dir: RunDir, code: int, done_ranks: set[int]) -> str:
+def failure_report(run_dir: RunDir, code: int) -> str:
     log = run_dir.job_log
     log_text = log.read_text(errors="replace") if log.exists() else ""
-    records = failure.read_all(run_dir)
-    recorded = {r.rank for r in records}
+    found = who_failed(run_dir)
+    records, silent = found.records, found.silent
     lines = [f"dsforge: job failed ({describe_code(code)})"]
-    silent = {rank: where for rank, where in started_ranks(run_dir).items()
-              if rank not in recorded and rank not in done_ranks}
     if silent and records:
         lines += _silent_lines(silent, run_dir, launcher_exit_codes(log_text))
     if records:

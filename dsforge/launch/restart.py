@@ -31,11 +31,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from dsforge.job import failure
 from dsforge.job.failure import Failure
-from dsforge.job.heartbeat import read_all as read_heartbeats
-from dsforge.job.pids import started_ranks
 from dsforge.job.run_dir import RunDir, set_aside
+from dsforge.job.who_failed import who_failed
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.word import JobSpec
 from dsforge.launch.local import EXIT_TIMEOUT, StopAsked, Stopped, stop_on_signals
@@ -94,13 +92,13 @@ def decide(code: int, run_dir: RunDir, earlier: list[dict],
     chosen = _ended_by_choice(code)
     if chosen:
         return Verdict(False, chosen)
-    records = failure.read_all(run_dir)
+    found = who_failed(run_dir)
     # A rank's own error, even behind peers that NCCL's watchdog then aborted (SIGABRT).
-    for record in records:
+    for record in found.records:
         if record.kind not in RETRIED:
             return Verdict(False, NOT_RETRIED.get(record.kind, f"a failure of kind {record.kind}"),
                            record)
-    cause = records[0] if records else _lost_without_a_word(run_dir)
+    cause = found.first  # a record, or a rank lost without a word (its host or supervisor gone)
     if cause is None:
         return Verdict(False, f"no rank recorded a failure or went silent (the launcher's exit "
                               f"code {code}; its output is in {run_dir.job_log})")
@@ -118,22 +116,6 @@ def _same(earlier: dict, cause: Failure) -> bool:
 
     return (earlier["kind"], earlier["step"], plain(earlier["message"])) == \
         (cause.kind, cause.step, plain(cause.message))
-
-
-def _lost_without_a_word(run_dir: RunDir) -> Failure | None:
-    """A rank that started, did not finish and left no record: its host, or its supervisor
-    with it, is gone (a supervisor records its rank's death, runtime/guard/supervise.py). None
-    when no rank started, or every one that did finished."""
-    started = started_ranks(run_dir)
-    finished = {rank for rank in started if run_dir.rank_summary(rank).exists()}
-    silent = sorted(set(started) - finished)
-    if not silent:
-        return None
-    beats = read_heartbeats(run_dir)
-    rank, host = silent[0], started[silent[0]].split()[0]
-    return Failure(rank=rank, step=beats[rank][0] if rank in beats else -1, kind="killed",
-                   message=f"ended on {host} without a record (its host or its supervisor is "
-                           "gone)")
 
 
 def restart_record(attempt: int, cause: Failure, resumed_after: int | None,

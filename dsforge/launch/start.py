@@ -207,7 +207,7 @@ def launch_and_watch(command: list[str], run_dir: RunDir, ranks: int, *, timeout
     if code in STOPPED_CODES:
         say(f"dsforge: stopped (exit code {code}); what was written is in {run_dir}")
     elif code != 0:
-        say(failure_report(run_dir, code, view.done_ranks))
+        say(failure_report(run_dir, code))
     return code
 
 

@@ -26,7 +26,7 @@ def test_a_silent_rank_is_named_before_the_peer_that_lost_it(tmp_path):
     failure.write(run_dir, failure.Failure(rank=0, step=5, kind="exception",
                                            message="RuntimeError: Connection closed by peer"))
     run_dir.job_log.write_text("[...] exits with return code = -9\n")
-    report = failure_report(run_dir, 1, done_ranks=set())
+    report = failure_report(run_dir, 1)
     silent = report.index("rank 1 (pid 101 on node-a)")
     assert "killed by SIGKILL" in report and silent < report.index("first failure: rank 0")
 
@@ -36,7 +36,9 @@ def test_ranks_that_finished_or_recorded_are_not_silent(tmp_path):
     for rank in (0, 1, 2):
         write_pid(run_dir, rank, "h", rank)
     failure.write(run_dir, failure.Failure(rank=2, step=1, kind="exception", message="boom"))
-    report = failure_report(run_dir, 1, done_ranks={0, 1})
+    for rank in (0, 1):  # they finished their part (job/who_failed.py)
+        run_dir.rank_summary(rank).write_text("{}")
+    report = failure_report(run_dir, 1)
     assert "without reporting" not in report and "first failure: rank 2 failed at step 1: boom" in report
 
 
@@ -93,7 +95,7 @@ def test_a_build_failure_is_one_line_without_its_traceback(tmp_path):
         rank=0, step=-1, kind="build", message="ValueError: invalid literal", detail=TRACE,
         what="DeepSpeed's fused_adam op", cause="TORCH_CUDA_ARCH_LIST='9.0a' cannot be parsed",
         fix="export TORCH_CUDA_ARCH_LIST='9.0' before dsforge run"))
-    report = failure_report(run_dir, 1, done_ranks=set())
+    report = failure_report(run_dir, 1)
     assert ("  first failure: rank 0 failed building DeepSpeed's fused_adam op before its first "
             "step: TORCH_CUDA_ARCH_LIST='9.0a' cannot be parsed. Fix: export "
             f"TORCH_CUDA_ARCH_LIST='9.0' before dsforge run; traceback in {tmp_path / 'job.log'}") \
@@ -105,7 +107,7 @@ def test_an_exception_still_shows_the_end_of_its_traceback(tmp_path):
     run_dir = RunDir(tmp_path)
     failure.write(run_dir, failure.Failure(rank=0, step=2, kind="exception",
                                            message="ValueError: boom", detail=TRACE))
-    assert 'File "x.py", line 1, in f' in failure_report(run_dir, 1, done_ranks=set())
+    assert 'File "x.py", line 1, in f' in failure_report(run_dir, 1)
 
 
 def test_an_out_of_memory_against_the_prediction_with_the_fixes_that_fit(tmp_path):
@@ -114,7 +116,7 @@ def test_an_out_of_memory_against_the_prediction_with_the_fixes_that_fit(tmp_pat
     failure.write(run_dir, failure.Failure(rank=0, step=3, kind="oom", detail=TRACE,
                                            message="torch.OutOfMemoryError: CUDA out of memory.",
                                            memory=H200_OOM))
-    report = failure_report(run_dir, 1, done_ranks=set())
+    report = failure_report(run_dir, 1)
     line = next(line for line in report.splitlines() if "first failure" in line)
     assert line == (
         "  first failure: rank 0 ran out of memory at step 3: measured peak 133.0 GiB (cuda "

@@ -123,7 +123,7 @@ def test_a_stopped_rank_is_the_first_failure_not_the_peers_that_waited(tmp_path,
     assert _state(rank) == ""
     first = failure.first(run_dir)
     assert (first.rank, first.kind, first.step) == (2, "stopped", 18)
-    report = failure_report(run_dir, 3, done_ranks=set())
+    report = failure_report(run_dir, 3)
     ended = "SIGKILL" if end == "SIGKILL" else "SIGTERM"
     assert ("  first failure: rank 2 was stopped at step 18: SIGSTOP from outside, never "
             f"continued (its peers waited for it); ended by {ended} ") in report, report

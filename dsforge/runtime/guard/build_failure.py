@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+from dsforge.runtime.guard.chain import exception_chain
 from dsforge.translate.build_env import deepspeed_reads, map_arch_list
 
 # Path pieces (with "/" separators) of the code that builds: a frame of one of them on the stack
@@ -237,14 +238,10 @@ def _first_line(text: str, pattern: str) -> str:
 def evidence(exc: BaseException) -> Evidence:
     """The exception chain of `exc` and its frames, with what each builder frame builds."""
     raised, frames = [], []
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in exception_chain(exc):
         cls = type(current)
         raised.append(Raised(f"{cls.__module__}.{cls.__qualname__}", str(current)))
         frames += _frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
     return Evidence(raised=tuple(raised), frames=tuple(frames))
 
 

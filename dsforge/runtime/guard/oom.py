@@ -15,6 +15,7 @@ import re
 import resource
 from typing import Any
 
+from dsforge.runtime.guard.chain import exception_chain
 from dsforge.units import GiB, KiB, MiB
 
 # How torch says it ran out, when it is not its own exception class.
@@ -30,15 +31,9 @@ def out_of_memory(exc: BaseException) -> bool:
     """`exc`, or an exception it was raised from, says the device or the host ran out."""
     import torch
 
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, (MemoryError, torch.OutOfMemoryError)) or \
-                (isinstance(current, RuntimeError) and any(t in str(current) for t in _OOM_TEXT)):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+    return any(isinstance(raised, (MemoryError, torch.OutOfMemoryError)) or
+               (isinstance(raised, RuntimeError) and any(t in str(raised) for t in _OOM_TEXT))
+               for raised in exception_chain(exc))
 
 
 def measure_memory(message: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import traceback
 
 from dsforge.job.failure import Failure
 from dsforge.runtime.guard import build_failure, oom
+from dsforge.runtime.guard.chain import exception_chain
 
 
 def record_for(exc: BaseException, *, rank: int, step: int, detail: str) -> Failure:
@@ -57,18 +58,14 @@ def _passing_kind(exc: BaseException) -> str | None:
     # Both are RuntimeErrors in the torch versions that have them (AcceleratorError: 2.8).
     dist_error = getattr(torch.distributed, "DistError", ())
     accelerator_error = getattr(torch, "AcceleratorError", ())
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        text = str(current)
-        if isinstance(current, dist_error) or \
-                (isinstance(current, RuntimeError) and _COLLECTIVE_TEXT.search(text)):
+    for raised in exception_chain(exc):
+        text = str(raised)
+        if isinstance(raised, dist_error) or \
+                (isinstance(raised, RuntimeError) and _COLLECTIVE_TEXT.search(text)):
             return "collective"
-        if isinstance(current, accelerator_error) or \
-                (isinstance(current, RuntimeError) and _DEVICE_TEXT.search(text)):
+        if isinstance(raised, accelerator_error) or \
+                (isinstance(raised, RuntimeError) and _DEVICE_TEXT.search(text)):
             return "device"
-        current = current.__cause__ or current.__context__
     return None
 
 
