@@ -1,11 +1,18 @@
 """`dsforge run`'s options (cli.py gathers them into launch/entry.RunOptions), in the order
-its --help lists them."""
+its --help lists them; `--max-restarts` is also `dsforge sbatch`'s (launch/sbatch.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
+
+# `dsforge run`'s, and `dsforge sbatch`'s for the `dsforge run` line of its script.
+MAX_RESTARTS = click.option(
+    "--max-restarts", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+    help="When a rank dies, hangs or loses its peers (NCCL, CUDA errors), start the job again "
+         "from its last complete checkpoint, up to N times (in a Slurm job: srun again inside "
+         "the allocation).")
 
 RUN_OPTIONS = (
     click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
@@ -25,10 +32,7 @@ RUN_OPTIONS = (
                       "before the job is stopped at once."),
     click.option("--resume", is_flag=True,
                  help="Continue the run in --run-dir from its latest complete checkpoint."),
-    click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-                 metavar="N",
-                 help="When a rank dies, hangs or loses its peers (NCCL, CUDA errors), start the "
-                      "job again from its last complete checkpoint, up to N times."),
+    MAX_RESTARTS,
     click.option("--launcher", type=click.Choice(["pdsh", "openmpi", "mvapich", "slurm"]),
                  default="pdsh", show_default=True,
                  help="With --hostfile: DeepSpeed's multi-node runner. slurm: start the ranks with "

@@ -14,6 +14,7 @@ import click
 from dsforge.job.run_dir import runs_root
 from dsforge.launch import slurm
 from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
+from dsforge.launch.run_options import MAX_RESTARTS
 from dsforge.launch.start import Say
 
 
@@ -84,10 +85,7 @@ SBATCH_OPTIONS = (
                  help="The job's run directory, the same for every requeue [runs/NAME-TIMESTAMP]."),
     click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
                  help="Write the script here (it must not exist) instead of printing it."),
-    click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-                 metavar="N",
-                 help="dsforge run --max-restarts N in the script: after a lost rank, srun again "
-                      "inside the allocation from the last complete checkpoint, up to N times."),
+    MAX_RESTARTS,  # passed to the script's `dsforge run`
     click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
                  help="Override a recipe field (passed to dsforge run in the script). Repeatable."),
 )

@@ -234,3 +234,16 @@ def test_slurm_takes_its_nodes_from_the_allocation():
     assert result.exit_code == 2
     assert "--launcher slurm takes its nodes from the Slurm allocation; leave out --include" \
         in result.output
+
+
+def test_max_restarts_is_one_option_for_run_and_sbatch():
+    """Declared once (launch/run_options.py): the same range, default and help in both."""
+    def option(command):
+        return next(p for p in main.commands[command].params if p.name == "max_restarts")
+
+    run_option, sbatch_option = option("run"), option("sbatch")
+    assert run_option is not sbatch_option
+    for field in ("help", "default", "metavar", "show_default"):
+        assert getattr(run_option, field) == getattr(sbatch_option, field), field
+    assert run_option.type.min == sbatch_option.type.min == 0
+    assert run("sbatch", str(REPO / "recipes" / "tiny.yaml"), "--max-restarts", "-1").exit_code == 2
