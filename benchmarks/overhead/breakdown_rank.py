@@ -55,7 +55,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="breakdown-bench-") as run_dir:
         trainer = Trainer(resolved, device=device, backend=backend, run_dir=RunDir(run_dir),
                           collective_timeout_s=600)
-        clock = trainer.clock
+        clock = trainer.meter.clock
         rows = [_timed_step(trainer, step, clock) for step in range(args.steps)]
         fixed = fixed_cost(trainer, clock)
     if trainer.reporter:
@@ -65,11 +65,11 @@ def main() -> None:
 
 def _timed_step(trainer, step: int, clock) -> dict:
     on = breakdown_on(step)
-    trainer.clock = clock if on else None
+    trainer.meter.clock = clock if on else None
     started = time.perf_counter()
     trainer.train_step(step)
     seconds = time.perf_counter() - started
-    reading = trainer.timings.readings.get(step) if on else None
+    reading = trainer.meter.timings.readings.get(step) if on else None
     return {"step": step, "on": on, "seconds": seconds,
             "marks": reading.marks if reading else None}
 

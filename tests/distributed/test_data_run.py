@@ -58,6 +58,9 @@ def test_a_blend_trains_with_validation_and_tensorboard_and_reuses_its_indices(c
     summary = json.loads((tmp_path / "first" / "summary.json").read_text())
     assert summary["final_val_loss"] == evals[-1]["val_loss"]
     assert "validation loss" in first.stderr  # the summary line
+    # The last step's progress line once, with the validation loss measured after it.
+    last = [line for line in first.stderr.splitlines() if "step 6/6" in line]
+    assert len(last) == 1 and f"val {evals[-1]['val_loss']:.4f}" in last[0], last
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -79,7 +79,19 @@ def world(tmp_path_factory):
 
 
 def _records(run_dir) -> list[dict]:
+    _strict_json(run_dir / "metrics.jsonl")
     return read_metrics(run_dir / "metrics.jsonl")[0]
+
+
+def _strict_json(path) -> None:
+    """Every line of `path` is JSON a strict reader takes: no bare NaN or Infinity (a value
+    that is not finite is written as null)."""
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is not JSON")
+
+    texts = path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]
+    for text in texts:
+        json.loads(text, parse_constant=refuse)
 
 
 def _anomalies(run_dir) -> list[dict]:
@@ -94,8 +106,10 @@ def test_a_nan_step_stops_the_run_before_any_save(world, layout):
                                       "what": "non-finite loss and gradient norm"}
     records = _records(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert all(math.isfinite(r["loss"]) for r in records[:3]) and math.isnan(records[3]["loss"])
+    assert all(math.isfinite(r["loss"]) for r in records[:3]) and records[3]["loss"] is None
     assert records[3]["skipped"] and records[3]["grad_norm"] is None
+    _strict_json(run_dir / "summary.json")
+    assert json.loads((run_dir / "summary.json").read_text())["final_loss"] is None
     root = run_dir / "checkpoints"
     assert read_latest(root) == "step00000002" and list(complete_checkpoints(root)) == [2]
     [bad] = _anomalies(run_dir)
@@ -115,7 +129,7 @@ def test_a_nan_step_is_skipped_and_the_run_goes_on(world, layout):
     records = _records(run_dir)
     assert [r["skipped"] for r in records] == [False, False, False, True, False]
     # Its update was dropped: a NaN update would have left every later loss NaN.
-    assert math.isnan(records[3]["loss"]) and math.isfinite(records[4]["loss"])
+    assert records[3]["loss"] is None and math.isfinite(records[4]["loss"])
     assert records[4]["lr"] == records[3]["lr"]  # the schedule did not advance
     stopped_here = _records(out / f"stop-{layout}")
     assert [r["loss"] for r in records[:3]] == [r["loss"] for r in stopped_here[:3]]
@@ -123,6 +137,7 @@ def test_a_nan_step_is_skipped_and_the_run_goes_on(world, layout):
     assert list(complete_checkpoints(run_dir / "checkpoints")) == [2, 5]
     [bad] = _anomalies(run_dir)
     assert (bad["step"], bad["action"], bad["ranks"]) == (3, "skip", [1])
+    _strict_json(run_dir / "summary.json")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["skipped_steps"] == 1 and summary["steps"] == 5
 
@@ -194,7 +209,7 @@ def test_the_issue_run_stops_with_its_report_through_dsforge_run(tmp_path):
                      "--set", "train.grad_clip=0", "--set", "train.checkpoint_every=4",
                      "--run-dir", str(run_dir), timeout=180)
     assert result.returncode == 65, result.stderr[-3000:]
-    assert "dsforge: the training stopped at step 1: non-finite loss and gradient norm (on " \
+    assert "dsforge: the training stopped at step 2: non-finite loss and gradient norm (on " \
            "ranks 0, 1)" in result.stderr
     assert "no checkpoint had been saved before it" in result.stderr
     assert "exit code 65" in result.stderr and not (run_dir / "checkpoints").exists()

@@ -373,7 +373,7 @@ def test_phases_adding_up_to_more_than_their_step_are_called_wrong():
     assert breakdown.overrun(marked.read(step_time_s=3.0), 7, 3.0) is None
     wrong = Marked(marker=breakdown.HostMarker(), marks=[0.0, 1.0, 3.0], owners=["forward", "backward"])
     problem = breakdown.overrun(wrong.read(step_time_s=2.0), 7, 2.0)
-    assert "phases of step 7 add up to 3000.000 ms, more than the step's 2000.000 ms" in problem
+    assert "phases of step 8 add up to 3000.000 ms, more than the step's 2000.000 ms" in problem
     # every reading is checked where it is made, a late one (a rank without the loss) too
     timings = StepTimings()
     timings.add(6, marked, step_time_s=3.0)

@@ -85,7 +85,7 @@ def _child(folder: Path) -> None:
         config = build_transformer_config(transformer_config_kwargs(
             model=r.model, train=r.train, layout=resolved.layout, device="cpu"))
         (chunk,) = build_model_chunks(config, gpt_model_kwargs(model=r.model, layout=resolved.layout),
-                                      torch.device("cpu"))
+                                      torch.device("cpu"), vocab_size=r.model.vocab_size)
         layer = traceable(chunk.decoder.layers[0], selective=checkpointing == "selective")
         results[checkpointing] = _explain(layer, r.model.hidden_size, chunk.rotary_pos_emb(SEQ))
     results["unfixed"] = _unfixed(chunk, r.model.hidden_size)
@@ -139,9 +139,9 @@ def test_a_recompile_after_the_warm_up_is_said_once(monkeypatch):
     monkeypatch.setattr(compiled, "compile_seconds", lambda: 12.5)
     report = compiled.CompileReport()
     said = [report.after_step(step, warm=step >= 2) for step in range(6)]
-    assert said[0].startswith("layers compiled in 12.5 s, inside step 0 (2 graph(s)")
+    assert said[0].startswith("layers compiled in 12.5 s, inside step 1 (2 graph(s)")
     assert report.compile_s == 12.5 and said[1:4] == [None, None, None]
-    assert said[4].startswith("warning: the compiled layers compiled again at step 4 (2 new")
+    assert said[4].startswith("warning: the compiled layers compiled again at step 5 (2 new")
     assert said[5] is None  # once
 
 

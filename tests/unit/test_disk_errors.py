@@ -12,7 +12,7 @@ from dsforge.ckpt.trust import CheckpointError
 from dsforge.job.heartbeat import Heartbeat
 from dsforge.job.run_dir import RunDir
 from dsforge.runtime.checkpoint import save_load as checkpoint
-from dsforge.runtime.loop.trainer import Trainer
+from dsforge.runtime.loop.checkpointer import Checkpointer
 
 
 def test_a_failed_checkpoint_write_names_the_directory(tmp_path, monkeypatch):
@@ -20,15 +20,15 @@ def test_a_failed_checkpoint_write_names_the_directory(tmp_path, monkeypatch):
         raise RuntimeError("basic_ios::clear: iostream error")
 
     monkeypatch.setattr(checkpoint, "save", full_disk)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
-    trainer = types.SimpleNamespace(
-        run_dir=RunDir(tmp_path), engine=types.SimpleNamespace(module=torch.nn.Linear(2, 2)),
-        device=torch.device("cpu"), last_step_bad=False, resolved=types.SimpleNamespace(
-            recipe=types.SimpleNamespace(), layout=types.SimpleNamespace(world_size=1)))
-    monkeypatch.setattr("dsforge.runtime.loop.trainer.asdict", lambda _: {})
+    monkeypatch.setattr("dsforge.runtime.loop.checkpointer.asdict", lambda _: {})
     monkeypatch.setattr("dsforge.runtime.guard.health.ranks_where", lambda flag, device: [])
+    resolved = types.SimpleNamespace(recipe=types.SimpleNamespace(train=types.SimpleNamespace(
+        keep_last=0)), layout=types.SimpleNamespace(world_size=1))
+    checkpointer = Checkpointer(types.SimpleNamespace(module=torch.nn.Linear(2, 2)), resolved,
+                                run_dir=RunDir(tmp_path), device=torch.device("cpu"),
+                                console=None, rank=0)
     with pytest.raises(CheckpointError) as caught:
-        Trainer.save_checkpoint(trainer, 4)
+        checkpointer.save(4, after_bad_step=False)
     text = str(caught.value)
     assert str(tmp_path / "checkpoints") in text and "disk full" in text and "step 4" in text
 

@@ -186,7 +186,7 @@ def test_the_report_names_the_last_good_checkpoint_and_how_to_go_on(tmp_path):
     halted = Halted(step=3, what="non-finite loss and gradient norm", kind="nonfinite",
                     ranks=[1], data=DATA)
     lines = bad_steps.report_lines(halted, run_dir=run_dir, skipped_updates=1, fp16=False)
-    assert lines[0] == ("dsforge: the training stopped at step 3: non-finite loss and gradient "
+    assert lines[0] == ("dsforge: the training stopped at step 4: non-finite loss and gradient "
                         "norm (on rank 1)")
     assert lines[1] == "  DeepSpeed skipped 1 update of this run (non-finite gradients)"
     assert lines[2] == ("  its data: samples 24..31 of training samples; documents of data/wiki: "
@@ -202,7 +202,7 @@ def test_the_report_names_the_last_good_checkpoint_and_how_to_go_on(tmp_path):
                              "start a new run with a lower train.lr or train.grad_clip")
     _complete(root, 3)  # saved right before the bad step: the update before it may be the cause
     text = bad_steps.report_lines(halted, run_dir=run_dir, skipped_updates=1, fp16=False)[3]
-    assert text.endswith("It was saved right before the bad step, so the update of step 2 may be "
+    assert text.endswith("It was saved right before the bad step, so the update of step 3 may be "
                          "the cause; the checkpoint before it is after step 2")
     diverged = Halted(step=9, what="...", kind="nonfinite", in_a_row=6)
     assert "the run has likely diverged: go back to an earlier checkpoint" in \
@@ -213,7 +213,7 @@ def test_a_skipped_steps_line_says_what_the_run_did():
     bad = health.BadStep(step=3, kind="nonfinite", what="non-finite loss", action="skip",
                          in_a_row=1)
     assert bad_steps.line(bad, [1, 3], {"samples": [24, 31], "source": "synthetic samples"}, 5) \
-        == ("dsforge: step 3: non-finite loss (on ranks 1, 3); its update was skipped (1 in a "
+        == ("dsforge: step 4: non-finite loss (on ranks 1, 3); its update was skipped (1 in a "
             "row; more than 5 in a row stop the run); its data: samples 24..31 of synthetic "
             "samples")
 

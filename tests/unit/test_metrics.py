@@ -49,3 +49,40 @@ def test_mfu_with_a_known_peak():
                          tokens_per_step=1000, world_size=1, flops_per_token=1e9,
                          hardware_flops_per_token=2e9, peak_flops=1e13, device=torch.device("cpu"))
     assert record.mfu == pytest.approx(0.1) and record.hfu == pytest.approx(0.2)
+
+
+def test_records_are_strict_json_with_null_for_values_that_are_not_finite():
+    """json.dumps writes bare NaN and Infinity, which strict readers refuse; dsforge's records
+    write null there, at any depth, and leave finite values alone."""
+    import json
+    import math
+
+    from dsforge.job.metrics_file import json_text
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    data = {"loss": math.nan, "grad_norm": math.inf, "lr": 1e-3, "steps": 3, "ok": True,
+            "val_losses": [[1, -math.inf], [2, 2.5]], "nested": {"x": (math.nan, 0.5)}}
+    text = json_text(data)
+    assert json.loads(text, parse_constant=refuse) == {
+        "loss": None, "grad_norm": None, "lr": 1e-3, "steps": 3, "ok": True,
+        "val_losses": [[1, None], [2, 2.5]], "nested": {"x": [None, 0.5]}}
+
+
+def test_a_resumed_run_reads_a_null_loss_back_as_nan(tmp_path):
+    import math
+
+    from dsforge.runtime.loop.metrics import MetricsWriter, make_record
+
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    for step, loss in enumerate([2.0, math.nan, 1.5]):
+        writer.write(make_record(step=step, warmup=False, loss=loss, grad_norm=None, lr=1e-3,
+                                 step_time_s=1.0, tokens_per_step=8, world_size=1,
+                                 flops_per_token=1.0, hardware_flops_per_token=1.0,
+                                 peak_flops=None, device=torch.device("cpu")))
+    assert "NaN" not in path.read_text()
+    again = MetricsWriter(path)
+    again.keep_steps_before(3)
+    assert [r.loss for r in again.records][::2] == [2.0, 1.5] and math.isnan(again.records[1].loss)

@@ -24,6 +24,7 @@ import types
 
 import torch
 
+from dsforge.job.steps import step_text
 from dsforge.translate.compiled import INDUCTOR_CACHE_ENV, compile_backend, inductor_cache_dir
 
 
@@ -104,7 +105,7 @@ class CompileReport:
     def after_step(self, step: int, warm: bool) -> str | None:
         if self.compile_s is None:
             self.compile_s = compile_seconds()
-            return (f"layers compiled in {self.compile_s:.1f} s, inside step {step} "
+            return (f"layers compiled in {self.compile_s:.1f} s, inside {step_text(step)} "
                     f"({graphs_compiled()} graph(s))")
         if not warm or self.baseline is None:
             self.baseline = graphs_compiled()
@@ -113,7 +114,7 @@ class CompileReport:
         if now == self.baseline or self.said:
             return None
         self.said = True
-        return (f"warning: the compiled layers compiled again at step {step} ({now - self.baseline} "
+        return (f"warning: the compiled layers compiled again at {step_text(step)} ({now - self.baseline} "
                 "new graph(s) after the warm-up; each costs a compilation); torch's reason is "
                 "in the run's job.log ('Recompiling function')")
 

@@ -11,15 +11,18 @@ DeepSpeed skipped, the last good checkpoint, and how to go on.
 
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from dsforge.ckpt.retention import complete_checkpoints
 from dsforge.ckpt.trust import CheckpointError, latest_complete
 from dsforge.job import failure
+from dsforge.job.metrics_file import json_text
 from dsforge.job.run_dir import RunDir
+from dsforge.job.steps import step_text
+from dsforge.runtime.guard import health
 from dsforge.runtime.guard.health import BadStep
 
 _SHOWN_NUMBERS = 8  # documents or offsets named on the terminal; anomalies.jsonl has them all
@@ -37,6 +40,51 @@ class Halted:
     in_a_row: int = 1  # non-finite: the bad steps in a row that ended with this one
 
 
+class BadSteps:
+    """The guard's state across a run: its judge (health.Guard, the same decision on every
+    rank), whether the last step's update was dropped (no checkpoint may follow it), and
+    `halted` once the ranks stop together. `step_data(step)` says where a step's samples
+    come from; `reporting`: this rank keeps the records and says the lines."""
+
+    def __init__(self, train, *, run_dir: RunDir, device, say: Callable[[str], None], rank: int,
+                 reporting: bool, step_data: Callable[[int], dict]):
+        self.guard = health.Guard(train)
+        self.run_dir, self.device, self.say, self.rank = run_dir, device, say, rank
+        self.reporting, self.step_data = reporting, step_data
+        self.last_step_bad = False
+        self.halted: Halted | None = None
+
+    def judge(self, step: int, seen: health.StepView) -> BadStep | None:
+        bad = self.guard.judge(step, seen)
+        self.last_step_bad = bad is not None and bad.kind == "nonfinite"
+        return bad
+
+    def handle(self, bad: BadStep, loss) -> None:
+        """Which ranks' losses were not finite (every rank takes part), then the reporting
+        rank's line and record, and the halt when the run stops here."""
+        ranks = health.ranks_where(not health.finite(loss), self.device) \
+            if bad.kind == "nonfinite" else []
+        data = None
+        if self.reporting or (bad.action == "stop" and self.rank == 0):
+            data = self.step_data(bad.step)
+        if self.reporting:
+            append_record(self.run_dir, record(bad, ranks, data))
+            if bad.action != "stop":
+                self.say(line(bad, ranks, data, self.guard.max_in_a_row))
+        if bad.action == "stop":
+            self.halt(Halted(step=bad.step, what=bad.what, kind=bad.kind, ranks=ranks, data=data,
+                             in_a_row=bad.in_a_row))
+
+    def halt(self, halted: Halted) -> None:
+        self.halted = self.halted or halted
+
+    def report(self, *, skipped_updates: int, fp16: bool) -> None:
+        """Rank 0's report of a run that stopped here (`report_halt`)."""
+        if self.halted is not None and self.rank == 0:
+            report_halt(self.halted, run_dir=self.run_dir, skipped_updates=skipped_updates,
+                        fp16=fp16, say=self.say)
+
+
 def record(bad: BadStep, ranks: list[int], data: dict) -> dict:
     """The step's line in anomalies.jsonl."""
     return {"step": bad.step, "kind": bad.kind, "what": bad.what, "action": bad.action,
@@ -45,7 +93,7 @@ def record(bad: BadStep, ranks: list[int], data: dict) -> dict:
 
 def append_record(run_dir: RunDir, line: dict) -> None:
     with run_dir.anomalies.open("a") as f:
-        f.write(json.dumps(line) + "\n")
+        f.write(json_text(line) + "\n")
 
 
 def line(bad: BadStep, ranks: list[int], data: dict, max_in_a_row: int) -> str:
@@ -57,7 +105,7 @@ def line(bad: BadStep, ranks: list[int], data: dict, max_in_a_row: int) -> str:
         done = "reported (train.on_spike: report)"
     else:
         done = "the run stops"
-    return (f"dsforge: step {bad.step}: {bad.what}{ranks_text(ranks)}; {done}; "
+    return (f"dsforge: {step_text(bad.step)}: {bad.what}{ranks_text(ranks)}; {done}; "
             f"{data_text(data)}")
 
 
@@ -98,7 +146,7 @@ def report_lines(halted: Halted, *, run_dir: RunDir, skipped_updates: int,
     """Rank 0's report of a run that stopped because its training went bad."""
     why = "non-finite gradients and the loss scaler's overflows" if fp16 else \
         "non-finite gradients"
-    lines = [f"dsforge: the training stopped at step {halted.step}: {halted.what}"
+    lines = [f"dsforge: the training stopped at {step_text(halted.step)}: {halted.what}"
              f"{ranks_text(halted.ranks)}",
              f"  DeepSpeed skipped {skipped_updates} update{'s' if skipped_updates != 1 else ''} "
              f"of this run ({why})"]
@@ -123,8 +171,8 @@ def _checkpoint_text(root: Path, latest: dict | None, halted: Halted) -> str:
     if latest["step"] == halted.step and halted.kind == "nonfinite":
         # A finite update that ruins the weights shows only in the next step's loss.
         earlier = sorted(s for s in complete_checkpoints(root) if s < latest["step"])
-        text += (". It was saved right before the bad step, so the update of step "
-                 f"{halted.step - 1} may be the cause"
+        text += (". It was saved right before the bad step, so the update of "
+                 f"{step_text(halted.step - 1)} may be the cause"
                  + (f"; the checkpoint before it is after step {earlier[-1]}" if earlier else ""))
     return text
 

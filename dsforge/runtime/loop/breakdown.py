@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsforge.job.metrics_file import PHASES
+from dsforge.job.steps import step_text
 
 OTHER = "other"
 # Steps whose readings a rank keeps for its summary's medians (ranks/*.json): ~10 MB at most.
@@ -64,7 +65,7 @@ def overrun(reading: Reading, step: int, step_time_s: float) -> str | None:
     if reading.phases[OTHER] >= -TOLERANCE * step_time_s:
         return None
     named = step_time_s - reading.phases[OTHER]
-    return (f"step breakdown: the phases of step {step} add up to {named * 1e3:.3f} ms, more "
+    return (f"step breakdown: the phases of {step_text(step)} add up to {named * 1e3:.3f} ms, more "
             f"than the step's {step_time_s * 1e3:.3f} ms; its breakdown_s is not right")
 
 

@@ -201,6 +201,17 @@ def microbatches(source: Source, *, step: int, global_batch: int, micro_batch: i
     return batches
 
 
+def rank_microbatches(source: Source, index: int, *, layout, vocab_size: int) -> list[Microbatch]:
+    """This rank's microbatches of global batch `index` of `source`, by its data-parallel and
+    context-parallel ranks in Megatron's groups."""
+    from megatron.core import parallel_state as ps
+
+    return microbatches(source, step=index, global_batch=layout.global_batch,
+                        micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
+                        dp=layout.dp, dp_rank=ps.get_data_parallel_rank(), cp=layout.cp,
+                        cp_rank=ps.get_context_parallel_rank(), vocab_size=vocab_size)
+
+
 def _check_ids(rows: torch.Tensor, source: Source, first: int, vocab_size: int) -> None:
     """An id beyond the embedding table fails deep inside the model (a CUDA device assert on a
     GPU); the cost of this check is one max over a few thousand ids."""

@@ -9,6 +9,7 @@ import hashlib
 import platform
 import shutil
 import subprocess
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -93,6 +94,23 @@ def environment_manifest(device: torch.device, layout: dict, implementations: di
             "device": {"type": device.type, "name": name, **gpu,
                        "count_per_node": torch.cuda.device_count() if device.type == "cuda" else None},
             "layout": layout, "implementations": implementations}
+
+
+def run_manifest(resolved, *, device: torch.device, optimizer, kernels, experts,
+                 resumed: dict | None) -> dict:
+    """RUN_DIR/manifest.json of a run: the environment, the layout, what the engine was built
+    with (`kernels`, `experts`: translate's choices as this rank made them) and, on resume,
+    the checkpoint continued and the recipe's changes."""
+    from dsforge.translate.compiled import compiled_with
+
+    model = resolved.recipe.model
+    used = implementations(optimizer, kernels=kernels.impl, kernels_why=kernels.why,
+                           sdpa_backend=model.sdpa_backend, experts=experts,
+                           compiled=compiled_with(model.compile), fp8=resolved.recipe.train.fp8)
+    manifest = environment_manifest(device, asdict(resolved.layout), used)
+    if resumed is not None:
+        manifest["resumed"] = resumed
+    return manifest
 
 
 def implementations(optimizer, *, kernels: str, kernels_why: str, sdpa_backend: str,

@@ -11,6 +11,7 @@ follows); dsforge/job/metrics_file.py's `read_metrics` splits a file into the tw
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 
 from dsforge.estimate.flops import mfu
 from dsforge.files import write_atomic
-from dsforge.job.metrics_file import PHASES, is_validation, median_breakdown
+from dsforge.job.metrics_file import PHASES, is_validation, json_text, median_breakdown
 from dsforge.runtime.guard.oom import peak_memory
 
 
@@ -72,6 +73,14 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                       skipped=skipped)
 
 
+def loss_scale(optimizer, precision: str) -> float | None:
+    """fp16's dynamic loss scale (DeepSpeed's optimizer wrapper holds it); None otherwise."""
+    if precision != "fp16":
+        return None
+    scale = getattr(optimizer, "cur_scale", None)
+    return None if scale is None else float(scale)
+
+
 @dataclass(frozen=True)
 class EvalRecord:
     step: int  # the training step this evaluation follows
@@ -80,7 +89,10 @@ class EvalRecord:
 
 def _parse(line: str) -> StepRecord | EvalRecord:
     data = json.loads(line)
-    return EvalRecord(**data) if is_validation(data) else StepRecord(**data)
+    if is_validation(data):
+        return EvalRecord(**data)
+    # A loss that was not finite is written as null (json_text); in memory it is NaN again.
+    return StepRecord(**{**data, "loss": math.nan if data["loss"] is None else data["loss"]})
 
 
 class MetricsWriter:
@@ -116,7 +128,7 @@ class MetricsWriter:
 
     def _append(self, data: dict) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(data) + "\n")
+            f.write(json_text(data) + "\n")
 
     def summary(self) -> dict:
         """The run's steps and losses; the timings and memory of this process's steps only."""

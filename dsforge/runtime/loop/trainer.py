@@ -1,10 +1,17 @@
 """A rank's training: the parts from engine.build_rank, the data, steps with metrics, and
-`train_loop`, the loop both `dsforge run`'s ranks and the distributed tests' worker run."""
+`train_loop`, the loop both `dsforge run`'s ranks and the distributed tests' worker run.
+
+The Trainer wires its parts and runs the step; each part owns its state and takes values:
+  checkpointer.py  Checkpointer  resume, save, prune
+  reporter.py      Reporter      metrics.jsonl, the tracker, progress, manifest, summary.json
+                                 (on the reporting rank only)
+  bad_steps.py     BadSteps      the guard's state: the judge, a dropped update, the halt
+  meter.py         StepMeter     the step breakdown, FLOPs for MFU, censuses, the rank summary
+"""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from dataclasses import asdict, replace
@@ -12,32 +19,25 @@ from typing import Callable
 
 import torch
 
-from dsforge.ckpt.trust import CheckpointError, latest_complete, resumed_changes
-from dsforge.estimate.flops import flops_per_token
-from dsforge.files import write_atomic
-from dsforge.hardware import gpu_for_device_name
 from dsforge.job.console import RankConsole
-from dsforge.job.metrics_file import median_breakdown
 from dsforge.job.run_dir import RunDir
 from dsforge.recipe import Resolved
+from dsforge.runtime.assemble.compile import CompileReport
 from dsforge.runtime.assemble.engine import build_rank
-from dsforge.runtime.checkpoint import save_load as checkpoint
 from dsforge.runtime.guard import health
 from dsforge.runtime.guard.preempt import Stopped, Stopper
-from dsforge.runtime.loop import bad_steps, breakdown
+from dsforge.runtime.loop import breakdown
 from dsforge.runtime.loop import data as data_mod
 from dsforge.runtime.loop import step as step_mod
-from dsforge.runtime.loop.bad_steps import Halted
-from dsforge.runtime.loop.metrics import (MetricsWriter, format_breakdown, format_summary,
-                                          make_record)
+from dsforge.runtime.loop.bad_steps import BadSteps, Halted
+from dsforge.runtime.loop.checkpointer import Checkpointer, Resumed
+from dsforge.runtime.loop.manifest import run_manifest
+from dsforge.runtime.loop.meter import StepMeter
+from dsforge.runtime.loop.metrics import loss_scale
 from dsforge.runtime.loop.phase_hooks import marking
 from dsforge.runtime.loop.profiler import open_profiler
-from dsforge.runtime.loop.timers import median_bubble
-from dsforge.runtime.loop.tracking import open_tracker
-from dsforge.runtime.assemble.compile import CompileReport
-from dsforge.translate.compiled import compiled_with
+from dsforge.runtime.loop.reporter import Reporter
 from dsforge.runtime.startup import StartupClock
-from dsforge.units import MiB
 
 
 class Trainer:
@@ -49,9 +49,7 @@ class Trainer:
         # counted from here.
         self.startup = startup or StartupClock()
         self.resolved, self.device, self.run_dir = resolved, device, run_dir
-        self.census = census  # take the live-tensor censuses (dsforge bench)
         self.restarts = restarts or []  # the job's restarts before this attempt (summary.json)
-        self.censuses: dict[str, dict[str, int]] = {}  # point of the step -> live tensor bytes
         self.console = console or RankConsole(marked=False)
         recipe = resolved.recipe
         # Before the process group exists: dataset indices are built once per node under a
@@ -64,109 +62,62 @@ class Trainer:
                            startup=self.startup)
         self.chunks, self.engine, self.kernels = parts.chunks, parts.engine, parts.kernels
         self.experts = parts.experts
-        # The step breakdown (runtime/loop/breakdown.py), in every run unless DSFORGE_BREAKDOWN=off;
-        # None turns it off for the steps that follow (the overhead benchmark alternates).
-        marks = breakdown.mode()
-        self.clock = None if marks == "off" else breakdown.StepClock(device, gathers=marks == "gathers")
-        self.timings = breakdown.StepTimings()
-        self._breakdown_warned = False
-        self.flops = flops_per_token(recipe.model, recipe.train.seq_len,
-                                     recipe.train.activation_checkpointing)
-        gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-        self.peak_flops = gpu.peak_bf16_flops if gpu else None  # None: MFU not available
-        self.guard = health.Guard(recipe.train)
-        self.compiled = CompileReport() if recipe.model.compile == "layers" else None
-        self.halted: Halted | None = None  # set when the ranks stop because training went bad
-        self.last_step_bad = False  # the last step was non-finite (its update dropped)
-        self.resumed: dict | None = None  # the checkpoint's record and what changed, on resume
-        self.start_step = self._resume() if resume else 0
+        self.rank = torch.distributed.get_rank()
+        self.checkpointer = Checkpointer(self.engine, resolved, run_dir=run_dir, device=device,
+                                         console=self.console, rank=self.rank)
+        self.resumed: Resumed | None = self.checkpointer.resume() if resume else None
+        self.start_step = self.resumed.after_step if self.resumed else 0
         if resume:
             self.startup.mark("resume")
+        self.meter = StepMeter(resolved, device=device, census=census,
+                               first_timed_step=self.start_step + recipe.train.timing_warmup,
+                               warn=lambda text: self.console.say(
+                                   f"dsforge: warning: {text} (rank {self.rank})"))
+        self.compiled = CompileReport() if recipe.model.compile == "layers" else None
         self.profiler = open_profiler(recipe.tracking.profile_range, run_dir=run_dir,
                                       start_step=self.start_step, device=device,
                                       say=self.console.say)
-        self.reporter = self._is_reporter()
-        self._adds_loss = self._adds_to_mean_loss()
-        self.metrics = MetricsWriter(run_dir.metrics) if self.reporter else None
-        if self.reporter and resume:
-            self.metrics.keep_steps_before(self.start_step)
-        self.tracker = open_tracker(recipe, run_dir, resumed_at=self.start_step if resume else None,
-                                    warn=lambda text: self.console.say(f"dsforge: warning: {text}")) \
-            if self.reporter else None
+        self._adds_loss, reporting = self._loss_roles()
+        self.bad_steps = BadSteps(recipe.train, run_dir=run_dir, device=device, say=self.console.say,
+                                  rank=self.rank, reporting=reporting,
+                                  step_data=lambda step: data_mod.step_data(
+                                      self.sources.train, step, resolved.layout.global_batch))
+        self.reporter = Reporter(resolved, run_dir=run_dir, console=self.console,
+                                 resumed_at=self.start_step if resume else None) \
+            if reporting else None
         if self.reporter:
-            self._write_manifest()
+            self.reporter.manifest(run_manifest(
+                resolved, device=device, optimizer=self.engine.optimizer, kernels=self.kernels,
+                experts=self.experts, resumed=asdict(self.resumed) if self.resumed else None))
             self.console.say(f"dsforge: {self.startup.line()}")
 
-    def _resume(self) -> int:
-        root = self.run_dir.checkpoints
-        record = latest_complete(root)
-        if record is None:
-            raise CheckpointError(f"no complete checkpoint under {root}")
-        rank = torch.distributed.get_rank()
-        recipe = asdict(self.resolved.recipe)
-        step = checkpoint.load(self.engine, root, record["tag"], rank, recipe=recipe,
-                               world_size=self.resolved.layout.world_size,
-                               say=self.console.say if rank == 0 else None)
-        self.resumed = {"after_step": step, "checkpoint": record["tag"],
-                        "changes": resumed_changes(record["recipe"], recipe)}
-        line = checkpoint.continue_schedule(self.engine, self.resolved.recipe.train,
-                                            record["recipe"].get("train") or {})
-        if line and rank == 0:
-            self.console.say(line)
-        return step
+    @property
+    def halted(self) -> Halted | None:
+        """Set when the ranks stop because the training went bad (train_loop ends there)."""
+        return self.bad_steps.halted
 
     def save_checkpoint(self, steps_done: int, fault=None) -> bool:
-        """The checkpoint of `steps_done` steps; whether it was written. Not right after a bad
-        step (its update was dropped: a resume must not start inside a run of bad steps), and
-        not when a weight on some rank is not finite (the run then stops: `halted`)."""
-        root = self.run_dir.checkpoints
-        rank = torch.distributed.get_rank()
-        if self.last_step_bad:
-            if rank == 0:
-                self.console.say(f"dsforge: no checkpoint after step {steps_done}: the update "
-                                 "of its last step was skipped (non-finite); `latest` stays")
-            return False
-        bad_ranks = health.ranks_where(not health.weights_finite(self.engine.module), self.device)
-        if bad_ranks:
-            self.halted = Halted(step=steps_done - 1, kind="weights", ranks=bad_ranks,
-                                 what=f"non-finite weights before the save of step {steps_done}"
-                                      "; the checkpoint was not written")
-            return False
-        try:
-            checkpoint.save(self.engine, root, step=steps_done, recipe=asdict(self.resolved.recipe),
-                            world_size=self.resolved.layout.world_size,
-                            rank=torch.distributed.get_rank(), fault=fault)
-        except (OSError, RuntimeError) as exc:
-            # torch's serializer reports a full disk as "basic_ios::clear", without a path.
-            raise CheckpointError(
-                f"could not write the checkpoint of step {steps_done} under {root}: {exc}. Is the "
-                f"disk full? (df -h {root}); the previous complete checkpoint stays the latest"
-            ) from exc
-        return True
+        """The checkpoint of `steps_done` steps (Checkpointer.save); whether it was written.
+        A save refused for non-finite weights halts the run."""
+        outcome = self.checkpointer.save(steps_done, after_bad_step=self.bad_steps.last_step_bad,
+                                         fault=fault)
+        if isinstance(outcome, Halted):
+            self.bad_steps.halt(outcome)
+        return outcome is True
 
-    def _adds_to_mean_loss(self) -> bool:
-        """One rank per data-parallel (and context-parallel) replica adds its loss to the mean:
-        on the last pipeline stage, tensor-parallel rank 0 (its tp peers hold the same loss)."""
+    def _loss_roles(self) -> tuple[bool, bool]:
+        """(adds to the mean loss, reports): one rank per data-parallel (and context-parallel)
+        replica adds its loss to the mean, on the last pipeline stage, tensor-parallel rank 0
+        (its tp peers hold the same loss); the first replica's reports the run."""
         from megatron.core import parallel_state as ps
 
-        return ps.is_pipeline_last_stage(ignore_virtual=True) and \
+        adds = ps.is_pipeline_last_stage(ignore_virtual=True) and \
             ps.get_tensor_model_parallel_rank() == 0
-
-    def _is_reporter(self) -> bool:
-        from megatron.core import parallel_state as ps
-
-        return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-                and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+        return adds, adds and ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
     def _batches(self, source, index: int) -> list[data_mod.Microbatch]:
-        from megatron.core import parallel_state as ps
-
-        layout = self.resolved.layout
-        return data_mod.microbatches(source, step=index, global_batch=layout.global_batch,
-                                     micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
-                                     dp=layout.dp, dp_rank=ps.get_data_parallel_rank(),
-                                     cp=layout.cp, cp_rank=ps.get_context_parallel_rank(),
-                                     vocab_size=self.resolved.recipe.model.vocab_size)
+        return data_mod.rank_microbatches(source, index, layout=self.resolved.layout,
+                                          vocab_size=self.resolved.recipe.model.vocab_size)
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> float:
         """The mean of a loss over the data-parallel replicas and the context-parallel shards
@@ -182,73 +133,50 @@ class Trainer:
             self._train_step(step)
 
     def _train_step(self, step: int) -> None:
-        clock = self.clock or breakdown.OFF
+        clock = self.meter.clock or breakdown.OFF
         start = time.perf_counter()  # the step's time includes making its batches
         clock.start()
         with clock.phase("data"):
             batches = self._batches(self.sources.train, step)
         data_time = time.perf_counter() - start
         lr = self.engine.get_lr()[0]  # the rate this step's update uses
-        census = self._census_inside_step if self._takes_census(step) else None
-        with marking(self.clock, self.engine, self.chunks) if self.clock else contextlib.nullcontext():
+        census = self.meter.census_hook(step, self.start_step, self.engine)
+        with marking(self.meter.clock, self.engine, self.chunks) if self.meter.clock \
+                else contextlib.nullcontext():
             loss = self._forward_backward_update(batches, census, clock)
         with clock.phase("guard"):
             reduced = health.reduce_step(health.loss_share(loss, adds_loss=self._adds_loss,
                                                            device=self.device))
         marked = clock.stop()
-        if marked is None and self.clock is not None:
-            self._warn_breakdown(f"step breakdown: step {step} not measured: {self.clock.problem}")
         layout = self.resolved.layout
         seen = health.view(reduced, replicas=layout.dp * layout.cp,  # waits for the device
                            grad_norm=self.engine.get_global_grad_norm(),
                            applied=self.engine.was_step_applied())
         elapsed = time.perf_counter() - start
         ended_at = time.time()
-        reading = self.timings.add(step, marked, elapsed) if marked is not None else None
-        if self.timings.problem:
-            self._warn_breakdown(self.timings.problem)
-        bad = self.guard.judge(step, seen)
-        self.last_step_bad = bad is not None and bad.kind == "nonfinite"
+        phases = self.meter.phases(step, marked, elapsed)
+        bad = self.bad_steps.judge(step, seen)
         if self.compiled is not None:
             self._after_compiled_step(step)
         if self.reporter:
-            self._report(step, seen, lr, elapsed, ended_at, data_time,
-                         reading.phases if reading else None)
+            record = self.meter.record(step, seen, lr=lr, elapsed=elapsed, ended_at=ended_at,
+                                       data_time=data_time, phases=phases,
+                                       loss_scale=loss_scale(self.engine.optimizer,
+                                                             self.resolved.recipe.train.precision))
+            evaluated = eval_due(self.resolved.recipe.train, step) and \
+                (bad is None or bad.action != "stop")
+            self.reporter.step(record, show=not evaluated)  # an evaluation shows it, with its loss
         if bad is not None:
-            self._on_bad_step(bad, loss)
+            self.bad_steps.handle(bad, loss)
 
     def _after_compiled_step(self, step: int) -> None:
         """The compile time joins the start-up breakdown; a recompile after the warm-up is
         said once, by the rank it happened on (runtime/assemble/compile.py)."""
-        said = self.compiled.after_step(step, warm=step >= self._first_timed_step())
+        said = self.compiled.after_step(step, warm=step >= self.meter.first_timed_step)
         if self.compiled.compile_s is not None:
             self.startup.phases["compile"] = self.compiled.compile_s
         if said and (self.reporter or said.startswith("warning")):
-            self.console.say(f"dsforge: {said} (rank {torch.distributed.get_rank()})")
-
-    def _on_bad_step(self, bad: health.BadStep, loss: torch.Tensor | None) -> None:
-        """Which ranks' losses were not finite (every rank takes part), then the reporting
-        rank's line and record, and the stop when the run stops here."""
-        ranks = health.ranks_where(not health.finite(loss), self.device) \
-            if bad.kind == "nonfinite" else []
-        data = None
-        if self.reporter or (bad.action == "stop" and torch.distributed.get_rank() == 0):
-            data = data_mod.step_data(self.sources.train, bad.step,
-                                      self.resolved.layout.global_batch)
-        if self.reporter:
-            bad_steps.append_record(self.run_dir, bad_steps.record(bad, ranks, data))
-            if bad.action != "stop":
-                self.console.say(bad_steps.line(bad, ranks, data, self.guard.max_in_a_row))
-        if bad.action == "stop":
-            self.halted = Halted(step=bad.step, what=bad.what, kind=bad.kind, ranks=ranks,
-                                 data=data, in_a_row=bad.in_a_row)
-
-    def _warn_breakdown(self, problem: str) -> None:
-        """Once per run: what went wrong measuring a step (a measurement bug, not training's):
-        marks that do not pair up, or phases adding up to more than the step."""
-        if not self._breakdown_warned:
-            self._breakdown_warned = True
-            self.console.say(f"dsforge: warning: {problem} (rank {torch.distributed.get_rank()})")
+            self.console.say(f"dsforge: {said} (rank {self.rank})")
 
     def _forward_backward_update(self, batches, census, clock) -> torch.Tensor | None:
         layout, train = self.resolved.layout, self.resolved.recipe.train
@@ -285,139 +213,23 @@ class Trainer:
                 chunk.train()
             if self.compiled is not None:  # evaluation's graphs (no grad) are not recompiles
                 self.compiled.rebaseline()
-        if not losses:
-            return
-        val_loss = self._mean_over_replicas(torch.stack(losses).mean())
-        if self.reporter:
-            self.metrics.write_eval(step, val_loss)
-            self.tracker.log_eval(step, val_loss)
-            self.console.progress(name=self.resolved.recipe.name, step=step + 1,
-                                  steps=train.steps, postfix=self._postfix())
-
-    def _report(self, step: int, seen: health.StepView, lr: float, elapsed: float,
-                ended_at: float, data_time: float, phases: dict[str, float] | None) -> None:
-        recipe, layout = self.resolved.recipe, self.resolved.layout
-        # A skipped update's norm is DeepSpeed's overflow sentinel (inf), not a measurement.
-        record = make_record(
-            step=step, warmup=step < self._first_timed_step(), loss=seen.loss,
-            grad_norm=None if seen.skipped else seen.grad_norm, lr=lr, skipped=seen.skipped,
-            step_time_s=elapsed, tokens_per_step=layout.global_batch * recipe.train.seq_len,
-            world_size=layout.world_size, flops_per_token=self.flops.model,
-            hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
-            device=self.device, ended_at=ended_at, loss_scale=self._loss_scale(),
-            data_time_s=data_time, breakdown_s=phases)
-        self.metrics.write(record)
-        self.tracker.log_step(record)
-        self.console.progress(name=recipe.name, step=step + 1, steps=recipe.train.steps,
-                              postfix=self._postfix())
-
-    def _loss_scale(self) -> float | None:
-        """fp16's dynamic loss scale (DeepSpeed's optimizer wrapper holds it); None otherwise."""
-        if self.resolved.recipe.train.precision != "fp16":
-            return None
-        scale = getattr(self.engine.optimizer, "cur_scale", None)
-        return None if scale is None else float(scale)
-
-    def _postfix(self) -> str:
-        return _postfix(self.metrics.records[-1], self.metrics.last_eval())
-
-    def _write_manifest(self) -> None:
-        from dsforge.runtime.loop.manifest import environment_manifest, implementations
-
-        model = self.resolved.recipe.model
-        used = implementations(self.engine.optimizer, kernels=self.kernels.impl,
-                               kernels_why=self.kernels.why, sdpa_backend=model.sdpa_backend,
-                               experts=self.experts, compiled=compiled_with(model.compile),
-                               fp8=self.resolved.recipe.train.fp8)
-        manifest = environment_manifest(self.device, asdict(self.resolved.layout), used)
-        if self.resumed is not None:  # the checkpoint continued and the recipe's changes
-            manifest["resumed"] = self.resumed
-        write_atomic(self.run_dir.manifest, json.dumps(manifest, indent=2) + "\n")
+        if losses:
+            val_loss = self._mean_over_replicas(torch.stack(losses).mean())
+            if self.reporter:
+                self.reporter.evaluation(step, val_loss)
 
     def finish(self, closing_line: bool = True) -> None:
         """The rank's summary and, on the reporting rank, the run's; rank 0's report when the
         training went bad. `closing_line`: say the summary (a run that stopped early leaves
         that to `dsforge run`, which says why and how to go on)."""
-        self._write_rank_summary()
-        if self.halted is not None and torch.distributed.get_rank() == 0:
-            bad_steps.report_halt(self.halted, run_dir=self.run_dir,
-                                  skipped_updates=self.engine.skipped_steps,
-                                  fp16=self.resolved.recipe.train.precision == "fp16",
-                                  say=self.console.say)
-        if not self.reporter:
-            return
-        self.console.close()
-        self.tracker.close()
-        summary = self._write_summary()
-        if not closing_line:
-            return
-        self.console.say(format_summary(summary))
-        if summary["median_breakdown_s"] is not None:
-            self.console.say(format_breakdown(summary))
-
-    def _write_summary(self) -> dict:
-        """RUN_DIR/summary.json: the run's medians (metrics.py) and its start-up."""
-        summary = {**self.metrics.summary(), "startup_s": self.startup.phases,
-                   "restarts": len(self.restarts), "restart_causes": self.restarts}
-        write_atomic(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
-        return summary
-
-    def _write_rank_summary(self) -> None:
-        """RUN_DIR/ranks/rankNNNNN.json: what only this rank knows (its memory, its bubble)."""
-        from megatron.core import parallel_state as ps
-
-        from dsforge.runtime.guard.oom import peak_memory
-
-        memory, source = peak_memory(self.device)
         if self.profiler is not None:
             self.profiler.close()  # a run stopped before the last traced step
-        readings = self._timed_readings()
-        summary = {"rank": torch.distributed.get_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
-                   "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": ps.get_data_parallel_rank(),
-                   "peak_memory_bytes": memory, "memory_source": source,
-                   "bubble_share": median_bubble(readings),
-                   "breakdown_s": median_breakdown(r.phases for r in readings),
-                   "tensor_bytes": self._tensor_census(),
-                   **{f"tensor_bytes_{point}": census for point, census in self.censuses.items()}}
-        path = self.run_dir.rank_summary(summary["rank"])
-        path.parent.mkdir(exist_ok=True)
-        write_atomic(path, json.dumps(summary) + "\n")
-
-    def _timed_readings(self) -> list[breakdown.Reading]:
-        """This rank's step breakdowns after the warmup steps (all of them if every step was
-        one), once the device has finished the last step."""
-        self.timings.finish()
-        warmup = self._first_timed_step()
-        readings = self.timings.readings
-        if self.timings.problem:  # readings made late (a rank without the loss) included
-            self._warn_breakdown(self.timings.problem)
-        return [r for step, r in readings.items() if step >= warmup] or list(readings.values())
-
-    def _takes_census(self, step: int) -> bool:
-        """With `census`, the census inside a step runs on the last step left out of the
-        timings (walking every live object takes longer than a tiny step), else the first."""
-        return self.census and step == max(self.start_step, self._first_timed_step() - 1)
-
-    def _first_timed_step(self) -> int:
-        """The first step of this process's timings: its own first `timing_warmup` steps warm
-        it up, a resumed run's as a new run's (its allocator, caches and kernels are cold)."""
-        return self.start_step + self.resolved.recipe.train.timing_warmup
-
-    def _census_inside_step(self, point: str) -> None:
-        from dsforge.runtime.loop.tensor_census import live_tensor_bytes
-
-        census = live_tensor_bytes(self.engine, self.device)
-        # A point may repeat (ZeRO-3 steps the optimizer once per sub-group): keep its largest.
-        if census["total"] >= self.censuses.get(point, {}).get("total", -1):
-            self.censuses[point] = census
-
-    def _tensor_census(self) -> dict[str, int] | None:
-        """Live model-state tensors after training, for `dsforge bench` (tensor_census.py)."""
-        if not self.census:
-            return None
-        from dsforge.runtime.loop.tensor_census import live_tensor_bytes
-
-        return live_tensor_bytes(self.engine, self.device)
+        self.meter.write_rank_summary(self.run_dir, self.engine)
+        self.bad_steps.report(skipped_updates=self.engine.skipped_steps,
+                              fp16=self.resolved.recipe.train.precision == "fp16")
+        if self.reporter:
+            self.reporter.finish(startup_s=self.startup.phases, restarts=self.restarts,
+                                 closing_line=closing_line)
 
 
 def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = None,
@@ -456,35 +268,20 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
         if eval_due(train, step):  # before the save: a resumed run has this step's eval
             _timed(timed, "eval", trainer.evaluate, step, before_batch=before_step)
         due = every and ((step + 1) % every == 0 or step + 1 == train.steps)
-        saved = due and _timed(timed, "save", save_and_prune, trainer, step + 1, save_fault)
+        saved = due and _timed(timed, "save", trainer.save_checkpoint, step + 1, save_fault)
         if trainer.halted:
             break
         if stopper is not None and step + 1 < train.steps:
             stopped = stopper.agree(step + 1, next_evaluates=eval_due(train, step + 1))
             if stopped is not None:
                 if not due:
-                    saved = save_and_prune(trainer, step + 1, save_fault)
+                    saved = trainer.save_checkpoint(step + 1, save_fault)
                 stopped = replace(stopped, saved=bool(saved))
                 break
     if after_steps is not None:
         after_steps()
     trainer.finish(closing_line=stopped is None and trainer.halted is None)
     return trainer.halted or stopped
-
-
-def save_and_prune(trainer: Trainer, steps_done: int, fault=None) -> bool:
-    """The checkpoint of `steps_done` steps; then, with train.keep_last, rank 0 deletes the
-    complete checkpoints beyond the newest keep_last (ckpt/retention.py). Whether it was
-    written (Trainer.save_checkpoint: not after a bad step, nor with non-finite weights)."""
-    if not trainer.save_checkpoint(steps_done, fault=fault):
-        return False
-    keep_last = trainer.resolved.recipe.train.keep_last
-    if keep_last and torch.distributed.get_rank() == 0:
-        from dsforge.ckpt.retention import prune
-
-        prune(trainer.run_dir.checkpoints, keep_last,
-              warn=lambda text: trainer.console.say(f"dsforge: warning: {text}"))
-    return True
 
 
 def _timed(note: Callable[[str, float], None] | None, kind: str, function, *args, **kwargs):
@@ -498,13 +295,3 @@ def _timed(note: Callable[[str, float], None] | None, kind: str, function, *args
 def eval_due(train, step: int) -> bool:
     """Evaluate after every train.eval_every steps and after the last step."""
     return train.eval_every > 0 and ((step + 1) % train.eval_every == 0 or step + 1 == train.steps)
-
-
-def _postfix(r, last_eval: tuple[int, float] | None) -> str:
-    mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
-    norm = f"{r.grad_norm:.3f}" if r.grad_norm is not None else "n/a"
-    val = f" | val {last_eval[1]:.4f}" if last_eval is not None else ""
-    if r.skipped:
-        norm = "n/a, update skipped"
-    return (f"loss {r.loss:.4f}{val} | gnorm {norm} | lr {r.lr:.2e} | {r.step_time_s * 1e3:.0f} ms | "
-            f"{r.tokens_per_s:,.0f} tok/s | MFU {mfu} | mem {r.peak_memory_bytes / MiB:,.0f} MiB")
