@@ -36,7 +36,7 @@ def record_for(exc: BaseException, *, rank: int, step: int, detail: str) -> Fail
         return Failure(rank=rank, step=step, kind="build", message=message, detail=detail,
                        what=built.what, cause=built.cause, fix=built.fix)
     try:
-        kind = _passing_kind(exc) or "exception"
+        kind = passing_kind(exc) or "exception"
     except Exception:  # as above: the record itself matters more
         kind = "exception"
     return Failure(rank=rank, step=step, kind=kind, message=message, detail=detail)
@@ -49,7 +49,7 @@ _COLLECTIVE_TEXT = re.compile(r"NCCL|gloo|Connection (closed|reset) by peer|Brok
 _DEVICE_TEXT = re.compile(r"CUDA error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|ECC error")
 
 
-def _passing_kind(exc: BaseException) -> str | None:
+def passing_kind(exc: BaseException) -> str | None:
     """"collective" or "device" when `exc`, or an exception it was raised from, is a failed
     collective or a CUDA error; None for any other exception (a bug or a bad input, which
     running again would only repeat)."""

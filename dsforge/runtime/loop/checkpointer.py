@@ -16,6 +16,7 @@ from dsforge.job.run_dir import RunDir
 from dsforge.recipe import Resolved
 from dsforge.runtime.checkpoint import save_load
 from dsforge.runtime.guard import health
+from dsforge.runtime.guard.record import passing_kind
 from dsforge.runtime.loop.bad_steps import Halted
 
 
@@ -78,6 +79,12 @@ class Checkpointer:
                            world_size=self.resolved.layout.world_size, rank=self.rank,
                            fault=fault)
         except (OSError, RuntimeError) as exc:
+            if passing_kind(exc) == "collective":
+                # A peer died or left while the ranks waited for each other's files: not this
+                # rank's disk. `dsforge run` names the rank that was lost (job/who_failed.py).
+                raise CheckpointError(
+                    f"lost a peer rank while saving the checkpoint of step {steps_done}; the "
+                    f"previous complete checkpoint stays the latest ({_first_line(exc)})") from exc
             # torch's serializer reports a full disk as "basic_ios::clear", without a path.
             raise CheckpointError(
                 f"could not write the checkpoint of step {steps_done} under {root}: {exc}. Is the "
@@ -93,3 +100,7 @@ class Checkpointer:
 
             prune(self.run_dir.checkpoints, keep_last,
                   warn=lambda text: self.console.say(f"dsforge: warning: {text}"))
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
