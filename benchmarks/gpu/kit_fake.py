@@ -1,7 +1,7 @@
 """Invented inputs for the kit's dry run: files shaped like a GPU command's (run directories,
 a bench results.db, pytest's JUnit XML, the calibrated profile, the loop's search), with
-invented figures, so kit_results.py reads and renders them on a CPU exactly as it reads a GPU
-command's (kit.py --dry-run, tests/unit/test_gpu_kit.py)."""
+invented figures, so kit_results.py reads them and kit_table.py renders them on a CPU exactly
+as a GPU command's (kit.py --dry-run, tests/unit/test_gpu_kit.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from dsforge.hardware import gpu_by_key
 from dsforge.job.metrics_file import PHASES
 from dsforge.job.run_dir import RunDir
 from dsforge.units import GiB
-from kit_plan import CALIBRATED, RunSpec, Step, StudySpec, prediction, resolve_run, write_study
+from kit_plan import RunSpec, StudySpec
+from kit_steps import CALIBRATED, Step, prediction, resolve_run, write_study
 from kit_results import GPU_RUNS, shape
 
 FAKE_MFU = 0.40  # the invented runs' MFU
@@ -92,7 +93,8 @@ TINY_PEER = {"hidden_size": 64, "ffn_hidden_size": 128, "num_layers": 2, "num_at
 def _fake_peer(step: Step, work: Path, gpu: str) -> None:
     import kit_peers
     import peer_loop
-    from kit_plan import MEASUREMENTS, peer_paths
+    from kit_plan import MEASUREMENTS
+    from kit_steps import peer_paths
 
     spec = next(r for r in MEASUREMENTS[step.measurement].runs if r.label == step.spec.matches)
     shape_path = kit_peers.write_shape(step.spec, spec, gpu, work)

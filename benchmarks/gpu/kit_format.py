@@ -1,4 +1,4 @@
-"""How the GPU kit's tables write a figure (kit_results.py, kit_peers.py)."""
+"""How the GPU kit's tables write a figure (kit_table.py, kit_peers.py)."""
 
 from __future__ import annotations
 

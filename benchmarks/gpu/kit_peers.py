@@ -17,7 +17,8 @@ from pathlib import Path
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.params import count_params
 from kit_format import num, pct
-from kit_plan import Measurement, PeerSpec, RunSpec, peer_paths, resolve_run
+from kit_plan import Measurement, PeerSpec, RunSpec
+from kit_steps import peer_paths, resolve_run
 
 PRECISION = "bf16 (fp32 weights and Adam states)"
 

@@ -30,7 +30,8 @@ def _load_kit():
 
 
 kit = _load_kit()
-kit_plan, kit_results, kit_wheels = kit.kit_plan, kit.kit_results, kit.kit_wheels
+kit_plan, kit_steps, kit_checks = kit.kit_plan, kit.kit_steps, kit.kit_checks
+kit_results, kit_table, kit_wheels = kit.kit_results, kit.kit_table, kit.kit_wheels
 kit_fake = kit.kit_fake
 
 
@@ -51,7 +52,7 @@ def test_dry_run_passes_without_wheels_and_prints_every_command(gpu, tmp_path, c
     assert code == 0, out
     assert "wheels (" in out and "not built" in out and "dry run: ok" in out
     assert "FAKE INPUTS" in out and "Nothing here is a GPU measurement" in out
-    steps = kit_plan.steps(kit_plan.select(["all"]), kit.Context(gpu=gpu, python="python3",
+    steps = kit_steps.steps(kit_plan.select(["all"]), kit.Context(gpu=gpu, python="python3",
                                                                  work=kit.DEFAULT_WORK))
     for step in steps:
         if step.kind not in ("skip",):
@@ -63,7 +64,7 @@ def test_dry_run_passes_without_wheels_and_prints_every_command(gpu, tmp_path, c
 def test_dry_run_of_the_essential_command_shows_its_estimate(gpu, tmp_path, capsys):
     assert kit.main(["--dry-run", "--gpu", gpu, "--wheels", str(tmp_path / "absent"), "essential"]) == 0
     out = capsys.readouterr().out
-    seconds = kit_plan.selection_seconds("essential", gpu)
+    seconds = kit_steps.selection_seconds("essential", gpu)
     assert f"commands on the {gpu} machine, from the repository root (~{seconds:.0f} s):" in out
     assert f"essential on {gpu}: ~{seconds:.0f} s of {kit_plan.selection_limit('essential'):.0f} s" in out
 
@@ -93,18 +94,18 @@ def test_the_essential_command_fits_8_minutes_with_install_and_environment():
     limit = kit_plan.ESSENTIAL_S - kit_plan.FINISH_S - kit_plan.ESSENTIAL_MARGIN_S
     assert kit_plan.selection_limit("essential") == limit and kit_plan.ESSENTIAL_S <= 480
     for gpu in kit_plan.PLANNED_GPUS:
-        steps = kit_plan.selection_steps("essential", gpu)
+        steps = kit_steps.selection_steps("essential", gpu)
         assert [s.kind for s in steps[:2]] == ["install", "env"]
         assert {"pytest", "run", "bench", "report"} <= {s.kind for s in steps}
         assert sum(s.expected_s for s in steps) <= limit, gpu
     assert kit_plan.ESSENTIAL_BUDGET_S + kit_plan.FINISH_S <= kit_plan.ESSENTIAL_S
-    _, problems = kit.selection_check()
+    _, problems = kit_checks.selection_check()
     assert problems == []
 
 
 def test_a_step_that_breaks_the_essential_budget_fails_the_check(monkeypatch):
     monkeypatch.setitem(kit_plan.SELECTIONS, "essential", (*kit_plan.SELECTIONS["essential"], "adam-step"))
-    _, problems = kit.selection_check()
+    _, problems = kit_checks.selection_check()
     assert [p.split(":")[0] for p in problems] == ["essential on h100", "essential on h200"]
 
 
@@ -112,13 +113,13 @@ def test_optional_selections_each_fit_one_command():
     for selection in ("levers", "sweeps"):
         assert kit_plan.selection_limit(selection) == kit_plan.CALL_BUDGET_S < kit_plan.ONE_COMMAND_S
         for gpu in kit_plan.PLANNED_GPUS:
-            assert kit_plan.selection_seconds(selection, gpu) <= kit_plan.CALL_BUDGET_S
+            assert kit_steps.selection_seconds(selection, gpu) <= kit_plan.CALL_BUDGET_S
 
 
 def test_every_estimate_says_whether_it_was_measured_or_guessed():
     for selection in kit_plan.SELECTIONS:
         for gpu in kit_plan.PLANNED_GPUS:
-            for step in kit_plan.selection_steps(selection, gpu):
+            for step in kit_steps.selection_steps(selection, gpu):
                 if step.kind not in ("plan", "skip"):
                     assert step.basis.startswith(("measured", "guess")), (step.name, step.basis)
                     assert step.expected_s > 0
@@ -136,7 +137,7 @@ def test_kit_pins_match_setup_cfg_and_a_drift_is_caught():
     assert [p for p in kit_wheels.pin_problems(old_liger, setup, gpu_extra) if "dsforge[gpu]" in p]
     without = [p for p in pins if p.name != "liger-kernel"]
     assert any("(nothing)" in p for p in kit_wheels.pin_problems(without, setup, gpu_extra))
-    assert "liger-kernel==0.8.5" in kit_plan.install_requirements()
+    assert "liger-kernel==0.8.5" in kit_steps.install_requirements()
 
 
 def _fake_wheel(folder: Path, name: str, version: str, requires=(), tag="py3-none-any") -> Path:
@@ -169,7 +170,7 @@ def test_wheel_checks_on_a_fake_folder(tmp_path):
     assert "extra-thing 1.0: not in requirements.txt" in text and "not installable on CPython 3.12" in text
     assert any("no-such-package" in p and "neither carried" in p
                for p in kit_wheels.requirement_problems(tmp_path))
-    lines, problems = kit.wheel_check(tmp_path, with_tree=False)
+    lines, problems = kit_checks.wheel_check(tmp_path, with_tree=False)
     assert problems and any("incomplete" in line for line in lines)
 
 
@@ -184,7 +185,7 @@ def test_the_wheels_folder_is_ignored_and_travels_within_the_limit():
     kit_wheels.read_pins())).state != "complete" or kit_wheels.find_python312() is None,
     reason="needs the built kit (build_kit.sh) and a Python 3.12")
 def test_pip_resolves_the_built_kit_for_the_gpu_image():
-    ok, tail = kit_wheels.resolve_install(kit_wheels.WHEELS, kit_plan.install_requirements(),
+    ok, tail = kit_wheels.resolve_install(kit_wheels.WHEELS, kit_steps.install_requirements(),
                                           kit_wheels.find_python312())
     assert ok, tail
 
@@ -197,12 +198,12 @@ def test_import_check_flags_what_the_image_lacks():
 
 
 def test_planned_runs_and_studies_validate_and_fit_where_planned():
-    lines, problems = kit.spec_check()
+    lines, problems = kit_checks.spec_check()
     assert problems == []
     runs = [(spec, gpu) for m in kit_plan.MEASUREMENTS.values() for spec in m.runs for gpu in spec.gpus]
     assert len(runs) == sum(1 for line in lines if line.endswith("fits, runs"))
     for spec, gpu in runs:
-        assert kit_plan.resolve_run(spec, gpu).layout.world_size == 1
+        assert kit_steps.resolve_run(spec, gpu).layout.world_size == 1
 
 
 def test_a_selection_running_one_recipe_twice_is_a_problem(monkeypatch):
@@ -211,7 +212,7 @@ def test_a_selection_running_one_recipe_twice_is_a_problem(monkeypatch):
     same = dataclasses.replace(shipped, label="7b-again", overrides=(*shipped.overrides, "zero.stage=0"))
     monkeypatch.setitem(kit_plan.MEASUREMENTS, "anchor",
                         dataclasses.replace(anchor, runs=(*anchor.runs, same)))
-    assert kit.duplicate_runs() == ["7b-again and 7b-shipped run the same recipe on h200 in essential; "
+    assert kit_checks.duplicate_runs() == ["7b-again and 7b-shipped run the same recipe on h200 in essential; "
                                     "change one of them"]
 
 
@@ -224,9 +225,9 @@ def test_kit_recipes_and_studies_start_with_a_comment():
 
 def test_commands_per_gpu():
     ctx = lambda gpu: kit.Context(gpu=gpu, python="PY", work=Path("/w"))
-    h100 = kit_plan.steps(kit_plan.select(["anchor"]), ctx("h100"))
-    h200 = kit_plan.steps(kit_plan.select(["anchor"]), ctx("h200"))
-    layouts = kit_plan.steps(kit_plan.select(["layouts"]), ctx("h200"))
+    h100 = kit_steps.steps(kit_plan.select(["anchor"]), ctx("h100"))
+    h200 = kit_steps.steps(kit_plan.select(["anchor"]), ctx("h200"))
+    layouts = kit_steps.steps(kit_plan.select(["layouts"]), ctx("h200"))
     assert [s.kind for s in h100] == ["install", "env"] + ["plan", "run"]
     assert h100[0].argv[:6] == ("PY", "-m", "pip", "install", "--no-index", "--find-links")
     assert [s.name for s in h100 if s.kind == "run"] == ["3b-shipped"]
@@ -253,7 +254,7 @@ def test_a_run_that_does_not_fit_becomes_a_skip_with_the_reason():
     spec = kit_plan.RunSpec(label="7b-none-mb4", recipe="recipes/7b_1gpu.yaml",
                             overrides=("train.activation_checkpointing=none", "train.micro_batch=4"),
                             start=kit_plan.START_7B, step=kit_plan.STEP_7B_SELECTIVE)
-    [step] = kit_plan.run_steps(spec, "m", kit.Context(gpu="h100", python="PY", work=Path("/w")))
+    [step] = kit_steps.run_steps(spec, "m", kit.Context(gpu="h100", python="PY", work=Path("/w")))
     assert step.kind == "skip" and "GiB per GPU >" in step.note and "H100" in step.note
 
 
@@ -270,10 +271,10 @@ def test_kempnerforge_formula_equals_dsforges_for_llama_and_differs_when_heads_x
 def test_table_from_fake_inputs(tmp_path):
     from dsforge.job.metrics_file import PHASES
 
-    steps = kit_plan.steps(kit_plan.select(["all"]), kit.Context(gpu="h200", python="PY", work=tmp_path))
+    steps = kit_steps.steps(kit_plan.select(["all"]), kit.Context(gpu="h200", python="PY", work=tmp_path))
     records = kit_fake.write_fake_inputs(steps, tmp_path, "h200")
     result = kit_results.collect(steps, records, tmp_path, "h200")
-    table = kit_results.render(result, fake=True)
+    table = kit_table.render(result, fake=True)
     assert [r["label"] for r in result["runs"]] == [s.name for s in steps if s.kind in ("run", "skip")]
     for row in result["runs"]:
         assert row["mfu"] == pytest.approx(kit_fake.FAKE_MFU)
@@ -312,7 +313,7 @@ def test_table_from_fake_inputs(tmp_path):
 def test_table_leaves_out_the_breakdown_of_a_run_without_one(tmp_path):
     """Runs of a dsforge that measured no breakdown (DSFORGE_BREAKDOWN=off, or older) render
     without that section instead of failing."""
-    steps = kit_plan.steps(kit_plan.select(["moe-experts"]), kit.Context(gpu="h100", python="PY", work=tmp_path))
+    steps = kit_steps.steps(kit_plan.select(["moe-experts"]), kit.Context(gpu="h100", python="PY", work=tmp_path))
     records = kit_fake.write_fake_inputs(steps, tmp_path, "h100")
     for impl in ("sequential", "grouped"):
         summary = tmp_path / "runs" / f"moe-8l-{impl}" / "summary.json"
@@ -321,11 +322,11 @@ def test_table_leaves_out_the_breakdown_of_a_run_without_one(tmp_path):
         summary.write_text(json.dumps(data))
     result = kit_results.collect(steps, records, tmp_path, "h100")
     assert result["runs"][0]["breakdown_s"] is None and result["runs"][0]["step_s"] > 0
-    assert "Where the step goes" not in kit_results.render(result)
+    assert "Where the step goes" not in kit_table.render(result)
 
 
 def test_a_run_that_does_not_learn_is_marked_and_one_without_a_manifest_gives_no_figures(tmp_path):
-    steps = kit_plan.steps(kit_plan.select(["moe-experts"]), kit.Context(gpu="h200", python="PY", work=tmp_path))
+    steps = kit_steps.steps(kit_plan.select(["moe-experts"]), kit.Context(gpu="h200", python="PY", work=tmp_path))
     records = kit_fake.write_fake_inputs(steps, tmp_path, "h200")
     metrics = tmp_path / "runs" / "moe-8l-sequential" / "metrics.jsonl"
     flat = [{**json.loads(line), "loss": 10.37} for line in metrics.read_text().splitlines()]
@@ -335,7 +336,7 @@ def test_a_run_that_does_not_learn_is_marked_and_one_without_a_manifest_gives_no
     sequential, grouped = result["runs"]
     assert sequential["loss_falls"] is False and sequential["first_loss"] == 10.37
     assert grouped.get("step_s") is None and "no manifest.json" in grouped["status"]
-    table = kit_results.render(result)
+    table = kit_table.render(result)
     assert "10.370 -> 10.370 **does not fall**" in table
     assert "| moe-8l-grouped | fake; no manifest.json: figures left out |" in table
 
@@ -345,11 +346,11 @@ def test_the_peer_runs_the_job_of_its_dsforge_run_and_peers_json_matches_them(gp
     """Issue 39: the peer gets the dsforge run's model, sequence length, global batch and
     micro-batch, on the same corpus; peers.json's rows carry the same model, precision and
     sequence length, MFU by dsforge's formula; the chart is drawn."""
-    steps = kit_plan.steps(kit_plan.select(["peers"]), kit.Context(gpu=gpu, python="PY", work=tmp_path))
+    steps = kit_steps.steps(kit_plan.select(["peers"]), kit.Context(gpu=gpu, python="PY", work=tmp_path))
     [run] = [s for s in steps if s.kind == "run"]
     peers = [s for s in steps if s.kind == "peer"]
     assert [p.spec.compile for p in peers] == ["none", "layers"]
-    train = kit_plan.resolve_run(run.spec, gpu).recipe.train
+    train = kit_steps.resolve_run(run.spec, gpu).recipe.train
     for peer in peers:
         flag = lambda name: peer.argv[peer.argv.index(name) + 1]
         assert (flag("--seq-len"), flag("--global-batch"), flag("--micro-batch"), flag("--steps")) == \
@@ -367,7 +368,7 @@ def test_the_peer_runs_the_job_of_its_dsforge_run_and_peers_json_matches_them(gp
             (rows[0]["model"], rows[0]["precision"], rows[0]["seq_len"])
         assert row["global_batch_tokens"] == 8 * 4096
     assert rows[1]["mfu"] == pytest.approx(kit_fake.FAKE_PEER_SHARE * rows[0]["mfu"])
-    assert "| dsforge |" in kit_results.render(kit_results.collect(steps, records, tmp_path, gpu))
+    assert "| dsforge |" in kit_table.render(kit_results.collect(steps, records, tmp_path, gpu))
     assert kit.kit_peers.chart(rows, tmp_path / "peers.png").stat().st_size > 0
 
 
@@ -397,7 +398,7 @@ def test_the_driver_runs_steps_within_the_budget_and_writes_its_files(tmp_path, 
              _step("slow", "import time; time.sleep(60)", timeout=1.0),
              _step("too-long", "print(1)", expected=10_000),
              kit.Step(name="unplanned", kind="skip", note="does not fit")]
-    monkeypatch.setattr(kit.kit_plan, "steps", lambda measurements, ctx: steps)
+    monkeypatch.setattr(kit.kit_steps, "steps", lambda measurements, ctx: steps)
     out, work = tmp_path / "out", tmp_path / "work"
     started = time.monotonic()
     code = kit.main(["--out", str(out), "--work", str(work), "--gpu", "h100", "--budget", "300",
@@ -421,7 +422,7 @@ def test_the_driver_runs_steps_within_the_budget_and_writes_its_files(tmp_path, 
 def test_a_failed_required_step_stops_the_command(tmp_path, monkeypatch):
     steps = [kit.Step(name="env", kind="env", argv=(sys.executable, "-c", "raise SystemExit(1)"),
                       expected_s=1, timeout_s=30, required=True), _step("after", "print(1)")]
-    monkeypatch.setattr(kit.kit_plan, "steps", lambda measurements, ctx: steps)
+    monkeypatch.setattr(kit.kit_steps, "steps", lambda measurements, ctx: steps)
     out = tmp_path / "out"
     assert kit.main(["--out", str(out), "--work", str(tmp_path / "w"), "--gpu", "h100",
                      "--wheels", _carried(tmp_path), "gemm"]) == 1
@@ -502,22 +503,22 @@ def test_adam_step_builds_fused_adam_in_the_environment_a_rank_gives_it(monkeypa
 def test_a_run_with_its_own_environment_starts_through_env():
     """The breakdown's cost: the same run with and without its clock, set for that run only."""
     ctx = kit.Context(gpu="h200", python="PY", work=Path("/w"))
-    runs = [s for s in kit_plan.steps(kit_plan.select(["breakdown-cost"]), ctx) if s.kind == "run"]
+    runs = [s for s in kit_steps.steps(kit_plan.select(["breakdown-cost"]), ctx) if s.kind == "run"]
     assert [s.argv[:5] for s in runs] == [("env", "DSFORGE_BREAKDOWN=on", "PY", "-m", "dsforge"),
                                           ("env", "DSFORGE_BREAKDOWN=off", "PY", "-m", "dsforge")]
     assert runs[0].argv[5:] == tuple(a.replace("-off", "-on") for a in runs[1].argv[5:])
-    assert kit.duplicate_runs() == []  # the same recipe twice, told apart by the environment
+    assert kit_checks.duplicate_runs() == []  # the same recipe twice, told apart by the environment
 
 
 def test_the_calibrate_step_writes_a_profile_the_table_shows(tmp_path):
     """Issue 23's profile measured on the kit's GPU: dsforge calibrate at the 7B's shapes for
     the GPU the kit planned, its profile in the work folder (archived) and in the table."""
     ctx = kit.Context(gpu="h200", python="PY", work=tmp_path)
-    [step] = [s for s in kit_plan.steps(kit_plan.select(["calibrate"]), ctx) if s.kind == "calibrate"]
+    [step] = [s for s in kit_steps.steps(kit_plan.select(["calibrate"]), ctx) if s.kind == "calibrate"]
     assert step.argv == ("PY", "-m", "dsforge", "calibrate", "recipes/7b_1gpu.yaml", "--gpu",
-                         "h200", "--out", str(tmp_path / kit_plan.CALIBRATED))
+                         "h200", "--out", str(tmp_path / kit_steps.CALIBRATED))
     kit_fake.write_fake_inputs([step], tmp_path, "h200")
-    table = kit_results.render(kit_results.collect([step], {}, tmp_path, "h200"))
+    table = kit_table.render(kit_results.collect([step], {}, tmp_path, "h200"))
     assert "### The profile dsforge calibrate measured (FAKE (dry run)" in table
     assert "| gemm_knee_tokens | 256 |" in table
 
@@ -527,16 +528,16 @@ def test_the_loop_starts_from_the_profile_calibrate_wrote_in_the_same_command(tm
     fills the GPU, measured as trials and refitted, from calibrate's profile where calibrate
     runs first, else from the GPU's default profile."""
     ctx = kit.Context(gpu="h100", python="PY", work=tmp_path)
-    steps = kit_plan.steps(kit_plan.select(["profiles"]), ctx)
+    steps = kit_steps.steps(kit_plan.select(["profiles"]), ctx)
     assert [s.kind for s in steps] == ["install", "env", "calibrate", "search"]
     loop = steps[-1]
     assert loop.argv[:6] == ("PY", "-m", "dsforge", "plan", "--search", kit_plan.THREE_B)
-    assert loop.argv[-2:] == ("--profile", str(tmp_path / kit_plan.CALIBRATED))
+    assert loop.argv[-2:] == ("--profile", str(tmp_path / kit_steps.CALIBRATED))
     assert "--measure" in loop.argv and "--json" in loop.argv
-    [alone] = [s for s in kit_plan.steps(kit_plan.select(["loop"]), ctx) if s.kind == "search"]
+    [alone] = [s for s in kit_steps.steps(kit_plan.select(["loop"]), ctx) if s.kind == "search"]
     assert "--profile" not in alone.argv
     h200 = kit.Context(gpu="h200", python="PY", work=tmp_path)
-    [seven_b] = [s for s in kit_plan.steps(kit_plan.select(["loop"]), h200) if s.kind == "search"]
+    [seven_b] = [s for s in kit_steps.steps(kit_plan.select(["loop"]), h200) if s.kind == "search"]
     assert kit_plan.SEVEN_B in seven_b.argv
 
 
@@ -544,12 +545,12 @@ def test_the_loops_table_reads_the_search_json_at_the_end_of_its_log(tmp_path):
     """The dry run runs the step's own search here (its arguments checked by dsforge's CLI) and
     invents the trials; the table reads the JSON after the progress lines of the log."""
     ctx = kit.Context(gpu="h100", python="PY", work=tmp_path)
-    steps = [s for s in kit_plan.steps(kit_plan.select(["profiles"]), ctx)
+    steps = [s for s in kit_steps.steps(kit_plan.select(["profiles"]), ctx)
              if s.kind in ("calibrate", "search")]
     kit_fake.write_fake_inputs(steps, tmp_path, "h100")
     loop = kit_results.loop_result(tmp_path)
-    assert len(loop["measured"]) == kit_plan.LOOP_TOP and loop["refit"]["prediction_error"] == 0.02
-    table = kit_results.render(kit_results.collect(steps, {}, tmp_path, "h100"))
+    assert len(loop["measured"]) == kit_steps.LOOP_TOP and loop["refit"]["prediction_error"] == 0.02
+    table = kit_table.render(kit_results.collect(steps, {}, tmp_path, "h100"))
     assert "### The loop: dsforge plan --search --measure, top 4 (the profile it started from: " \
            "FAKE (dry run))" in table
     assert "| 1 | tp1 pp1 dp1 ZeRO-0 mb1 ckpt none | ok |" in table
