@@ -8,7 +8,8 @@ process, and Megatron's import is seconds a test process does not need):
 - `python -m tests.hf_check CHECKPOINT_DIR OUT.pt` builds the model a checkpoint's recipe
   describes as one process (tp1, pp1, ep1: its parameter names are the global names), loads
   every parameter from the checkpoint's layout-free state (dsforge.ckpt.reader: the fp32
-  master weights joined from whatever layout saved them) and saves the logits on TOKENS.
+  master weights joined from whatever layout saved them; the vocabulary tensors' padding rows
+  dropped or added for tp 1, as a resume does) and saves the logits on TOKENS.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def build_chunk(resolved):
     gpt_kwargs = gpt_model_kwargs(model=r.model, layout=resolved.layout)
     experts = choose_experts(r.model, device="cpu", precision=r.train.precision, capability=None)
     (chunk,) = build_model_chunks(config, gpt_kwargs, torch.device("cpu"),
+                                  vocab_size=r.model.vocab_size,
                                   experts=experts.impl if experts else "sequential")
     return chunk, gpt_kwargs["vocab_size"]
 
@@ -94,14 +96,16 @@ def transformers_logits(folder: Path, tokens=TOKENS):
 def _checkpoint_logits(checkpoint: Path, out: Path) -> None:
     from dsforge.ckpt.reader import open_state
 
+    from dsforge.runtime.assemble.vocab import pad_rows
+
     reader = open_state(checkpoint)
     single_process(out.with_suffix(".store"))
-    chunk, padded = build_chunk(one_process_recipe(reader.recipe))
-    assert padded == reader.padded_vocab_size, (padded, reader.padded_vocab_size)
+    chunk, _ = build_chunk(one_process_recipe(reader.recipe))
     loaded = []
     with torch.no_grad():
         for name, param in chunk.named_parameters():
-            param.copy_(reader.full(name, "fp32"))
+            rows = param.shape[0]
+            param.copy_(pad_rows(reader.full(name, "fp32")[:rows], rows))
             loaded.append(name)
     assert sorted(loaded) == sorted(reader.names()), "the checkpoint holds other tensors"
     torch.save({"logits": logits(chunk), "recipe": reader.recipe}, out)

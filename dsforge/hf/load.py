@@ -8,13 +8,9 @@ its own parameters, for that parameter's global tensor (runtime/assemble/init.py
 peak is its largest full parameter, never the model. The folder was checked before any rank
 started (recipe/init_from.py, rules I1-I5); the reads here only fail on a folder changed since.
 
-The vocabulary rows Megatron pads (to a multiple of 128 x tp) are zeros (names._assemble), not
-drawn as a fresh model's would be. Megatron's softmax includes the padded output rows, so
-their logits change the loss; a zero row's logit is exactly 0 for every token, a bounded and
-input-independent term, while a drawn row would add a random direction of the hidden state
-(and one that differs with the seed) to a model that was trained without it. The padded
-embedding rows are never looked up. With a vocabulary that is a multiple of 128 x tp there is
-no padding and the imported model's loss is the folder's.
+The vocabulary rows Megatron pads (to a multiple of 128 x tp) are zeros (names._assemble), as a
+drawn model's are: the model masks their logits out of every loss and they get no gradient
+(runtime/assemble/vocab.py), so the imported model's loss is the folder's on every tp.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ batch with the smallest ones (with the kernels and attention backend CPU ranks r
     parallelism cuts it into 2 cp chunks), micro_batch 1, and as few
     microbatches as the schedule allows: pp (L6, L4), or 2 without a pipeline when the recipe
     accumulates gradients;
-  - the vocabulary a multiple of Megatron's padding unit times tp, so a single-rank run of the
-    same tiny model pads it to the same size (padded logits take part in the softmax; a
-    different padding would be a different model); vocabularies over TINY_MAX_VOCAB are
-    replaced by synthetic data.
+  - the vocabulary a multiple of Megatron's padding unit times tp, so neither the tiny run nor
+    its single-rank reference has padded rows (padded ones would take part in no loss either:
+    runtime/assemble/vocab.py); vocabularies over TINY_MAX_VOCAB are replaced by synthetic
+    data.
 Fields given with --set are applied again after shrinking, so `--set train.steps=10` holds.
 """
 

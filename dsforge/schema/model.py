@@ -45,6 +45,8 @@ class MoEConfig:
 
 
 # Megatron pads the vocabulary so every tensor-parallel shard is a multiple of 128 (rule T4).
+# The padding is storage only: its rows are zero and masked out of every loss, so the model is
+# the same on every tp (runtime/assemble/vocab.py).
 VOCAB_DIVISIBLE_BY = 128
 
 

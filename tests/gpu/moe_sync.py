@@ -45,7 +45,8 @@ def _moe_layer(experts: str):
     config = build_transformer_config(transformer_config_kwargs(
         model=r.model, train=r.train, layout=resolved.layout, device="cuda"))
     (chunk,) = build_model_chunks(config, gpt_model_kwargs(model=r.model, layout=resolved.layout),
-                                  torch.device("cuda"), experts=experts)
+                                  torch.device("cuda"), vocab_size=r.model.vocab_size,
+                                  experts=experts)
     chunk = chunk.to(torch.bfloat16).train()
     return next(m for m in chunk.modules() if isinstance(m, MoELayer)), r
 

@@ -103,7 +103,8 @@ def _build_and_run(resolved: Resolved) -> float | None:
     _config(resolved)  # Megatron-Core's checks against the real layout
     small = _one_rank(resolved)
     gpt_kwargs = gpt_model_kwargs(model=small.recipe.model, layout=small.layout)
-    (chunk,) = build_model_chunks(_config(small), gpt_kwargs, torch.device("cpu"))
+    (chunk,) = build_model_chunks(_config(small), gpt_kwargs, torch.device("cpu"),
+                                  vocab_size=small.recipe.model.vocab_size)
     tokens = torch.randint(0, small.recipe.model.vocab_size, (1, SEQ_LEN + 1))
     positions = torch.arange(SEQ_LEN).unsqueeze(0)
     model = resolved.recipe.model

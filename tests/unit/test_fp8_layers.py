@@ -88,8 +88,9 @@ def _chunk(resolved):
     config = build_transformer_config(transformer_config_kwargs(
         model=r.model, train=r.train, layout=resolved.layout, device="cpu"))
     chunks = build_model_chunks(config, gpt_model_kwargs(model=r.model, layout=resolved.layout),
-                                torch.device("cpu"))
-    init_layout_invariant(chunks, seed=1, std=r.model.init_std, num_layers=r.model.num_layers)
+                                torch.device("cpu"), vocab_size=r.model.vocab_size)
+    init_layout_invariant(chunks, seed=1, std=r.model.init_std, num_layers=r.model.num_layers,
+                          vocab_size=r.model.vocab_size)
     return chunks[0].to(torch.bfloat16)
 
 

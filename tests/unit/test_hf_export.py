@@ -455,7 +455,7 @@ def _child(folder: Path) -> None:
         r = resolved.recipe
         chunk, padded = build_chunk(resolved)
         init_layout_invariant([chunk], seed=r.train.seed, std=r.model.init_std,
-                              num_layers=r.model.num_layers)
+                              num_layers=r.model.num_layers, vocab_size=r.model.vocab_size)
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():  # norms and biases away from their initial ones and zeros
             for param_name, param in chunk.named_parameters():

@@ -10,6 +10,11 @@ seam, runtime/kernels.liger_ops): a model built with kernels "liger" must then c
 plain model's loss and gradients exactly, and every stand-in must have been called. Built in
 a child interpreter, as tests/unit/test_accepted_builds.py does (the CPU backend patches the
 process).
+
+The vocabulary's padding (runtime/assemble/vocab.py) is no part of any loss: with a vocabulary
+Megatron pads, both paths must compute the loss and gradients of a model of exactly the
+recipe's vocabulary, whatever the padded rows hold, and leave those rows without gradient; and
+the masked shards of vocab-parallel logits must give the unpadded softmax on every tp.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch.nn.functional as F
 
 from dsforge.problems import errors
 from dsforge.recipe import Topology, resolve, validate
-from dsforge.schema import ModelConfig
+from dsforge.runtime.assemble.vocab import first_padded_column, mask_padded_logits
+from dsforge.schema import ModelConfig, padded_vocab_size
 from dsforge.translate.kernels import choose_kernels, device_problems
 from tests.conftest import REPO, make_recipe
 
@@ -80,6 +86,30 @@ def test_liger_is_checked_where_the_ranks_run_not_at_validation():
     assert device_problems(_model(), device="cuda", precision="bf16", liger_available=False) == []
 
 
+# 257 at tp 4: rank 2 holds one real column, rank 3 none; 512 pads nothing.
+@pytest.mark.parametrize("vocab, tp", [(257, 1), (257, 2), (257, 4), (300, 2), (32000, 4), (512, 2)])
+def test_masked_vocab_parallel_logits_give_the_unpadded_loss(vocab, tp):
+    """Each tp rank masks its shard of the padded logits; the softmax over every shard (what
+    the vocab-parallel cross-entropies compute) is then the softmax over the recipe's
+    vocabulary, and no gradient reaches a padded column. The same for gathered logits."""
+    padded = padded_vocab_size(vocab, tp)
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(3, 2, padded, generator=g)).requires_grad_()
+    labels = torch.randint(0, vocab, (3 * 2,), generator=g)
+    width = padded // tp
+    shards = [mask_padded_logits(shard.clone(), first_padded_column(vocab, width, padded, rank))
+              for rank, shard in enumerate(logits.split(width, dim=-1))]
+    gathered = mask_padded_logits(logits.clone(), first_padded_column(vocab, padded, padded, tp - 1))
+    expected = F.cross_entropy(logits[..., :vocab].flatten(0, 1), labels)
+    for masked in (torch.cat(shards, dim=-1), gathered):
+        loss = F.cross_entropy(masked.flatten(0, 1), labels)
+        assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+        (grad,) = torch.autograd.grad(loss, logits)
+        (unpadded,) = torch.autograd.grad(expected, logits, retain_graph=True)
+        assert not grad[..., vocab:].any()
+        assert torch.allclose(grad, unpadded, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def wiring(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("kernels")
@@ -89,13 +119,28 @@ def wiring(tmp_path_factory) -> dict:
     return json.loads((folder / "results.json").read_text())
 
 
-@pytest.mark.parametrize("case", ["dense", "moe", "dense_gqa_math"])
+CASES = ["dense", "moe", "dense_gqa_math", "dense_vocab_300", "tied_vocab_300"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_liger_path_computes_the_plain_model(wiring, case):
     result = wiring[case]
     assert result["loss_difference"] < 1e-6
     assert result["largest_grad_difference"] < 1e-5
     # Every norm (2 per layer + the final one), every activation, the loss: once per call.
     assert result["calls"] == result["expected_calls"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_both_paths_compute_the_model_of_the_unpadded_vocabulary(wiring, case):
+    """300 ids are 384 rows at tp 1; the padded rows hold drawn numbers, as a checkpoint saved
+    without masking would: they must change neither the loss nor a real row's gradient."""
+    for path in ("plain", "liger"):
+        result = wiring[case][path]
+        assert result["loss_difference"] < 1e-6, path
+        assert result["largest_grad_difference"] < 1e-6, path
+        assert result["padding_grad"] == 0.0, path
+        assert result["logits_masked"], path
 
 
 # --- the child: one-rank gloo world, models built with and without the liger path ---
@@ -131,7 +176,9 @@ class _StandIns:
                         linear_cross_entropy=linear_cross_entropy)
 
 
-def _build(resolved, kernels: str, sdpa_backend: str):
+def _build(resolved, kernels: str, sdpa_backend: str, padded: bool = True):
+    """The rank's model; `padded=False`: one of exactly the recipe's vocabulary (Megatron
+    takes any at tp 1), the reference the padded one must equal."""
     from dsforge.runtime.assemble.model import build_model_chunks
     from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                             transformer_config_kwargs)
@@ -139,9 +186,22 @@ def _build(resolved, kernels: str, sdpa_backend: str):
     r = resolved.recipe
     config = build_transformer_config(transformer_config_kwargs(
         model=r.model, train=r.train, layout=resolved.layout, device="cpu", kernels=kernels))
-    (chunk,) = build_model_chunks(config, gpt_model_kwargs(model=r.model, layout=resolved.layout),
-                                  torch.device("cpu"), kernels=kernels, sdpa_backend=sdpa_backend)
+    gpt_kwargs = gpt_model_kwargs(model=r.model, layout=resolved.layout)
+    if not padded:
+        gpt_kwargs["vocab_size"] = r.model.vocab_size
+    (chunk,) = build_model_chunks(config, gpt_kwargs, torch.device("cpu"),
+                                  vocab_size=r.model.vocab_size, kernels=kernels,
+                                  sdpa_backend=sdpa_backend)
     return chunk
+
+
+def _load_with_drawn_padding(padded, unpadded) -> None:
+    """`padded` holds `unpadded`'s weights, and drawn numbers in its padded rows."""
+    with torch.no_grad():
+        for name, param in padded.named_parameters():
+            source = unpadded.get_parameter(name)
+            param[:source.shape[0]] = source
+            param[source.shape[0]:] = torch.randn_like(param[source.shape[0]:])
 
 
 def _loss_and_grads(chunk, tokens):
@@ -161,24 +221,53 @@ def _compare(overrides: tuple[str, ...], sdpa_backend: str) -> dict:
     stand_ins = _StandIns()
     kernels_mod.liger_ops = stand_ins.ops
     get_moe_layer_wise_logging_tracker().clear()
+    unpadded = _build(resolved, "torch", sdpa_backend, padded=False)
     plain = _build(resolved, "torch", sdpa_backend)
+    _load_with_drawn_padding(plain, unpadded)
     liger = _build(resolved, "liger", sdpa_backend)
     liger.load_state_dict(plain.state_dict())
     tokens = torch.randint(0, resolved.recipe.model.vocab_size, (2, SEQ_LEN + 1))
+    unpadded_loss, unpadded_grads = _loss_and_grads(unpadded, tokens)
     plain_loss, plain_grads = _loss_and_grads(plain, tokens)
     liger_loss, liger_grads = _loss_and_grads(liger, tokens)
-    assert plain_grads.keys() == liger_grads.keys()
+    assert plain_grads.keys() == liger_grads.keys() == unpadded_grads.keys()
+    calls = dict(stand_ins.calls)  # of the forward with labels
     m = resolved.recipe.model
     experts_per_layer = m.moe.num_experts if m.moe else 1
     return {"loss_difference": abs(plain_loss - liger_loss),
             "largest_grad_difference": max((plain_grads[n] - liger_grads[n]).abs().max().item()
                                            for n in plain_grads),
-            "calls": stand_ins.calls,
+            **{path: {**_against_unpadded(loss, grads, unpadded_loss, unpadded_grads),
+                      "logits_masked": _logits_masked(chunk, tokens, m.vocab_size)}
+               for path, chunk, loss, grads in (("plain", plain, plain_loss, plain_grads),
+                                                ("liger", liger, liger_loss, liger_grads))},
+            "calls": calls,
             # forward only: the stand-ins are plain torch, autograd runs their backward
             # one tp rank: the output layer and the loss fused (vocab-parallel CE: tp > 1)
             "expected_calls": {"rms_norm": 2 * m.num_layers + 1,
                                "swiglu": m.num_layers * experts_per_layer,
                                "cross_entropy": 0, "linear_cross_entropy": 1}}
+
+
+def _against_unpadded(loss: float, grads: dict, unpadded_loss: float, unpadded_grads: dict) -> dict:
+    """How far a padded model's loss and real rows' gradients are from the unpadded model's,
+    and the largest gradient of a padded row."""
+    rows = {n: g.shape[0] for n, g in unpadded_grads.items()}
+    return {"loss_difference": abs(loss - unpadded_loss),
+            "largest_grad_difference": max((grads[n][:rows[n]] - g).abs().max().item()
+                                           for n, g in unpadded_grads.items()),
+            "padding_grad": max((grads[n][rows[n]:].abs().max().item() for n in grads
+                                 if grads[n].shape[0] > rows[n]), default=0.0)}
+
+
+def _logits_masked(chunk, tokens, vocab: int) -> bool:
+    """Without labels (evaluation, generation) the model returns logits whose padded columns
+    are the lowest value: no softmax or argmax of them picks a padded id."""
+    positions = torch.arange(SEQ_LEN).unsqueeze(0).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        logits = chunk(tokens[:, :-1], positions, None)
+    return bool((logits[..., vocab:] == torch.finfo(logits.dtype).min).all()) and \
+        bool((logits[..., :vocab] > -1e4).all())
 
 
 def _child(folder: Path) -> None:
@@ -190,7 +279,10 @@ def _child(folder: Path) -> None:
     # each expert's activation runs once per forward
     moe = ("model.preset=tiny-moe", "model.moe.top_k=4", "model.moe.num_experts=4")
     results = {"dense": _compare((), "auto"), "moe": _compare(moe, "auto"),
-               "dense_gqa_math": _compare(("model.num_kv_heads=2",), "math")}
+               "dense_gqa_math": _compare(("model.num_kv_heads=2",), "math"),
+               "dense_vocab_300": _compare(("model.vocab_size=300",), "auto"),
+               "tied_vocab_300": _compare(("model.vocab_size=300", "model.tie_embeddings=true"),
+                                          "auto")}
     (folder / "results.json").write_text(json.dumps(results))
 
 

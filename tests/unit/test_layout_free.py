@@ -133,16 +133,21 @@ def test_a_model_change_is_still_refused_with_the_list(tmp_path):
         check_resumable(RunDir(tmp_path), _other_layout(model__num_layers=4, parallel__tp=2), 2)
 
 
-def test_a_new_vocabulary_padding_keeps_the_rows_and_says_so():
+def test_a_new_vocabulary_padding_keeps_the_model_and_says_so():
+    """A vocabulary of 300 is 384 rows at tp 1, 512 at tp 2; the padding rows are zero in
+    training (runtime/assemble/vocab.py), so a resume on the other tp holds exactly the tensor
+    a run there would have, either way."""
+    from dsforge.runtime.assemble.vocab import pad_rows
     from dsforge.runtime.checkpoint.layout_free import fit_to_layout
 
-    saved = torch.arange(384 * 2, dtype=torch.float32).view(384, 2)  # padded for tp 1 (V = 300)
+    rows = torch.arange(300 * 2, dtype=torch.float32).view(300, 2)
+    saved = pad_rows(rows, 384)
     notes: list[str] = []
     grown = fit_to_layout(saved, ParamSpec("output_layer.weight", (512, 2), 0, 1, 0, 2, False), notes)
-    assert torch.equal(grown[:384], saved) and not grown[384:].any()
+    assert torch.equal(grown, pad_rows(rows, 512))
     shrunk = fit_to_layout(grown, ParamSpec("embedding.word_embeddings.weight", (384, 2), 0, 1, 0, 1, False), notes)
     assert torch.equal(shrunk, saved)
-    assert "from 384 to 512 rows" in notes[0]
+    assert "from 384 to 512 rows" in notes[0] and "the model is unchanged" in notes[0]
     with pytest.raises(StateError, match="decoder.final_layernorm.weight is"):
         fit_to_layout(torch.ones(4), ParamSpec("decoder.final_layernorm.weight", (8,), None, 1, 0, 1, False), [])
 

@@ -102,8 +102,8 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
     capability = _capability(device)  # what the experts' kernel and float8 GEMMs need
     experts = choose_experts(recipe.model, device=device.type,
                              precision=recipe.train.precision, capability=capability)
-    chunks = build_model_chunks(config, gpt_kwargs, device, kernels=kernels.impl,
-                                sdpa_backend=recipe.model.sdpa_backend,
+    chunks = build_model_chunks(config, gpt_kwargs, device, vocab_size=recipe.model.vocab_size,
+                                kernels=kernels.impl, sdpa_backend=recipe.model.sdpa_backend,
                                 experts=experts.impl if experts else "sequential")
     startup.mark("model")
     if recipe.model.init_from:
@@ -111,7 +111,8 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
                                padded_vocab=gpt_kwargs["vocab_size"])
     else:
         init_layout_invariant(chunks, seed=recipe.train.seed, std=recipe.model.init_std,
-                              num_layers=recipe.model.num_layers)
+                              num_layers=recipe.model.num_layers,
+                              vocab_size=recipe.model.vocab_size)
     startup.mark("weights")
     if recipe.train.fp8 != "none":  # before compiling, so compiled layers fuse the casts
         from dsforge.runtime.assemble.fp8 import device_check, float8_linears

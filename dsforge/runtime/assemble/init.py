@@ -29,17 +29,24 @@ import torch
 
 from dsforge.ckpt.names import param_specs, shard
 from dsforge.hf.load import HFWeights
+from dsforge.runtime.assemble.vocab import VOCAB_TENSORS, pad_rows
 
 # Output projections get the depth-scaled std (Megatron's output_layer_init_method).
 _SCALED = ("linear_proj.weight", "linear_fc2.weight")
 
 
-def init_layout_invariant(chunks, *, seed: int, std: float, num_layers: int) -> None:
+def init_layout_invariant(chunks, *, seed: int, std: float, num_layers: int,
+                          vocab_size: int) -> None:
+    """`vocab_size`: the recipe's. The vocabulary tensors are drawn with that many rows and
+    their padding rows are zero (vocab.py), so every tp draws the same numbers."""
     for param, spec in param_specs(chunks):
-        full = _draw(spec.global_name, list(spec.full_shape), param.dtype, seed,
+        shape = list(spec.full_shape)
+        if spec.global_name in VOCAB_TENSORS:
+            shape[0] = vocab_size
+        full = _draw(spec.global_name, shape, param.dtype, seed,
                      _std_for(spec.global_name, std, num_layers), param.device)
         with torch.no_grad():
-            param.copy_(shard(full, spec))
+            param.copy_(shard(pad_rows(full, spec.full_shape[0]), spec))
 
 
 def init_from_hugging_face(chunks, *, folder: str | Path, model, padded_vocab: int) -> None:

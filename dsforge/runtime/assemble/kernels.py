@@ -11,6 +11,8 @@ the liger choice plugs into the model (runtime/assemble/model.py builds the spec
     and never whole (neither the 16-bit [tokens, vocab] logits nor their fp32 copy, 6 bytes a
     logit, 6 GiB a microbatch of 8k tokens at a 128k vocabulary); with tp > 1 Liger's
     vocab-parallel cross-entropy (one kernel, but an fp32 buffer of the logits as Megatron's).
+    Either loss sees the recipe's vocabulary only (vocab.py): the fused one is given the
+    weight's unpadded rows, the vocab-parallel one the output layer's masked logits.
 Liger is imported when a model is built, never at import time: it imports Triton, and the CPU
 path never needs either. `liger_ops()` is the one place that names Liger's functions.
 """
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from dsforge.runtime.assemble.layers import RMSNorm
+from dsforge.runtime.assemble.vocab import masked_vocab_gpt_model
 from dsforge.translate.kernels import KernelChoice
 
 
@@ -93,16 +96,16 @@ def liger_loss_gpt_model() -> type:
     """GPTModel with Liger's loss (a function: megatron.core imports at call time). With one
     tensor-parallel rank the output layer and the cross-entropy are one fused function that
     makes the logits a chunk of tokens at a time (`_FusedLossHead`); with tp > 1 the logits are
-    vocabulary-parallel and Liger's vocab-parallel cross-entropy takes them."""
-    from megatron.core.models.gpt import GPTModel
-
-    class LigerLossGPTModel(GPTModel):
+    vocabulary-parallel, their padded columns masked (vocab.py), and Liger's vocab-parallel
+    cross-entropy takes them."""
+    class LigerLossGPTModel(masked_vocab_gpt_model()):
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self._ops = liger_ops()
             self._fused_head = self.post_process and self.config.tensor_model_parallel_size == 1
             if self._fused_head:
-                _FusedLossHead.adopt(self.output_layer, self._ops.linear_cross_entropy)
+                _FusedLossHead.adopt(self.output_layer, self._ops.linear_cross_entropy,
+                                     self.unpadded_vocab_size)
 
         def forward(self, *args: Any, labels=None, **kwargs: Any):
             if not self._fused_head or labels is None:
@@ -130,10 +133,13 @@ class _FusedLossHead:
     when its model was given labels: the matmul and the cross-entropy run inside the layer's
     own forward, so ZeRO-3 has its weight gathered there as for any forward. The loss is the
     mean over the tokens, spread back over them ([s, b], every entry the mean): dsforge's step
-    takes the mean of the per-token loss, which is then this loss, and its gradient Liger's."""
+    takes the mean of the per-token loss, which is then this loss, and its gradient Liger's.
+    The fused function is given the weight's first `vocab_size` rows: the padded rows make no
+    logit (vocab.py), and their gradient is zero. Without labels the layer's own forward runs,
+    its padded logits masked."""
 
     @staticmethod
-    def adopt(layer, linear_cross_entropy) -> None:
+    def adopt(layer, linear_cross_entropy, vocab_size: int) -> None:
         plain_forward = layer.forward
         layer.labels = None
 
@@ -141,8 +147,8 @@ class _FusedLossHead:
             if layer.labels is None:
                 return plain_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
             seq, batch, hidden = input_.shape
-            loss = linear_cross_entropy(input_.reshape(-1, hidden),
-                                        layer.weight if weight is None else weight,
+            full = layer.weight if weight is None else weight
+            loss = linear_cross_entropy(input_.reshape(-1, hidden), full[:vocab_size],
                                         layer.labels.reshape(-1))
             return loss.expand(seq, batch), None
 

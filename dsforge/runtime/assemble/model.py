@@ -6,7 +6,8 @@ attention; MoE layers come from the same spec when the recipe has `model.moe`, t
 Megatron's SequentialMLP or dsforge's grouped ones (grouped_moe.py, model.moe.experts). With
 `kernels="liger"` the norms, every MLP's SwiGLU (dense, and each expert's) and the loss are
 Liger Kernel's (runtime/assemble/kernels.py; the TransformerConfig has use_te_activation_func on,
-translate/megatron.py).
+translate/megatron.py). Every chunk with the output layer masks the vocabulary's padded logits
+out of the loss (vocab.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from dsforge.runtime.assemble.layers import RMSNorm, SDPAttention, UlyssesAttention
+from dsforge.runtime.assemble.vocab import masked_vocab_gpt_model
 
 
 def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: str = "auto",
@@ -81,9 +83,11 @@ def block_spec(config, vp_stage: int, pp_rank: int, kernels: str, sdpa_backend: 
         layer_norm=norm_class(kernels))
 
 
-def build_model_chunks(config, gpt_kwargs: dict[str, Any], device: torch.device,
-                       kernels: str = "torch", sdpa_backend: str = "auto",
+def build_model_chunks(config, gpt_kwargs: dict[str, Any], device: torch.device, *,
+                       vocab_size: int, kernels: str = "torch", sdpa_backend: str = "auto",
                        experts: str = "sequential") -> list[torch.nn.Module]:
+    """`gpt_kwargs` from translate/megatron.py (its vocab_size is Megatron's padded one);
+    `vocab_size`: the recipe's, the only columns of the logits a loss sees (vocab.py)."""
     from megatron.core import parallel_state as ps
 
     model_class = _gpt_model_class(kernels)
@@ -96,7 +100,7 @@ def build_model_chunks(config, gpt_kwargs: dict[str, Any], device: torch.device,
                                                               sdpa_backend, experts),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            vp_stage=vp_stage, **gpt_kwargs)
+            vp_stage=vp_stage, unpadded_vocab_size=vocab_size, **gpt_kwargs)
         chunks.append(chunk.to(device))
     return chunks
 
@@ -106,6 +110,4 @@ def _gpt_model_class(kernels: str) -> type:
         from dsforge.runtime.assemble.kernels import liger_loss_gpt_model
 
         return liger_loss_gpt_model()
-    from megatron.core.models.gpt import GPTModel
-
-    return GPTModel
+    return masked_vocab_gpt_model()

@@ -21,9 +21,8 @@ from dsforge.ckpt.format import (FORMAT_VERSION, STATE_DIR, STATE_FILE, STATES, 
 from dsforge.ckpt.names import ParamSpec, param_specs, shard
 from dsforge.ckpt.reader import StateError, StateReader
 from dsforge.files import write_atomic
+from dsforge.runtime.assemble.vocab import VOCAB_TENSORS, pad_rows
 from dsforge.runtime.checkpoint.zero_state import optimizer_view
-
-_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def write_state(engine, chunks, checkpoint_dir: Path, *, rank: int, world_size: int,
@@ -115,19 +114,21 @@ def _install_all(view, chunks, reader: StateReader, moments: bool, notes: list[s
 
 def fit_to_layout(full: torch.Tensor, spec: ParamSpec, notes: list[str]) -> torch.Tensor:
     """The saved tensor in this layout's shape. Only the vocabulary padding may differ (it is
-    a multiple of 128 x tp): rows are dropped or zero rows added past the padded size."""
+    a multiple of 128 x tp): rows are dropped or zero rows added past the padded size. The
+    padded rows are zero in a model trained by dsforge and take part in no loss
+    (runtime/assemble/vocab.py), so the resumed model is the saved one."""
     if tuple(full.shape) == spec.full_shape:
         return full
-    if spec.global_name not in _VOCAB or full.shape[1:] != spec.full_shape[1:]:
+    if spec.global_name not in VOCAB_TENSORS or full.shape[1:] != spec.full_shape[1:]:
         raise StateError(f"{spec.global_name} is {tuple(full.shape)} in the checkpoint but "
                          f"{spec.full_shape} in this model")
     rows = spec.full_shape[0]
     notes.append(f"the padded vocabulary changes from {full.shape[0]} to {rows} rows with the "
-                 "tensor-parallel size; padded logits take part in the softmax, so the loss is "
-                 "not exactly the same function")
+                 "tensor-parallel size; the padding rows are outside the softmax, so the model "
+                 "is unchanged")
     if full.shape[0] > rows:
         return full[:rows].clone()
-    return torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))])
+    return pad_rows(full, rows)
 
 
 def _restore_engine(engine, state: dict[str, Any]) -> None:
