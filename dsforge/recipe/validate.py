@@ -266,7 +266,7 @@ def sequence_length(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
 
 
 def expert_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
-    """E1/E3/E4/E6/E7/E8 and the expert grid: etp x ep x edp x pp must tile the world."""
+    """E1/E3/E4/E6/E7/E8/E10 and the expert grid: etp x ep x edp x pp must tile the world."""
     m, p = recipe.model, recipe.parallel
     if m.moe is None:
         if p.ep > 1:
@@ -283,6 +283,8 @@ def expert_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
                       message="MoE with tensor parallelism requires sequence parallelism "
                               "(Megatron-Core 0.16 raises otherwise)",
                       fix="set parallel.sequence_parallel: true")
+    if p.ep == 1 and p.expert_tp not in (1, p.tp):
+        yield _expert_tp_without_ep(recipe)
     if m.bias and p.expert_tp > 1:
         yield Problem(rule="E4", fields={"model.bias": True, _etp_field(recipe): p.expert_tp},
                       message="bias in MoE expert layers needs expert tensor parallel size 1",
@@ -312,6 +314,19 @@ def expert_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
                           "or train.checkpoint_every: 0")
     if ctx.topology is not None and ctx.dp is not None:
         yield from _expert_grid(recipe, ctx)
+
+
+def _expert_tp_without_ep(recipe: Recipe) -> Problem:
+    """E10: at ep 1 the experts are split like the dense layers (etp = tp) or whole (etp 1)."""
+    p = recipe.parallel
+    return Problem(rule="E10", fields={"parallel.etp": p.expert_tp, "parallel.tp": p.tp,
+                                       "parallel.ep": p.ep},
+                   message="without expert parallelism the experts' weights are split over "
+                           "tp like a dense layer's (etp = tp) or whole on every tp rank "
+                           f"(etp 1); split over {p.expert_tp} ranks they would start and train "
+                           "as another model than on one rank",
+                   fix=f"set parallel.etp: {' or '.join(map(str, sorted({1, p.tp})))}, "
+                       "or use parallel.ep >= 2")
 
 
 def _ep_choices(recipe: Recipe, ctx: Context) -> str:
