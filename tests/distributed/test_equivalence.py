@@ -32,7 +32,7 @@ TEXT = REPO / "data" / "tempest.u16.bin"
 TEMPEST = REPO / "data" / "tempest"  # data/tempest.jsonl prepared with the bytes tokenizer
 BATCH = [f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=2",
          "train.grad_accum=null", "train.warmup_steps=0", "train.timing_warmup=0",
-         "train.lr=1.0e-2", "model.vocab_size=512"]  # 257 ids; a multiple of 128 x tp pads alike on every tp
+         "train.lr=1.0e-2", "model.vocab_size=257"]  # the tokenizer's: 384 rows at tp 1, 512 at tp 2 and 4
 EVAL = [f"train.eval_every={EVAL_EVERY}", "train.eval_iters=1"]
 DENSE, MOE = REPO / "recipes" / "tiny.yaml", REPO / "recipes" / "tiny_moe.yaml"
 # Filled in by the `results` fixture: the blend's data overrides (its datasets and index
@@ -154,11 +154,13 @@ BF16_FUSED = {f"dp2_bf16_zero{s}{impl}": _case("parallel.dp=2", "train.precision
                                                f"zero.stage={s}", f"train.adam_impl={adam}")
               for s in (0, 3) for impl, adam in (("", "for-loop"), ("_fused_adam", "fused"))}
 # Four context-parallel ranks (the zigzag's 8 chunks), and cp beside tp with sequence
-# parallelism: heads / (tp x cp) of every head around each attention.
+# parallelism: heads / (tp x cp) of every head around each attention. tp 4: the vocabulary's
+# last shard is all padding, the one before holds a single real row.
 WORLD4_MHA = {
     "cp4_zero1": _case("parallel.dp=1", "parallel.cp=4", "zero.stage=1", MHA),
     "tp2_sp_cp2": _case("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
                         "parallel.cp=2", MHA),
+    "tp4_sp": _case("parallel.dp=1", "parallel.tp=4", "parallel.sequence_parallel=true", MHA),
 }
 WORLD4_MOE = {
     "moe_tp2_sp_ep2": _moe("parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
