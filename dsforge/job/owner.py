@@ -1,34 +1,48 @@
-"""Ranks that end themselves when the `dsforge` that started them is gone.
+"""A job's processes end when the `dsforge` that started them is gone, however it went.
 
 `dsforge run` stops its job on Ctrl-C, SIGTERM, SIGHUP and timeouts by signalling the job's
-process group. A SIGKILLed dsforge can do nothing, and DeepSpeed's runner and launcher would
-keep training without it. So the job word names its owner (host, PID and the PID's start time,
-which tells a reused PID apart), and every rank on the owner's host checks once a second that
-the owner still runs; when it is gone, the rank kills its own process group: the runner, the
-launcher and every rank of this node. Ranks on other hosts then lose their peers and fail on
-the broken connection (or at the step timeout).
+process group. A SIGKILLed dsforge can do nothing, and DeepSpeed's runner, its launcher and
+pdsh would keep the job going without it. Two watchers end it instead, neither of which needs
+a write to succeed first (the stderr a message would go to is the pipe only the dead dsforge
+read: a print there raises BrokenPipeError):
+
+- On dsforge's host, the keeper (launch/keeper.py) between dsforge and DeepSpeed's runner: the
+  kernel signals it the moment its parent dies (`die_with_parent`), and it kills the job's
+  process group at once, whatever stage the job is at (starting, training, saving).
+- Every rank's supervisor (runtime/guard/supervise.py, a small process that never imports
+  torch, so neither a stopped rank nor a rank blocked in a collective holds it up) checks
+  every CHECK_EVERY_S that its owner still runs (`owner_gone`): on the owner's host by its PID
+  and the PID's start time (which tells a reused PID apart), which the job word names; on
+  every host by the pipe its output goes to, whose reader is gone once the job's processes on
+  dsforge's host are (dsforge's own pipe, or over pdsh the ssh session that dies with them).
+  When the owner is gone, it kills its own process group: the launcher and every rank of its
+  node. So the ranks on other hosts end within a check of their pipe closing, without waiting
+  for a collective to time out.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import select
 import signal
 import socket
-import sys
+import stat
 import threading
 import time
 
-CHECK_EVERY_S = 1.0
+CHECK_EVERY_S = 0.5
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot, or None if it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+            stat_line = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (command) "
+    fields = stat_line[stat_line.rindex(")") + 2:].split()  # after "pid (command) "
     state, start = fields[0], fields[19]
     return None if state in ("Z", "X") else start
 
@@ -47,16 +61,44 @@ def owner_alive(owner: str) -> bool | None:
     return _start_time(int(pid)) == start
 
 
+def output_orphaned(fd: int = 1) -> bool:
+    """Whether `fd` is a pipe or socket nobody reads any more (asked of the kernel, never by
+    writing). A file or a terminal is never orphaned."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return False
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLERR (a pipe without readers) and POLLHUP are always reported
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def owner_gone(owner: str) -> bool:
+    return owner_alive(owner) is False or output_orphaned()
+
+
 def watch_owner(owner: str, *, every_s: float = CHECK_EVERY_S) -> None:
-    """End this process group when `owner` is gone (no-op for "" or another host's owner)."""
-    if not owner or owner_alive(owner) is None:
+    """A thread that kills this process group once `owner` is gone (nothing for "": a job
+    nobody owns, started by a plain `deepspeed` command)."""
+    if not owner:
         return
 
     def watch() -> None:
-        while owner_alive(owner):
+        while not owner_gone(owner):
             time.sleep(every_s)
-        print(f"dsforge: the dsforge process that started this job ({owner}) is gone; "
-              "ending the job's processes on this node", file=sys.stderr, flush=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True, name="dsforge-owner-watch").start()
+
+
+def die_with_parent(signum: int, parent: int) -> bool:
+    """Have the kernel send this process `signum` when `parent` (its parent now) exits; False
+    when `parent` is gone already, so the signal will never come. (Without prctl, not Linux,
+    the other watchers remain.)"""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
+    except (OSError, AttributeError):
+        pass
+    return os.getppid() == parent

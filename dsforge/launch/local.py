@@ -2,9 +2,10 @@
 
 The launcher runs in a new session (its own process group), so every rank it spawns can be
 ended by signalling the group: on Ctrl-C or SIGHUP, on a wall-clock timeout, when a stop
-request's grace runs out, or when dsforge exits. A SIGKILLed dsforge cannot do it: the ranks
-then end the group themselves (job/owner.py). DeepSpeed's launcher itself ends all ranks
-when one of them fails.
+request's grace runs out, or when dsforge exits. A SIGKILLed dsforge cannot do it: DeepSpeed's
+runner runs under a keeper that the kernel tells of dsforge's death and that then kills the
+group (launch/keeper.py), and the ranks' supervisors watch for it too (job/owner.py).
+DeepSpeed's launcher itself ends all ranks when one of them fails.
 
 SIGTERM and SIGUSR1 (a scheduler's preemption, a time limit's warning) ask the ranks to save a
 checkpoint and stop (runtime/guard/preempt.py): dsforge passes the signal to each rank of this host
@@ -31,6 +32,7 @@ from typing import Callable
 from dsforge.job.run_dir import RunDir
 from dsforge.job.pids import started_ranks
 from dsforge.job.signals import STOP_SIGNALS
+from dsforge.launch.keeper import keeper_command
 
 EXIT_TIMEOUT = 124  # the job ran past --timeout (as coreutils' timeout exits)
 # How long ranks get to exit after the group is signalled before it is killed.
@@ -67,6 +69,8 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
     requests go to srun, which passes them to its tasks wherever they run. `asked` notes the
     first stop dsforge was asked for (a signal, Ctrl-C), whatever the job then ended with."""
     asked = asked or StopAsked()
+    if not srun_ranks:  # srun's tasks are Slurm's, outside the group a keeper would end
+        command = keeper_command(command)
     out = open(log_path, "ab") if log_path else None
     piped = on_line is not None
     proc = subprocess.Popen(command, start_new_session=True, env=env,

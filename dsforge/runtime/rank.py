@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 from dsforge.job import failure
 from dsforge.job.console import RankConsole
-from dsforge.job.owner import watch_owner
 from dsforge.job.pids import write_pid
 from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec, check_names
@@ -36,7 +35,7 @@ from dsforge.runtime.guard.supervise import run_supervised
 from dsforge.runtime.guard.watchdog import Watchdog
 from dsforge.runtime.startup import StartupClock
 
-if TYPE_CHECKING:  # torch is imported after the owner watch starts (run_rank)
+if TYPE_CHECKING:  # torch is imported in _train, once the rank runs under its supervisor
     import torch
 
     from dsforge.runtime.loop.bad_steps import Halted
@@ -85,20 +84,19 @@ def main(argv=None) -> None:
 
         os.environ.update(rank_env(os.environ))
     run_supervised(lambda: run_rank(job), run_dir=job.directory,
-                   rank=int(os.environ.get("RANK", 0)), forward=not job.slurm)
+                   rank=int(os.environ.get("RANK", 0)), forward=not job.slurm, owner=job.owner)
 
 
 def run_rank(job: JobSpec) -> None:
     """Train this rank's part of the job; never returns (exit code 0, or 1 with the error).
-
-    torch and the engines are imported only after the owner watch runs: with many ranks on a
-    few cores the imports take minutes, and an orphaned job must not wait for them."""
+    Its supervisor watches the job's owner from before this starts (runtime/guard/supervise.py):
+    with many ranks on a few cores the imports take minutes, and an orphaned job must not wait
+    for them."""
     # Before anything else: SIGTERM / SIGUSR1 ask for a checkpoint and a stop (preempt.py),
     # and `dsforge run` signals the ranks whose pid file exists.
     stop_request = StopRequest()
     stop_request.install()
     startup = StartupClock(launched_at=job.launched_at or job.started_at)
-    watch_owner(job.owner)
     check_names(job.env)
     os.environ.update(job.env)
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")

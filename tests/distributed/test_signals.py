@@ -1,5 +1,6 @@
 """A job's whole life under signals: SIGHUP stops it like Ctrl-C, a SIGKILLed `dsforge run`
-still takes its job down, and the leftover check really sees a job's processes. (SIGTERM and
+still takes its job down (at start-up, mid-run, with a rank stopped), and the leftover check
+really sees a job's processes. (SIGTERM and
 SIGUSR1 make the ranks save and stop first: tests/distributed/test_preemption.py.)"""
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ def _start(run_dir) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _wait_for_training(run_dir, proc, timeout_s: float = 150) -> None:
+def _wait_for(condition, proc, timeout_s: float = 150) -> None:
     deadline = time.monotonic() + timeout_s
-    while not (run_dir / "metrics.jsonl").exists():
+    while not condition():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the job never started training"
-        time.sleep(0.5)
+        assert time.monotonic() < deadline, "the job never got there"
+        time.sleep(0.05)
+
+
+def _wait_for_training(run_dir, proc, timeout_s: float = 150) -> None:
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), proc, timeout_s)
 
 
 def _gone_within(run_dir, seconds: float) -> list[int]:
@@ -68,20 +73,29 @@ def test_sighup_stops_the_job_like_ctrl_c(tmp_path, sig, code):
     assert not _gone_within(run_dir, 5)
 
 
-def test_a_sigkilled_dsforge_still_takes_its_job_down(tmp_path):
+@pytest.mark.parametrize("moment", ["start-up", "mid-run", "a rank stopped"])
+def test_a_sigkilled_dsforge_still_takes_its_job_down(tmp_path, moment):
+    """Every process of the job is gone within 15 s, by design: the keeper kills the job's
+    group the moment dsforge dies (launch/keeper.py), before any rank started too, and the
+    ranks' supervisors watch for it even while their rank is stopped (job/owner.py)."""
     run_dir = tmp_path / "run"
     proc = _start(run_dir)
     try:
-        _wait_for_training(run_dir, proc)
-        job = job_processes(run_dir)
-        assert len(job) >= 3, job  # DeepSpeed's runner, its launcher, two ranks
-        proc.kill()  # SIGKILL: dsforge can do nothing; its ranks notice it is gone
+        if moment == "start-up":  # the runner started, no rank yet
+            _wait_for(lambda: job_processes(run_dir), proc)
+        else:
+            _wait_for_training(run_dir, proc)
+            assert len(job_processes(run_dir)) >= 3  # DeepSpeed's runner, its launcher, ranks
+        if moment == "a rank stopped":
+            os.kill(_rank_pid(run_dir, 1), signal.SIGSTOP)
+        proc.kill()  # SIGKILL: dsforge can do nothing itself
         proc.wait()
         left = _gone_within(run_dir, 15)
     finally:
         proc.kill()
     _kill_leftovers(left)
     assert not left, f"orphaned processes: {left}"
+    assert not RunDir(run_dir).failures.exists()  # nothing was left to fail on a broken pipe
 
 
 def test_the_leftover_check_sees_a_real_orphan(tmp_path):
@@ -149,3 +163,4 @@ def test_a_rank_killed_or_stopped_from_outside_is_named(tmp_path, sig, recipe, v
         assert f"first failure: rank {victim} was stopped at step" in stderr, stderr[-3000:]
         assert "SIGSTOP from outside, never continued (its peers waited for it)" in stderr
         assert "without reporting an error" not in stderr
+

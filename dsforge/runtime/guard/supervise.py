@@ -14,11 +14,14 @@ passed on, so whoever signals the process it started reaches the rank; the rank 
 supervisor (PR_SET_PDEATHSIG). Under srun they are not passed on: Slurm signals every process
 of a task (srun's forwarding and `scancel --signal` go through its process tracking), so the
 rank has them already, and a second stop request would end it at once.
+
+The supervisor also watches the job's owner (job/owner.py): it never imports torch and only
+waits, so it notices a dead `dsforge run` even while its rank is stopped, or blocked in a
+collective, and kills the node's part of the job.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -26,6 +29,7 @@ import time
 from typing import Callable
 
 from dsforge.job import failure
+from dsforge.job.owner import die_with_parent, watch_owner
 from dsforge.job.run_dir import RunDir
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -35,19 +39,21 @@ STOP_REQUESTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 # and dsforge stops jobs with them; recording those would hide the rank that failed first.
 FAILURES = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE,
             signal.SIGILL)
-_PR_SET_PDEATHSIG = 1
 
 
 def run_supervised(run: Callable[[], None], *, run_dir: RunDir, rank: int,
-                   forward: bool = True) -> None:
+                   forward: bool = True, owner: str = "") -> None:
     """Run `run` (which never returns) in a forked child and end as it ends. `forward`:
-    pass FORWARDED signals on to the child; else only survive them (the child gets its own)."""
+    pass FORWARDED signals on to the child; else only survive them (the child gets its own).
+    `owner`: the job word's; the node's part of the job ends when it is gone."""
     supervisor = os.getpid()
     child = os.fork()
     if child == 0:
-        _die_with_parent(supervisor)
+        if not die_with_parent(signal.SIGKILL, supervisor):
+            os._exit(1)  # the supervisor died before the rank could be tied to it
         run()
         os._exit(0)
+    watch_owner(owner)  # a thread, started after the fork
     state = _Child(child)
     for sig in FORWARDED:
         signal.signal(sig, (lambda signum, _frame: state.forward(signum)) if forward
@@ -63,15 +69,6 @@ def run_supervised(run: Callable[[], None], *, run_dir: RunDir, rank: int,
             _record_kill(run_dir, rank, os.WTERMSIG(status))
         _end_like(os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status))
-
-
-def _die_with_parent(supervisor: int) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the owner watch still ends orphans
-        pass
-    if os.getppid() != supervisor:  # the supervisor died before prctl took effect
-        os._exit(1)
 
 
 class _Child:
