@@ -18,7 +18,6 @@ srun as SIGUSR1, which srun passes to every task.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -67,59 +66,80 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
     SIGUSR1 ask the job's ranks to save and stop, and SIGUSR2 makes them print their stacks.
     `srun_ranks` > 0: the command is srun starting that many ranks (launch/slurm.py); those
     requests go to srun, which passes them to its tasks wherever they run. `asked` notes the
-    first stop dsforge was asked for (a signal, Ctrl-C), whatever the job then ended with."""
+    first stop dsforge was asked for (a signal, Ctrl-C), whatever the job then ended with; one
+    noted before the launcher started (between a restart's attempts) stops this job too."""
     asked = asked or StopAsked()
     if not srun_ranks:  # srun's tasks are Slurm's, outside the group a keeper would end
         command = keeper_command(command)
     out = open(log_path, "ab") if log_path else None
     piped = on_line is not None
-    proc = subprocess.Popen(command, start_new_session=True, env=env,
-                            stdout=subprocess.PIPE if piped else out,
-                            stderr=subprocess.STDOUT if piped or out else None)
-    reader = _copy_lines(proc.stdout, out, on_line) if piped else None
+    # Caught before the launcher starts, so that no signal finds dsforge with a launcher it
+    # has not yet recorded (or with its default action: dead, the job without its owner).
+    with StopSignals(asked) as signals:
+        proc = subprocess.Popen(command, start_new_session=True, env=env,
+                                stdout=subprocess.PIPE if piped else out,
+                                stderr=subprocess.STDOUT if piped or out else None)
+        reader = _copy_lines(proc.stdout, out, on_line) if piped else None
+        try:
+            return _watch(proc, signals, timeout_s=timeout_s, run_dir=run_dir,
+                          stop_grace_s=stop_grace_s, srun_ranks=srun_ranks)
+        except (GraceOver, subprocess.TimeoutExpired, KeyboardInterrupt, Stopped) as ended:
+            signals.stopping(at_once=lambda: _kill_group(proc.pid))
+            return _stop(proc, ended, asked=asked, srun=bool(srun_ranks))
+        finally:
+            _kill_group(proc.pid)  # nothing of the job outlives dsforge
+            if reader is not None:
+                reader.join(timeout=READER_JOIN_S)
+            if out:
+                out.close()
+
+
+def _watch(proc: subprocess.Popen, signals: StopSignals, *, timeout_s: float | None,
+           run_dir: RunDir | None, stop_grace_s: float, srun_ranks: int) -> int:
+    """The launcher's exit code; a stop request (SIGTERM, SIGUSR1) lets the ranks save and
+    stop first. Raises what stops the job at once: a second signal or Ctrl-C, the end of the
+    grace, --timeout."""
     started = time.time()
-    stacks = (lambda: signal_ranks(run_dir, proc.pid, signal.SIGUSR2)) if run_dir else None
+    if run_dir:
+        signals.on_usr2 = lambda: signal_ranks(run_dir, proc.pid, signal.SIGUSR2)
     if srun_ranks:
-        stacks = lambda: _signal_pid(proc.pid, signal.SIGUSR2)  # noqa: E731
+        signals.on_usr2 = lambda: _signal_pid(proc.pid, signal.SIGUSR2)
     try:
-        with stop_on_signals(on_usr2=stacks, on_stop=asked.note):
-            try:
-                return proc.wait(timeout=timeout_s)
-            except Stopped as stop:
-                if run_dir is None or stop.signum not in STOP_SIGNALS:
-                    raise
-                if srun_ranks:
-                    return _save_and_stop_srun(proc, run_dir, stop.signum, stop_grace_s,
-                                               ranks=srun_ranks, since=started)
-                return _save_and_stop(proc, run_dir, stop.signum, stop_grace_s)
-    except GraceOver as over:
-        print(f"dsforge: the ranks did not stop within the grace of {stop_grace_s:.0f}s; "
+        signals.arm()
+        return proc.wait(timeout=timeout_s)
+    except Stopped as stop:
+        if run_dir is None or stop.signum not in STOP_SIGNALS:
+            raise
+        if srun_ranks:
+            return _save_and_stop_srun(proc, run_dir, stop.signum, stop_grace_s,
+                                       ranks=srun_ranks, since=started)
+        return _save_and_stop(proc, run_dir, stop.signum, stop_grace_s)
+
+
+def _stop(proc: subprocess.Popen, ended: BaseException, *, asked: StopAsked, srun: bool) -> int:
+    """Stop the job at once for what `ended` it (_watch's exceptions), saying why; the exit
+    code."""
+    if isinstance(ended, GraceOver):
+        print(f"dsforge: the ranks did not stop within the grace of {ended.grace_s:.0f}s; "
               "stopping every rank now", file=sys.stderr)
         stop_group(proc, signal.SIGTERM)
-        return 128 + over.signum
-    except subprocess.TimeoutExpired:
-        print(f"dsforge: job exceeded {timeout_s:.0f}s; stopping every rank", file=sys.stderr)
+        return 128 + ended.signum
+    if isinstance(ended, subprocess.TimeoutExpired):
+        print(f"dsforge: job exceeded {ended.timeout:.0f}s; stopping every rank", file=sys.stderr)
         stop_group(proc, signal.SIGTERM)
         return EXIT_TIMEOUT
-    except KeyboardInterrupt:
+    if isinstance(ended, KeyboardInterrupt):
         asked.note(signal.SIGINT)
         print("dsforge: interrupted; stopping every rank", file=sys.stderr)
-        if srun_ranks:  # srun reports its tasks on one SIGINT; a second within 1 s ends them
+        if srun:  # srun reports its tasks on one SIGINT; a second within 1 s ends them
             _signal_group(proc.pid, signal.SIGINT)
             time.sleep(SRUN_SECOND_INTERRUPT_S)
         stop_group(proc, signal.SIGINT)
         return 130
-    except Stopped as stop:
-        print(f"dsforge: {signal.Signals(stop.signum).name} received; stopping every rank",
-              file=sys.stderr)
-        stop_group(proc, signal.SIGTERM)
-        return 128 + stop.signum
-    finally:
-        _kill_group(proc.pid)  # nothing of the job outlives dsforge
-        if reader is not None:
-            reader.join(timeout=READER_JOIN_S)
-        if out:
-            out.close()
+    print(f"dsforge: {signal.Signals(ended.signum).name} received; stopping every rank",
+          file=sys.stderr)
+    stop_group(proc, signal.SIGTERM)
+    return 128 + ended.signum
 
 
 def _copy_lines(stream, out, on_line: Callable[[str], None]) -> threading.Thread:
@@ -163,38 +183,69 @@ class Stopped(Exception):
 
 
 class GraceOver(Exception):
-    """The ranks asked to save and stop (after signal `signum`) are still running."""
+    """The ranks asked to save and stop (after signal `signum`) are still running after
+    `grace_s` seconds."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, grace_s: float):
         super().__init__(signum)
-        self.signum = signum
+        self.signum, self.grace_s = signum, grace_s
 
 
-@contextlib.contextmanager
-def stop_on_signals(on_usr2: Callable[[], object] | None = None,
-                    on_stop: Callable[[int], object] | None = None):
-    """SIGTERM, SIGUSR1 and SIGHUP raise Stopped (after `on_stop(signum)`): they are what
-    `timeout`, systemd, a scheduler's preemption and a dropped ssh session send. SIGUSR2 calls
-    `on_usr2`. (Handlers can only be installed from the main thread; elsewhere the defaults
-    stay.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class StopSignals:
+    """dsforge's own signals, caught for as long as a job runs so that none ends dsforge by
+    its default action (exit 143, the launcher left running without its owner): SIGTERM,
+    SIGUSR1 and SIGHUP (what `timeout`, systemd, a scheduler and a dropped ssh session send)
+    and Ctrl-C are noted in `asked`; once armed they raise too, Stopped or KeyboardInterrupt,
+    where the code is ready for them, and `arm` raises for one noted before; while the job is
+    being stopped (`stopping`), one more stops it at once. SIGUSR2 calls `on_usr2`. (Handlers
+    can only be installed from the main thread; elsewhere the defaults stay.)"""
 
-    def stop(signum, _frame):
-        if on_stop is not None:
-            on_stop(signum)
-        raise Stopped(signum)
+    def __init__(self, asked: StopAsked):
+        self.asked, self.armed = asked, False
+        self.on_usr2: Callable[[], object] | None = None
+        self.at_once: Callable[[], object] | None = None
+        self._previous: dict[int, object] = {}
 
-    previous = {sig: signal.signal(sig, stop)
-                for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)}
-    if on_usr2 is not None:
-        previous[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, lambda *_: on_usr2())
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (*_STOPS, signal.SIGINT, signal.SIGUSR2):
+                self._previous[sig] = signal.signal(sig, self._caught)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def arm(self) -> None:
+        """From now on a signal raises; one noted before (while the launcher started, or
+        between a restart's attempts) raises now."""
+        self.armed = True
+        if self.asked.signum is not None:
+            _raise_for(self.asked.signum)
+
+    def stopping(self, at_once: Callable[[], object]) -> None:
+        """The job is being stopped: a signal now calls `at_once` instead of raising."""
+        self.armed, self.at_once = False, at_once
+
+    def _caught(self, signum: int, _frame) -> None:
+        if signum == signal.SIGUSR2:
+            if self.on_usr2 is not None:
+                self.on_usr2()
+            return
+        self.asked.note(signum)
+        if self.armed:
+            _raise_for(signum)
+        elif self.at_once is not None:
+            self.at_once()
+
+
+_STOPS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+
+
+def _raise_for(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Stopped(signum)
 
 
 def _save_and_stop(proc: subprocess.Popen, run_dir: RunDir, signum: int, grace_s: float) -> int:
@@ -212,7 +263,7 @@ def _save_and_stop(proc: subprocess.Popen, run_dir: RunDir, signum: int, grace_s
             return proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             if time.monotonic() > deadline:
-                raise GraceOver(signum) from None
+                raise GraceOver(signum, grace_s) from None
 
 
 def _save_and_stop_srun(proc: subprocess.Popen, run_dir: RunDir, signum: int, grace_s: float, *,
@@ -236,7 +287,7 @@ def _save_and_stop_srun(proc: subprocess.Popen, run_dir: RunDir, signum: int, gr
             return proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             if time.monotonic() > deadline:
-                raise GraceOver(signum) from None
+                raise GraceOver(signum, grace_s) from None
 
 
 def _ranks_started_since(run_dir: RunDir, since: float) -> int:

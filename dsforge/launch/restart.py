@@ -18,25 +18,33 @@ an uninterrupted run's), or from the start in the same run directory when no che
 complete (then everything the attempt wrote moves aside). The job word keeps its `started_at`,
 so train.time_limit counts from the first start, and this process keeps the run directory's
 lock throughout. Before each restart the caller checks again that the job fits (`prepare`): a
-machine that lost a GPU, or a host the preflight cannot reach, refuses it. A stop signal while
-that happens ends the job instead.
+machine that lost a GPU, or a host the preflight cannot reach, refuses it. dsforge's stop
+signals are caught from the first attempt to the last: one between two attempts ends the job
+instead of the restart (75 with a complete checkpoint), one just before an attempt starts
+stops that attempt as soon as it runs (launch/local.StopSignals).
+
+A job that ends without its ranks' own summary after restarts (it failed for good, or was
+stopped between attempts) gets the launcher's: RUN_DIR/summary.json with the restarts, each
+cause and the final failure (`write_failed_summary`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NoReturn
 
+from dsforge.files import write_atomic
 from dsforge.job.failure import Failure
 from dsforge.job.run_dir import RunDir, set_aside
-from dsforge.job.who_failed import who_failed
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
+from dsforge.job.who_failed import who_failed
 from dsforge.job.word import JobSpec
-from dsforge.launch.local import EXIT_TIMEOUT, StopAsked, Stopped, stop_on_signals
+from dsforge.launch.local import EXIT_TIMEOUT, StopAsked, StopSignals, Stopped
 from dsforge.launch.refusal import BadOptions, Refused
 from dsforge.launch.start import STOPPED_CODES
 from dsforge.lock import job_processes
@@ -122,9 +130,38 @@ def restart_record(attempt: int, cause: Failure, resumed_after: int | None,
                    records: RunDir) -> dict:
     """One restart as the job word and summary.json keep it; `records`: where the failed
     attempt's records go (attempts/N)."""
-    return {"attempt": attempt, "kind": cause.kind, "cause": cause.headline(),
-            "message": cause.message, "step": cause.step, "resumed_after_step": resumed_after,
+    return {"attempt": attempt, **_what_failed(cause), "resumed_after_step": resumed_after,
             "records": f"{records.path.parent.name}/{records.path.name}", "time": time.time()}
+
+
+def final_failure(attempt: int, code: int, verdict: Verdict) -> dict:
+    """The failure a job with restarts ended on, as summary.json keeps it: the keys of a
+    restart's cause (None where no record names one: --timeout, a stop), the exit code, and
+    why it was not restarted."""
+    return {"attempt": attempt, **_what_failed(verdict.cause), "exit_code": code,
+            "not_restarted": verdict.why, "time": time.time()}
+
+
+def _what_failed(cause: Failure | None) -> dict:
+    return {"kind": cause.kind if cause else None, "cause": cause.headline() if cause else None,
+            "message": cause.message if cause else None, "step": cause.step if cause else None}
+
+
+def write_failed_summary(run_dir: RunDir, restarts: list[dict], final: dict) -> None:
+    """summary.json of a job that ended for good after `restarts`, with the keys the ranks'
+    summary has for them (runtime/loop/reporter.py) and `failure`: `final_failure`'s. No
+    medians: the last attempt's ranks did not finish (their steps are in metrics.jsonl)."""
+    summary = {"restarts": len(restarts), "restart_causes": restarts, "failure": final}
+    write_atomic(run_dir.summary, json.dumps(summary, indent=2) + "\n")
+
+
+def _end(code: int, verdict: Verdict, restarts: list[dict], run_dir: RunDir, *,
+         summarised: bool = False) -> NoReturn:
+    """End the job with `code` (_Ended); after restarts and without the ranks' own summary
+    (`summarised`: they stopped with a checkpoint, or halted), with the launcher's."""
+    if restarts and not summarised:
+        write_failed_summary(run_dir, restarts, final_failure(len(restarts) + 1, code, verdict))
+    raise _Ended(code)
 
 
 def newest_complete_step(run_dir: RunDir) -> int | None:
@@ -150,50 +187,92 @@ def run_with_restarts(job: JobSpec, first: Start, *, max_restarts: int,
     asked = asked or StopAsked()
     restarts: list[dict] = []
     go = first
-    while True:
-        code = go()
-        if code == 0 or max_restarts == 0:
-            _said_done(code, restarts, job.directory, say)
-            return code
-        with stop_on_signals(on_stop=asked.note):  # SIGTERM now must not kill dsforge outright
-            try:
+    with StopSignals(asked):  # noted between the attempts too: none may find dsforge defenceless
+        try:
+            while True:
+                code = go()
+                if code == 0 or max_restarts == 0:
+                    _said_done(code, restarts, job.directory, say)
+                    return code
                 job, go = _next_attempt(job, code, restarts, max_restarts, prepare, say, asked)
-            except _Over:
-                return code
-            except Stopped as stop:
-                name = signal.Signals(stop.signum).name
-                resumable = _has_checkpoint(job.directory)
-                say(f"dsforge: {name} received before the restart: not restarted" +
-                    (f"; resumable, exit code {EXIT_RESUMABLE}" if resumable else ""))
-                return EXIT_RESUMABLE if resumable else 128 + stop.signum
-            except KeyboardInterrupt:  # between two attempts: nothing of the job runs
-                say("dsforge: interrupted before the restart")
-                return 130
+        except _Ended as ended:
+            return ended.code
+
+
+class _Ended(Exception):
+    """The job ends with `code`, its reason said and its summary written."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 class _Over(Exception):
-    """No restart, and the reason is said: the job ends with the failed attempt's code."""
+    """No restart after all (the job no longer fits, its processes outlived the wait, ...),
+    said already; `why` for the summary."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
 
 
 def _next_attempt(job: JobSpec, code: int, restarts: list[dict], max_restarts: int,
                   prepare: Callable[[JobSpec], Start], say: Say,
                   asked: StopAsked) -> tuple[JobSpec, Start]:
-    """The restarted job and its start, or _Over with the reason said."""
-    from dsforge.ckpt.trust import CheckpointError
-
-    verdict = decide(code, job.directory, restarts, asked)
-    if verdict.retry and len(restarts) == max_restarts:
-        verdict = Verdict(False, f"--max-restarts {max_restarts} is used up; the last failure "
-                                 "is the one reported above")
+    """The restarted job and its start, with the restart appended to `restarts` and said; or
+    _Ended. A stop before the restart is said ends the job instead; one after it stops the
+    attempt as soon as its launcher runs (launch/local.StopSignals)."""
+    verdict = _verdict(code, job.directory, restarts, max_restarts, asked)
     if not verdict.retry:
         say(f"dsforge: not restarted: {verdict.why}")
-        raise _Over()
+        _end(code, verdict, restarts, job.directory,
+             summarised=code in (EXIT_RESUMABLE, EXIT_NONFINITE))
+    try:
+        with StopSignals(asked) as signals:
+            signals.arm()
+            following, go, line = _restart(job, verdict.cause, restarts, max_restarts, prepare,
+                                           say)
+    except _Over as over:
+        _end(code, dataclasses.replace(verdict, why=over.why), restarts, job.directory)
+    except Stopped as stop:
+        name = signal.Signals(stop.signum).name
+        resumable = _has_checkpoint(job.directory)
+        say(f"dsforge: {name} received before the restart: not restarted" +
+            (f"; resumable, exit code {EXIT_RESUMABLE}" if resumable else ""))
+        _end(EXIT_RESUMABLE if resumable else 128 + stop.signum,
+             dataclasses.replace(verdict, why=f"{name} received before the restart"),
+             restarts, job.directory)
+    except KeyboardInterrupt:  # between two attempts: nothing of the job runs
+        say("dsforge: interrupted before the restart")
+        _end(130, dataclasses.replace(verdict, why="interrupted before the restart"), restarts,
+             job.directory)
+    restarts.append(following.restarts[-1])
+    say(line)
+    return following, go
+
+
+def _verdict(code: int, run_dir: RunDir, restarts: list[dict], max_restarts: int,
+             asked: StopAsked) -> Verdict:
+    """`decide`, with the budget of restarts counted."""
+    verdict = decide(code, run_dir, restarts, asked)
+    if verdict.retry and len(restarts) == max_restarts:
+        return Verdict(False, f"--max-restarts {max_restarts} is used up; the last failure is "
+                              "the one reported above", verdict.cause)
+    return verdict
+
+
+def _restart(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts: int,
+             prepare: Callable[[JobSpec], Start], say: Say) -> tuple[JobSpec, Start, str]:
+    """`_restarted`'s, or _Over with the reason said."""
+    from dsforge.ckpt.trust import CheckpointError
+
     try:
         _wait_gone(job.directory)
-        return _restarted(job, verdict.cause, restarts, max_restarts, prepare, say)
+        return _restarted(job, cause, restarts, max_restarts, prepare)
     except (Refused, BadOptions, CheckpointError, NotRestarted) as exc:
-        say(f"dsforge: not restarted: {_refusal_text(exc)}")
-        raise _Over() from None
+        why = _refusal_text(exc)
+        say(f"dsforge: not restarted: {why}")
+        raise _Over(why) from None
 
 
 def _wait_gone(run_dir: RunDir, within_s: float = GONE_WITHIN_S) -> None:
@@ -218,9 +297,10 @@ def _has_checkpoint(run_dir: RunDir) -> bool:
 
 
 def _restarted(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts: int,
-               prepare: Callable[[JobSpec], Start], say: Say) -> tuple[JobSpec, Start]:
-    """The next attempt of `job` and its start, once `prepare` found that it fits; the failed
-    attempt's records set aside and the restart appended to `restarts`."""
+               prepare: Callable[[JobSpec], Start]) -> tuple[JobSpec, Start, str]:
+    """The next attempt of `job` (its job word carries the restart's record last), its start
+    once `prepare` found that it fits, and the line that says it; the failed attempt's records
+    set aside."""
     attempt = len(restarts) + 1
     after = newest_complete_step(job.directory)
     record = restart_record(attempt, cause, after, job.directory.next_attempt())
@@ -228,11 +308,9 @@ def _restarted(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts:
                                     launched_at=time.time())
     go = prepare(following)
     kept = set_aside(job.directory, everything=after is None)
-    restarts.append(record)
     where = "from the start" if after is None else f"from the checkpoint after step {after}"
-    say(f"dsforge: restarting ({attempt} of {max_restarts}) {where}; the failed attempt's "
-        f"records are in {kept}")
-    return following, go
+    return following, go, (f"dsforge: restarting ({attempt} of {max_restarts}) {where}; the "
+                           f"failed attempt's records are in {kept}")
 
 
 def _said_done(code: int, restarts: list[dict], run_dir: RunDir, say: Say) -> None:

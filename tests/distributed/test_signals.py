@@ -5,6 +5,7 @@ SIGUSR1 make the ranks save and stop first: tests/distributed/test_preemption.py
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -164,3 +165,58 @@ def test_a_rank_killed_or_stopped_from_outside_is_named(tmp_path, sig, recipe, v
         assert "SIGSTOP from outside, never continued (its peers waited for it)" in stderr
         assert "without reporting an error" not in stderr
 
+
+def _until_line(proc, text: str, timeout_s: float = 240) -> list[str]:
+    """stderr's lines up to the first that holds `text` (read as they come)."""
+    lines, deadline = [], time.monotonic() + timeout_s
+    for line in proc.stderr:
+        lines.append(line)
+        if text in line:
+            return lines
+        assert time.monotonic() < deadline, "".join(lines)[-3000:]
+    raise AssertionError(f"{text!r} never came:\n" + "".join(lines)[-3000:])
+
+
+def test_sigterm_as_the_launcher_starts_saves_and_stops(tmp_path):
+    """The moment `dsforge run` starts its launcher (issue 48, item 9): the signal is caught,
+    not left to its default action (exit 143, no message, ranks without an owner); the ranks
+    save when they run and the job ends resumable."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    try:
+        _wait_for(lambda: job_processes(run_dir), proc)  # the launcher has just started
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+        left = _gone_within(run_dir, 10)
+        _kill_leftovers(left)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "with a complete checkpoint: resumable, exit code 75" in stderr
+    assert (run_dir / "checkpoints" / "latest").exists() and not left, left
+
+
+def test_sigterm_after_the_restarting_line_ends_the_job_resumable(tmp_path):
+    """Right after `dsforge: restarting ...` (issue 48, item 9): caught between the attempts or
+    as the next one starts, the job ends as a stop does (75 with a checkpoint), nothing of it
+    left, and summary.json keeps the restart."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, "--set",
+                             "train.steps=40", "--set", "train.checkpoint_every=2",
+                             "--run-dir", str(run_dir), "--max-restarts", "2"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
+                            env={**os.environ, "DSFORGE_INJECT_FAULT": "exit:1:3"})
+    try:
+        said = _until_line(proc, "dsforge: restarting (1 of 2)")
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+        left = _gone_within(run_dir, 10)
+        _kill_leftovers(left)
+    stderr = "".join(said) + rest
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "resumable, exit code 75" in stderr and not left, left
+    summary = json.loads(RunDir(run_dir).summary.read_text())
+    assert summary["restarts"] == 1 and summary["restart_causes"][0]["step"] == 3

@@ -294,7 +294,7 @@ _FAKE_SRUN = textwrap.dedent("""
 """)
 
 
-def test_ctrl_c_ends_srun_tasks_at_once(tmp_path):
+def test_ctrl_c_ends_srun_tasks_at_once(tmp_path, ctrl_c_raises):
     """Under --launcher slurm, Ctrl-C gives srun the two interrupts that end its tasks (one
     left the ranks training until the SIGKILL 10 s later, and srun's tasks on other nodes
     to Slurm)."""
@@ -349,3 +349,33 @@ def test_train_loop_does_not_agree_after_the_last_step():
     assert train_loop(trainer, stopper=stopper) is None
     assert [s for s, _ in stopper.asked] == [1, 2] and trainer.calls[-1] == ("finish",)
     assert stopper.noted == ["step"] * 3
+
+
+def test_a_signal_while_the_launcher_starts_is_held_then_acted_on(tmp_path, capsys):
+    """From before the launcher starts, dsforge's signals are caught (issue 48, item 9): one
+    that comes before the launcher's process is known is noted, not raised in the middle of
+    starting it, and the job is stopped as soon as it runs (here the grace of 1 s runs out:
+    143 quickly, not the 60 s the command would take)."""
+    asked = local.StopAsked()
+    with local.StopSignals(asked) as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler has run: noted, nothing raised
+        assert asked.signum == signal.SIGTERM
+        with pytest.raises(local.Stopped):
+            signals.arm()
+    started = time.monotonic()
+    code = local.run_job([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=60,
+                         run_dir=RunDir(tmp_path), stop_grace_s=1, asked=asked)
+    assert code == 143 and time.monotonic() - started < local.GRACE_S + 5
+    assert "every rank saves a checkpoint" in capsys.readouterr().err
+
+
+def test_a_signal_while_the_job_is_stopped_ends_it_at_once(tmp_path, capsys):
+    """Ctrl-C, then Ctrl-C again while the group gets its 10 s to exit: the second one does not
+    wait for them (nor kills dsforge, which still says how the job ended)."""
+    ignores = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    _send_later(signal.SIGINT, signal.SIGINT, after=1.0)
+    started = time.monotonic()
+    code = local.run_job([sys.executable, "-c", ignores], timeout_s=60)
+    assert code == 130 and time.monotonic() - started < local.GRACE_S
+    assert "interrupted; stopping every rank" in capsys.readouterr().err

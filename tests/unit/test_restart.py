@@ -362,3 +362,89 @@ def test_timeout_counts_every_attempt():
     with pytest.raises(NotRestarted, match="--timeout 0.2s is used up"):
         clock.check()
     _JobClock(None).check()
+
+
+def test_a_job_that_fails_for_good_after_restarts_writes_its_summary(tmp_path):
+    """The restarts, each cause and the final failure, with the ranks' summary's keys
+    (issue 48, item 5)."""
+    run_dir = RunDir(tmp_path)
+    attempts = _Attempts(run_dir, [(1, "killed", 2), (1, "hang", 4)])
+    job = _job(run_dir)
+    assert run_with_restarts(job, attempts.start(job), max_restarts=1, prepare=attempts.start,
+                             say=lambda line: None) == 1
+    summary = json.loads(run_dir.summary.read_text())
+    assert summary["restarts"] == 1
+    assert [(c["attempt"], c["kind"], c["step"]) for c in summary["restart_causes"]] == \
+        [(1, "killed", 2)]
+    final = summary["failure"]
+    assert (final["attempt"], final["kind"], final["step"], final["exit_code"]) == (2, "hang", 4, 1)
+    assert final["cause"] == "rank 1 stuck at step 4: hang at 4"
+    assert "--max-restarts 1 is used up" in final["not_restarted"]
+    assert set(summary["restart_causes"][0]) >= set(final) - {"exit_code", "not_restarted"}
+
+
+@pytest.mark.parametrize("outcomes, max_restarts, summary", [
+    ([(1, "killed", 2)], 0, False),  # no restart: nothing but the ranks writes a summary
+    ([(1, "killed", 2), (1, "exception", 3)], 2, True),  # not retried after a restart
+    ([(1, "killed", 2), (EXIT_RESUMABLE, None, 0)], 2, False),  # the ranks stopped: theirs
+])
+def test_the_launcher_writes_a_summary_only_for_endings_the_ranks_do_not(tmp_path, outcomes,
+                                                                       max_restarts, summary):
+    run_dir = RunDir(tmp_path)
+    attempts = _Attempts(run_dir, outcomes)
+    job = _job(run_dir)
+    run_with_restarts(job, attempts.start(job), max_restarts=max_restarts,
+                      prepare=attempts.start, say=lambda line: None)
+    assert run_dir.summary.exists() == summary
+
+
+def test_a_stop_between_attempts_after_restarts_keeps_them_in_the_summary(tmp_path):
+    run_dir = RunDir(tmp_path)
+    fake_checkpoint(run_dir.path, step=3)
+    attempts = _Attempts(run_dir, [(1, "killed", 4), (1, "collective", 6)])
+    calls = []
+
+    def second_restart_signalled(job):
+        calls.append(job)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        return attempts.start(job)
+
+    job = _job(run_dir)
+    assert run_with_restarts(job, attempts.start(job), max_restarts=3,
+                             prepare=second_restart_signalled,
+                             say=lambda line: None) == EXIT_RESUMABLE
+    summary = json.loads(run_dir.summary.read_text())
+    assert summary["restarts"] == 1 and summary["failure"]["kind"] == "collective"
+    assert summary["failure"]["not_restarted"] == "SIGTERM received before the restart"
+
+
+def test_a_stop_just_before_an_attempts_launcher_stops_that_attempt(tmp_path):
+    """The moment after a restart's checks, before its launcher starts (issue 48, item 9): the
+    signal is noted, not left to its default action (this process dead, the launcher without
+    its owner), and the attempt is stopped as soon as it runs."""
+    import sys
+
+    from dsforge.launch import local
+
+    run_dir = RunDir(tmp_path)
+    attempts = _Attempts(run_dir, [(1, "killed", 2)])
+    started, asked = [], local.StopAsked()  # one for the job's attempts, as launch() has
+
+    def attempt_signalled_as_it_starts(job):
+        def go():
+            started.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+            return local.run_job([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 timeout_s=60, asked=asked)
+        return go
+
+    job = _job(run_dir)
+    code = run_with_restarts(job, attempts.start(job), max_restarts=1,
+                             prepare=attempt_signalled_as_it_starts, say=lambda line: None,
+                             asked=asked)
+    assert code == 128 + signal.SIGTERM and len(started) == 1
+    assert time.monotonic() - started[0] < local.GRACE_S + 5  # not the 60 s it would run
+    assert json.loads(run_dir.summary.read_text())["failure"]["not_restarted"] == \
+        "SIGTERM asked dsforge to stop"
