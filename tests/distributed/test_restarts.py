@@ -1,7 +1,7 @@
 """`dsforge run --max-restarts N` through DeepSpeed's launcher on 2 CPU ranks: a rank SIGKILLed
 mid-run comes back and the run ends 0 with the uninterrupted run's losses; a second loss with
-the budget used up ends with that failure's report; an exception is not retried; nothing of
-any attempt is left running. (The policy itself: tests/unit/test_restart.py.)"""
+the budget used up ends with that failure's report and a summary that keeps both; an exception
+is not retried; nothing of any attempt is left running. (The policy itself: tests/unit/test_restart.py.)"""
 
 from __future__ import annotations
 
@@ -119,7 +119,11 @@ def test_a_used_up_budget_ends_with_the_last_failures_report(tmp_path):
     assert "not restarted: --max-restarts 1 is used up" in stderr
     report = stderr[stderr.rindex("dsforge: job failed"):]
     assert "first failure: rank 0 died" in report and "SIGKILL" in report
-    assert not run_dir.summary.exists()
+    summary = json.loads(run_dir.summary.read_text())  # the launcher's: no rank finished
+    assert summary["restarts"] == 1 and summary["restart_causes"][0]["kind"] == "killed"
+    final = summary["failure"]
+    assert (final["attempt"], final["kind"], final["exit_code"]) == (2, "killed", code)
+    assert final["cause"].startswith("rank 0 died at step") and "used up" in final["not_restarted"]
     assert not _job_processes(run_dir.path)
     # Continued by hand: the last attempt's records move aside, so its report is its own.
     done = dsforge("run", TINY, *RUN, "--run-dir", str(run_dir.path), "--resume",
