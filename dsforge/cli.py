@@ -11,9 +11,9 @@ import click
 
 from dsforge.bench.command import bench_main, report_main
 from dsforge.hardware import GPU_KEYS
-from dsforge.launch.entry import (RunOptions, check_hosts, deepspeed_argv, launch,
-                                  launched_rank_job, warn)
-from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
+from dsforge.launch.checks import check_hosts
+from dsforge.launch.entry import RunOptions, deepspeed_argv, launch, launched_rank_job
+from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse, warn
 from dsforge.launch.run_options import run_options
 from dsforge.launch.sbatch import sbatch_options, write_batch_script
 from dsforge.problems import EXIT_INVALID

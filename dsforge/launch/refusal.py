@@ -1,14 +1,20 @@
 """What stops a command before anything starts, as exceptions cli.py turns into exit code 2:
 `Refused` reports its problems (and advice) on stderr, `BadOptions` becomes click's usage
-error (the usage line, then the message). Light on purpose: `dsforge validate` imports it.
+error (the usage line, then the message); and the warnings that do not stop it (`warn`).
+Light on purpose: `dsforge validate` imports it. What `dsforge run` refuses, and in which
+order, is launch/checks.py's.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import click
 
-from dsforge.problems import RecipeError, print_problems
+from dsforge.problems import Problem, RecipeError, print_problems
 from dsforge.recipe import Resolved, resolve_file
+
+Say = Callable[[str], None]  # prints one of dsforge's own lines
 
 
 class Refused(Exception):
@@ -39,3 +45,9 @@ def resolve_or_refuse(recipe: str, overrides: tuple[str, ...], world_size: int |
                             include=include, exclude=exclude)
     except RecipeError as exc:
         raise Refused(recipe, exc.problems) from None
+
+
+def warn(problems: list[Problem], say: Say) -> None:
+    """Each warning on its own indented line."""
+    for warning in problems:
+        say(f"  warning: {warning}")

@@ -1,140 +1,31 @@
-"""The steps of `dsforge run` between a resolved recipe and a finished job.
+"""The steps of `dsforge run` between a checked job and its exit code.
 
-In order: shrink to tiny size (`--tiny`), refuse what does not fit this machine, own the run
-directory, launch with dsforge's lines on the terminal (everything else in RUN_DIR/job.log),
-decide success from every rank's completion, and after a `--tiny` run compare its losses with
-a single rank's. Refusals raise `Refused` (launch/refusal.py) with the problems to print;
-launch/entry.py puts these steps in order. `say` prints one of dsforge's own lines.
+Own the run directory, launch with dsforge's lines on the terminal (everything else in
+RUN_DIR/job.log), decide success from every rank's completion, and after a `--tiny` run compare
+its losses with a single rank's. What is refused before any of this is launch/checks.py's;
+launch/entry.py puts these steps in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shlex
 from pathlib import Path
-from typing import Callable
 
 from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir, set_aside
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.launch.commands import Placement, job_spec, launch_command, runner_env
 from dsforge.launch.diagnose import failure_report
-from dsforge.launch.fit import (Machine, device_for, device_run_problems, fit_problems,
-                                rank_memory_bytes)
 from dsforge.launch.local import STOP_GRACE_S, StopAsked, free_port, run_job
 from dsforge.launch.output import JobView
-from dsforge.launch.probe import build_facts, probe
-from dsforge.launch.refusal import Refused
+from dsforge.launch.refusal import Say
 from dsforge.launch.smoke import compare_losses
 from dsforge.lock import JOB_DIR_ENV, Lock
-from dsforge.problems import Problem, RecipeError, errors
 from dsforge.recipe import Resolved
-from dsforge.recipe.tiny import reference_resolved, tiny_resolved
-from dsforge.translate.build_env import BUILD_RULES, build_problems, job_ops
-from dsforge.units import format_bytes
-
-Say = Callable[[str], None]
+from dsforge.recipe.tiny import reference_resolved
 # Exit codes of a job dsforge stopped at once on request: Ctrl-C, SIGHUP, SIGUSR1, SIGTERM
 # (128 + signal; SIGTERM and SIGUSR1 only after a second signal or when the grace ran out).
 STOPPED_CODES = (130, 129, 138, 143)
-
-
-def command_words(recipe: str, overrides: tuple[str, ...], world_size: int | None) -> list[str]:
-    """The user's `dsforge run` command, for the ways forward a refusal suggests."""
-    words = ["dsforge", "run", recipe]
-    words += ["--world-size", str(world_size)] if world_size else []
-    for item in overrides:
-        words += ["--set", item]
-    return words
-
-
-def shrink_to_tiny(recipe: str, resolved: Resolved, overrides, say: Say) -> Resolved:
-    """The same layout at tiny size (recipe/tiny.py), said in one line."""
-    try:
-        tiny = tiny_resolved(resolved, overrides)
-    except RecipeError as exc:
-        raise Refused(f"{recipe} at tiny size", exc.problems) from None
-    lay, r = tiny.layout, tiny.recipe
-    say(f"dsforge: {recipe} at tiny size: the same layout ({layout_text(lay)}, ZeRO "
-        f"{r.zero.stage}, {r.train.precision}, activation checkpointing "
-        f"{r.train.activation_checkpointing}) with {r.model.num_layers} layer"
-        f"{'s' if r.model.num_layers > 1 else ''} of hidden "
-        f"{r.model.hidden_size}, {lay.grad_accum} microbatches of {lay.micro_batch} x "
-        f"{r.train.seq_len} tokens, {r.train.steps} steps on CPU ranks")
-    return tiny
-
-
-def layout_text(lay) -> str:
-    """e.g. '32 ranks: dp2 x tp4 x pp4 x vpp5 + sequence parallel'."""
-    parts = [f"{lay.world_size} ranks: dp{lay.dp}", f"tp{lay.tp}"]
-    parts += [f"pp{lay.pp}"] if lay.pp > 1 else []
-    parts += [f"vpp{lay.vpp}"] if lay.vpp > 1 else []
-    parts += [f"cp{lay.cp}"] if lay.cp > 1 else []
-    parts += [f"ep{lay.ep}"] if lay.ep > 1 else []
-    return " x ".join(parts) + (" + sequence parallel" if lay.sequence_parallel else "")
-
-
-def check_fit(command: list[str], resolved: Resolved, device: str, tiny: bool) -> list[Problem]:
-    """This machine's warnings for the job; Refused, in a second and before any rank starts,
-    when it cannot hold the job or cannot build or run what its ranks need (launch/fit.py)."""
-    probed = probe()
-    machine = Machine.from_probe("this machine", probed)
-    device = device_for(device, machine)
-    _refuse_unrunnable(command, resolved, device, probed)
-    if job_ops(resolved, device):
-        machine = machine.with_build(build_facts())
-    problems = fit_problems(resolved, machine, device=device)
-    refusals = errors(problems)
-    if refusals and all(p.rule in BUILD_RULES for p in refusals):  # it fits; only builds fail
-        _refuse_builds(command, machine.name, problems)
-    if refusals:
-        raise Refused(f"{command[2]} does not fit {machine.describe()}", problems,
-                      ways_forward(command, resolved, tiny))
-    return problems
-
-
-def check_this_node(command: list[str], resolved: Resolved, device: str) -> list[Problem]:
-    """For ranks started on this node by a scheduler or by `--no-ssh` (whose memory fit is the
-    scheduler's or each node's own business): its kernels (K1, X1) and its builds (BLD*)."""
-    probed = probe()
-    machine = Machine.from_probe("this machine", probed)
-    device = device_for(device, machine)
-    _refuse_unrunnable(command, resolved, device, probed)
-    ops = job_ops(resolved, device)
-    problems = build_problems(ops, build_facts(), device=device, host=machine.name) if ops else []
-    if errors(problems):
-        _refuse_builds(command, machine.name, problems)
-    return problems
-
-
-def _refuse_unrunnable(command: list[str], resolved: Resolved, device: str, probed: dict) -> None:
-    """What this machine's ranks cannot run (launch/fit.py `device_run_problems`)."""
-    unrunnable = device_run_problems(resolved, device, probed)
-    if unrunnable:
-        raise Refused(f"{command[2]} asks for what its {device.upper()} ranks here cannot run",
-                      unrunnable, "ways forward: use the fixes above, or run on GPUs")
-
-
-def _refuse_builds(command: list[str], host: str, problems: list[Problem]) -> None:
-    raise Refused(f"{command[2]} cannot build its DeepSpeed ops on {host}", problems,
-                  "ways forward: set up the build as each fix says, or start anyway: add "
-                  "--skip-fit-check")
-
-
-def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
-    lay = resolved.layout
-    lines = ["ways forward:",
-             f"  - run it on {lay.world_size} GPUs with {format_bytes(rank_memory_bytes(resolved, 'cuda'))} "
-             "or more each over a hostfile (hostfiles/ has examples): "
-             f"{shlex.join(command + ['--hostfile', 'HOSTFILE'])}",
-             "  - shrink it: fewer ranks (--world-size, parallel.*), a smaller model (model.*), "
-             "or less memory a rank (zero.stage, train.activation_checkpointing, "
-             "train.micro_batch); `dsforge plan --search` finds layouts that fit"]
-    if not tiny:
-        lines.append("  - smoke-test this exact layout at tiny size on CPU: "
-                     f"{shlex.join(command + ['--tiny'])}")
-    lines.append("  - or start anyway: add --skip-fit-check")
-    return "\n".join(lines)
 
 
 def own_run_dir(given: Path | None, resolved: Resolved, *, resume: bool, joining: bool,
@@ -235,27 +126,6 @@ def _stopped(run_dir: RunDir, stopped_ranks: dict[int, tuple[int, str, bool]], s
     say(f"{bad}: exit code {EXIT_RESUMABLE}; {resume} (from the checkpoint after step "
         f"{latest['step']})")
     return EXIT_RESUMABLE
-
-
-def plan_slurm(recipe: str, resolved: Resolved, *, device: str, master_addr: str | None,
-               master_port: int | None, say: Say):
-    """The srun plan for this allocation (launch/slurm.py); Refused outside an allocation or
-    when the allocation cannot hold the recipe's world."""
-    from dsforge.launch import slurm
-
-    if not slurm.in_allocation(os.environ):
-        raise Refused(f"dsforge run {recipe} --launcher slurm",
-                      [slurm.outside_allocation_problem(recipe)])
-    plan, problems = slurm.plan_job(resolved.layout.world_size, os.environ,
-                                    cpu_only=device == "cpu", master_addr=master_addr,
-                                    master_port=master_port, free_port=free_port)
-    if plan is None:
-        raise Refused(f"{recipe} in Slurm allocation {os.environ['SLURM_JOB_ID']}", problems)
-    for warning in problems:
-        say(f"  warning: {warning}")
-    say(f"dsforge: Slurm {plan.allocation.describe()}: {plan.nodes} x {plan.per_node} ranks "
-        f"with srun, master {plan.master_addr}:{plan.master_port}")
-    return plan
 
 
 def check_tiny_layout(tiny: Resolved, run_dir: RunDir, *, env: dict[str, str],

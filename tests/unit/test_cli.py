@@ -140,6 +140,33 @@ def test_ranks_started_here_are_refused_kernels_this_machine_cannot_run(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("skip", [[], ["--skip-fit-check"]])
+def test_a_compile_backend_torch_does_not_know_is_refused_by_name(tmp_path, monkeypatch, skip):
+    """CM6 (issue 48, item 9): found before any rank starts, with the variable named (the ranks
+    failed building their model, exit 1, with torch's words only); not a machine's fit, so
+    --skip-fit-check does not let it through."""
+    monkeypatch.setenv("DSFORGE_COMPILE_BACKEND", "indcutor")
+    result = run("run", str(REPO / "recipes" / "tiny.yaml"), "--device", "cpu", *skip,
+                 "--set", "model.compile=layers", "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    assert "[CM6] DSFORGE_COMPILE_BACKEND='indcutor'" in result.output
+    assert "Fix: unset DSFORGE_COMPILE_BACKEND (inductor), or set it to one of" in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_compile_backend_is_checked_only_where_it_is_used(monkeypatch):
+    from dsforge.launch.checks import compile_backend_problems
+    from dsforge.recipe import resolve_file
+
+    compiled = resolve_file(REPO / "recipes" / "tiny.yaml", ("model.compile=layers",))
+    eager = resolve_file(REPO / "recipes" / "tiny.yaml")
+    monkeypatch.setenv("DSFORGE_COMPILE_BACKEND", "aot_eager")  # the CPU tests' own
+    assert compile_backend_problems(compiled) == []
+    monkeypatch.setenv("DSFORGE_COMPILE_BACKEND", "indcutor")
+    assert compile_backend_problems(eager) == []  # model.compile: none reads no backend
+    assert [p.rule for p in compile_backend_problems(compiled)] == ["CM6"]
+
+
 @pytest.mark.parametrize("words, expected", [
     (["--no-ssh", "0", "--master-addr", "127.0.0.1"], "--no-ssh needs --hostfile"),
     (["--hostfile", "HOSTFILE", "--no-ssh", "1"], "--no-ssh needs --master-addr"),
