@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -220,3 +221,74 @@ def test_sigterm_after_the_restarting_line_ends_the_job_resumable(tmp_path):
     assert "resumable, exit code 75" in stderr and not left, left
     summary = json.loads(RunDir(run_dir).summary.read_text())
     assert summary["restarts"] == 1 and summary["restart_causes"][0]["step"] == 3
+
+
+@pytest.fixture(scope="module")
+def loopback_hosts(tmp_path_factory):
+    from tests.distributed import sshd
+
+    reason = sshd.available()
+    if reason:
+        pytest.skip(reason)
+    proc, hosts = sshd.start(tmp_path_factory.mktemp("sshd"))
+    yield hosts
+    sshd.stop(proc)
+
+
+# A rank's supervisor on a host other than its owner's, as far as its watch can tell: the owner
+# names another host, so only the pipe its output goes to (ssh's) can say the job is orphaned.
+_ELSEWHERE = """
+import os, sys, time
+from dsforge.job.owner import watch_owner
+open(sys.argv[1], "w").write(str(os.getpid()))
+watch_owner("another-host.invalid:1:1")
+time.sleep(120)
+"""
+
+
+def test_a_process_on_another_host_ends_when_its_ssh_session_does(loopback_hosts, tmp_path):
+    """What ends a job's ranks on the hosts pdsh reached once dsforge's host ended its part
+    (the keeper kills pdsh and ssh): their output's reader, sshd, is gone (job/owner.py)."""
+    said = tmp_path / "remote.pid"
+    ssh = subprocess.Popen(["ssh", "-F", str(loopback_hosts.ssh_config), "node-a",
+                            f"cd {REPO} && {sys.executable} -c '{_ELSEWHERE}' {said}"],
+                           stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        _wait_for(lambda: said.exists() and said.read_text(), ssh, timeout_s=60)
+        remote = int(said.read_text())
+        os.killpg(ssh.pid, signal.SIGKILL)  # as the keeper ends pdsh's ssh
+        ssh.wait()
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{remote}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{remote}").exists(), "the remote process outlived its session"
+    finally:
+        _end_group(ssh.pid)
+
+
+def test_a_sigkilled_dsforge_takes_its_pdsh_job_down(loopback_hosts, tmp_path):
+    """Over a hostfile (pdsh to two hosts): every process of the job, on both, within 15 s."""
+    run_dir, hostfile = tmp_path / "run", tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, *FOREVER, "--hostfile",
+                             str(hostfile), "--master-addr", "127.0.0.1", "--run-dir",
+                             str(run_dir)], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, **loopback_hosts.env})
+    try:
+        _wait_for_training(run_dir, proc)
+        assert len(job_processes(run_dir)) >= 5  # the keeper, runner, pdsh, two launchers, ranks
+        proc.kill()
+        proc.wait()
+        left = _gone_within(run_dir, 15)
+    finally:
+        proc.kill()
+    _kill_leftovers(left)
+    assert not left, f"orphaned processes: {left}"
+
+
+def _end_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
