@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -46,6 +47,25 @@ def make_recipe(*overrides: str, base: dict | None = None):
 def rule_ids(exc_or_problems) -> set[str]:
     problems = exc_or_problems.problems if isinstance(exc_or_problems, RecipeError) else exc_or_problems
     return {p.rule for p in problems}
+
+
+# Ctrl-C where the suite runs as a background job of a script: such a job inherits SIGINT
+# ignored (POSIX: an asynchronous list without job control), every process it starts keeps it
+# ignored across exec, and Python then installs no KeyboardInterrupt. A test that interrupts a
+# process starts it, or runs the code, as a terminal's foreground job has it.
+def as_foreground_job() -> None:
+    """preexec_fn for a process a test sends SIGINT: the signal's default action, which its
+    own processes inherit and Python turns into KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt in this process for the test, as in a terminal's
+    foreground job; what it was is restored after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

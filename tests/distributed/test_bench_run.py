@@ -13,7 +13,7 @@ import sys
 import time
 
 from dsforge import lock
-from tests.conftest import REPO
+from tests.conftest import REPO, as_foreground_job
 from tests.distributed.test_run import dsforge
 
 # ZeRO-3, so a measured cell's tensor census (runtime/loop/tensor_census.py) meets ZeRO-3's
@@ -83,7 +83,8 @@ def test_bench_tiny_runs_a_gpu_study_layout_on_cpu(tmp_path):
 
 def _start_bench(study, out) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dsforge", "bench", str(study), "--out", str(out)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=as_foreground_job)
 
 
 def _wait_for_job(out, timeout_s: float = 60.0):

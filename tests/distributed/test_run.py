@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsforge.lock import job_processes
-from tests.conftest import REPO
+from tests.conftest import REPO, as_foreground_job
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
 QUICK = ["--set", "train.steps=6", "--set", "train.timing_warmup=1"]
@@ -31,6 +32,17 @@ def _job_processes(run_dir) -> list[int]:
     while job_processes(run_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
     return job_processes(run_dir)
+
+
+def _shm_buffers(run_dir) -> list[Path]:
+    """The job's own shared-memory all-reduce buffers in /dev/shm, had DeepSpeed made any:
+    named by user, master address and port, then rank (deepspeed/ops/csrc/cpu/comm/shm.cpp),
+    which the launcher's command line in job.log gives. Another program's are not the job's."""
+    log = (run_dir / "job.log").read_text()
+    addr, port = (re.search(rf"--master_{name}=(\S+)", log) for name in ("addr", "port"))
+    assert addr and port, "job.log names no master address and port"
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{addr[1]}_{port[1]}_*"
+    return sorted(Path("/dev/shm").glob(name))
 
 
 def test_run_trains_and_writes_metrics(tmp_path):
@@ -52,7 +64,7 @@ def test_run_trains_and_writes_metrics(tmp_path):
     assert manifest["versions"]["deepspeed"] and manifest["layout"]["dp"] == 2
     assert "dp: 2" in (run_dir / "recipe.yaml").read_text()
     assert not _job_processes(run_dir)
-    assert not list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))  # nothing leaked
+    assert _shm_buffers(run_dir) == []  # nothing leaked
 
 
 def test_deepspeed_can_launch_dsforge_run_itself(tmp_path):
@@ -127,7 +139,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, "--set", "train.steps=10000",
                              "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_foreground_job)
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:

@@ -27,7 +27,7 @@ from dsforge.data.indexed import megatron_indexed_dataset, open_dataset
 from dsforge.data.inputs import batches, expand_inputs
 from dsforge.data.prepare import FAULT_ENV, prepare, prepare_main
 from dsforge.data.tokenizers import load_tokenizer
-from tests.conftest import REPO
+from tests.conftest import REPO, as_foreground_job
 from tests.conftest import EOD, TEMPEST
 
 DOCS = ["First document.", "", "   \n", "Ariel flies over the isle; Caliban grumbles.",
@@ -304,7 +304,8 @@ def test_a_stopped_command_ends_its_workers_and_removes_partial_files(number, gr
     command = [sys.executable, "-m", "dsforge", "data", "prepare", str(corpus), "--tokenizer",
                "bytes", "--output", str(out / "t"), "--workers", "2"]
     process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               preexec_fn=as_foreground_job, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not list(out.glob("t.bin.partial-*")) and time.monotonic() < deadline:
