@@ -180,10 +180,10 @@ WORLD4_MOE_GROUPED = {
     "moe_grouped_pp2_vpp2_dp2_zero3": _moe("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2",
                                            "parallel.ep=1", "zero.stage=3", GROUPED),
 }
-# tp 2 with etp 1: each rank's sequence shard through whole experts, dispatched on the device
-# (grouped) or by Megatron's dispatcher (sequential). Compared with each other only: both start
-# 1.4e-3 off the single-process loss at step 0, whichever runs the experts (found here, not
-# fixed; docs/runtime.md).
+# tp 2 with etp 1: whole experts on each tensor-parallel rank, each copy fed its rank's sequence
+# shard, dispatched on the device (grouped) or by Megatron's dispatcher (sequential). The copies
+# must start as the single process's experts and have their gradients summed over tp
+# (runtime/assemble/megatron_fixes.py).
 WORLD4_MOE_ETP1 = {
     "moe_tp2_sp_etp1": _moe("parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                             "parallel.ep=1", "parallel.etp=1"),
@@ -282,12 +282,13 @@ def test_four_kv_head_layout_matches_single_process(results, name):
     _assert_matches(results, name, "ref_dense_mha")
 
 
-@pytest.mark.parametrize("name", [*WORLD2_MOE, *WORLD4_MOE])
+@pytest.mark.parametrize("name", [*WORLD2_MOE, *WORLD4_MOE, "moe_tp2_sp_etp1"])
 def test_moe_layout_matches_single_process(results, name):
     _assert_matches(results, name, "ref_moe")
 
 
-@pytest.mark.parametrize("name", ["ref_moe_grouped", *WORLD2_MOE_GROUPED, *WORLD4_MOE_GROUPED])
+@pytest.mark.parametrize("name", ["ref_moe_grouped", *WORLD2_MOE_GROUPED, *WORLD4_MOE_GROUPED,
+                                  "moe_grouped_tp2_sp_etp1"])
 def test_grouped_experts_layout_matches_single_process(results, name):
     _assert_matches(results, name, "ref_moe")
 

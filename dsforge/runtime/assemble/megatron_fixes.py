@@ -18,6 +18,19 @@ what is wrong on a GPU as well, so the fix cannot depend on the device the tests
   name)`, a context manager that does nothing when offloading is off (dsforge never turns it
   on) but that torch.compile cannot step into. With offloading off it is a
   `contextlib.nullcontext(x)`, which torch.compile traces.
+- Whole experts on every tensor-parallel rank (ep 1, expert tp 1 < tp): each tp rank holds a
+  copy of every expert and, under sequence parallelism, feeds it only its slice of the
+  sequence. Megatron marks the copies' weights `tensor_model_parallel` (every parallel linear
+  is marked, even at size 1) and, at ep 1, not as experts (`allreduce=False` is set at ep > 1
+  only), so they read as dense weights sharded over the dense tp group: dsforge's
+  layout-invariant init (init.py, ckpt/names.py) gave each copy a different half of a weight
+  twice the expert's size (measured, tp 2 etp 1: the step-0 loss 1.35e-3 off the single
+  process's), and their gradients are reduced over dp x cp only, with no sum over tp (nor in
+  Megatron's own finalize_model_grads), so each copy would learn from its slice alone. The
+  copies are marked as what they are, replicated like the router: not tensor-parallel (drawn
+  whole, counted once in the gradient norm, checkpointed by tp rank 0) and `sequence_parallel`
+  (their gradients summed over the tp group, grads.py). At ep > 1 the experts are DeepSpeed's
+  MoE parameters, reduced over the expert-data-parallel group, which holds the copies.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import importlib
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 ATTENTION = "megatron.core.transformer.attention"
 LAYERS = "megatron.core.tensor_parallel.layers"
+EXPERTS = "megatron.core.transformer.moe.experts"
 
 
 def apply() -> None:
@@ -37,6 +51,7 @@ def apply() -> None:
         moe_utils.te_general_gemm = None
     _row_linear_group()
     _offloading_off()
+    _whole_experts_replicated_over_tp()
 
 
 def _row_linear_group() -> None:
@@ -71,3 +86,27 @@ def _offloading_off() -> None:
             return super().__new__(cls)
 
     attention.off_interface = Offloading
+
+
+def _whole_experts_replicated_over_tp() -> None:
+    """SequentialMLP (and grouped_moe.GroupedExperts, its subclass) marks its weights as
+    copies over tp where every tp rank holds whole experts and no token leaves the rank."""
+    sequential = importlib.import_module(EXPERTS).SequentialMLP
+    if getattr(sequential.__init__, "dsforge_fix", False):
+        return
+    original = sequential.__init__
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        original(self, num_local_experts, config, submodules, pg_collection=pg_collection)
+        if _whole_experts_on_each_tp_rank(pg_collection):
+            for param in self.parameters():
+                param.tensor_model_parallel = False
+                param.sequence_parallel = config.sequence_parallel
+
+    __init__.dsforge_fix = True
+    sequential.__init__ = __init__
+
+
+def _whole_experts_on_each_tp_rank(groups) -> bool:
+    """Expert tp 1 and ep 1 under tp > 1 (`groups`: Megatron's ProcessGroupCollection)."""
+    return groups.expt_tp.size() == 1 and groups.ep.size() == 1 and groups.tp.size() > 1
