@@ -53,14 +53,22 @@ WIDER = ("--set", "model.hidden_size=256", "--set", "model.ffn_hidden_size=704",
 ONE_RANK = ("--world-size", "1", "--set", "parallel.dp=1")
 
 
-@pytest.mark.timeout(400)
+# Each layout is measured once a round, the three in turn, and its fastest trial kept: other
+# work on a shared 2-core machine only slows a trial down, and a burst of it seldom hits one
+# layout in every round. The model is judged by how the three relate, so a load that slows
+# every trial alike cancels out of the refit's prediction.
+ROUNDS = 2
+
+
+@pytest.mark.timeout(600)
 def test_two_measured_layouts_predict_a_third_within_10_percent(tmp_path):
     """Issue 23's CPU loop. `dsforge calibrate` measures this CPU's GEMMs and optimizer step;
-    --measure's own functions run two layouts of the search (ZeRO-0 at micro-batch 1 and 8)
-    and refit that profile; a third layout they did not run (micro-batch 4), measured the
-    same way afterwards, is within 10% of the refitted prediction. The two are chosen, not
-    the search's first two: those tie on this CPU and differ by one microbatch count, where a
-    2-core machine's run-to-run noise (5-8% a process) would decide an extrapolation."""
+    --measure's own functions run three layouts of the search (ZeRO-0 at micro-batch 1, 8 and
+    4) in ROUNDS rounds; the fastest trials of micro-batch 1 and 8 refit that profile, and
+    micro-batch 4's fastest, which the refit did not see, is within 10% of its prediction.
+    The layouts are chosen, not the search's first two: those tie on this CPU and differ by
+    one microbatch count, where a 2-core machine's run-to-run noise (5-8% a process) would
+    decide an extrapolation."""
     from dsforge.bench.study import Measure
     from dsforge.cost.profile import load_profile
     from dsforge.cost.step_time import step_time
@@ -90,21 +98,16 @@ def test_two_measured_layouts_predict_a_third_within_10_percent(tmp_path):
         assert [t.status for t in trials] == ["ok"] * len(candidates)
         return trials
 
-    def attempt(folder) -> tuple[float, float, list]:
-        two = [zero0(1), zero0(8)]
-        trials = measured(two, folder / "two")
-        refit = refit_from_trials(base, dataclasses.replace(result, ranked=two), trials, folder / "two")
-        assert refit.calibration.coefficients["fixed"] > 0  # micro-batch 1 pays 8x the fixed costs
-        [third] = measured([zero0(4)], folder / "third")
-        predicted = step_time(third.candidate.resolved, refit.calibration.after).total
-        return predicted, third.measured_step_s, [t.measured_step_s for t in trials]
-
-    # A second attempt when the first misses: a whole process on this shared 2-core machine
-    # runs 5-8% slow now and then; a wrong model misses both times.
-    attempts = []
-    for n in range(2):
-        attempts.append(attempt(tmp_path / f"attempt{n}"))
-        predicted, third, _ = attempts[-1]
-        if abs(predicted / third - 1) < 0.10:
-            break
-    assert abs(predicted / third - 1) < 0.10, attempts
+    layouts = [zero0(1), zero0(8), zero0(4)]
+    trials = [t for n in range(ROUNDS)
+              for t in measured(layouts[n:] + layouts[:n], tmp_path / f"round{n}")]
+    fastest = {mb: min((t for t in trials if t.candidate.resolved.layout.micro_batch == mb),
+                       key=lambda t: t.measured_step_s) for mb in (1, 8, 4)}
+    two = [fastest[1], fastest[8]]
+    refit = refit_from_trials(base, dataclasses.replace(result, ranked=[t.candidate for t in two]),
+                              two, tmp_path)
+    assert refit.calibration.coefficients["fixed"] > 0  # micro-batch 1 pays 8x the fixed costs
+    predicted = step_time(fastest[4].candidate.resolved, refit.calibration.after).total
+    seconds = {mb: [t.measured_step_s for t in trials
+                    if t.candidate.resolved.layout.micro_batch == mb] for mb in (1, 8, 4)}
+    assert abs(predicted / fastest[4].measured_step_s - 1) < 0.10, (predicted, seconds)
