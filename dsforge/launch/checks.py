@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass
 
 from dsforge.job.word import forwarded_env
@@ -303,8 +304,6 @@ def ways_forward(command: list[str], resolved: Resolved, tiny: bool) -> str:
 
 def check_remote_shell(placement: Placement) -> None:
     """H6: what DeepSpeed's runners paste unquoted into every node's shell."""
-    import sys
-
     refuse("launch", remote_shell_problems(placement, cwd=os.getcwd(), python=sys.executable))
 
 
