@@ -25,6 +25,7 @@ from typing import Any
 
 from dsforge.files import write_atomic
 from dsforge.job.run_dir import RunDir
+from dsforge.job.steps import step_text
 from dsforge.units import format_bytes
 
 KINDS = ("exception", "build", "oom", "collective", "device", "hang", "killed", "stopped",
@@ -56,7 +57,7 @@ class Failure:
     def headline(self) -> str:
         """One line: who, when, what happened; a build's cause and fix; an out-of-memory's
         measured figures (the whole exception is in the detail)."""
-        when = f"at step {self.step}" if self.step >= 0 else "before its first step"
+        when = f"at {step_text(self.step)}" if self.step >= 0 else "before its first step"
         if self.kind == "build" and self.what:
             return f"rank {self.rank} failed building {self.what} {when}: {self.cause}. Fix: {self.fix}"
         if self.kind == "oom" and self.memory:

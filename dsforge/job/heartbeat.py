@@ -15,6 +15,7 @@ import threading
 import time
 
 from dsforge.job.run_dir import RunDir
+from dsforge.job.steps import step_text
 
 WRITE_EVERY_S = 0.25
 
@@ -65,7 +66,7 @@ def summarize(run_dir: RunDir) -> str:
     if not beats:
         return "no rank reported progress"
     newest = max(step for step, _ in beats.values())
-    lines = [f"  rank {rank}: step {step}, last progress {age:.0f}s ago"
+    lines = [f"  rank {rank}: {step_text(step)}, last progress {age:.0f}s ago"
              + ("  <- behind" if step < newest else "")
              for rank, (step, age) in sorted(beats.items())]
     return "last progress per rank:\n" + "\n".join(lines)

@@ -22,6 +22,7 @@ from dsforge.job import failure
 from dsforge.job.failure import needed_bytes
 from dsforge.job.heartbeat import read_all, summarize
 from dsforge.job.run_dir import RunDir
+from dsforge.job.steps import step_text
 from dsforge.job.who_failed import who_failed
 from dsforge.problems import RecipeError
 from dsforge.recipe import Resolved, resolve_file
@@ -55,7 +56,7 @@ def failure_report(run_dir: RunDir, code: int) -> str:
     if silent and records:
         lines += _silent_lines(silent, run_dir, launcher_exit_codes(log_text))
     if records:
-        lines += _record_lines(records, run_dir)
+        lines += _record_lines(found.first, records, run_dir)
     elif silent:
         lines += _silent_lines(silent, run_dir, launcher_exit_codes(log_text))
     lines.append(f"  every rank's output and the engines' logs: {log}")
@@ -69,18 +70,23 @@ def _silent_lines(silent: dict[int, str], run_dir: RunDir, codes: list[int]) -> 
     for rank, where in sorted(silent.items())[:16]:
         host, _, pid = where.partition(" ")
         beat = beats.get(rank)
-        last = f", last progress {beat[1]:.0f}s ago at step {beat[0]}" if beat else ""
+        last = f", last progress {beat[1]:.0f}s ago at {step_text(beat[0])}" if beat else ""
         lines.append(f"    rank {rank} (pid {pid} on {host}){last}")
     return lines
 
 
-def _record_lines(records: list[failure.Failure], run_dir: RunDir) -> list[str]:
-    first = records[0]
+def _record_lines(first: failure.Failure, records: list[failure.Failure],
+                  run_dir: RunDir) -> list[str]:
+    """The likely cause (who_failed's `first`) and its traceback's end; when that is a rank lost
+    without a word, the first record of the peers that lost it after it."""
     if first.explained:
         lines = [f"  first failure: {explain(first, run_dir)}; traceback in {run_dir.job_log}"]
     else:
         lines = [f"  first failure: {first.headline()}"]
-        lines += ["    " + line for line in first.detail.rstrip().splitlines()[-12:]]
+        tail = first.detail.rstrip().splitlines()[-12:]
+        lines += ["    " + line for line in tail if line.strip() != first.message.strip()]
+    if first not in records:
+        lines.append(f"  then: {records[0].headline()}")
     hung = [r for r in records if r.kind == "hang"]
     if len(hung) > 1:  # usually one rank is elsewhere and the rest wait for it in a collective
         lines.append("  where each stuck rank was:")

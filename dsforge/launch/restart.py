@@ -42,6 +42,7 @@ from dsforge.files import write_atomic
 from dsforge.job.failure import Failure
 from dsforge.job.run_dir import RunDir, set_aside
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
+from dsforge.job.steps import step_text
 from dsforge.job.who_failed import who_failed
 from dsforge.job.word import JobSpec
 from dsforge.launch.local import EXIT_TIMEOUT, StopAsked, StopSignals, Stopped
@@ -111,7 +112,7 @@ def decide(code: int, run_dir: RunDir, earlier: list[dict],
         return Verdict(False, f"no rank recorded a failure or went silent (the launcher's exit "
                               f"code {code}; its output is in {run_dir.job_log})")
     if any(_same(r, cause) for r in earlier):
-        return Verdict(False, f"the same failure came back at step {cause.step} "
+        return Verdict(False, f"the same failure came back at {step_text(cause.step)} "
                               f"({cause.message}): not a passing fault", cause)
     return Verdict(True, cause.headline(), cause)
 

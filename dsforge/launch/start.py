@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir, set_aside
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
+from dsforge.job.steps import step_text
 from dsforge.launch.commands import Placement, job_spec, launch_command, runner_env
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.local import STOP_GRACE_S, StopAsked, free_port, run_job
@@ -86,7 +87,7 @@ def launch_and_watch(command: list[str], run_dir: RunDir, ranks: int, *, timeout
     accounted = len(view.done_ranks | set(view.stopped_ranks) | set(view.halted_ranks)) >= ranks
     if code == 0 and view.halted_ranks and accounted:
         step, _ = min(view.halted_ranks.values())
-        say(f"dsforge: the ranks stopped together at step {step}: exit code {EXIT_NONFINITE}; the "
+        say(f"dsforge: the ranks stopped together at {step_text(step)}: exit code {EXIT_NONFINITE}; the "
             f"report above is kept in {run_dir.failure(0)}")
         return EXIT_NONFINITE
     if code == 0 and view.stopped_ranks and accounted:

@@ -42,7 +42,7 @@ def test_study_survives_failures_and_resumes(tmp_path):
     crashed = dsforge("bench", str(study), "--out", str(out), env={"DSFORGE_INJECT_FAULT": "raise:1:2"})
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     assert _statuses(db) == {'{"train.global_batch": 8}': "crashed", '{"train.global_batch": 7}': "rejected"}
-    assert "rank 1 failed at step 2: RuntimeError: injected fault" in crashed.stderr
+    assert "rank 1 failed at step 3: RuntimeError: injected fault" in crashed.stderr
 
     skipped = dsforge("bench", str(study), "--out", str(out))
     assert "repeat 0" not in skipped.stderr  # everything was finished: nothing ran

@@ -71,6 +71,7 @@ def _refused_resume(run_dir, *extra: str) -> SimpleNamespace:
 class _Resumed:
     crashed: Path  # a copy of the run directory as the crash left it
     crash_code: int
+    crash_stderr: str
     run_dir: Path  # the same run, resumed to the end
     stderr: str  # of the resumed run
 
@@ -90,7 +91,8 @@ class _ResumedRuns:
             shutil.copytree(run_dir, crashed, symlinks=True)
             resumed = _run(recipe, run_dir, extra, resume=True)
             assert resumed.returncode == 0, resumed.stderr[-3000:]
-            self.runs[name] = _Resumed(crashed, crash.returncode, run_dir, resumed.stderr)
+            self.runs[name] = _Resumed(crashed, crash.returncode, crash.stderr, run_dir,
+                                       resumed.stderr)
         return self.runs[name]
 
 
@@ -125,6 +127,11 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_as_latest(resumed
     assert (checkpoints / "latest").read_text() == RESUMED_FROM
     assert (checkpoints / FINAL).exists()  # written in part ...
     assert not (checkpoints / FINAL / "dsforge_complete.json").exists()  # ... never published
+    # The lost rank is named first; its peer's broken save is not taken for a full disk.
+    assert "first failure: rank 1 died at step 8: exited with code 9" in run.crash_stderr, \
+        run.crash_stderr[-3000:]
+    assert "lost a peer rank while saving the checkpoint of step 8" in run.crash_stderr
+    assert "disk full" not in run.crash_stderr
     assert "after step 4" in run.stderr  # the resume took the previous one
     assert (run.run_dir / "checkpoints" / "latest").read_text() == FINAL
 

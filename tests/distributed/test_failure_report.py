@@ -39,7 +39,7 @@ def test_an_op_build_failure_names_the_op_the_variable_and_the_fix(tmp_path):
     assert (record.kind, record.rank, record.step, record.what) == ("build", 0, 1, "DeepSpeed's fused_adam op")
     assert "'0a'" in record.message and "builder.py" in record.detail
     line = _report_line(stderr)
-    assert "rank 0 failed building DeepSpeed's fused_adam op at step 1: " \
+    assert "rank 0 failed building DeepSpeed's fused_adam op at step 2: " \
            "TORCH_CUDA_ARCH_LIST='9.0a' cannot be parsed" in line
     assert "Fix: export TORCH_CUDA_ARCH_LIST='9.0'" in line and line.endswith(f"traceback in {log}")
 
@@ -50,7 +50,7 @@ def test_an_out_of_memory_is_one_line_with_the_prediction_and_the_measurement(tm
     memory = record.memory
     assert memory["source"] == "process peak RSS" and 0 < memory["peak"] < memory["capacity"]
     line = _report_line(stderr)
-    assert "rank 1 ran out of memory at step 2: measured peak " in line
+    assert "rank 1 ran out of memory at step 3: measured peak " in line
     # the tiny model is predicted far inside a CPU rank's share of the host: the report says
     # the memory went elsewhere rather than suggesting changes
     assert "the memory model predicts " in line and "which fits" in line

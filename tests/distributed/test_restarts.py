@@ -138,7 +138,7 @@ def test_an_exception_is_not_retried(tmp_path):
     done = dsforge("run", TINY, *RUN, "--run-dir", str(run_dir), "--max-restarts", "3",
                    env={"DSFORGE_INJECT_FAULT": "raise:1:3"}, timeout=TIMEOUT_S)
     assert done.returncode != 0
-    assert "injected fault on rank 1 at step 3" in done.stderr
+    assert "injected fault on rank 1 at step 4" in done.stderr
     assert "dsforge: not restarted: an exception repeats" in done.stderr, done.stderr[-3000:]
     assert "restarting" not in done.stderr and not run_dir.attempts.exists()
     assert not _job_processes(run_dir.path)

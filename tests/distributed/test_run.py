@@ -112,10 +112,10 @@ def test_a_failing_rank_ends_the_whole_job(tmp_path, kind):
     assert result.returncode != 0
     assert time.monotonic() - start < 120
     if kind == "raise":
-        assert "rank 1 failed at step 2" in result.stderr and "injected fault" in result.stderr
+        assert "rank 1 failed at step 3" in result.stderr and "injected fault" in result.stderr
         record = json.loads((run_dir / "failures" / "rank00001.json").read_text())
         assert (record["kind"], record["step"]) == ("exception", 2)
-        assert "first failure: rank 1 failed at step 2" in result.stderr
+        assert "first failure: rank 1 failed at step 3" in result.stderr
     assert "job failed" in result.stderr and str(run_dir / "job.log") in result.stderr
     assert not _job_processes(run_dir)
 
@@ -125,13 +125,13 @@ def test_a_hung_rank_is_named_and_the_job_ends(tmp_path):
     result = dsforge("run", TINY, *QUICK, "--run-dir", str(run_dir), "--step-timeout", "5",
                      env={"DSFORGE_INJECT_FAULT": "hang:0:3"})
     assert result.returncode != 0
-    assert "stuck: step 3 made no progress" in result.stderr
+    assert "stuck: step 4 made no progress" in result.stderr
     assert "inject_fault" in result.stderr  # the Python stack of the stuck rank
     from dsforge.job import failure
     from dsforge.job.run_dir import RunDir
 
     assert failure.first(RunDir(run_dir)).kind == "hang"
-    assert "rank 0: step 3, last progress" in result.stderr  # the launcher's summary
+    assert "rank 0: step 4, last progress" in result.stderr  # the launcher's summary
     assert not _job_processes(run_dir)
 
 

@@ -122,7 +122,7 @@ def test_a_run_whose_training_went_bad_is_diverged_though_its_ranks_exit_0(tmp_p
     failure.write(run_dir, failure.Failure(rank=0, step=3, kind="nonfinite",
                                            message="non-finite loss and gradient norm"))
     assert classify(0, run_dir) == (
-        "diverged", "the training stopped at step 3: non-finite loss and gradient norm")
+        "diverged", "the training stopped at step 4: non-finite loss and gradient norm")
 
 
 def test_the_earliest_failure_record_is_the_cause(tmp_path):
@@ -131,7 +131,7 @@ def test_the_earliest_failure_record_is_the_cause(tmp_path):
                                            time=200.0))
     failure.write(run_dir, failure.Failure(rank=3, step=2, kind="hang", message="stuck", time=100.0))
     (run_dir.failures / "rank00009.partial").write_text("{half")  # never read
-    assert classify(1, run_dir) == ("timeout", "rank 3 stuck at step 2: stuck")
+    assert classify(1, run_dir) == ("timeout", "rank 3 stuck at step 3: stuck")
 
 
 def test_report_lists_every_cell_with_predictions_and_plots(tmp_path):
@@ -602,7 +602,7 @@ def test_a_rank_its_supervisor_saw_killed(tmp_path, message, code, expected):
     """runtime/guard/supervise.py records a rank that died of a signal as kind 'killed'."""
     run_dir = RunDir(tmp_path)
     failure.write(run_dir, failure.Failure(rank=1, step=3, kind="killed", message=message))
-    assert classify(code, run_dir) == (expected, f"rank 1 died at step 3: {message}")
+    assert classify(code, run_dir) == (expected, f"rank 1 died at step 4: {message}")
 
 
 def test_a_reason_never_holds_progress_bars_or_escapes(tmp_path):
@@ -611,7 +611,7 @@ def test_a_reason_never_holds_progress_bars_or_escapes(tmp_path):
     failure.write(run_dir, failure.Failure(
         rank=1, step=2, kind="exception", message=f"{bar}\x1b[31mRuntimeError: boom\x1b[0m{bar}\nnext"))
     status, reason = classify(1, run_dir)
-    assert (status, reason) == ("crashed", "rank 1 failed at step 2: RuntimeError: boom next")
+    assert (status, reason) == ("crashed", "rank 1 failed at step 3: RuntimeError: boom next")
     assert one_line("x" * 900).endswith("...") and len(one_line("x" * 900)) == 500
 
 

@@ -39,7 +39,7 @@ def test_ranks_that_finished_or_recorded_are_not_silent(tmp_path):
     for rank in (0, 1):  # they finished their part (job/who_failed.py)
         run_dir.rank_summary(rank).write_text("{}")
     report = failure_report(run_dir, 1)
-    assert "without reporting" not in report and "first failure: rank 2 failed at step 1: boom" in report
+    assert "without reporting" not in report and "first failure: rank 2 failed at step 2: boom" in report
 
 
 @pytest.mark.parametrize("addr", ["127.0.0.1;touch${IFS}P;#", "$(reboot)", "a b", "-oProxyCommand=x"])
@@ -119,7 +119,7 @@ def test_an_out_of_memory_against_the_prediction_with_the_fixes_that_fit(tmp_pat
     report = failure_report(run_dir, 1)
     line = next(line for line in report.splitlines() if "first failure" in line)
     assert line == (
-        "  first failure: rank 0 ran out of memory at step 3: measured peak 133.0 GiB (cuda "
+        "  first failure: rank 0 ran out of memory at step 4: measured peak 133.0 GiB (cuda "
         "max_memory_allocated, 138.0 GiB reserved) of 140.4 GiB (NVIDIA H200); 4.0 GiB more "
         "requested; the memory model predicts 135.7 GiB (at the backward). Fix, each predicted "
         "under 126.4 GiB (90% of 140.4 GiB): --set train.micro_batch=1 --set train.grad_accum=8 "

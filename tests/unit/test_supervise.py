@@ -1,5 +1,6 @@
 """The rank supervisor (runtime/guard/supervise.py): it ends as its rank ends, and records a rank
-that a signal killed as a failure only when the signal was not a request to stop."""
+that a signal killed as a failure only when the signal was not a request to stop, and a rank
+that exited with an error code without a record of its own."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ how = sys.argv[2]
 def rank():
     if how == "exit3":
         os._exit(3)
+    if how == "recorded":  # a rank that says why it fails, as runtime/rank.py does
+        from dsforge.job import failure
+        failure.write(RunDir(sys.argv[1]), failure.Failure(rank=7, step=2, kind="exception",
+                                                           message="RuntimeError: boom"))
+        os._exit(1)
     os.kill(os.getpid(), getattr(signal, how))
     time.sleep(5)
 run_supervised(rank, run_dir=RunDir(sys.argv[1]), rank=7)
@@ -29,7 +35,8 @@ run_supervised(rank, run_dir=RunDir(sys.argv[1]), rank=7)
 
 
 @pytest.mark.parametrize("how, code, recorded", [
-    ("exit3", 3, False),
+    ("exit3", 3, True),  # an exit without a record of its own: its peers would be blamed
+    ("recorded", 1, True),
     ("SIGKILL", -signal.SIGKILL, True),
     ("SIGSEGV", -signal.SIGSEGV, True),
     ("SIGTERM", -signal.SIGTERM, False),  # DeepSpeed's launcher stopping the node's ranks
@@ -40,9 +47,12 @@ def test_supervisor_ends_like_its_rank(tmp_path, how, code, recorded):
     assert done.returncode == code
     records = failure.read_all(run_dir)
     assert bool(records) == recorded
-    if recorded:
+    if how == "recorded":  # its own record, not a second one
+        assert [(r.rank, r.kind) for r in records] == [(7, "exception")]
+    elif recorded:
         assert records[0].rank == 7 and records[0].kind == "killed"
-        assert f"killed by {how}" in records[0].message
+        assert (f"killed by {how}" if how.startswith("SIG") else
+                "exited with code 3 without a failure record") in records[0].message
 
 
 # Issue 25 item 3: a rank stopped from outside (SIGSTOP) in a pp2 x vpp2 x dp2 job. It says
@@ -125,7 +135,7 @@ def test_a_stopped_rank_is_the_first_failure_not_the_peers_that_waited(tmp_path,
     assert (first.rank, first.kind, first.step) == (2, "stopped", 18)
     report = failure_report(run_dir, 3)
     ended = "SIGKILL" if end == "SIGKILL" else "SIGTERM"
-    assert ("  first failure: rank 2 was stopped at step 18: SIGSTOP from outside, never "
+    assert ("  first failure: rank 2 was stopped at step 19: SIGSTOP from outside, never "
             f"continued (its peers waited for it); ended by {ended} ") in report, report
     assert "killed by SIGKILL (out of memory?" not in report
 

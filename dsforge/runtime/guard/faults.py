@@ -21,6 +21,7 @@ import signal
 import time
 
 from dsforge.job.owner import owner_alive
+from dsforge.job.steps import step_text
 from dsforge.runtime.guard.drills import KINDS as NUMERIC_KINDS
 from dsforge.runtime.guard.preempt import StopRequest
 
@@ -43,11 +44,11 @@ def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> No
     if fault is None or fault[0] not in _STEP_FAULTS or (fault[1], fault[2]) != (rank, step):
         return
     if fault[0] == "raise":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+        raise RuntimeError(f"injected fault on rank {rank} at {step_text(step)}")
     if fault[0] == "oom":
         import torch
 
-        raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at step {step}")
+        raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at {step_text(step)}")
     if fault[0] == "build":
         _arch_flags_as_deepspeed_builds_them()
         return

@@ -18,6 +18,7 @@ import traceback
 from dsforge.job import failure
 from dsforge.job.console import RankConsole
 from dsforge.job.run_dir import RunDir
+from dsforge.job.steps import step_text
 
 # The other ranks are usually stuck too (waiting for this one): give their watchdogs time to
 # record their stacks before this exit makes the launcher kill them.
@@ -50,12 +51,12 @@ class Watchdog:
                 self._end(step)
 
     def _end(self, step: int) -> None:
-        message = (f"step {step} made no progress for {self.timeout_s:.0f}s (a hung collective?)")
+        message = (f"{step_text(step)} made no progress for {self.timeout_s:.0f}s (a hung collective?)")
         stacks = _all_stacks()
         failure.write(self.run_dir, failure.Failure(rank=self.rank, step=step, kind="hang",
                                                     message=message, detail=_main_stack()))
         self.console.say(f"dsforge: rank {self.rank} stuck: {message}")
-        print(f"dsforge: rank {self.rank} stuck at step {step}. Python stacks:\n{stacks}",
+        print(f"dsforge: rank {self.rank} stuck at {step_text(step)}. Python stacks:\n{stacks}",
               file=sys.stderr, flush=True)
         time.sleep(DUMP_GRACE_S)
         os._exit(EXIT_CODE)
