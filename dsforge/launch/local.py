@@ -197,8 +197,9 @@ class StopSignals:
     SIGUSR1 and SIGHUP (what `timeout`, systemd, a scheduler and a dropped ssh session send)
     and Ctrl-C are noted in `asked`; once armed they raise too, Stopped or KeyboardInterrupt,
     where the code is ready for them, and `arm` raises for one noted before; while the job is
-    being stopped (`stopping`), one more stops it at once. SIGUSR2 calls `on_usr2`. (Handlers
-    can only be installed from the main thread; elsewhere the defaults stay.)"""
+    being stopped (`stopping`), one more stops it at once. SIGUSR2 calls `on_usr2`. A signal
+    dsforge was started with ignored (nohup's SIGHUP, a background job's SIGINT) stays ignored.
+    (Handlers can only be installed from the main thread; elsewhere the defaults stay.)"""
 
     def __init__(self, asked: StopAsked):
         self.asked, self.armed = asked, False
@@ -209,7 +210,12 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (*_STOPS, signal.SIGINT, signal.SIGUSR2):
-                self._previous[sig] = signal.signal(sig, self._caught)
+                # A stop signal that dsforge was started with ignored stays ignored, as
+                # Python itself leaves an ignored SIGINT: `nohup` ignores SIGHUP so that a
+                # dropped session does not stop the job, a shell's background job SIGINT so
+                # that the terminal's Ctrl-C does not reach it.
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._caught)
         return self
 
     def __exit__(self, *exc) -> None:

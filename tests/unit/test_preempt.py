@@ -370,6 +370,24 @@ def test_a_signal_while_the_launcher_starts_is_held_then_acted_on(tmp_path, caps
     assert "every rank saves a checkpoint" in capsys.readouterr().err
 
 
+def test_a_stop_signal_started_ignored_stays_ignored():
+    """`nohup dsforge run ...` ignores SIGHUP so that a dropped session leaves the job running;
+    a shell's background job ignores SIGINT. dsforge keeps them ignored (as Python keeps an
+    ignored SIGINT) and still catches the stop signals it was not started without."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        asked = local.StopAsked()
+        with local.StopSignals(asked):
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert callable(signal.getsignal(signal.SIGTERM))
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.2)
+            assert asked.signum is None
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 def test_a_signal_while_the_job_is_stopped_ends_it_at_once(tmp_path, capsys):
     """Ctrl-C, then Ctrl-C again while the group gets its 10 s to exit: the second one does not
     wait for them (nor kills dsforge, which still says how the job ended)."""

@@ -1,7 +1,9 @@
 """Gradient bookkeeping that Megatron-Core's finalize_model_grads would do and DeepSpeed does not.
 
 - Sequence-parallel parameters (norm weights, MoE routers: Megatron marks them
-  `sequence_parallel`) see only this tensor-parallel rank's slice of the sequence, so their
+  `sequence_parallel`; and whole experts copied on every tensor-parallel rank at ep 1 and
+  etp 1, which runtime/assemble/megatron_fixes.py marks so) see only this tensor-parallel
+  rank's slice of the sequence, so their
   gradients are summed over the tensor-parallel group. A tensor hook does it inside autograd,
   before the gradient is accumulated, so DeepSpeed's ZeRO hooks (which fire after
   accumulation) always see the complete gradient.
