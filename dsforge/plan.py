@@ -22,7 +22,7 @@ from dsforge.problems import errors
 from dsforge.recipe.resolve import Resolved
 from dsforge.recipe.validate import validate
 from dsforge.schema import padded_vocab_size
-from dsforge.translate.compiled import compiled_with
+from dsforge.translate.compile import compiled_with
 from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.experts import choose_experts

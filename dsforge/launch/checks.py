@@ -31,7 +31,7 @@ from dsforge.recipe import Resolved
 from dsforge.recipe.hostfile import active_hosts, read_hostfile
 from dsforge.recipe.tiny import tiny_resolved
 from dsforge.translate.build_env import BUILD_RULES, build_problems, job_ops
-from dsforge.translate.compiled import BACKEND_ENV, DEFAULT_BACKEND, compile_backend
+from dsforge.translate.compile import BACKEND_ENV, DEFAULT_BACKEND, compile_backend
 from dsforge.units import format_bytes
 
 # Why --max-restarts and --no-ssh do not go together (docs/launch.md, "Restarts").

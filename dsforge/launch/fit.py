@@ -84,7 +84,7 @@ def device_run_problems(resolved: Resolved, device: str, probed: dict) -> list[P
     """What this machine's `device` ranks cannot run (run_problems), from what is installed
     and probed here."""
     from dsforge.launch.probe import build_facts
-    from dsforge.translate.compiled import inductor_cache_dir
+    from dsforge.translate.compile import inductor_cache_dir
     from dsforge.translate.fp8 import torchao_installed
     from dsforge.translate.kernels import liger_installed
 
@@ -101,7 +101,7 @@ def run_problems(resolved: Resolved, device: str, *, capability: tuple[int, int]
     installed), float8 GEMMs (FP6, X1: the GPUs' compute capability, torchao), compiling (CM4,
     CM5: inductor's compiler, asked for only then, and its cache where `cache_dir` is known).
     The fit check (this machine) and preflight (every host) both ask it."""
-    from dsforge.translate.compiled import compile_problems
+    from dsforge.translate.compile import compile_problems
     from dsforge.translate.fp8 import fp8_device_problems
     from dsforge.translate.kernels import device_problems
 

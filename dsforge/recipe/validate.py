@@ -22,7 +22,7 @@ from typing import Iterator
 from dsforge.problems import Problem
 from dsforge.recipe.data_rules import DATA_RULES
 from dsforge.recipe.extras import missing_extras
-from dsforge.recipe.float8 import fp8_recipe_problems
+from dsforge.recipe.fp8 import fp8_recipe_problems
 from dsforge.recipe.fixes import (Context, Rule, batch_fields, batch_fix, divisors_that_work,
                                   microbatch_rule, multiples_that_work, use)
 from dsforge.recipe.init_from import init_from_problems
@@ -412,8 +412,8 @@ def compiled_layers(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
                       fix="use model.compile: none for MoE models")
 
 
-def float8(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
-    """FP1-FP5 (recipe/float8.py): what float8 GEMMs need of the recipe."""
+def fp8(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
+    """FP1-FP5 (recipe/fp8.py): what float8 GEMMs need of the recipe."""
     yield from fp8_recipe_problems(recipe, ctx.batch.micro_batch if ctx.batch else None)
 
 
@@ -442,7 +442,7 @@ RULES: tuple[Rule, ...] = (
     parallel_arithmetic, tensor_parallel_in_node, batch_arithmetic, pipeline_layers,
     pipeline_microbatches, pipeline_embeddings, tensor_parallel_shapes, context_parallel,
     sequence_length,
-    expert_parallel, zero_with_pipeline, optimizer_offload, compiled_layers, float8, *DATA_RULES,
+    expert_parallel, zero_with_pipeline, optimizer_offload, compiled_layers, fp8, *DATA_RULES,
     profile_within_run,
     optional_packages,
     hugging_face_start,

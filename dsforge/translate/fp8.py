@@ -1,6 +1,6 @@
 """train.fp8 where the ranks run (torch-free): what their devices can run (FP6, X1), checked
 where the devices are known, as for Liger's kernels (the fit check, preflight, the rank). What
-the recipe may ask (FP1-FP5) is recipe/float8.py's; the float8 layers runtime/assemble/fp8.py's.
+the recipe may ask (FP1-FP5) is recipe/fp8.py's; the float8 layers runtime/assemble/fp8.py's.
 
 - tensorwise: one scale per tensor, cuBLAS's float8 GEMM (sm 8.9: Ada, Hopper and later);
 - rowwise: one scale per row, CUTLASS's rowwise kernel, built for sm 9.0 (Hopper).

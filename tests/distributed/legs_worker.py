@@ -64,7 +64,7 @@ def _run_leg(leg: dict, spec: dict, rank: int, request):
     from dsforge.runtime.guard.drills import NumericDrill
     from dsforge.runtime.guard.preempt import Stopper, TimeBudget
     from dsforge.runtime.loop.trainer import Trainer, train_loop
-    from dsforge.runtime.guard.faults import parse_fault
+    from dsforge.runtime.guard.drills import parse_fault
 
     started = time.time()
     resolved = resolve_file(leg.get("recipe") or spec["recipe"], leg["overrides"],

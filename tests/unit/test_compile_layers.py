@@ -115,7 +115,7 @@ if __name__ == "__main__":
 
 def test_inductor_needs_a_compiler_and_a_writable_cache(tmp_path, monkeypatch):
     from dsforge.recipe import load_recipe
-    from dsforge.translate.compiled import BACKEND_ENV, compile_problems
+    from dsforge.translate.compile import BACKEND_ENV, compile_problems
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     model = load_recipe(TINY, ["model.compile=layers"]).model
@@ -158,7 +158,7 @@ def test_evaluation_graphs_are_not_recompiles(monkeypatch):
 
 
 def test_inductor_cache_is_the_users_choice_else_dsforges(tmp_path, monkeypatch):
-    from dsforge.translate.compiled import INDUCTOR_CACHE_ENV, inductor_cache_dir
+    from dsforge.translate.compile import INDUCTOR_CACHE_ENV, inductor_cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     ours = str(tmp_path / "dsforge" / "inductor")

@@ -19,7 +19,7 @@ from dsforge.runtime.guard.drills import SPIKE_FACTOR, NumericDrill
 from dsforge.runtime.loop import bad_steps
 from dsforge.runtime.loop.bad_steps import Halted
 from dsforge.runtime.loop.step import _spoiled_if_not_finite
-from dsforge.runtime.guard.faults import parse_fault
+from dsforge.runtime.guard.drills import parse_fault
 
 GOOD = health.StepView(loss=2.0, bad_loss=False, bad_norm=False, skipped=False)
 NAN = health.StepView(loss=math.nan, bad_loss=True, bad_norm=True, skipped=True)

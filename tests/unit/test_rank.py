@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dsforge.runtime.guard.faults import parse_fault
+from dsforge.runtime.guard.drills import parse_fault
 from dsforge.runtime.rank import threads_per_rank
 
 

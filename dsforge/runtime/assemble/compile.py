@@ -14,7 +14,7 @@ through calls torch.compile cannot trace). The recomputation is the same (dsforg
 has no dropout, so no random state is involved): only how autograd is told changes.
 
 The backend and inductor's cache (with dsforge's other caches, so a second run on the machine
-reuses the kernels): translate/compiled.py.
+reuses the kernels): translate/compile.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import types
 import torch
 
 from dsforge.job.steps import step_text
-from dsforge.translate.compiled import INDUCTOR_CACHE_ENV, compile_backend, inductor_cache_dir
+from dsforge.translate.compile import INDUCTOR_CACHE_ENV, compile_backend, inductor_cache_dir
 
 
 def transformer_layers(chunks) -> list[torch.nn.Module]:
@@ -44,7 +44,7 @@ def compile_layers(chunks, *, selective: bool) -> int:
 
 
 def _cache_with_dsforge() -> None:
-    """Inductor's kernels where translate/compiled.py says (later lookups read the variable
+    """Inductor's kernels where translate/compile.py says (later lookups read the variable
     again)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 

@@ -1,6 +1,19 @@
-"""Drills that make the training itself go bad, for the tests and for checking what a cluster's
-runs do when it does (DSFORGE_INJECT_FAULT=KIND:RANK:STEP, parsed by faults.py):
+"""The drills of DSFORGE_INJECT_FAULT=KIND:RANK:STEP, for the tests and for checking what a
+cluster's runs do when a rank fails or stops, or the training itself goes bad.
 
+A rank that fails or stops:
+- raise | hang | exit | oom | build act when RANK starts STEP: oom raises torch's
+  out-of-memory error, as a GPU's allocator does; build runs the first part of DeepSpeed's JIT
+  build of its CUDA FusedAdam op (its architecture flags, from TORCH_CUDA_ARCH_LIST or the
+  GPUs), which fails as on a GPU where that list is one DeepSpeed cannot read, and does
+  nothing where the build would get past it;
+- save-exit kills RANK while it saves the checkpoint of STEP, after writing its files;
+- preemption: stop sends SIGTERM to the `dsforge run` that started the job (to the rank itself
+  without one on this host) when RANK starts STEP, stop-save the same while RANK saves the
+  checkpoint of STEP; stop-eval sends SIGUSR1 to RANK's supervisor only (a `kill` of the
+  process a launcher started) before RANK's first validation batch after STEP.
+
+Training that goes bad (`NumericDrill`):
 - nan: RANK's model output in step STEP is multiplied by NaN: on the last pipeline stage its
   loss, elsewhere the activations it sends on (so the loss of the stages after it);
 - nan-from: the same in every step from STEP on (a run that has diverged for good);
@@ -8,23 +21,126 @@ runs do when it does (DSFORGE_INJECT_FAULT=KIND:RANK:STEP, parsed by faults.py):
   pipeline stage: elsewhere the output is activations);
 - nan-weights: after step STEP's update, one of RANK's weights becomes NaN, before the
   checkpoint of that step is saved.
+
+STEP is the step's index, from 0, as metrics.jsonl counts.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import time
 from typing import TYPE_CHECKING
+
+from dsforge.job.owner import owner_alive
+from dsforge.job.steps import step_text
+from dsforge.runtime.guard.preempt import StopRequest
 
 if TYPE_CHECKING:  # runtime/rank.py imports this module before torch (the owner watch first)
     import torch
 
-KINDS = ("nan", "nan-from", "spike", "nan-weights")
+NUMERIC_KINDS = ("nan", "nan-from", "spike", "nan-weights")
 SPIKE_FACTOR = 10.0
+
+FAULT_ENV = "DSFORGE_INJECT_FAULT"
+FAULT_KINDS = ("raise", "hang", "exit", "oom", "build", "save-exit", "stop", "stop-eval",
+               "stop-save", *NUMERIC_KINDS)
+_STEP_FAULTS = ("raise", "hang", "exit", "oom", "build")  # act when a step starts
+
+
+def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
+    if not spec:
+        return None
+    kind, rank, step = spec.split(":")
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: KIND must be one of {', '.join(FAULT_KINDS)}")
+    return kind, int(rank), int(step)
+
+
+def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> None:
+    if fault is None or fault[0] not in _STEP_FAULTS or (fault[1], fault[2]) != (rank, step):
+        return
+    if fault[0] == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at {step_text(step)}")
+    if fault[0] == "oom":
+        import torch
+
+        raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at {step_text(step)}")
+    if fault[0] == "build":
+        _arch_flags_as_deepspeed_builds_them()
+        return
+    if fault[0] == "exit":
+        os._exit(7)
+    while True:  # hang: the watchdog (or the job timeout) has to end it
+        time.sleep(1)
+
+
+def _arch_flags_as_deepspeed_builds_them() -> None:
+    """DeepSpeed's CUDA FusedAdam builder in its JIT mode computes the nvcc architecture flags
+    (op_builder/builder.py compute_capability_args), which rewrites TORCH_CUDA_ARCH_LIST;
+    jit_load restores it afterwards, and so does this."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    try:
+        builder.compute_capability_args()
+    finally:
+        os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        if saved is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved
+
+
+def save_fault(fault, owner: str = "", request: StopRequest | None = None):
+    if fault is None or fault[0] not in ("save-exit", "stop-save"):
+        return None
+
+    def while_saving(rank: int, steps_done: int) -> None:
+        if (rank, steps_done) != (fault[1], fault[2]):
+            return
+        if fault[0] == "save-exit":
+            os._exit(9)
+        signal_the_job(owner, request)
+
+    return while_saving
+
+
+class StopDrill:
+    """The stop and stop-eval drills: one signal at the chosen moment."""
+
+    def __init__(self, fault, rank: int, owner: str, request: StopRequest):
+        self.armed = fault is not None and fault[0] in ("stop", "stop-eval") and fault[1] == rank
+        self.fault, self.owner, self.request, self.calls = fault, owner, request, 0
+
+    def before(self, step: int) -> None:
+        """Called when a step starts and before each of its validation batches."""
+        if not self.armed or step != self.fault[2]:
+            return
+        self.calls += 1
+        if self.fault[0] == "stop" and self.calls == 1:
+            self.armed = False
+            signal_the_job(self.owner, self.request)
+        elif self.fault[0] == "stop-eval" and self.calls == 2:
+            self.armed = False
+            os.kill(os.getppid(), signal.SIGUSR1)  # the supervisor passes it on to this rank
+
+
+def signal_the_job(owner: str, request: StopRequest | None = None, wait_s: float = 30.0) -> None:
+    """SIGTERM to the `dsforge run` that started this job when it runs on this host (the path
+    a scheduler's signal takes), else to this rank itself; then wait up to `wait_s` until the
+    request reaches this rank, so the drill stops the job where it is meant to."""
+    pid = int(owner.rsplit(":", 2)[1]) if owner and owner_alive(owner) else os.getpid()
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while request is not None and request.signum is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the handler runs in this (the main) thread between sleeps
 
 
 class NumericDrill:
     def __init__(self, fault: tuple[str, int, int] | None, rank: int):
-        self.kind, self.step = (fault[0], fault[2]) if fault and fault[0] in KINDS \
+        self.kind, self.step = (fault[0], fault[2]) if fault and fault[0] in NUMERIC_KINDS \
             and fault[1] == rank else (None, -1)
         self.factor: float | None = None
         self._armed_for = -1

@@ -101,7 +101,7 @@ def run_manifest(resolved, *, device: torch.device, optimizer, kernels, experts,
     """RUN_DIR/manifest.json of a run: the environment, the layout, what the engine was built
     with (`kernels`, `experts`: translate's choices as this rank made them) and, on resume,
     the checkpoint continued and the recipe's changes."""
-    from dsforge.translate.compiled import compiled_with
+    from dsforge.translate.compile import compiled_with
 
     model = resolved.recipe.model
     used = implementations(optimizer, kernels=kernels.impl, kernels_why=kernels.why,
