@@ -275,7 +275,7 @@ def resolve_cell(study: Study, recipe_path: Path, cell: Cell, tiny: bool = False
 
 
 def launch_cell(study: Study, resolved: Resolved, run_dir: RunDir, device: str) -> int:
-    """The cell's job; it ends itself if this bench dies (owner watch, job/owner.py), and
+    """The cell's job; it ends if this bench dies (launch/keeper.py, job/owner.py), and
     its local processes carry the run directory (job word and DSFORGE_JOB_DIR) so the next
     owner of the cell can tell whether it still runs (dsforge/lock.py)."""
     run_dir = run_dir.absolute()

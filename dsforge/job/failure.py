@@ -29,9 +29,10 @@ from dsforge.job.steps import step_text
 from dsforge.units import format_bytes
 
 KINDS = ("exception", "build", "oom", "collective", "device", "hang", "killed", "stopped",
-         "nonfinite")
-# Ended from outside: the likely cause of what their peers then recorded.
-FROM_OUTSIDE = ("killed", "stopped")
+         "exited", "nonfinite")
+# Ended without a word of their own (from outside, or an exit its supervisor saw): the likely
+# cause of what their peers then recorded.
+FROM_OUTSIDE = ("killed", "stopped", "exited")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +65,7 @@ class Failure:
             return f"rank {self.rank} ran out of memory {when}: {measured_text(self.memory)}"
         if self.kind == "nonfinite":
             return f"the training stopped {when}: {self.message}"
-        what = {"hang": "stuck", "oom": "out of memory", "killed": "died",
+        what = {"hang": "stuck", "oom": "out of memory", "killed": "died", "exited": "exited",
                 "stopped": "was stopped", "collective": "lost its peers",
                 "device": "had a device error"}.get(self.kind, "failed")
         return f"rank {self.rank} {what} {when}: {self.message}"

@@ -7,8 +7,7 @@ halted together with its peers). A rank that started, did not finish and recorde
 went silent: killed or stopped from outside without a word, or gone with its host or its
 supervisor (which records its rank's death, runtime/guard/supervise.py). Both readers take the
 records and the silent ranks from here; the likely cause is the first record (job/failure.py
-`read_all`'s order), else the first silent rank, which also comes before a peer that only lost
-it.
+`read_all`'s order), else the first silent rank.
 """
 
 from __future__ import annotations
@@ -33,10 +32,9 @@ class Findings:
 
     @property
     def first(self) -> Failure | None:
-        """The likely cause: the first record, unless it only says that its rank lost its peers
-        (kind "collective") while a rank went silent: that one was lost, and is the cause, as a
-        record of its own; else the first silent rank; None when no rank failed or went silent."""
-        if self.records and not (self.silent and self.records[0].kind == "collective"):
+        """The likely cause: the first record, else the first silent rank as a record of its
+        own; None when no rank failed or went silent."""
+        if self.records:
             return self.records[0]
         if not self.silent:
             return None

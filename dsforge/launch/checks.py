@@ -251,8 +251,9 @@ def check_fit(command: list[str], resolved: Resolved, device: str, tiny: bool) -
     refusals = errors(problems)
     if refusals and all(p.rule in BUILD_RULES for p in refusals):  # it fits; only builds fail
         _refuse_builds(command, machine.name, problems)
-    refuse(f"{command[2]} does not fit {machine.describe()}", problems,
-           ways_forward(command, resolved, tiny))
+    if refusals:  # the advice costs a memory estimate: made for a refusal only
+        raise Refused(f"{command[2]} does not fit {machine.describe()}", problems,
+                      ways_forward(command, resolved, tiny))
     return problems
 
 

@@ -56,7 +56,7 @@ def failure_report(run_dir: RunDir, code: int) -> str:
     if silent and records:
         lines += _silent_lines(silent, run_dir, launcher_exit_codes(log_text))
     if records:
-        lines += _record_lines(found.first, records, run_dir)
+        lines += _record_lines(records, run_dir)
     elif silent:
         lines += _silent_lines(silent, run_dir, launcher_exit_codes(log_text))
     lines.append(f"  every rank's output and the engines' logs: {log}")
@@ -75,18 +75,16 @@ def _silent_lines(silent: dict[int, str], run_dir: RunDir, codes: list[int]) -> 
     return lines
 
 
-def _record_lines(first: failure.Failure, records: list[failure.Failure],
-                  run_dir: RunDir) -> list[str]:
-    """The likely cause (who_failed's `first`) and its traceback's end; when that is a rank lost
-    without a word, the first record of the peers that lost it after it."""
+def _record_lines(records: list[failure.Failure], run_dir: RunDir) -> list[str]:
+    """The likely cause (the first record) and its traceback's end, but for the line that
+    repeats its headline's message."""
+    first = records[0]
     if first.explained:
         lines = [f"  first failure: {explain(first, run_dir)}; traceback in {run_dir.job_log}"]
     else:
         lines = [f"  first failure: {first.headline()}"]
         tail = first.detail.rstrip().splitlines()[-12:]
         lines += ["    " + line for line in tail if line.strip() != first.message.strip()]
-    if first not in records:
-        lines.append(f"  then: {records[0].headline()}")
     hung = [r for r in records if r.kind == "hang"]
     if len(hung) > 1:  # usually one rank is elsewhere and the rest wait for it in a collective
         lines.append("  where each stuck rank was:")

@@ -29,15 +29,16 @@ def keeper_command(command: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the runner's to act on; wait for it
+        signal.signal(sig, lambda *_: None)
     parent, command = int(argv[0]), argv[1:]
     signal.signal(OWNER_GONE, lambda *_: _end_job())
     if not die_with_parent(OWNER_GONE, parent):
         _end_job()  # dsforge died while this process started
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the runner's to act on; wait for it
-        signal.signal(sig, lambda *_: None)
     code = subprocess.Popen(command).wait()
     if code < 0:  # killed by signal -code: end the same way, as the runner would have
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:  # SIGKILL's action cannot be set and is the default
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code if code >= 0 else 128 - code)
 

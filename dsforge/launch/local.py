@@ -87,6 +87,9 @@ def run_job(command: list[str], *, timeout_s: float | None = None, env: dict | N
             signals.stopping(at_once=lambda: _kill_group(proc.pid))
             return _stop(proc, ended, asked=asked, srun=bool(srun_ranks))
         finally:
+            # Disarmed: a signal from here on ends what is left at once instead of raising
+            # out of the clean-up.
+            signals.stopping(at_once=lambda: _kill_group(proc.pid))
             _kill_group(proc.pid)  # nothing of the job outlives dsforge
             if reader is not None:
                 reader.join(timeout=READER_JOIN_S)
@@ -228,6 +231,10 @@ class StopSignals:
         self.armed = True
         if self.asked.signum is not None:
             _raise_for(self.asked.signum)
+
+    def disarm(self) -> None:
+        """From now on a signal is only noted (where the code must not be interrupted)."""
+        self.armed, self.at_once = False, None
 
     def stopping(self, at_once: Callable[[], object]) -> None:
         """The job is being stopped: a signal now calls `at_once` instead of raising."""

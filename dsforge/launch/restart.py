@@ -60,6 +60,8 @@ NOT_RETRIED = {
     "build": "a failed build repeats until its cause is fixed",
     "oom": "an out-of-memory repeats at the same sizes; the report above lists what fits",
     "nonfinite": "the training itself went bad; the same checkpoint and data would repeat it",
+    "exited": "something inside a rank ended it with an error code, which repeats like an "
+              "exception",
 }
 # How long the failed attempt's processes on this machine get to be gone before a restart.
 GONE_WITHIN_S = 30.0
@@ -226,13 +228,13 @@ def _next_attempt(job: JobSpec, code: int, restarts: list[dict], max_restarts: i
     verdict = _verdict(code, job.directory, restarts, max_restarts, asked)
     if not verdict.retry:
         say(f"dsforge: not restarted: {verdict.why}")
-        _end(code, verdict, restarts, job.directory,
+        _end(_code_after_a_stop(code, job.directory, asked), verdict, restarts, job.directory,
              summarised=code in (EXIT_RESUMABLE, EXIT_NONFINITE))
     try:
         with StopSignals(asked) as signals:
             signals.arm()
             following, go, line = _restart(job, verdict.cause, restarts, max_restarts, prepare,
-                                           say)
+                                           say, signals)
     except _Over as over:
         _end(code, dataclasses.replace(verdict, why=over.why), restarts, job.directory)
     except Stopped as stop:
@@ -252,6 +254,15 @@ def _next_attempt(job: JobSpec, code: int, restarts: list[dict], max_restarts: i
     return following, go
 
 
+def _code_after_a_stop(code: int, run_dir: RunDir, asked: StopAsked) -> int:
+    """A failed attempt's code; but a stop asked for after it failed (while its report was
+    said) ends the job as any stop between attempts does: resumable (75) with a checkpoint."""
+    failed = code not in (EXIT_RESUMABLE, EXIT_NONFINITE, EXIT_TIMEOUT, *STOPPED_CODES)
+    if asked.signum is not None and failed and _has_checkpoint(run_dir):
+        return EXIT_RESUMABLE
+    return code
+
+
 def _verdict(code: int, run_dir: RunDir, restarts: list[dict], max_restarts: int,
              asked: StopAsked) -> Verdict:
     """`decide`, with the budget of restarts counted."""
@@ -263,13 +274,14 @@ def _verdict(code: int, run_dir: RunDir, restarts: list[dict], max_restarts: int
 
 
 def _restart(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts: int,
-             prepare: Callable[[JobSpec], Start], say: Say) -> tuple[JobSpec, Start, str]:
+             prepare: Callable[[JobSpec], Start], say: Say,
+             signals: StopSignals) -> tuple[JobSpec, Start, str]:
     """`_restarted`'s, or _Over with the reason said."""
     from dsforge.ckpt.trust import CheckpointError
 
     try:
         _wait_gone(job.directory)
-        return _restarted(job, cause, restarts, max_restarts, prepare)
+        return _restarted(job, cause, restarts, max_restarts, prepare, signals)
     except (Refused, BadOptions, CheckpointError, NotRestarted) as exc:
         why = _refusal_text(exc)
         say(f"dsforge: not restarted: {why}")
@@ -298,16 +310,19 @@ def _has_checkpoint(run_dir: RunDir) -> bool:
 
 
 def _restarted(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts: int,
-               prepare: Callable[[JobSpec], Start]) -> tuple[JobSpec, Start, str]:
+               prepare: Callable[[JobSpec], Start],
+               signals: StopSignals) -> tuple[JobSpec, Start, str]:
     """The next attempt of `job` (its job word carries the restart's record last), its start
     once `prepare` found that it fits, and the line that says it; the failed attempt's records
-    set aside."""
+    set aside whole: a signal from then on is noted, not raised, and stops the next attempt as
+    soon as its launcher runs."""
     attempt = len(restarts) + 1
     after = newest_complete_step(job.directory)
     record = restart_record(attempt, cause, after, job.directory.next_attempt())
     following = dataclasses.replace(job, resume=after is not None, restarts=[*restarts, record],
                                     launched_at=time.time())
     go = prepare(following)
+    signals.disarm()
     kept = set_aside(job.directory, everything=after is None)
     where = "from the start" if after is None else f"from the checkpoint after step {after}"
     return following, go, (f"dsforge: restarting ({attempt} of {max_restarts}) {where}; the "

@@ -13,9 +13,8 @@ import click
 
 from dsforge.job.run_dir import runs_root
 from dsforge.launch import slurm
-from dsforge.launch.refusal import BadOptions, Refused, resolve_or_refuse
+from dsforge.launch.refusal import BadOptions, Refused, Say, resolve_or_refuse
 from dsforge.launch.run_options import MAX_RESTARTS
-from dsforge.launch.refusal import Say
 
 
 def write_batch_script(recipe: str, *, nodes: int | None, gpus_per_node: int | None,

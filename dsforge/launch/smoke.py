@@ -8,6 +8,7 @@ floating-point reductions. A larger difference means the layout computes somethi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dsforge.job.run_dir import RunDir
@@ -36,8 +37,9 @@ class LossCheck:
                 f"tolerance {self.tolerance:.0e})")
 
 
-def losses(run_dir: RunDir) -> dict[tuple[str, int], float]:
-    """Training losses by ("loss", step) and validation losses by ("val_loss", step)."""
+def losses(run_dir: RunDir) -> dict[tuple[str, int], float | None]:
+    """Training losses by ("loss", step) and validation losses by ("val_loss", step); None for
+    one that was not finite (metrics.jsonl writes null)."""
     path = run_dir.metrics
     if not path.exists():
         return {}
@@ -49,5 +51,12 @@ def losses(run_dir: RunDir) -> dict[tuple[str, int], float]:
 def compare_losses(run_dir: RunDir, reference_dir: RunDir, precision: str) -> LossCheck:
     run, reference = losses(run_dir), losses(reference_dir)
     common = set(run) & set(reference)
-    worst = max((abs(run[key] - reference[key]) for key in common), default=float("inf"))
+    worst = max((_difference(run[key], reference[key]) for key in common), default=math.inf)
     return LossCheck(steps=sum(kind == "loss" for kind, _ in common), max_difference=worst, tolerance=LOSS_TOLERANCE[precision])
+
+
+def _difference(got: float | None, expected: float | None) -> float:
+    """How far apart two losses are; a loss that was not finite (None) equals only another."""
+    if got is None or expected is None:
+        return 0.0 if got is None and expected is None else math.inf
+    return abs(got - expected)

@@ -27,8 +27,8 @@ from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec, check_names
 from dsforge.recipe import resolve_file
 from dsforge.runtime.assemble.build_locks import clear_stale_locks
-from dsforge.runtime.guard.drills import NumericDrill
-from dsforge.runtime.guard.drills import FAULT_ENV, StopDrill, inject_fault, parse_fault, save_fault
+from dsforge.runtime.guard.drills import (FAULT_ENV, NumericDrill, StopDrill, inject_fault,
+                                          parse_fault, save_fault)
 from dsforge.runtime.guard.preempt import Stopped, StopRequest
 from dsforge.runtime.guard.record import record_for
 from dsforge.runtime.guard.supervise import run_supervised

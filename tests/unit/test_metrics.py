@@ -86,3 +86,15 @@ def test_a_resumed_run_reads_a_null_loss_back_as_nan(tmp_path):
     again = MetricsWriter(path)
     again.keep_steps_before(3)
     assert [r.loss for r in again.records][::2] == [2.0, 1.5] and math.isnan(again.records[1].loss)
+
+
+def test_a_resumed_run_reads_a_null_validation_loss_back_as_nan(tmp_path):
+    import math
+
+    from dsforge.runtime.loop.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    MetricsWriter(path).write_eval(1, math.inf)
+    again = MetricsWriter(path)
+    again.keep_steps_before(3)
+    assert math.isnan(again.last_eval()[1])

@@ -49,10 +49,12 @@ def test_supervisor_ends_like_its_rank(tmp_path, how, code, recorded):
     assert bool(records) == recorded
     if how == "recorded":  # its own record, not a second one
         assert [(r.rank, r.kind) for r in records] == [(7, "exception")]
+    elif how == "exit3":  # its own kind: a restart does not retry it
+        assert (records[0].rank, records[0].kind) == (7, "exited")
+        assert "with code 3 without a failure record" in records[0].message
     elif recorded:
         assert records[0].rank == 7 and records[0].kind == "killed"
-        assert (f"killed by {how}" if how.startswith("SIG") else
-                "exited with code 3 without a failure record") in records[0].message
+        assert f"killed by {how}" in records[0].message
 
 
 # Issue 25 item 3: a rank stopped from outside (SIGSTOP) in a pp2 x vpp2 x dp2 job. It says

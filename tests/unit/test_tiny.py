@@ -110,3 +110,13 @@ def test_loss_comparison(tmp_path):
     bad = compare_losses(run, other, "fp32")
     assert not bad.ok and "DOES NOT match" in bad.describe()
     assert not compare_losses(run, RunDir(tmp_path / "missing"), "bf16").ok
+
+
+def test_a_loss_that_was_not_finite_equals_only_another(tmp_path):
+    """metrics.jsonl writes null for a skipped step's NaN loss (train.on_nonfinite: skip): the
+    same skipped step on both sides matches, one side's alone does not."""
+    run = _metrics(tmp_path / "run", [5.5, None, 5.3])
+    same = _metrics(tmp_path / "same", [5.5, None, 5.3])
+    finite = _metrics(tmp_path / "finite", [5.5, 5.4, 5.3])
+    assert compare_losses(run, same, "fp32").ok
+    assert not compare_losses(run, finite, "fp32").ok

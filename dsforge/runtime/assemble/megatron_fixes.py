@@ -23,10 +23,10 @@ what is wrong on a GPU as well, so the fix cannot depend on the device the tests
   sequence. Megatron marks the copies' weights `tensor_model_parallel` (every parallel linear
   is marked, even at size 1) and, at ep 1, not as experts (`allreduce=False` is set at ep > 1
   only), so they read as dense weights sharded over the dense tp group: dsforge's
-  layout-invariant init (init.py, ckpt/names.py) gave each copy a different half of a weight
-  twice the expert's size (measured, tp 2 etp 1: the step-0 loss 1.35e-3 off the single
-  process's), and their gradients are reduced over dp x cp only, with no sum over tp (nor in
-  Megatron's own finalize_model_grads), so each copy would learn from its slice alone. The
+  layout-invariant init (init.py, ckpt/names.py) would give each copy a different half of a
+  weight twice the expert's size (tp 2 etp 1: a step-0 loss 1.35e-3 off the single process's),
+  and their gradients are reduced over dp x cp only, with no sum over tp (nor in Megatron's
+  own finalize_model_grads), so each copy would learn from its slice alone. The
   copies are marked as what they are, replicated like the router: not tensor-parallel (drawn
   whole, counted once in the gradient norm, checkpointed by tp rank 0) and `sequence_parallel`
   (their gradients summed over the tp group, grads.py). At ep > 1 the experts are DeepSpeed's

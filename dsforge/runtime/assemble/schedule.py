@@ -3,7 +3,7 @@ floor (`train.lr_decay: linear`).
 
 DeepSpeed's WarmupDecayLR decays toward the rate its warmup starts from: 0 after a warmup
 (min_lr_ratio ignored), and the peak itself without one (dsforge starts a warmup-free schedule
-at the peak), so it never decayed there. This one follows Megatron-LM's linear decay: from the
+at the peak), where it does not decay at all. This one follows Megatron-LM's linear decay: from the
 peak at step `warmup_steps` to `end_lr` at step `total_num_steps`, the floor after it. Cosine
 and constant stay DeepSpeed's own (translate/deepspeed_config.py names them in the config).
 

@@ -37,7 +37,7 @@ from dsforge.job.owner import owner_alive
 from dsforge.job.steps import step_text
 from dsforge.runtime.guard.preempt import StopRequest
 
-if TYPE_CHECKING:  # runtime/rank.py imports this module before torch (the owner watch first)
+if TYPE_CHECKING:  # runtime/rank.py imports this module before torch (its stop request first)
     import torch
 
 NUMERIC_KINDS = ("nan", "nan-from", "spike", "nan-weights")

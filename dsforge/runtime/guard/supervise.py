@@ -4,11 +4,11 @@ Only a process's parent learns how it ended. DeepSpeed's launcher is the rank's 
 logs one exit code for the whole node, so a rank killed from outside (SIGKILL, the kernel's
 out-of-memory killer, a segfault in a kernel) would die without a word while its peers report
 "connection reset". The supervisor forks before torch is imported (cheap: no threads, no
-engines), waits for the rank, records how it ended when it ended by a signal, or with an error code,
-without writing its own failure record (job/failure.py, kind "killed"; kind "stopped" when it was stopped
-from outside and never continued, stamped with the moment it stopped: its peers then waited
-for it until their watchdogs gave up), and ends the same way so the launcher sees the same
-exit status. Signals sent to it (SIGINT, SIGHUP; SIGTERM and SIGUSR1,
+engines), waits for the rank, and records how it ended when the rank wrote no failure record
+of its own (job/failure.py): kind "killed" for a signal, "exited" for an error code, "stopped"
+when it was stopped from outside and never continued, stamped with the moment it stopped (its
+peers then waited for it until their watchdogs gave up). It ends the same way, so the launcher
+sees the same exit status. Signals sent to it (SIGINT, SIGHUP; SIGTERM and SIGUSR1,
 which ask the rank to save a checkpoint and stop, runtime/guard/preempt.py; SIGUSR2 for stacks) are
 passed on, so whoever signals the process it started reaches the rank; the rank dies with its
 supervisor (PR_SET_PDEATHSIG). Under srun they are not passed on: Slurm signals every process
@@ -117,18 +117,18 @@ class _Child:
 def _record_kill(run_dir: RunDir, rank: int, signum: int) -> None:
     name = signal.Signals(signum).name
     hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if signum == signal.SIGKILL else ""
-    _record_from_outside(run_dir, rank, f"killed by {name}{hint}")
+    _record_ending(run_dir, rank, "killed", f"killed by {name}{hint}")
 
 
-def _record_from_outside(run_dir: RunDir, rank: int, message: str) -> None:
-    """A "killed" record of how the rank ended, unless it wrote its own before (then that one
-    is right)."""
+def _record_ending(run_dir: RunDir, rank: int, kind: str, message: str) -> None:
+    """A record of how the rank ended, unless it wrote its own before (then that one is
+    right)."""
     if any(f.rank == rank for f in failure.read_all(run_dir)):
         return
     from dsforge.job.heartbeat import read_all
 
     beat = read_all(run_dir).get(rank)
-    failure.write(run_dir, failure.Failure(rank=rank, step=beat[0] if beat else -1, kind="killed",
+    failure.write(run_dir, failure.Failure(rank=rank, step=beat[0] if beat else -1, kind=kind,
                                            message=message))
 
 
@@ -136,8 +136,8 @@ def _record_exit(run_dir: RunDir, rank: int, code: int) -> None:
     """A rank that exited with an error code but wrote no record (something in it called
     exit: a library's exit(), an os._exit, a SystemExit that got past dsforge's handler): its
     peers then lose it in their next collective and would be taken for the cause."""
-    _record_from_outside(run_dir, rank, f"exited with code {code} without a failure record of "
-                                        "its own (something inside the rank ended the process)")
+    _record_ending(run_dir, rank, "exited", f"with code {code} without a failure record of its "
+                                            "own (something inside the rank ended the process)")
 
 
 def _record_stop(run_dir: RunDir, rank: int, stop: tuple[int, float], *, ended_by: int) -> None:

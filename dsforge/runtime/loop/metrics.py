@@ -20,7 +20,8 @@ import torch
 
 from dsforge.estimate.flops import mfu
 from dsforge.files import write_atomic
-from dsforge.job.metrics_file import PHASES, is_validation, json_text, median_breakdown
+from dsforge.job.metrics_file import (PHASES, VALIDATION_KEY, is_validation, json_text,
+                                      median_breakdown)
 from dsforge.runtime.guard.oom import peak_memory
 
 
@@ -89,10 +90,10 @@ class EvalRecord:
 
 def _parse(line: str) -> StepRecord | EvalRecord:
     data = json.loads(line)
-    if is_validation(data):
-        return EvalRecord(**data)
     # A loss that was not finite is written as null (json_text); in memory it is NaN again.
-    return StepRecord(**{**data, "loss": math.nan if data["loss"] is None else data["loss"]})
+    key = VALIDATION_KEY if is_validation(data) else "loss"
+    data = {**data, key: math.nan if data[key] is None else data[key]}
+    return EvalRecord(**data) if is_validation(data) else StepRecord(**data)
 
 
 class MetricsWriter:
