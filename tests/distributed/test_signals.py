@@ -204,10 +204,11 @@ def test_sigterm_after_the_restarting_line_ends_the_job_resumable(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "dsforge", "run", TINY, "--set",
                              "train.steps=40", "--set", "train.checkpoint_every=2",
-                             "--run-dir", str(run_dir), "--max-restarts", "2"],
+                             "--run-dir", str(run_dir), "--max-restarts", "2",
+                             "--step-timeout", "5"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True,
-                            env={**os.environ, "DSFORGE_INJECT_FAULT": "exit:1:3"})
+                            start_new_session=True,  # a hang is retried; its watchdog names the step
+                            env={**os.environ, "DSFORGE_INJECT_FAULT": "hang:1:3"})
     try:
         said = _until_line(proc, "dsforge: restarting (1 of 2)")
         proc.send_signal(signal.SIGTERM)
