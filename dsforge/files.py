@@ -24,3 +24,13 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a file another library wrote (torch.save, safetensors) to disk: a completion
+    marker written after it must never name data still in the page cache."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -61,12 +61,11 @@ def test_stopped_four_times_and_resumed_equals_one_run(tmp_path):
     assert _losses(stopped) == _losses(straight)  # bitwise, all ten steps
     assert [step for step, _ in _val_losses(stopped)] == [3, 7, 9]
     assert _val_losses(stopped) == _val_losses(straight)
-    # keep_last: the newest two complete checkpoints (the last step's is saved too);
-    # DeepSpeed's scripts stay
+    # keep_last: the newest two complete checkpoints (the last step's is saved too)
     for run_dir, kept in ((stopped, ["step00000009", "step00000010"]),
                           (straight, ["step00000009", "step00000010"])):
         names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-        assert names == ["latest", *kept, "zero_to_fp32.py", "zero_to_torch.py"], names
+        assert names == ["latest", *kept], names
 
 
 def test_sigterm_to_dsforge_during_a_save_exits_resumable(tmp_path):

@@ -286,17 +286,17 @@ def test_load_checks_before_unpickling(tmp_path):
 
 
 def test_save_records_every_file_and_its_size(tmp_path, monkeypatch):
-    """The marker lists what every rank wrote (listed by rank 0 after the barrier)."""
+    """The marker lists what every rank wrote (listed by rank 0 after the barrier): the
+    layout-free state and the RNG files, nothing of DeepSpeed's (the state is written once).
+    A directory an earlier save of the same step left incomplete is emptied first: its files
+    would be listed, and read on resume."""
     monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
 
     class Engine:
         module = torch.nn.Linear(2, 2)
 
-        def save_checkpoint(self, root, tag, client_state, save_latest):
-            (Path(root) / tag).mkdir(parents=True)
-            for name, size in FILES.items():
-                if "rng" not in name:
-                    (Path(root) / tag / name).write_bytes(b"x" * size)
+        def save_checkpoint(self, *args, **kwargs):
+            raise AssertionError("DeepSpeed's engine files are not written")
 
     def write_state(engine, chunks, directory, **_):
         (directory / "dsforge_state").mkdir()
@@ -306,9 +306,11 @@ def test_save_records_every_file_and_its_size(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "write_state", write_state)
     monkeypatch.setattr(checkpoint, "padded_vocab_of", lambda chunks: 128)
     root = tmp_path / "checkpoints"
+    stale = root / "step00000003" / "dsforge_state" / "rank00001.safetensors"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"from a save that died")
     checkpoint.save(Engine(), root, step=3, recipe=RECIPE, world_size=1, rank=0)
     record = latest_complete(root)
-    assert set(record["files"]) == {n for n in FILES if "rng" not in n} | {
-        "dsforge_rng_rank00000.pt", "dsforge_state/rank00000.safetensors"}
-    assert record["files"]["zero_pp_rank_1_mp_rank_00_optim_states.pt"] == 300
+    assert set(record["files"]) == {"dsforge_rng_rank00000.pt", "dsforge_state/rank00000.safetensors"}
+    assert record["files"]["dsforge_state/rank00000.safetensors"] == 7 and not stale.exists()
     check_complete(root, record)

@@ -166,3 +166,27 @@ def test_a_resumed_adam_state_is_the_one_torch_would_have_made(fused):
     made = optimizer.state[weight]["step"]
     ours = new_adam_state(weight.detach(), optimizer, 7)["step"]
     assert (ours.dtype, ours.device, float(ours)) == (made.dtype, made.device, 7.0)
+
+
+def test_the_fp16_loss_scalers_state_comes_back_whole():
+    """fp16's dynamic loss scaler (DeepSpeed refuses fp16 on a CPU, so no run proves it here):
+    its scale and counters go into state.json and back onto the resumed engine's scaler."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from dsforge.runtime.checkpoint.layout_free import _restore_engine, _scalars
+
+    trained = DynamicLossScaler(init_scale=2.0 ** 16, scale_window=100, min_scale=1, delayed_shift=2,
+                                consecutive_hysteresis=False)
+    trained.cur_scale, trained.cur_iter, trained.last_overflow_iter = 512.0, 37, 30
+    trained.cur_hysteresis = 1
+    saved = {"param_group": {}, "lr_scheduler": None, "global_steps": 37, "global_samples": 296,
+             "skipped_steps": 3, "loss_scaler": _scalars(trained)}
+    fresh = DynamicLossScaler(init_scale=2.0 ** 16, scale_window=100, min_scale=1, delayed_shift=2,
+                                consecutive_hysteresis=False)
+    engine = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[], loss_scaler=fresh),
+                             lr_scheduler=None)
+    _restore_engine(engine, saved)
+    assert _scalars(fresh) == _scalars(trained) and fresh.cur_scale == 512.0
+    assert (engine.global_steps, engine.skipped_steps) == (37, 3)

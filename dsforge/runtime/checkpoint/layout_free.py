@@ -1,11 +1,12 @@
-"""A rank's side of the layout-free checkpoint state (format: dsforge/ckpt/format.py).
+"""A rank's side of the layout-free checkpoint state (format: dsforge/ckpt/format.py), the
+checkpoint's only copy of the weights and the optimizer.
 
 `write_state` runs on every rank during a save and needs no collective: each rank writes the
 pieces of optimizer state it owns (its ZeRO partition of its tensor-parallel shards) under the
-parameters' global names. `load_state` runs on every rank of a job whose layout differs from
-the checkpoint's: for each of its parameters it reads the full tensor (one at a time), cuts
-this rank's shard out of it and puts it where the ZeRO stage keeps it, then restores the
-step counters, the learning-rate schedule and the loss scaler.
+parameters' global names. `load_state` runs on every rank of a resumed job, on the
+checkpoint's layout or another: for each of its parameters it reads the full tensor (one at a
+time), cuts this rank's shard out of it and puts it where the ZeRO stage keeps it, then
+restores the step counters, the learning-rate schedule and the loss scaler.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dsforge.ckpt.format import (FORMAT_VERSION, STATE_DIR, STATE_FILE, STATES, 
                                  rank_file)
 from dsforge.ckpt.names import ParamSpec, param_specs, shard
 from dsforge.ckpt.reader import StateError, StateReader
-from dsforge.files import write_atomic
+from dsforge.files import fsync_directory, fsync_file, write_atomic
 from dsforge.runtime.assemble.vocab import VOCAB_TENSORS, pad_rows
 from dsforge.runtime.checkpoint.zero_state import optimizer_view
 
@@ -41,7 +42,10 @@ def write_state(engine, chunks, checkpoint_dir: Path, *, rank: int, world_size: 
                 piece = _piece(spec, param, state, start, tensor.numel())
                 tensors[piece.key] = tensor.detach().float().contiguous().cpu()
                 pieces.append(piece.to_json())
-    save_file(tensors, str(directory / rank_file(rank)), metadata={"pieces": json.dumps(pieces)})
+    path = directory / rank_file(rank)
+    save_file(tensors, str(path), metadata={"pieces": json.dumps(pieces)})
+    fsync_file(path)  # on disk before the ranks agree the save is written
+    fsync_directory(directory)
     if rank == 0:
         write_atomic(directory / STATE_FILE, json.dumps(_engine_state(
             engine, view, step=step, world_size=world_size,

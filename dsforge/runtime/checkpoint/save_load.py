@@ -1,18 +1,21 @@
 """Checkpoints that are complete or invisible, and resume that is exact.
 
 Layout under RUN_DIR/checkpoints/:
-  stepNNNNNNNN/                DeepSpeed's engine checkpoint (model, ZeRO-partitioned
-                               optimizer, scheduler), one directory per saved step, plus
-                               dsforge_rng_rankNNNNN.pt (each rank's RNG states),
-                               dsforge_experts_rankNNNNN.pt (expert weights, with expert
-                               parallelism), dsforge_state/ (the layout-free state that a
-                               resume on another layout reads: dsforge/ckpt, layout_free.py)
-                               and, written last, dsforge_complete.json (step, resolved
-                               recipe, world size, every file and its size)
+  stepNNNNNNNN/                one directory per saved step: dsforge_state/ (the layout-free
+                               state, the only copy of the weights and the optimizer:
+                               dsforge/ckpt, layout_free.py), dsforge_rng_rankNNNNN.pt (each
+                               rank's RNG states) and, written last, dsforge_complete.json
+                               (step, resolved recipe, world size, every file and its size)
   latest                       the tag of the newest complete checkpoint
-`latest` moves (atomic rename) only after every rank has finished writing and rank 0 has
-written the completion marker, so a crash during a save leaves the previous checkpoint as
-latest. Data needs no state: step t always reads the same samples (runtime/loop/data.py).
+Every rank's files are on disk (fsync) before the ranks agree they are written; then rank 0
+writes the completion marker and moves `latest` (atomic renames), so a crash during a save
+leaves the previous checkpoint as latest. Data needs no state: step t always reads the same
+samples (runtime/loop/data.py).
+
+Every resume reads the layout-free state, on the layout that wrote it (bitwise: the fp32
+masters and Adam's moments are the optimizer's own, the training-precision weights a cast of
+them, as after any step) or on another. A checkpoint written before that state existed also
+holds DeepSpeed's engine files, which resume it on its own layout (`_load_engine_files`).
 
 Before anything is loaded, the trust checks of ckpt/trust.py run again on every rank.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -28,11 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsforge.ckpt.format import COMPLETE, LATEST, experts_file, rng_file
+from dsforge.ckpt.format import COMPLETE, LATEST, STATE_DIR, experts_file, rng_file
 from dsforge.ckpt.reader import StateError, open_state
 from dsforge.ckpt.trust import (CheckpointError, check_complete, check_safe_to_load, layout_changes,
                                 listing, read_marker, schedule_change, tag_for)
-from dsforge.files import write_atomic
+from dsforge.files import fsync_directory, fsync_file, write_atomic
 from dsforge.runtime.checkpoint.layout_free import load_state, write_state
 
 
@@ -40,44 +44,79 @@ def save(engine, root: Path, *, step: int, recipe: dict[str, Any], world_size: i
          fault=None) -> None:
     """Write the checkpoint of the state after `step` steps on every rank; rank 0 publishes it."""
     tag = tag_for(step)
-    engine.save_checkpoint(str(root), tag=tag, client_state={"dsforge_step": step},
-                           save_latest=False)
-    torch.save(_rng_state(), root / tag / rng_file(rank))
-    write_state(engine, engine.module.chunks, root / tag, rank=rank, world_size=world_size,
+    directory = root / tag
+    _fresh_directory(directory, rank)
+    rng = directory / rng_file(rank)
+    torch.save(_rng_state(), rng)
+    fsync_file(rng)
+    write_state(engine, engine.module.chunks, directory, rank=rank, world_size=world_size,
                 step=step, padded_vocab_size=padded_vocab_of(engine.module.chunks))
-    experts = _expert_weights(engine.module)
-    if experts:
-        torch.save(experts, root / tag / experts_file(rank))
     if fault is not None:
         fault(rank, step)  # a drill: die with the files written but not published
-    torch.distributed.barrier()  # every rank has finished writing
+    torch.distributed.barrier()  # every rank's files are on disk
     if rank == 0:
-        write_atomic(root / tag / COMPLETE, json.dumps(
+        fsync_directory(directory)
+        write_atomic(directory / COMPLETE, json.dumps(
             {"step": step, "tag": tag, "world_size": world_size, "recipe": recipe,
-             "files": listing(root / tag)}, indent=2))
+             "files": listing(directory)}, indent=2))
         write_atomic(root / LATEST, tag)
+    torch.distributed.barrier()
+
+
+def _fresh_directory(directory: Path, rank: int) -> None:
+    """The checkpoint's directory, empty: an earlier save of the same step that never
+    completed (its job died, and a resume came back to that step, maybe on another layout)
+    would leave files no rank of this save overwrites, and the marker would list them."""
+    if rank == 0:
+        if directory.exists() and not (directory / COMPLETE).exists():
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
 
 
 def load(engine, root: Path, tag: str, rank: int, *, recipe: dict[str, Any] | None = None,
          world_size: int | None = None, say=None) -> int:
     """Restore engine and RNG state; returns the number of steps already done. When `recipe`
-    and `world_size` split the job differently from the checkpoint's, the layout-free state
-    is read onto this layout (runtime/checkpoint/layout_free.py) and `say` (rank 0's console, or None)
-    is told how."""
+    and `world_size` split the job differently from the checkpoint's, `say` (rank 0's
+    console, or None) is told how."""
     record = read_marker(root, tag)
     check_safe_to_load(root, tag)
     check_complete(root, record)
     changes = [] if recipe is None else layout_changes(record["recipe"], recipe,
                                                        record["world_size"], world_size)
+    if not (root / tag / STATE_DIR).is_dir():  # older than the layout-free state: same layout
+        return _load_engine_files(engine, root, tag, rank)
+    notes = _load_state(engine, root / tag)
     if changes:
-        return _load_on_new_layout(engine, root, tag, record, changes, say)
+        # RNG streams belong to ranks; on another layout rank r is another part of the model.
+        # No training step draws random numbers (no dropout; data is indexed by step), so the
+        # seeded streams of this job serve as well.
+        if say is not None:
+            say(f"dsforge: continuing {tag} on a new layout ({'; '.join(changes)})")
+            for note in notes:
+                say(f"dsforge: note: {note}")
+    else:
+        _set_rng_state(torch.load(root / tag / rng_file(rank), weights_only=True))
+    return int(record["step"])
+
+
+def _load_state(engine, directory: Path) -> list[str]:
+    try:
+        return load_state(engine, engine.module.chunks, open_state(directory))
+    except StateError as exc:
+        raise CheckpointError(f"cannot resume {directory}: {exc}") from exc
+
+
+def _load_engine_files(engine, root: Path, tag: str, rank: int) -> int:
+    """A checkpoint written before the layout-free state existed: DeepSpeed's engine files,
+    and the expert weights each rank wrote beside them (DeepSpeed writes weights from
+    data-parallel rank 0 only, and with expert parallelism those ranks hold different
+    experts)."""
     _, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                        load_lr_scheduler_states=True)
     if client is None or "dsforge_step" not in client:
         raise CheckpointError(f"{root / tag}: DeepSpeed found no dsforge state in the checkpoint")
-    rng = torch.load(root / tag / rng_file(rank), weights_only=True)
-    _set_rng_state(rng)
+    _set_rng_state(torch.load(root / tag / rng_file(rank), weights_only=True))
     _restore_expert_weights(engine.module, root / tag / experts_file(rank))
     return int(client["dsforge_step"])
 
@@ -99,39 +138,14 @@ def continue_schedule(engine, train, saved_train: dict[str, Any]) -> str | None:
             f"{engine.get_lr()[0]:.3e}, {before:.3e} under the checkpoint's schedule")
 
 
-def _load_on_new_layout(engine, root: Path, tag: str, record: dict[str, Any],
-                        changes: list[str], say) -> int:
-    try:
-        notes = load_state(engine, engine.module.chunks, open_state(root / tag))
-    except StateError as exc:
-        raise CheckpointError(f"cannot resume {root / tag} on a new layout: {exc}") from exc
-    # RNG streams belong to ranks; on another layout rank r is another part of the model. No
-    # training step draws random numbers (no dropout; data is indexed by step), so the
-    # seeded streams of this job serve as well.
-    if say is not None:
-        say(f"dsforge: continuing {tag} on a new layout ({'; '.join(changes)})")
-        for note in notes:
-            say(f"dsforge: note: {note}")
-    return int(record["step"])
-
-
 def padded_vocab_of(chunks) -> int:
     """The vocabulary the model was built with: dsforge passes Megatron the padded size."""
     return int(chunks[0].vocab_size)
 
 
-def _expert_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Expert weights of this rank. DeepSpeed writes model weights from data-parallel rank 0
-    only, but with expert parallelism the data-parallel ranks hold different experts (and
-    DeepSpeed's own expert files exist only for its own MoE layer class)."""
-    from dsforge.ckpt.names import is_expert
-
-    return {name: p.detach().cpu().clone() for name, p in module.named_parameters() if is_expert(p)}
-
-
 def _restore_expert_weights(module: torch.nn.Module, path: Path) -> None:
     """The optimizer's fp32 copies come back from each rank's own ZeRO file; the weights the
-    next forward uses must come from the rank's own expert file too."""
+    next forward uses must come from the rank's own expert file too (engine files only)."""
     if not path.exists():
         return
     saved = torch.load(path, weights_only=True)
