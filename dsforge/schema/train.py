@@ -56,6 +56,9 @@ class TrainConfig:
     seed: int = 1234
     timing_warmup: int = 1  # first steps left out of timing summaries (marked in metrics)
     checkpoint_every: int = 0  # save a checkpoint every N steps and after the last; 0 = never
+    # A periodic save stops training only for a snapshot in host memory and is written in the
+    # background (runtime/loop/checkpointer.py); the last one, and a stop's, in the foreground.
+    checkpoint_async: bool = True
     eval_every: int = 0  # validation loss every N steps and after the last; 0 = never
     eval_iters: int = 10  # global batches of held-out samples per evaluation
     # The job's wall-clock limit (time_limit_seconds says which forms): the ranks save a

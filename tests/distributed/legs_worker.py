@@ -3,8 +3,9 @@ with its `Stopper`, in one world so the imports are paid once (tests/distributed
 test_preemption.py, test_guard.py; `run_legs` starts the world). A leg may resume its run
 directory's latest checkpoint; may have one rank send a signal to itself at a chosen moment
 (`signal`: [rank, "step" | "eval" | "save", step, name]): the other rank learns of it only
-through the per-step agreement; and may run one of the rank's numeric drills (`fault`:
-"KIND:RANK:STEP", runtime/guard/drills.py) as runtime/rank.py does.
+through the per-step agreement; may run one of the rank's numeric drills (`fault`:
+"KIND:RANK:STEP", runtime/guard/drills.py) as runtime/rank.py does; and may start as a copy
+of an earlier leg's run directory (`copy_of`) that resumes one of its checkpoints (`latest`).
 
 Writes OUT/legs.json (rank 0): each leg's end: null (it finished), [steps done, reason] (it
 stopped on request) or {"halted": step, "kind": ..., "what": ...} (the training went bad).
@@ -70,6 +71,8 @@ def _run_leg(leg: dict, spec: dict, rank: int, request):
     resolved = resolve_file(leg.get("recipe") or spec["recipe"], leg["overrides"],
                             world_size=int(os.environ["WORLD_SIZE"]))
     run_dir = RunDir(Path(spec["out"]) / leg["run"])
+    if leg.get("copy_of"):
+        _copy_run(Path(spec["out"]) / leg["copy_of"], run_dir, leg.get("latest"), rank)
     run_dir.path.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(resolved, device=torch.device("cpu"), backend="gloo", run_dir=run_dir,
                       collective_timeout_s=spec["timeout_s"], resume=leg["resume"])
@@ -92,6 +95,24 @@ def _run_leg(leg: dict, spec: dict, rank: int, request):
     del trainer
     gc.collect()
     return stopped
+
+
+def _copy_run(source: Path, run_dir, latest: str | None, rank: int) -> None:
+    """The leg's run directory starts as a copy of another leg's, resuming checkpoint
+    `latest` of it (an earlier one than the run's last): rank 0 copies, the others wait."""
+    import shutil
+
+    if rank == 0:
+        partial = run_dir.path.with_name(run_dir.path.name + ".partial")
+        shutil.copytree(source, partial)
+        if latest:
+            (partial / "checkpoints" / "latest").write_text(latest)
+        partial.rename(run_dir.path)
+    deadline = time.monotonic() + 60
+    while not run_dir.path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{run_dir.path} was never copied from {source}")
+        time.sleep(0.05)
 
 
 class _Drill:

@@ -6,12 +6,13 @@ each time, one rank signalling itself at a chosen moment (the other learns of it
 per-step agreement):
 1. train.time_limit: 1 s, long past after the first step: stops after step 1;
 2. SIGTERM to rank 0 while it trains step 3 (0-based): stops after step 4 with its own save;
-3. SIGUSR1 to rank 1 while it saves the periodic checkpoint of step 6: that save completes and
-   is the one the run stops with;
+3. SIGUSR1 to rank 1 while it saves the periodic checkpoint of step 6 in the foreground
+   (train.checkpoint_async: false): that save completes and is the one the run stops with;
 4. SIGTERM to rank 1 during the evaluation after step 8: stops after step 8;
 5. the last resume trains to step 10.
-Its losses and validation losses equal the straight run's bitwise; both keep their newest two
-complete checkpoints (train.keep_last: 2).
+The other periodic saves are written in the background. Its losses and validation losses equal
+the straight run's bitwise; both keep their newest two complete checkpoints (train.keep_last:
+2).
 
 Through `dsforge run` and DeepSpeed's launcher: SIGTERM to dsforge while a rank saves reaches
 the ranks by pid, the save completes, the job exits 75 and says so; a second SIGTERM stops a
@@ -41,7 +42,9 @@ LEGS = [  # (run, extra overrides, resume, signal) -> the expected stop
     ("straight", [], False, None, None),
     ("stopped", ["train.time_limit=1"], False, None, [1, "time limit"]),
     ("stopped", [], True, [0, "step", 3, "SIGTERM"], [4, "SIGTERM"]),
-    ("stopped", [], True, [1, "save", 6, "SIGUSR1"], [6, "SIGUSR1"]),
+    # a save in the foreground: a signal while a background writer writes lands in the step
+    # after the save, or the one after that, whichever the writer's speed decides
+    ("stopped", ["train.checkpoint_async=false"], True, [1, "save", 6, "SIGUSR1"], [6, "SIGUSR1"]),
     ("stopped", [], True, [1, "eval", 7, "SIGTERM"], [8, "SIGTERM"]),
     ("stopped", [], True, None, None),
 ]
@@ -69,10 +72,12 @@ def test_stopped_four_times_and_resumed_equals_one_run(tmp_path):
 
 
 def test_sigterm_to_dsforge_during_a_save_exits_resumable(tmp_path):
-    """Rank 1 sends SIGTERM to `dsforge run` while it writes the checkpoint of step 4."""
+    """Rank 1 sends SIGTERM to `dsforge run` while it writes the checkpoint of step 4 (in the
+    foreground: a background writer's signal lands in a later step)."""
     run_dir = tmp_path / "run"
     result = dsforge("run", str(TINY), "--set", "train.steps=8", "--set",
-                     "train.checkpoint_every=2", "--set", "train.keep_last=1", "--run-dir",
+                     "train.checkpoint_every=2", "--set", "train.keep_last=1",
+                     "--set", "train.checkpoint_async=false", "--run-dir",
                      str(run_dir), env={"DSFORGE_INJECT_FAULT": "stop-save:1:4"}, timeout=180)
     assert result.returncode == 75, result.stderr[-3000:]
     assert "SIGTERM received; every rank saves a checkpoint after its current step" in result.stderr

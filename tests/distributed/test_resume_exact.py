@@ -1,49 +1,61 @@
 """Every resume reads the layout-free state, the checkpoint's only copy of the weights and the
-optimizer (issue 49): on the layout that wrote it, the resumed steps equal an uninterrupted
-run's bitwise, at every ZeRO stage and precision, through the traps of each:
+optimizer, and periodic saves are written in the background (issue 49).
+
+A resume from a checkpoint written in the background, on the layout that wrote it, trains the
+next steps bitwise as the uninterrupted run did, at every ZeRO stage and under a pipeline,
+through the traps of each:
 - ZeRO-0 in bf16: DeepSpeed's 16-bit wrapper takes an Adam step with zero gradients when it
   is built, so its step count runs one ahead (docs/checkpoints.md); the checkpoint keeps the
   count as it is;
 - ZeRO-2 with the optimizer offloaded: DeepSpeed's CPU Adam keeps its step as an int;
 - ZeRO-3 in bf16: the 16-bit partitions are cast from the fp32 ones.
-(ZeRO-1 and ZeRO-3 in fp32, the pipeline and the experts of an MoE model are proven through
-`dsforge run` in test_checkpoint.py, other layouts in test_reshard.py. DeepSpeed refuses fp16
-on a CPU; the loss scaler's state is tests/unit/test_layout_free.py's.)
+(The experts of an MoE model and ZeRO-3 in fp32 are proven through `dsforge run` in
+test_checkpoint.py, other layouts in test_reshard.py. DeepSpeed refuses fp16 on a CPU; the loss
+scaler's state is tests/unit/test_layout_free.py's.)
 
-One world of 2 ranks (legs_worker.py) trains, for each case, 4 straight steps, and 2 steps
-then a resume for the other 2; the schedule spans 4 steps in both (train.lr_decay_steps).
+One world of 2 ranks (legs_worker.py) trains each case 4 steps straight, saving after step 2
+(in the background: published at step 3's all-reduce) and after step 4 (in the foreground, the
+last); a copy of that run resumes the step-2 checkpoint and trains steps 3 and 4 again.
+
+Through `dsforge run`: a rank whose background writer dies after writing its files leaves that
+checkpoint unpublished; the previous one stays `latest` and the run resumes from it, exactly.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from dsforge.ckpt.retention import complete_checkpoints
+from dsforge.ckpt.trust import read_latest
+from dsforge.job.metrics_file import read_metrics
 from tests.conftest import REPO
 from tests.distributed.legs_worker import run_legs
 from tests.distributed.test_checkpoint import TEXT
-from dsforge.job.metrics_file import read_metrics
+from tests.distributed.test_run import _job_processes, dsforge
 
 pytestmark = pytest.mark.timeout(600)
 
 TINY = REPO / "recipes" / "tiny.yaml"
-COMMON = [f"data.source={TEXT}", "train.checkpoint_every=2", "train.lr_decay_steps=4",
+COMMON = [f"data.source={TEXT}", "train.checkpoint_every=2", "train.steps=4",
           "train.warmup_steps=0", "train.timing_warmup=0"]
 CASES = {
     "zero0_bf16": ["zero.stage=0", "train.precision=bf16"],
+    "zero1": ["zero.stage=1"],
     "zero2_offload": ["zero.stage=2", "zero.offload_optimizer=cpu"],
     "zero3_bf16": ["zero.stage=3", "train.precision=bf16"],
+    "pp2_zero1": ["parallel.dp=1", "parallel.pp=2", "zero.stage=1"],
 }
+WRITTEN_IN_THE_BACKGROUND = "step00000002"
 
 
 def _legs() -> list[dict]:
     legs = []
     for name, overrides in CASES.items():
-        legs += [{"run": f"{name}-straight", "overrides": COMMON + overrides + ["train.steps=4"],
-                  "resume": False},
-                 {"run": f"{name}-resumed", "overrides": COMMON + overrides + ["train.steps=2"],
-                  "resume": False},
-                 {"run": f"{name}-resumed", "overrides": COMMON + overrides + ["train.steps=4"],
-                  "resume": True}]
+        legs += [{"run": f"{name}-straight", "overrides": COMMON + overrides, "resume": False},
+                 {"run": f"{name}-resumed", "overrides": COMMON + overrides, "resume": True,
+                  "copy_of": f"{name}-straight", "latest": WRITTEN_IN_THE_BACKGROUND}]
     return legs
 
 
@@ -60,9 +72,33 @@ def _steps(run_dir) -> list[tuple[float, float | None, float]]:
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_a_resume_on_the_same_layout_is_bitwise(world, name):
-    straight, resumed = _steps(world / f"{name}-straight"), _steps(world / f"{name}-resumed")
-    assert len(straight) == len(resumed) == 4
-    assert resumed == straight  # loss, gradient norm and rate of every step, bit for bit
-    checkpoint = world / f"{name}-resumed" / "checkpoints" / "step00000002"
-    assert not [p.name for p in checkpoint.iterdir() if p.name.endswith("_states.pt")]
+def test_a_resume_from_a_background_save_is_bitwise(world, name):
+    straight, resumed = world / f"{name}-straight", world / f"{name}-resumed"
+    assert list(complete_checkpoints(straight / "checkpoints")) == [2, 4]
+    assert len(_steps(straight)) == len(_steps(resumed)) == 4
+    assert _steps(resumed) == _steps(straight)  # loss, gradient norm and rate, bit for bit
+    checkpoint = straight / "checkpoints" / WRITTEN_IN_THE_BACKGROUND
+    files = json.loads((checkpoint / "dsforge_complete.json").read_text())["files"]
+    assert not [name for name in files if name.endswith("_states.pt")]  # the state once
+
+
+def test_a_writer_that_dies_leaves_its_checkpoint_invisible(tmp_path):
+    """Rank 1 dies (os._exit) right after its writer wrote the step-4 files, before every rank
+    had written and the save was published: `latest` stays the step-2 checkpoint, which
+    the resume continues, its steps equal to the crashed run's."""
+    run_dir = tmp_path / "run"
+    args = ["run", str(TINY), "--set", f"data.source={TEXT}", "--set", "train.steps=6",
+            "--set", "train.checkpoint_every=2", "--run-dir", str(run_dir)]
+    crashed = dsforge(*args, env={"DSFORGE_INJECT_FAULT": "save-exit:1:4"}, timeout=240)
+    assert crashed.returncode != 0
+    root = run_dir / "checkpoints"
+    assert read_latest(root) == "step00000002" and list(complete_checkpoints(root)) == [2]
+    assert not (root / "step00000004" / "dsforge_complete.json").exists()
+    assert not _job_processes(run_dir)
+    losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
+    resumed = dsforge(*args, "--resume", timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "after step 2" in resumed.stderr
+    again = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
+    assert len(again) == 6 and again[:len(losses)] == losses
+    assert list(complete_checkpoints(root)) == [2, 4, 6]

@@ -298,12 +298,13 @@ def test_save_records_every_file_and_its_size(tmp_path, monkeypatch):
         def save_checkpoint(self, *args, **kwargs):
             raise AssertionError("DeepSpeed's engine files are not written")
 
-    def write_state(engine, chunks, directory, **_):
+    def write_snapshot(snapshot, directory):
         (directory / "dsforge_state").mkdir()
         (directory / "dsforge_state" / "rank00000.safetensors").write_bytes(b"x" * 7)
 
     monkeypatch.setattr(Engine.module, "chunks", [], raising=False)
-    monkeypatch.setattr(checkpoint, "write_state", write_state)
+    monkeypatch.setattr(checkpoint, "snapshot_state", lambda *args, **kwargs: None)
+    monkeypatch.setattr(checkpoint, "write_snapshot", write_snapshot)
     monkeypatch.setattr(checkpoint, "padded_vocab_of", lambda chunks: 128)
     root = tmp_path / "checkpoints"
     stale = root / "step00000003" / "dsforge_state" / "rank00001.safetensors"

@@ -82,23 +82,30 @@ def test_a_spike_is_measured_against_a_full_window():
                                           skipped=False)).action == "stop"
 
 
+def _reduced(loss_sum: torch.Tensor, writing: int = 0) -> torch.Tensor:
+    """What the step's all-reduce (health.reduce_step) leaves: the sum of the ranks' loss shares
+    and the number of ranks still writing a checkpoint."""
+    return torch.stack([loss_sum, torch.tensor(float(writing))])
+
+
 def test_the_loss_shares_and_what_every_rank_reads_from_them():
     device = torch.device("cpu")
     first = health.loss_share(torch.tensor(2.5), adds_loss=True, device=device)
     second = health.loss_share(torch.tensor(1.5), adds_loss=True, device=device)
     tp_peer = health.loss_share(torch.tensor(2.5), adds_loss=False, device=device)
     stage = health.loss_share(None, adds_loss=False, device=device)
-    seen = health.view(first + second + tp_peer + stage, replicas=2,  # the all-reduce's SUM
+    seen = health.view(_reduced(first + second + tp_peer + stage), replicas=2,
                        grad_norm=torch.tensor(0.4), applied=True)
     assert seen == health.StepView(loss=2.0, bad_loss=False, bad_norm=False, skipped=False,
                                    grad_norm=pytest.approx(0.4))
     bad = health.loss_share(torch.tensor(math.inf), adds_loss=True, device=device)
-    seen = health.view(first + bad, replicas=2, grad_norm=math.inf, applied=False)
+    seen = health.view(_reduced(first + bad), replicas=2, grad_norm=math.inf, applied=False)
     assert seen.bad_loss and seen.bad_norm and seen.skipped and math.isinf(seen.loss)
-    assert not health.view(first, replicas=1, grad_norm=None, applied=True).bad_norm
+    assert not health.view(_reduced(first), replicas=1, grad_norm=None, applied=True).bad_norm
+    assert health.ranks_writing(_reduced(first, writing=3)) == 3
     loss = torch.tensor(3.0)
     share = health.loss_share(loss, adds_loss=True, device=device)
-    share += 1  # the all-reduce works in place: the rank's own loss stays its own
+    share += 1  # the rank's own loss stays its own
     assert loss.item() == 3.0
 
 

@@ -335,7 +335,7 @@ def test_train_loop_stops_where_the_ranks_agree_with_one_save(stop_after, saves)
     trainer = RecordingTrainer(steps=7, every=3, start_step=0, eval_every=2)
     stopper = _StopAfter(stop_after)
     assert train_loop(trainer, stopper=stopper) == Stopped(stop_after, "SIGTERM")
-    assert [call[1] for call in trainer.calls if call[0] == "save"] == saves  # once at most
+    assert [call[1] for call in trainer.calls if call[0].endswith("save")] == saves  # once at most
     assert trainer.calls[-1] == ("finish", "without its line") and ("finish",) not in trainer.calls
     assert [s for s, _ in stopper.asked] == list(range(1, stop_after + 1))
     assert stopper.asked[0] == (1, True)  # step 1 (0-based) evaluates: the budget keeps room

@@ -18,7 +18,7 @@ def test_train_loop_resumes_saves_every_n_and_runs_the_rank_hooks():
     assert trainer.calls == [
         ("before", 2), ("step", 2), ("save", 3, drill), ("before", 3), ("step", 3),
         ("before", 4), ("step", 4), ("before", 5), ("step", 5), ("save", 6, drill),
-        ("before", 6), ("step", 6), ("save", 7, drill), ("after",), ("finish",)]  # and the last
+        ("before", 6), ("step", 6), ("final save", 7, drill), ("after",), ("finish",)]  # and the last
     plain = RecordingTrainer(steps=2, every=0, start_step=0)
     train_loop(plain)  # what tests/distributed/worker.py runs
     assert plain.calls == [("step", 0), ("step", 1), ("finish",)]
@@ -30,8 +30,8 @@ def test_train_loop_evaluates_every_n_steps_and_after_the_last_before_saving():
     train_loop(trainer, before_step=hook)
     assert trainer.calls == [
         ("step", 0), ("step", 1), ("eval", 1, hook), ("save", 2, None), ("step", 2), ("step", 3),
-        ("eval", 3, hook), ("save", 4, None), ("step", 4), ("eval", 4, hook), ("save", 5, None),
-        ("finish",)]
+        ("eval", 3, hook), ("save", 4, None), ("step", 4), ("eval", 4, hook),
+        ("final save", 5, None), ("finish",)]
 
 
 class _GoesBad(RecordingTrainer):
@@ -61,8 +61,8 @@ def test_a_save_refused_for_bad_weights_ends_the_loop_and_a_stop_says_it_saved_n
     trainer.refused_saves = {4}
     original = trainer.save_checkpoint
 
-    def save(steps_done, fault=None):
-        written = original(steps_done, fault)
+    def save(steps_done, fault=None, final=False):
+        written = original(steps_done, fault, final)
         if not written:
             trainer.halted = Halted(step=steps_done - 1, what="non-finite weights", kind="weights")
         return written

@@ -12,6 +12,7 @@ restores the step counters, the learning-rate schedule and the loss scaler.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,22 @@ from dsforge.runtime.assemble.vocab import VOCAB_TENSORS, pad_rows
 from dsforge.runtime.checkpoint.zero_state import optimizer_view
 
 
-def write_state(engine, chunks, checkpoint_dir: Path, *, rank: int, world_size: int,
-                step: int, padded_vocab_size: int) -> None:
-    from safetensors.torch import save_file
+@dataclass
+class StateSnapshot:
+    """A rank's part of the layout-free state, copied out of the engine: its pieces as host
+    tensors of its own (the engine's change at the next optimizer step), their records, and
+    rank 0's state.json. `write_snapshot` writes it, in the training thread or a writer's."""
 
-    directory = checkpoint_dir / STATE_DIR
-    directory.mkdir(exist_ok=True)
+    rank: int
+    tensors: dict[str, torch.Tensor]
+    pieces: list[dict]
+    engine_state: dict[str, Any] | None  # rank 0's state.json
+
+
+def snapshot_state(engine, chunks, *, rank: int, world_size: int, step: int,
+                   padded_vocab_size: int) -> StateSnapshot:
+    """Copy this rank's pieces (and, on rank 0, what state.json holds) into host memory: the
+    training loop may step the optimizer again as soon as this returns."""
     view = optimizer_view(engine)
     tensors, pieces = {}, []
     for param, spec in param_specs(chunks):
@@ -40,16 +51,39 @@ def write_state(engine, chunks, checkpoint_dir: Path, *, rank: int, world_size: 
         for start, states in view.fragments(param):
             for state, tensor in states.items():
                 piece = _piece(spec, param, state, start, tensor.numel())
-                tensors[piece.key] = tensor.detach().float().contiguous().cpu()
+                tensors[piece.key] = _host_copy(tensor)
                 pieces.append(piece.to_json())
-    path = directory / rank_file(rank)
-    save_file(tensors, str(path), metadata={"pieces": json.dumps(pieces)})
+    engine_state = _engine_state(engine, view, step=step, world_size=world_size,
+                                 padded_vocab_size=padded_vocab_size) if rank == 0 else None
+    return StateSnapshot(rank=rank, tensors=tensors, pieces=pieces, engine_state=engine_state)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy in host memory that nothing else holds (on a CPU too: the optimizer
+    updates its tensors in place)."""
+    flat = tensor.detach().reshape(-1)
+    return torch.empty(flat.shape, dtype=torch.float32, device="cpu").copy_(flat)
+
+
+def write_snapshot(snapshot: StateSnapshot, checkpoint_dir: Path) -> None:
+    """The snapshot's files under CHECKPOINT/dsforge_state, on disk (fsync) when it returns."""
+    from safetensors.torch import save_file
+
+    directory = checkpoint_dir / STATE_DIR
+    directory.mkdir(exist_ok=True)
+    path = directory / rank_file(snapshot.rank)
+    save_file(snapshot.tensors, str(path), metadata={"pieces": json.dumps(snapshot.pieces)})
     fsync_file(path)  # on disk before the ranks agree the save is written
+    if snapshot.engine_state is not None:
+        write_atomic(directory / STATE_FILE, json.dumps(snapshot.engine_state, indent=2))
     fsync_directory(directory)
-    if rank == 0:
-        write_atomic(directory / STATE_FILE, json.dumps(_engine_state(
-            engine, view, step=step, world_size=world_size,
-            padded_vocab_size=padded_vocab_size), indent=2))
+
+
+def write_state(engine, chunks, checkpoint_dir: Path, *, rank: int, world_size: int,
+                step: int, padded_vocab_size: int) -> None:
+    """`snapshot_state` then `write_snapshot`, in the calling thread."""
+    write_snapshot(snapshot_state(engine, chunks, rank=rank, world_size=world_size, step=step,
+                                  padded_vocab_size=padded_vocab_size), checkpoint_dir)
 
 
 def _piece(spec: ParamSpec, param, state: str, start: int, numel: int) -> Piece:

@@ -7,9 +7,11 @@ Layout under RUN_DIR/checkpoints/:
                                rank's RNG states) and, written last, dsforge_complete.json
                                (step, resolved recipe, world size, every file and its size)
   latest                       the tag of the newest complete checkpoint
-Every rank's files are on disk (fsync) before the ranks agree they are written; then rank 0
-writes the completion marker and moves `latest` (atomic renames), so a crash during a save
-leaves the previous checkpoint as latest. Data needs no state: step t always reads the same
+A save is a snapshot of each rank's state in host memory (`take_snapshot`), its files written
+(`write_files`: in the training thread, or by a background writer, runtime/loop/checkpointer.py)
+and on disk (fsync) before the ranks agree they are written; then rank 0 writes the completion
+marker and moves `latest` (atomic renames: `publish`), so a crash during a save leaves the
+previous checkpoint as latest. Data needs no state: step t always reads the same
 samples (runtime/loop/data.py).
 
 Every resume reads the layout-free state, on the layout that wrote it (bitwise: the fp32
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,29 +39,67 @@ from dsforge.ckpt.reader import StateError, open_state
 from dsforge.ckpt.trust import (CheckpointError, check_complete, check_safe_to_load, layout_changes,
                                 listing, read_marker, schedule_change, tag_for)
 from dsforge.files import fsync_directory, fsync_file, write_atomic
-from dsforge.runtime.checkpoint.layout_free import load_state, write_state
+from dsforge.runtime.checkpoint.layout_free import (StateSnapshot, load_state, snapshot_state,
+                                                    write_snapshot)
+
+
+@dataclass
+class Snapshot:
+    """A rank's checkpoint of `step` copied out of the engine into host memory, to be written
+    (`write_files`) by the training thread or a background writer."""
+
+    root: Path
+    step: int
+    rank: int
+    rng: dict[str, Any]
+    state: StateSnapshot
+
+    @property
+    def directory(self) -> Path:
+        return self.root / tag_for(self.step)
+
+
+def take_snapshot(engine, root: Path, *, step: int, world_size: int, rank: int) -> Snapshot:
+    """Every rank at once (the directory is emptied first, behind a barrier): its RNG states
+    and its pieces of the state after `step` steps."""
+    _fresh_directory(root / tag_for(step), rank)
+    chunks = engine.module.chunks
+    return Snapshot(root=root, step=step, rank=rank, rng=_rng_state(),
+                    state=snapshot_state(engine, chunks, rank=rank, world_size=world_size,
+                                         step=step, padded_vocab_size=padded_vocab_of(chunks)))
+
+
+def write_files(snapshot: Snapshot, fault=None) -> None:
+    """A snapshot's files, on disk (fsync) when it returns. `fault`: the drill that dies, or
+    signals, while saving, with the files written but not published."""
+    rng = snapshot.directory / rng_file(snapshot.rank)
+    torch.save(snapshot.rng, rng)
+    fsync_file(rng)
+    write_snapshot(snapshot.state, snapshot.directory)
+    if fault is not None:
+        fault(snapshot.rank, snapshot.step)
+
+
+def publish(root: Path, step: int, *, world_size: int, recipe: dict[str, Any]) -> None:
+    """Rank 0, once every rank's files of `step` are on disk: the completion marker (every
+    file and its size), then `latest`."""
+    tag = tag_for(step)
+    directory = root / tag
+    fsync_directory(directory)
+    write_atomic(directory / COMPLETE, json.dumps(
+        {"step": step, "tag": tag, "world_size": world_size, "recipe": recipe,
+         "files": listing(directory)}, indent=2))
+    write_atomic(root / LATEST, tag)
 
 
 def save(engine, root: Path, *, step: int, recipe: dict[str, Any], world_size: int, rank: int,
          fault=None) -> None:
-    """Write the checkpoint of the state after `step` steps on every rank; rank 0 publishes it."""
-    tag = tag_for(step)
-    directory = root / tag
-    _fresh_directory(directory, rank)
-    rng = directory / rng_file(rank)
-    torch.save(_rng_state(), rng)
-    fsync_file(rng)
-    write_state(engine, engine.module.chunks, directory, rank=rank, world_size=world_size,
-                step=step, padded_vocab_size=padded_vocab_of(engine.module.chunks))
-    if fault is not None:
-        fault(rank, step)  # a drill: die with the files written but not published
+    """Write the checkpoint of the state after `step` steps on every rank, in the training
+    thread; rank 0 publishes it."""
+    write_files(take_snapshot(engine, root, step=step, world_size=world_size, rank=rank), fault)
     torch.distributed.barrier()  # every rank's files are on disk
     if rank == 0:
-        fsync_directory(directory)
-        write_atomic(directory / COMPLETE, json.dumps(
-            {"step": step, "tag": tag, "world_size": world_size, "recipe": recipe,
-             "files": listing(directory)}, indent=2))
-        write_atomic(root / LATEST, tag)
+        publish(root, step, world_size=world_size, recipe=recipe)
     torch.distributed.barrier()
 
 

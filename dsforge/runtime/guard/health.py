@@ -76,21 +76,38 @@ def loss_share(loss: torch.Tensor | None, *, adds_loss: bool,
     return loss.detach().float().reshape(()).clone()
 
 
-def reduce_step(share: torch.Tensor) -> torch.Tensor:
-    """The step's one all-reduce over the world (in place; `view` reads it)."""
-    torch.distributed.all_reduce(share)
-    return share
+def reduce_step(share: torch.Tensor, *, writing: bool = False) -> torch.Tensor:
+    """The step's one all-reduce over the world: each rank's loss share, and whether its
+    background writer has a checkpoint not yet written (`view` and `ranks_writing` read it)."""
+    reduced = torch.stack([share, share.new_tensor(float(writing))])
+    torch.distributed.all_reduce(reduced)
+    return reduced
+
+
+def ranks_writing(reduced: torch.Tensor) -> int:
+    """How many ranks have not yet written their files of the checkpoint in flight."""
+    return int(reduced[1].item())
 
 
 def view(reduced: torch.Tensor, *, replicas: int, grad_norm, applied: bool) -> StepView:
     """The step as every rank sees it: the reduced loss (the host waits for the device here)
     over the `replicas` that added to it, DeepSpeed's global gradient norm (a tensor, a float
     or None) and was_step_applied()."""
-    loss = reduced.item() / replicas
+    loss = reduced[0].item() / replicas
     norm = None if grad_norm is None else float(grad_norm)
     return StepView(loss=loss, bad_loss=not math.isfinite(loss),
                     bad_norm=norm is not None and not math.isfinite(norm), skipped=not applied,
                     grad_norm=norm)
+
+
+def mean_over_replicas(loss: torch.Tensor) -> float:
+    """The mean of a loss over the data-parallel replicas and the context-parallel shards
+    (each the mean over as many tokens; a validation loss): one host sync."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    torch.distributed.all_reduce(loss, group=group)
+    return loss.item() / torch.distributed.get_world_size(group)
 
 
 def ranks_where(flag: bool, device: torch.device) -> list[int]:

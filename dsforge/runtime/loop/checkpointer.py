@@ -1,12 +1,25 @@
 """A rank's checkpoints during a run: resuming from the newest complete one, saving after a
 step, and pruning the oldest (train.keep_last). The format, the files and the trust checks are
-runtime/checkpoint/save_load.py's and ckpt/'s; this part decides when a save may happen and
-says what went wrong in the user's terms.
+runtime/checkpoint/save_load.py's and ckpt/'s; this part decides when a save may happen, who
+writes it and when it is published, and says what went wrong in the user's terms.
+
+With `train.checkpoint_async` a save stops training only for its snapshot (each rank's state
+copied into host memory); a background writer (runtime/checkpoint/writer.py) writes the files
+while the next steps train. At most one save is in flight. It is published (the completion
+marker, then `latest`, then the pruning) once every rank has written its files: each step's
+all-reduce carries whether a rank is still writing (runtime/guard/health.py `reduce_step`),
+so no collective is added. A save the run must end on (the last step's, a stop's) is written
+in the training thread after the one in flight is published; a run that ends otherwise
+(halted, or stopped right after a periodic save) publishes the one in flight first
+(`finish`). A rank that fails leaves its save unpublished: invisible.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import asdict, dataclass
+from typing import Iterator
 
 import torch
 
@@ -15,6 +28,7 @@ from dsforge.job.console import RankConsole
 from dsforge.job.run_dir import RunDir
 from dsforge.recipe import Resolved
 from dsforge.runtime.checkpoint import save_load
+from dsforge.runtime.checkpoint.writer import BackgroundWriter
 from dsforge.runtime.guard import health
 from dsforge.runtime.guard.record import passing_kind
 from dsforge.runtime.loop.bad_steps import Halted
@@ -34,6 +48,10 @@ class Checkpointer:
                  console: RankConsole, rank: int):
         self.engine, self.resolved, self.run_dir = engine, resolved, run_dir
         self.device, self.console, self.rank = device, console, rank
+        self.writer = BackgroundWriter() if resolved.recipe.train.checkpoint_async else None
+        self.in_flight: int | None = None  # steps_done of the save not yet published
+        self._started: float | None = None  # when the save in flight was started (monotonic)
+        self.slowest_s: float | None = None  # the longest save yet, snapshot to published
 
     def resume(self) -> Resumed:
         """Load the newest complete checkpoint into the engine (on this layout or, through the
@@ -53,11 +71,14 @@ class Checkpointer:
         return Resumed(after_step=step, checkpoint=record["tag"],
                        changes=resumed_changes(record["recipe"], recipe))
 
-    def save(self, steps_done: int, *, after_bad_step: bool, fault=None) -> bool | Halted:
-        """The checkpoint of `steps_done` steps, then the pruning: True when written; False
-        right after a bad step (its update was dropped: a resume must not start inside a run
-        of bad steps); `Halted` when a weight on some rank is not finite (the run stops there).
-        Every rank calls it; `fault` is the drill that dies while saving."""
+    def save(self, steps_done: int, *, after_bad_step: bool, fault=None,
+             final: bool = False) -> bool | Halted:
+        """The checkpoint of `steps_done` steps: True when written, or (in the background)
+        being written; False right after a bad step (its update was dropped: a resume must
+        not start inside a run of bad steps); `Halted` when a weight on some rank is not finite
+        (the run stops there). `final`: the run ends on it, so it is written and published
+        before this returns. Every rank calls it; `fault` is the drill that dies, or signals,
+        while saving."""
         if after_bad_step:
             if self.rank == 0:
                 self.console.say(f"dsforge: no checkpoint after step {steps_done}: the update "
@@ -68,34 +89,98 @@ class Checkpointer:
             return Halted(step=steps_done - 1, kind="weights", ranks=bad_ranks,
                           what=f"non-finite weights before the save of step {steps_done}"
                                "; the checkpoint was not written")
-        self._write(steps_done, fault)
-        self._prune()
+        self.finish()  # at most one in flight: the one before is published first
+        with self._saving(steps_done):
+            self._started = time.monotonic()
+            snapshot = self._snapshot(steps_done)
+            if self.writer is None or final:
+                self._write(snapshot, fault)
+                torch.distributed.barrier()  # every rank's files are on disk
+                self._publish(steps_done)
+            else:
+                self.writer.submit(lambda: self._write(snapshot, fault))
+                self.in_flight = steps_done
         return True
 
-    def _write(self, steps_done: int, fault) -> None:
-        root = self.run_dir.checkpoints
+    def writing(self) -> bool:
+        """Whether this rank has not (successfully) written its files of the save in flight:
+        its part of each step's all-reduce."""
+        return self.in_flight is not None and not self.writer.succeeded()
+
+    def after_step(self, ranks_writing: int) -> None:
+        """After each step's all-reduce (`ranks_writing`: the ranks whose `writing()` was
+        true): this rank's writer's error is raised here; once no rank is writing, the save in
+        flight is published."""
+        if self.in_flight is None:
+            return
+        with self._saving(self.in_flight):
+            if not self.writer.busy():
+                self.writer.wait()  # raises what the writer raised
+            if ranks_writing == 0:
+                self._publish(self.in_flight)
+
+    def finish(self) -> None:
+        """The save in flight written on every rank and published (a collective: every rank
+        calls it at the same point, before a save and when the run ends)."""
+        if self.in_flight is None:
+            return
+        with self._saving(self.in_flight):
+            self.writer.wait()
+            torch.distributed.barrier()
+            self._publish(self.in_flight)
+
+    @contextlib.contextmanager
+    def _saving(self, steps_done: int) -> Iterator[None]:
+        """What goes wrong while saving, in the user's terms: a peer lost while the ranks
+        waited for each other is not this rank's disk (`dsforge run` names the rank that was
+        lost, job/who_failed.py)."""
         try:
-            save_load.save(self.engine, root, step=steps_done, recipe=asdict(self.resolved.recipe),
-                           world_size=self.resolved.layout.world_size, rank=self.rank,
-                           fault=fault)
+            yield
         except (OSError, RuntimeError) as exc:
+            if isinstance(exc, CheckpointError) or passing_kind(exc) == "device":
+                raise
             if passing_kind(exc) == "collective":
-                # A peer died or left while the ranks waited for each other's files: not this
-                # rank's disk. `dsforge run` names the rank that was lost (job/who_failed.py).
                 raise CheckpointError(
                     f"lost a peer rank while saving the checkpoint of step {steps_done}; the "
                     f"previous complete checkpoint stays the latest ({_first_line(exc)})") from exc
-            # torch's serializer reports a full disk as "basic_ios::clear", without a path.
-            raise CheckpointError(
-                f"could not write the checkpoint of step {steps_done} under {root}: {exc}. Is the "
-                f"disk full? (df -h {root}); the previous complete checkpoint stays the latest"
-            ) from exc
+            raise self._disk_error(steps_done, exc) from exc
+
+    def _snapshot(self, steps_done: int) -> save_load.Snapshot:
+        return save_load.take_snapshot(self.engine, self.run_dir.checkpoints, step=steps_done,
+                                       world_size=self.resolved.layout.world_size,
+                                       rank=self.rank)
+
+    def _write(self, snapshot: save_load.Snapshot, fault) -> None:
+        """The snapshot's files (in the training thread, or the writer's: no collective)."""
+        try:
+            save_load.write_files(snapshot, fault)
+        except (OSError, RuntimeError) as exc:
+            raise self._disk_error(snapshot.step, exc) from exc
+
+    def _disk_error(self, steps_done: int, exc: BaseException) -> CheckpointError:
+        # torch's serializer reports a full disk as "basic_ios::clear", without a path.
+        root = self.run_dir.checkpoints
+        return CheckpointError(
+            f"could not write the checkpoint of step {steps_done} under {root}: {exc}. Is the "
+            f"disk full? (df -h {root}); the previous complete checkpoint stays the latest")
+
+    def _publish(self, steps_done: int) -> None:
+        """Rank 0 writes the marker and moves `latest`, then prunes; every rank forgets the save
+        in flight (they all know every rank's files are written)."""
+        if self.rank == 0:
+            save_load.publish(self.run_dir.checkpoints, steps_done,
+                              world_size=self.resolved.layout.world_size,
+                              recipe=asdict(self.resolved.recipe))
+            self._prune()
+        self.in_flight = None
+        seconds = time.monotonic() - self._started
+        self.slowest_s = max(seconds, self.slowest_s or 0.0)
 
     def _prune(self) -> None:
         """With train.keep_last, rank 0 deletes the complete checkpoints beyond the newest
         keep_last (ckpt/retention.py)."""
         keep_last = self.resolved.recipe.train.keep_last
-        if keep_last and self.rank == 0:
+        if keep_last:
             from dsforge.ckpt.retention import prune
 
             prune(self.run_dir.checkpoints, keep_last,

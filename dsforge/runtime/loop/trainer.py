@@ -96,11 +96,11 @@ class Trainer:
         """Set when the ranks stop because the training went bad (train_loop ends there)."""
         return self.bad_steps.halted
 
-    def save_checkpoint(self, steps_done: int, fault=None) -> bool:
-        """The checkpoint of `steps_done` steps (Checkpointer.save); whether it was written.
-        A save refused for non-finite weights halts the run."""
+    def save_checkpoint(self, steps_done: int, fault=None, final: bool = False) -> bool:
+        """The checkpoint of `steps_done` steps (Checkpointer.save; `final`: the run ends on
+        it); whether it was written. A save refused for non-finite weights halts the run."""
         outcome = self.checkpointer.save(steps_done, after_bad_step=self.bad_steps.last_step_bad,
-                                         fault=fault)
+                                         fault=fault, final=final)
         if isinstance(outcome, Halted):
             self.bad_steps.halt(outcome)
         return outcome is True
@@ -118,15 +118,6 @@ class Trainer:
     def _batches(self, source, index: int) -> list[data_mod.Microbatch]:
         return data_mod.rank_microbatches(source, index, layout=self.resolved.layout,
                                           vocab_size=self.resolved.recipe.model.vocab_size)
-
-    def _mean_over_replicas(self, loss: torch.Tensor) -> float:
-        """The mean of a loss over the data-parallel replicas and the context-parallel shards
-        (each the mean over as many tokens): one host sync."""
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_data_parallel_group(with_context_parallel=True)
-        torch.distributed.all_reduce(loss, group=group)
-        return loss.item() / torch.distributed.get_world_size(group)
 
     def train_step(self, step: int) -> None:
         with self.profiler.step(step) if self.profiler else contextlib.nullcontext():
@@ -146,7 +137,8 @@ class Trainer:
             loss = self._forward_backward_update(batches, census, clock)
         with clock.phase("guard"):
             reduced = health.reduce_step(health.loss_share(loss, adds_loss=self._adds_loss,
-                                                           device=self.device))
+                                                           device=self.device),
+                                         writing=self.checkpointer.writing())
         marked = clock.stop()
         layout = self.resolved.layout
         seen = health.view(reduced, replicas=layout.dp * layout.cp,  # waits for the device
@@ -154,6 +146,7 @@ class Trainer:
                            applied=self.engine.was_step_applied())
         elapsed = time.perf_counter() - start
         ended_at = time.time()
+        self.checkpointer.after_step(health.ranks_writing(reduced))  # publishes a finished save
         phases = self.meter.phases(step, marked, elapsed)
         bad = self.bad_steps.judge(step, seen)
         if self.compiled is not None:
@@ -214,7 +207,7 @@ class Trainer:
             if self.compiled is not None:  # evaluation's graphs (no grad) are not recompiles
                 self.compiled.rebaseline()
         if losses:
-            val_loss = self._mean_over_replicas(torch.stack(losses).mean())
+            val_loss = health.mean_over_replicas(torch.stack(losses).mean())
             if self.reporter:
                 self.reporter.evaluation(step, val_loss)
 
@@ -222,6 +215,7 @@ class Trainer:
         """The rank's summary and, on the reporting rank, the run's; rank 0's report when the
         training went bad. `closing_line`: say the summary (a run that stopped early leaves
         that to `dsforge run`, which says why and how to go on)."""
+        self.checkpointer.finish()  # a save still in flight is written and published
         if self.profiler is not None:
             self.profiler.close()  # a run stopped before the last traced step
         self.meter.write_rank_summary(self.run_dir, self.engine)
@@ -268,15 +262,18 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
         if eval_due(train, step):  # before the save: a resumed run has this step's eval
             _timed(timed, "eval", trainer.evaluate, step, before_batch=before_step)
         due = every and ((step + 1) % every == 0 or step + 1 == train.steps)
-        saved = due and _timed(timed, "save", trainer.save_checkpoint, step + 1, save_fault)
+        saved = due and trainer.save_checkpoint(step + 1, save_fault,
+                                                final=step + 1 == train.steps)
+        if timed is not None and trainer.checkpointer.slowest_s is not None:
+            timed("save", trainer.checkpointer.slowest_s)  # snapshot to published
         if trainer.halted:
             break
         if stopper is not None and step + 1 < train.steps:
             stopped = stopper.agree(step + 1, next_evaluates=eval_due(train, step + 1))
             if stopped is not None:
                 if not due:
-                    saved = trainer.save_checkpoint(step + 1, save_fault)
-                stopped = replace(stopped, saved=bool(saved))
+                    saved = trainer.save_checkpoint(step + 1, save_fault, final=True)
+                stopped = replace(stopped, saved=bool(saved))  # published by finish()
                 break
     if after_steps is not None:
         after_steps()

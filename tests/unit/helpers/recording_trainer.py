@@ -16,12 +16,13 @@ class RecordingTrainer:
         self.start_step, self.calls = start_step, []
         self.halted = None  # set by a test's train_step: the training went bad
         self.refused_saves: set[int] = set()  # steps_done whose save_checkpoint returns False
+        self.checkpointer = SimpleNamespace(slowest_s=None)  # no save measured
 
     def train_step(self, step):
         self.calls.append(("step", step))
 
-    def save_checkpoint(self, steps_done, fault=None):
-        self.calls.append(("save", steps_done, fault))
+    def save_checkpoint(self, steps_done, fault=None, final=False):
+        self.calls.append(("final save" if final else "save", steps_done, fault))
         return steps_done not in self.refused_saves
 
     def evaluate(self, step, before_batch=None):

@@ -1,0 +1,51 @@
+"""A rank's background writer: one thread that writes one checkpoint at a time while training
+goes on (`train.checkpoint_async`).
+
+The training thread hands it a job (write a snapshot's files) and goes on; `busy()` says
+whether the job still runs, `succeeded()` whether it ended well, `wait()` waits for it and raises what it raised, as the training
+thread's own error (a full disk is then the rank's failure, reported like any other). At most
+one job is in flight: `submit` waits for the one before. A thread rather than a process: the
+snapshot is already the writer's own copy in host memory, and writing it is file I/O, which
+runs outside the GIL (benchmarks/checkpoints measures what a background write costs a step).
+The thread is a daemon: a rank that ends without waiting (it failed) leaves the checkpoint
+unpublished, so invisible.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+
+class BackgroundWriter:
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(job,), name="dsforge-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def succeeded(self) -> bool:
+        """The job handed over last has ended without an error (or there was none)."""
+        return not self.busy() and self._error is None
+
+    def wait(self) -> None:
+        """Until the job in flight is done; raises what it raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._error = exc
