@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dsforge.estimate.save_cost import save_cost
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
 from dsforge.estimate.context_parallel import exchange_bytes, exchange_passes, step_exchange_bytes
 from dsforge.estimate.flops import flops_per_token
@@ -90,9 +91,23 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
         "bubble_share_of_step": bubble_share_of_step(layout.pp, layout.vpp, layout.num_microbatches),
         "data_parallel_traffic": _data_parallel_traffic(resolved),
         "context_parallel_traffic": _context_parallel_traffic(resolved),
+        "checkpoint_every": train.checkpoint_every,
+        "checkpoint": save_cost(resolved, device=device,
+                                step_s=_predicted_step_s(resolved, device)).to_dict(),
         "warnings": warnings,
     }
     return plan
+
+
+def _predicted_step_s(resolved: Resolved, device: str) -> float | None:
+    """The step-time model's seconds a step on the recipe's GPU (cluster.gpu), else None: the
+    model knows GPUs only."""
+    from dsforge.cost.step_time import predicted_step_time
+
+    cluster = resolved.recipe.cluster
+    if device != "cuda" or cluster is None or cluster.gpu is None:
+        return None
+    return predicted_step_time(resolved, cluster.gpu, cluster.gpus_per_node)["total"]
 
 
 def _context_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
@@ -164,8 +179,8 @@ def _gpu_fit(resolved: Resolved, total: float, warnings: list[str]) -> dict[str,
 
 def render_plan(plan: dict[str, Any]) -> str:
     sections = [_render_layout(plan), _render_groups(plan), _render_model(plan),
-                _render_memory(plan), _render_pipeline(plan), _render_data_parallel(plan),
-                _render_deepspeed(plan)]
+                _render_memory(plan), _render_checkpoint(plan), _render_pipeline(plan),
+                _render_data_parallel(plan), _render_deepspeed(plan)]
     if plan["warnings"]:
         sections.append("Warnings\n" + "\n".join(f"  {w}" for w in plan["warnings"]))
     return "\n\n".join(sections) + "\n"
@@ -262,6 +277,35 @@ def _render_memory(plan: dict[str, Any]) -> str:
         for s, v in plan["memory_by_zero_stage"].items())
     lines.append(f"  by stage: {stages}")
     return "\n".join(lines)
+
+
+def _render_checkpoint(plan: dict[str, Any]) -> str:
+    c, every = plan["checkpoint"], plan["checkpoint_every"]
+    how = "a snapshot, written in the background" if c["asynchronous"] else "written in the training loop"
+    hosts = f"{c['job_mtbf_s'] / 3600:,.0f} h for the job" if c["job_mtbf_s"] else ""
+    interval = (f"every {c['interval_steps']:,} steps ({_duration(c['interval_s'])} at "
+                f"{c['step_s']:.2f} s a step)" if c["interval_steps"] else
+                f"every {_duration(c['interval_s'])} (a step's time is predicted on a GPU named "
+                "in cluster.gpu)")
+    lines = [f"Checkpoints (estimate; {how}; now train.checkpoint_every {every or 'off'})",
+             f"  a save: {format_bytes(c['total_bytes'])}, {format_bytes(c['rank_bytes'])} from the "
+             f"busiest rank, {format_bytes(c['host_bytes'])} from the busiest host (held in its "
+             "host memory until written)",
+             f"  training stops {'at most ' if c['asynchronous'] else ''}"
+             f"{_duration(c['stall_s'])} a save; the files take "
+             f"{_duration(c['write_s'])} at {c['write_gbps']:g} GB/s a node",
+             f"  best interval (Young/Daly, node MTBF {c['node_mtbf_hours']:,.0f} h: {hosts}): "
+             f"{interval}; loses {c['lost_to_saves']:.2%} to saves and {c['lost_to_failures']:.2%}"
+             " to the work redone after failures"]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _render_pipeline(plan: dict[str, Any]) -> str:

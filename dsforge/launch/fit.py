@@ -7,6 +7,9 @@ activations and buffers) and a probe of the machine (launch/probe.py):
   FIT2 (error)   a rank's predicted memory > free memory per GPU; on CPU, all of this
                  machine's ranks together > the host memory available (they share it);
   FIT3 (warning) more CPU ranks than cores: it runs, each rank on one thread, slowly;
+  FIT4 (error)   on a GPU machine, a checkpoint's snapshot of its ranks' state (each rank's
+                 part copied into host memory before it is written, estimate/save_cost.py) > the
+                 host memory available; on CPU the snapshot is part of FIT2's sum;
   BLD1-BLD6      what DeepSpeed needs to build the ops the ranks build at run time, when the
                  machine's build facts were probed (translate/build_env.py).
 The user can override the errors (--skip-fit-check); warnings never block.
@@ -129,14 +132,40 @@ def fit_problems(resolved: Resolved, machine: Machine, *, device: str,
     `machine` with `device` ("cpu" or "cuda")."""
     ranks = resolved.layout.world_size if ranks is None else ranks
     per_rank = rank_memory_bytes(resolved, device)
+    snapshot = snapshot_bytes(resolved, ranks)
     if device == "cuda":
-        problems = _gpu_problems(machine, ranks, per_rank)
+        problems = _gpu_problems(machine, ranks, per_rank) + _host_problems(machine, ranks, snapshot)
     else:
-        problems = _cpu_problems(machine, ranks, per_rank)
+        problems = _cpu_problems(machine, ranks, per_rank, snapshot)
     if machine.build is not None:
         problems += build_problems(job_ops(resolved, device), machine.build, device=device,
                                    host=machine.name)
     return problems
+
+
+def snapshot_bytes(resolved: Resolved, ranks: int) -> float:
+    """Host memory a checkpoint's snapshot takes on a machine running `ranks` of the job's
+    ranks: the whole world's state on one machine, else the busiest host's; 0 when the run
+    never saves."""
+    if not resolved.recipe.train.checkpoint_every:
+        return 0.0
+    from dsforge.estimate.save_cost import host_state_bytes
+
+    hosts = host_state_bytes(resolved)
+    return sum(hosts) if ranks >= resolved.layout.world_size else max(hosts)
+
+
+def _host_problems(machine: Machine, ranks: int, snapshot: float) -> list[Problem]:
+    need = snapshot + ranks * CPU_RANK_OVERHEAD_BYTES
+    if not snapshot or machine.memory_available is None or need <= machine.memory_available:
+        return []
+    return [Problem(
+        rule="FIT4", fields={"checkpoint snapshot (estimated)": format_bytes(snapshot),
+                             f"available RAM on {machine.name}": format_bytes(machine.memory_available)},
+        message=f"a checkpoint copies its {ranks} ranks' optimizer state into host memory before "
+                f"writing it, {format_bytes(need)} with the processes themselves",
+        fix="raise zero.stage or the data-parallel size (each rank then holds less state), "
+            "spread the ranks over more hosts, or set train.checkpoint_every: 0")]
 
 
 def _gpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem]:
@@ -158,16 +187,17 @@ def _gpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem
     return problems
 
 
-def _cpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem]:
+def _cpu_problems(machine: Machine, ranks: int, per_rank: float, snapshot: float) -> list[Problem]:
     problems = []
-    need = ranks * (per_rank + CPU_RANK_OVERHEAD_BYTES)
+    need = ranks * (per_rank + CPU_RANK_OVERHEAD_BYTES) + snapshot
     if machine.memory_available is not None and need > machine.memory_available:
+        saves = f" + {format_bytes(snapshot)} a checkpoint's snapshot" if snapshot else ""
         problems.append(Problem(
             rule="FIT2", fields={"ranks": ranks, "memory per rank (estimated)": format_bytes(per_rank),
                                  f"available RAM on {machine.name}": format_bytes(machine.memory_available)},
             message=f"the CPU ranks share the host's memory and need {format_bytes(need)} together "
                     f"(model states and activations + {CPU_RANK_OVERHEAD_BYTES // MiB} MiB a "
-                    "process)",
+                    f"process{saves})",
             fix="run on GPUs over a hostfile, shrink the model, or smoke-test the layout at "
                 "tiny size (see below)"))
     if ranks > machine.cpus:

@@ -38,16 +38,32 @@ class TrackingConfig:
         return None if self.profile is None else profile_steps(self.profile)
 
 
+# A node's mean time between failures that end a job. Llama 3 (Meta, 2024): 419 unexpected
+# interruptions in 54 days on 16,384 GPUs, 2,048 nodes of 8: 2,048 x 54 x 24 / 419 = 6,335
+# node-hours (../shared/reference/performance-anchors.md, docs/checkpoints.md).
+DEFAULT_NODE_MTBF_HOURS = 6335.0
+# GB/s one node writes its checkpoint files at (fsynced): 0.45-0.58 measured on the development
+# machine's local disk (benchmarks/checkpoints/README.md); a run's summary.json says what yours
+# wrote (`checkpoints.*.write_gbps`).
+DEFAULT_CHECKPOINT_WRITE_GBPS = 0.5
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     nodes: int = 1
     gpus_per_node: int
     gpu: str | None = None  # a key of dsforge.hardware.GPUS
+    # What `dsforge plan` prices a checkpoint with (estimate/save_cost.py): the rate a node writes
+    # to the checkpoint directory, and how long a node runs between failures that end a job.
+    checkpoint_write_gbps: float = DEFAULT_CHECKPOINT_WRITE_GBPS
+    node_mtbf_hours: float = DEFAULT_NODE_MTBF_HOURS
 
     def __post_init__(self) -> None:
         c = Checks()
         require_positive(c, "C1", "cluster", nodes=self.nodes, gpus_per_node=self.gpus_per_node)
         require_at_most(c, "C1", "cluster", MAX_WORLD, nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+        require_positive(c, "C3", "cluster", checkpoint_write_gbps=self.checkpoint_write_gbps,
+                         node_mtbf_hours=self.node_mtbf_hours)
         if self.gpu is not None:
             c.require(self.gpu in GPU_KEYS, "C2", {"cluster.gpu": self.gpu}, "unknown GPU",
                       f"use one of {', '.join(GPU_KEYS)}.{did_you_mean(self.gpu, GPU_KEYS)}")

@@ -9,9 +9,14 @@ through the traps of each:
   count as it is;
 - ZeRO-2 with the optimizer offloaded: DeepSpeed's CPU Adam keeps its step as an int;
 - ZeRO-3 in bf16: the 16-bit partitions are cast from the fp32 ones.
-(The experts of an MoE model and ZeRO-3 in fp32 are proven through `dsforge run` in
-test_checkpoint.py, other layouts in test_reshard.py. DeepSpeed refuses fp16 on a CPU; the loss
-scaler's state is tests/unit/test_layout_free.py's.)
+- ZeRO-3 in fp32: no 16-bit copy, the fp32 partitions are the weights;
+- a pipeline with validation before and after the resume (a hang source in Megatron's tools):
+  the held-out losses are bitwise too;
+- the experts of an MoE model (ep 2): their state is partitioned over the expert-data-parallel
+  ranks, not the data-parallel ones.
+(Another layout's resume is test_reshard.py's; the crash-and-resume through `dsforge run` is
+test_checkpoint.py's. DeepSpeed refuses fp16 on a CPU; the loss scaler's state is
+tests/unit/test_layout_free.py's.)
 
 One world of 2 ranks (legs_worker.py) trains each case 4 steps straight, saving after step 2
 (in the background: published at step 3's all-reduce) and after step 4 (in the foreground, the
@@ -38,24 +43,30 @@ from tests.distributed.test_run import _job_processes, dsforge
 pytestmark = pytest.mark.timeout(600)
 
 TINY = REPO / "recipes" / "tiny.yaml"
+TINY_MOE = REPO / "recipes" / "tiny_moe.yaml"
 COMMON = [f"data.source={TEXT}", "train.checkpoint_every=2", "train.steps=4",
           "train.warmup_steps=0", "train.timing_warmup=0"]
-CASES = {
-    "zero0_bf16": ["zero.stage=0", "train.precision=bf16"],
-    "zero1": ["zero.stage=1"],
-    "zero2_offload": ["zero.stage=2", "zero.offload_optimizer=cpu"],
-    "zero3_bf16": ["zero.stage=3", "train.precision=bf16"],
-    "pp2_zero1": ["parallel.dp=1", "parallel.pp=2", "zero.stage=1"],
+CASES = {  # name -> (recipe, overrides)
+    "zero0_bf16": (TINY, ["zero.stage=0", "train.precision=bf16"]),
+    "zero1": (TINY, ["zero.stage=1"]),
+    "zero2_offload": (TINY, ["zero.stage=2", "zero.offload_optimizer=cpu"]),
+    "zero3_bf16": (TINY, ["zero.stage=3", "train.precision=bf16"]),
+    "zero3_fp32": (TINY, ["zero.stage=3", "train.precision=fp32"]),
+    "pp2_zero1_eval": (TINY, ["parallel.dp=1", "parallel.pp=2", "zero.stage=1",
+                              "train.eval_every=1", "train.eval_iters=1"]),
+    "moe_ep2_zero1": (TINY_MOE, ["zero.stage=1"]),
 }
 WRITTEN_IN_THE_BACKGROUND = "step00000002"
 
 
 def _legs() -> list[dict]:
     legs = []
-    for name, overrides in CASES.items():
-        legs += [{"run": f"{name}-straight", "overrides": COMMON + overrides, "resume": False},
-                 {"run": f"{name}-resumed", "overrides": COMMON + overrides, "resume": True,
-                  "copy_of": f"{name}-straight", "latest": WRITTEN_IN_THE_BACKGROUND}]
+    for name, (recipe, overrides) in CASES.items():
+        legs += [{"run": f"{name}-straight", "recipe": str(recipe), "overrides": COMMON + overrides,
+                  "resume": False},
+                 {"run": f"{name}-resumed", "recipe": str(recipe), "overrides": COMMON + overrides,
+                  "resume": True, "copy_of": f"{name}-straight",
+                  "latest": WRITTEN_IN_THE_BACKGROUND}]
     return legs
 
 
@@ -71,12 +82,19 @@ def _steps(run_dir) -> list[tuple[float, float | None, float]]:
     return [(r["loss"], r["grad_norm"], r["lr"]) for r in read_metrics(run_dir / "metrics.jsonl")[0]]
 
 
+def _validation(run_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["val_loss"]) for r in read_metrics(run_dir / "metrics.jsonl")[1]]
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_a_resume_from_a_background_save_is_bitwise(world, name):
     straight, resumed = world / f"{name}-straight", world / f"{name}-resumed"
     assert list(complete_checkpoints(straight / "checkpoints")) == [2, 4]
     assert len(_steps(straight)) == len(_steps(resumed)) == 4
     assert _steps(resumed) == _steps(straight)  # loss, gradient norm and rate, bit for bit
+    assert _validation(resumed) == _validation(straight)  # the held-out losses too
+    if "train.eval_every=1" in CASES[name][1]:
+        assert [step for step, _ in _validation(straight)] == [0, 1, 2, 3]
     checkpoint = straight / "checkpoints" / WRITTEN_IN_THE_BACKGROUND
     files = json.loads((checkpoint / "dsforge_complete.json").read_text())["files"]
     assert not [name for name in files if name.endswith("_states.pt")]  # the state once

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -303,7 +304,8 @@ def test_save_records_every_file_and_its_size(tmp_path, monkeypatch):
         (directory / "dsforge_state" / "rank00000.safetensors").write_bytes(b"x" * 7)
 
     monkeypatch.setattr(Engine.module, "chunks", [], raising=False)
-    monkeypatch.setattr(checkpoint, "snapshot_state", lambda *args, **kwargs: None)
+    monkeypatch.setattr(checkpoint, "snapshot_state",
+                        lambda *args, **kwargs: SimpleNamespace(copy=lambda staging: None))
     monkeypatch.setattr(checkpoint, "write_snapshot", write_snapshot)
     monkeypatch.setattr(checkpoint, "padded_vocab_of", lambda chunks: 128)
     root = tmp_path / "checkpoints"

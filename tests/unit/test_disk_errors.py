@@ -20,9 +20,11 @@ def _checkpointer(tmp_path, monkeypatch, *, background: bool, world_size: int = 
     whose barriers pass; `write_files` is the test's to replace."""
     monkeypatch.setattr("dsforge.runtime.loop.checkpointer.asdict", lambda _: {})
     monkeypatch.setattr("dsforge.runtime.guard.health.ranks_where", lambda flag, device: [])
+    state = types.SimpleNamespace(nbytes=0, copy=lambda staging: None, optimizer=torch.optim.SGD(
+        [torch.nn.Parameter(torch.zeros(1))], lr=0.1))
     monkeypatch.setattr(checkpoint, "take_snapshot",
                         lambda engine, root, *, step, world_size, rank: types.SimpleNamespace(
-                            step=step, rank=rank))
+                            step=step, rank=rank, state=state))
     monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
     resolved = types.SimpleNamespace(
         recipe=types.SimpleNamespace(train=types.SimpleNamespace(keep_last=0,

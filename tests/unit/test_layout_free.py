@@ -190,3 +190,30 @@ def test_the_fp16_loss_scalers_state_comes_back_whole():
     _restore_engine(engine, saved)
     assert _scalars(fresh) == _scalars(trained) and fresh.cur_scale == 512.0
     assert (engine.global_steps, engine.skipped_steps) == (37, 3)
+
+
+def test_the_optimizer_step_waits_for_the_background_copy():
+    """A background save copies the state while the next forward and backward run; the
+    optimizer's step (which changes the state) waits for the copy (runtime/checkpoint/
+    staging.py StepGate), so the snapshot is the state of the step it was taken after."""
+    import threading
+    import time
+
+    from dsforge.runtime.checkpoint.staging import Staging, StepGate
+
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    weight.grad = torch.ones(4)
+    gate = StepGate(optimizer)
+    stepping = threading.Thread(target=optimizer.step)
+    stepping.start()
+    time.sleep(0.2)
+    assert stepping.is_alive() and torch.equal(weight.detach(), torch.ones(4))  # held
+    copy = Staging().copy_all({"w": weight.detach()}, ready=None)["w"]
+    gate.open()
+    stepping.join(timeout=5)
+    assert not stepping.is_alive() and gate.waited_s >= 0.15
+    assert torch.equal(copy, torch.ones(4)) and torch.equal(weight.detach(), torch.zeros(4))
+    gate.close()
+    optimizer.step()  # no gate any more: steps at once
+    assert torch.equal(weight.detach(), -torch.ones(4))

@@ -1,9 +1,10 @@
 """A rank's side of the layout-free checkpoint state (format: dsforge/ckpt/format.py), the
 checkpoint's only copy of the weights and the optimizer.
 
-`write_state` runs on every rank during a save and needs no collective: each rank writes the
-pieces of optimizer state it owns (its ZeRO partition of its tensor-parallel shards) under the
-parameters' global names. `load_state` runs on every rank of a resumed job, on the
+A save needs no collective: each rank takes the pieces of optimizer state it owns (its ZeRO
+partition of its tensor-parallel shards; `snapshot_state`), copies them into host memory
+(`StateSnapshot.copy`, runtime/checkpoint/staging.py) and writes them under the parameters'
+global names (`write_snapshot`). `load_state` runs on every rank of a resumed job, on the
 checkpoint's layout or another: for each of its parameters it reads the full tensor (one at a
 time), cuts this rank's shard out of it and puts it where the ZeRO stage keeps it, then
 restores the step counters, the learning-rate schedule and the loss scaler.
@@ -24,25 +25,38 @@ from dsforge.ckpt.names import ParamSpec, param_specs, shard
 from dsforge.ckpt.reader import StateError, StateReader
 from dsforge.files import fsync_directory, fsync_file, write_atomic
 from dsforge.runtime.assemble.vocab import VOCAB_TENSORS, pad_rows
+from dsforge.runtime.checkpoint.staging import Staging, ready_event
 from dsforge.runtime.checkpoint.zero_state import optimizer_view
 
 
 @dataclass
 class StateSnapshot:
-    """A rank's part of the layout-free state, copied out of the engine: its pieces as host
-    tensors of its own (the engine's change at the next optimizer step), their records, and
-    rank 0's state.json. `write_snapshot` writes it, in the training thread or a writer's."""
+    """A rank's part of the layout-free state: its pieces (the engine's own tensors until
+    `copy` makes them host tensors of the snapshot's own), their records, rank 0's state.json
+    and the torch optimizer whose next step changes the pieces. `write_snapshot` writes it, in
+    the training thread or a writer's."""
 
     rank: int
     tensors: dict[str, torch.Tensor]
     pieces: list[dict]
     engine_state: dict[str, Any] | None  # rank 0's state.json
+    optimizer: torch.optim.Optimizer
+    ready: Any = None  # on a GPU, the event the copies wait for (staging.ready_event)
+    copied: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for t in self.tensors.values())  # written as fp32
+
+    def copy(self, staging: Staging) -> None:
+        """The pieces into host memory (`staging`'s buffers): before the optimizer's next step."""
+        self.tensors = staging.copy_all(self.tensors, self.ready)
+        self.ready, self.copied = None, True
 
 
 def snapshot_state(engine, chunks, *, rank: int, world_size: int, step: int,
                    padded_vocab_size: int) -> StateSnapshot:
-    """Copy this rank's pieces (and, on rank 0, what state.json holds) into host memory: the
-    training loop may step the optimizer again as soon as this returns."""
+    """This rank's pieces, not yet copied, and (on rank 0) what state.json holds, now."""
     view = optimizer_view(engine)
     tensors, pieces = {}, []
     for param, spec in param_specs(chunks):
@@ -51,24 +65,19 @@ def snapshot_state(engine, chunks, *, rank: int, world_size: int, step: int,
         for start, states in view.fragments(param):
             for state, tensor in states.items():
                 piece = _piece(spec, param, state, start, tensor.numel())
-                tensors[piece.key] = _host_copy(tensor)
+                tensors[piece.key] = tensor.detach()
                 pieces.append(piece.to_json())
     engine_state = _engine_state(engine, view, step=step, world_size=world_size,
                                  padded_vocab_size=padded_vocab_size) if rank == 0 else None
-    return StateSnapshot(rank=rank, tensors=tensors, pieces=pieces, engine_state=engine_state)
-
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy in host memory that nothing else holds (on a CPU too: the optimizer
-    updates its tensors in place)."""
-    flat = tensor.detach().reshape(-1)
-    return torch.empty(flat.shape, dtype=torch.float32, device="cpu").copy_(flat)
+    return StateSnapshot(rank=rank, tensors=tensors, pieces=pieces, engine_state=engine_state,
+                         optimizer=view.base, ready=ready_event(tensors))
 
 
 def write_snapshot(snapshot: StateSnapshot, checkpoint_dir: Path) -> None:
     """The snapshot's files under CHECKPOINT/dsforge_state, on disk (fsync) when it returns."""
     from safetensors.torch import save_file
 
+    assert snapshot.copied, "a snapshot is copied into host memory before it is written"
     directory = checkpoint_dir / STATE_DIR
     directory.mkdir(exist_ok=True)
     path = directory / rank_file(snapshot.rank)
@@ -77,13 +86,6 @@ def write_snapshot(snapshot: StateSnapshot, checkpoint_dir: Path) -> None:
     if snapshot.engine_state is not None:
         write_atomic(directory / STATE_FILE, json.dumps(snapshot.engine_state, indent=2))
     fsync_directory(directory)
-
-
-def write_state(engine, chunks, checkpoint_dir: Path, *, rank: int, world_size: int,
-                step: int, padded_vocab_size: int) -> None:
-    """`snapshot_state` then `write_snapshot`, in the calling thread."""
-    write_snapshot(snapshot_state(engine, chunks, rank=rank, world_size=world_size, step=step,
-                                  padded_vocab_size=padded_vocab_size), checkpoint_dir)
 
 
 def _piece(spec: ParamSpec, param, state: str, start: int, numel: int) -> Piece:

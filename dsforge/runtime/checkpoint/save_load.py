@@ -7,7 +7,8 @@ Layout under RUN_DIR/checkpoints/:
                                rank's RNG states) and, written last, dsforge_complete.json
                                (step, resolved recipe, world size, every file and its size)
   latest                       the tag of the newest complete checkpoint
-A save is a snapshot of each rank's state in host memory (`take_snapshot`), its files written
+A save is a snapshot of each rank's state (`take_snapshot`), copied into host memory before the
+optimizer's next step (runtime/checkpoint/staging.py), its files written
 (`write_files`: in the training thread, or by a background writer, runtime/loop/checkpointer.py)
 and on disk (fsync) before the ranks agree they are written; then rank 0 writes the completion
 marker and moves `latest` (atomic renames: `publish`), so a crash during a save leaves the
@@ -41,6 +42,7 @@ from dsforge.ckpt.trust import (CheckpointError, check_complete, check_safe_to_l
 from dsforge.files import fsync_directory, fsync_file, write_atomic
 from dsforge.runtime.checkpoint.layout_free import (StateSnapshot, load_state, snapshot_state,
                                                     write_snapshot)
+from dsforge.runtime.checkpoint.staging import Staging
 
 
 @dataclass
@@ -61,7 +63,8 @@ class Snapshot:
 
 def take_snapshot(engine, root: Path, *, step: int, world_size: int, rank: int) -> Snapshot:
     """Every rank at once (the directory is emptied first, behind a barrier): its RNG states
-    and its pieces of the state after `step` steps."""
+    and its pieces of the state after `step` steps, to be copied into host memory
+    (`Snapshot.state.copy`) before the optimizer's next step."""
     _fresh_directory(root / tag_for(step), rank)
     chunks = engine.module.chunks
     return Snapshot(root=root, step=step, rank=rank, rng=_rng_state(),
@@ -96,7 +99,9 @@ def save(engine, root: Path, *, step: int, recipe: dict[str, Any], world_size: i
          fault=None) -> None:
     """Write the checkpoint of the state after `step` steps on every rank, in the training
     thread; rank 0 publishes it."""
-    write_files(take_snapshot(engine, root, step=step, world_size=world_size, rank=rank), fault)
+    snapshot = take_snapshot(engine, root, step=step, world_size=world_size, rank=rank)
+    snapshot.state.copy(Staging())
+    write_files(snapshot, fault)
     torch.distributed.barrier()  # every rank's files are on disk
     if rank == 0:
         publish(root, step, world_size=world_size, recipe=recipe)

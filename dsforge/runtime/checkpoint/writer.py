@@ -13,6 +13,7 @@ unpublished, so invisible.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable
 
@@ -45,7 +46,19 @@ class BackgroundWriter:
             raise error
 
     def _run(self, job: Callable[[], None]) -> None:
+        _lowest_priority()
         try:
             job()
         except BaseException as exc:  # handed to the training thread by wait()
             self._error = exc
+
+
+def _lowest_priority() -> None:
+    """The writer thread at nice 19 (Linux sets it per thread): where training computes on the
+    CPU cores, a write at the same priority took a core from every step it ran beside (2x their
+    time on 2 cores, benchmarks/checkpoints); at the lowest it takes what training leaves, and
+    the next save waits for it if it must."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux: the writer keeps the process's priority
+        pass

@@ -3,9 +3,10 @@ step, and pruning the oldest (train.keep_last). The format, the files and the tr
 runtime/checkpoint/save_load.py's and ckpt/'s; this part decides when a save may happen, who
 writes it and when it is published, and says what went wrong in the user's terms.
 
-With `train.checkpoint_async` a save stops training only for its snapshot (each rank's state
-copied into host memory); a background writer (runtime/checkpoint/writer.py) writes the files
-while the next steps train. At most one save is in flight. It is published (the completion
+With `train.checkpoint_async` a save hardly stops training: a background writer
+(runtime/checkpoint/writer.py) copies each rank's state into host memory while the next step's
+forward and backward run (the optimizer step waits for the copy: runtime/checkpoint/staging.py)
+and then writes the files while the next steps train. At most one save is in flight. It is published (the completion
 marker, then `latest`, then the pruning) once every rank has written its files: each step's
 all-reduce carries whether a rank is still writing (runtime/guard/health.py `reduce_step`),
 so no collective is added. A save the run must end on (the last step's, a stop's) is written
@@ -17,6 +18,8 @@ in the training thread after the one in flight is published; a run that ends oth
 from __future__ import annotations
 
 import contextlib
+import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator
@@ -28,6 +31,7 @@ from dsforge.job.console import RankConsole
 from dsforge.job.run_dir import RunDir
 from dsforge.recipe import Resolved
 from dsforge.runtime.checkpoint import save_load
+from dsforge.runtime.checkpoint.staging import Staging, StepGate
 from dsforge.runtime.checkpoint.writer import BackgroundWriter
 from dsforge.runtime.guard import health
 from dsforge.runtime.guard.record import passing_kind
@@ -49,9 +53,14 @@ class Checkpointer:
         self.engine, self.resolved, self.run_dir = engine, resolved, run_dir
         self.device, self.console, self.rank = device, console, rank
         self.writer = BackgroundWriter() if resolved.recipe.train.checkpoint_async else None
+        # A background save's host buffers, kept from one save to the next (at most one in
+        # flight: a snapshot is written before the next is taken).
+        self.staging = Staging() if self.writer is not None else None
+        self._gate: StepGate | None = None  # holds the optimizer until the save is copied
         self.in_flight: int | None = None  # steps_done of the save not yet published
         self._started: float | None = None  # when the save in flight was started (monotonic)
         self.slowest_s: float | None = None  # the longest save yet, snapshot to published
+        self.saves: list[dict] = []  # what each save of this rank cost (`measured`)
 
     def resume(self) -> Resumed:
         """Load the newest complete checkpoint into the engine (on this layout or, through the
@@ -89,18 +98,37 @@ class Checkpointer:
             return Halted(step=steps_done - 1, kind="weights", ranks=bad_ranks,
                           what=f"non-finite weights before the save of step {steps_done}"
                                "; the checkpoint was not written")
+        stopped = time.monotonic()
         self.finish()  # at most one in flight: the one before is published first
         with self._saving(steps_done):
             self._started = time.monotonic()
             snapshot = self._snapshot(steps_done)
+            cost = {"step": steps_done, "bytes": snapshot.state.nbytes}
+            self.saves.append(cost)
             if self.writer is None or final:
-                self._write(snapshot, fault)
+                self._copy(snapshot, Staging(), cost)
+                self._write(snapshot, fault, cost)
                 torch.distributed.barrier()  # every rank's files are on disk
                 self._publish(steps_done)
-            else:
-                self.writer.submit(lambda: self._write(snapshot, fault))
+            else:  # copied and written by the writer; the optimizer's next step waits for the copy
+                self._gate = StepGate(snapshot.state.optimizer)
+                gate, staging = self._gate, self.staging
+                self.writer.submit(lambda: self._copy_and_write(snapshot, staging, gate, fault,
+                                                                cost))
                 self.in_flight = steps_done
+            cost["stall_s"] = time.monotonic() - stopped  # the training thread's wait, so far
         return True
+
+    def measured(self) -> dict | None:
+        """What this rank's saves cost (summary.json's `checkpoints`), the saves written in the
+        background and those written in the training loop apart: how many, the medians of the
+        loop's stall (its wait for the save before included), the snapshot and the write, the
+        bytes a save and the rate its files were written at."""
+        written = [c for c in self.saves if "write_s" in c]
+        if not written:
+            return None
+        return {where: _medians([c for c in written if c["in_background"] == background])
+                for where, background in (("background", True), ("foreground", False))}
 
     def writing(self) -> bool:
         """Whether this rank has not (successfully) written its files of the save in flight:
@@ -111,6 +139,7 @@ class Checkpointer:
         """After each step's all-reduce (`ranks_writing`: the ranks whose `writing()` was
         true): this rank's writer's error is raised here; once no rank is writing, the save in
         flight is published."""
+        self._close_gate()
         if self.in_flight is None:
             return
         with self._saving(self.in_flight):
@@ -126,6 +155,7 @@ class Checkpointer:
             return
         with self._saving(self.in_flight):
             self.writer.wait()
+            self._close_gate()
             torch.distributed.barrier()
             self._publish(self.in_flight)
 
@@ -150,12 +180,40 @@ class Checkpointer:
                                        world_size=self.resolved.layout.world_size,
                                        rank=self.rank)
 
-    def _write(self, snapshot: save_load.Snapshot, fault) -> None:
-        """The snapshot's files (in the training thread, or the writer's: no collective)."""
+    def _close_gate(self) -> None:
+        """Once the save in flight is copied: its gate off the optimizer, and the time the
+        optimizer step waited for the copy into the save's stall."""
+        if self._gate is not None and self._gate.copied.is_set():
+            self._gate.close()
+            self.saves[-1]["stall_s"] += self._gate.waited_s
+            self._gate = None
+
+    def _copy_and_write(self, snapshot: save_load.Snapshot, staging: Staging, gate: StepGate,
+                        fault, cost: dict) -> None:
+        """The writer's job: copy the snapshot into host memory and let the optimizer step,
+        whatever happens, then write the files."""
+        try:
+            self._copy(snapshot, staging, cost)
+        finally:
+            gate.open()
+        self._write(snapshot, fault, cost)
+
+    @staticmethod
+    def _copy(snapshot: save_load.Snapshot, staging: Staging, cost: dict) -> None:
+        started = time.monotonic()
+        snapshot.state.copy(staging)
+        cost["snapshot_s"] = time.monotonic() - started
+
+    def _write(self, snapshot: save_load.Snapshot, fault, cost: dict) -> None:
+        """The snapshot's files (in the training thread, or the writer's: no collective);
+        their time into `cost`."""
+        cost["in_background"] = threading.current_thread() is not threading.main_thread()
+        started = time.monotonic()
         try:
             save_load.write_files(snapshot, fault)
         except (OSError, RuntimeError) as exc:
             raise self._disk_error(snapshot.step, exc) from exc
+        cost["write_s"] = time.monotonic() - started
 
     def _disk_error(self, steps_done: int, exc: BaseException) -> CheckpointError:
         # torch's serializer reports a full disk as "basic_ios::clear", without a path.
@@ -185,6 +243,16 @@ class Checkpointer:
 
             prune(self.run_dir.checkpoints, keep_last,
                   warn=lambda text: self.console.say(f"dsforge: warning: {text}"))
+
+
+def _medians(costs: list[dict]) -> dict | None:
+    if not costs:
+        return None
+    median = {key: statistics.median(c[key] for c in costs)
+              for key in ("stall_s", "snapshot_s", "write_s")}
+    nbytes = costs[-1]["bytes"]
+    rate = nbytes / median["write_s"] / 1e9 if median["write_s"] > 0 else None
+    return {"saves": len(costs), **median, "bytes": nbytes, "write_gbps": rate}
 
 
 def _first_line(exc: BaseException) -> str:

@@ -60,14 +60,16 @@ class Reporter:
         write_atomic(self.run_dir.manifest, json.dumps(manifest, indent=2) + "\n")
 
     def finish(self, *, startup_s: dict[str, float], restarts: list[dict],
-               closing_line: bool) -> None:
-        """summary.json: the run's medians (metrics.py), its start-up and the job's restarts
-        before this attempt. `closing_line`: say the summary (a run that stopped early leaves
-        that to `dsforge run`, which says why and how to go on)."""
+               checkpoints: dict | None, closing_line: bool) -> None:
+        """summary.json: the run's medians (metrics.py), its start-up, the job's restarts
+        before this attempt and what this rank's checkpoints cost (Checkpointer.measured).
+        `closing_line`: say the summary (a run that stopped early leaves that to `dsforge
+        run`, which says why and how to go on)."""
         self.console.close()
         self.tracker.close()
         summary = {**self.metrics.summary(), "startup_s": startup_s,
-                   "restarts": len(restarts), "restart_causes": restarts}
+                   "restarts": len(restarts), "restart_causes": restarts,
+                   "checkpoints": checkpoints}
         write_atomic(self.run_dir.summary, json_text(summary, indent=2) + "\n")
         if not closing_line:
             return

@@ -223,6 +223,7 @@ class Trainer:
                               fp16=self.resolved.recipe.train.precision == "fp16")
         if self.reporter:
             self.reporter.finish(startup_s=self.startup.phases, restarts=self.restarts,
+                                 checkpoints=self.checkpointer.measured(),
                                  closing_line=closing_line)
 
 
