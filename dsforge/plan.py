@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dsforge.estimate.save_cost import save_cost
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
 from dsforge.estimate.context_parallel import exchange_bytes, exchange_passes, step_exchange_bytes
 from dsforge.estimate.flops import flops_per_token
 from dsforge.estimate.memory import estimate_memory, largest_stage_params
 from dsforge.estimate.memory_fixes import zero_at_stage
 from dsforge.estimate.params import count_params
+from dsforge.estimate.save_cost import save_cost
 from dsforge.hardware import gpu_by_key
 from dsforge.problems import errors
 from dsforge.recipe.resolve import Resolved
@@ -281,8 +281,7 @@ def _render_memory(plan: dict[str, Any]) -> str:
 
 def _render_checkpoint(plan: dict[str, Any]) -> str:
     c, every = plan["checkpoint"], plan["checkpoint_every"]
-    how = "a snapshot, written in the background" if c["asynchronous"] else "written in the training loop"
-    hosts = f"{c['job_mtbf_s'] / 3600:,.0f} h for the job" if c["job_mtbf_s"] else ""
+    how = "written in the background" if c["asynchronous"] else "written in the training loop"
     interval = (f"every {c['interval_steps']:,} steps ({_duration(c['interval_s'])} at "
                 f"{c['step_s']:.2f} s a step)" if c["interval_steps"] else
                 f"every {_duration(c['interval_s'])} (a step's time is predicted on a GPU named "
@@ -294,7 +293,8 @@ def _render_checkpoint(plan: dict[str, Any]) -> str:
              f"  training stops {'at most ' if c['asynchronous'] else ''}"
              f"{_duration(c['stall_s'])} a save; the files take "
              f"{_duration(c['write_s'])} at {c['write_gbps']:g} GB/s a node",
-             f"  best interval (Young/Daly, node MTBF {c['node_mtbf_hours']:,.0f} h: {hosts}): "
+             f"  best interval (Young/Daly, node MTBF {c['node_mtbf_hours']:,.0f} h: "
+             f"{c['job_mtbf_s'] / 3600:,.0f} h for the job): "
              f"{interval}; loses {c['lost_to_saves']:.2%} to saves and {c['lost_to_failures']:.2%}"
              " to the work redone after failures"]
     return "\n".join(lines)

@@ -115,12 +115,14 @@ def save_cost(resolved: Resolved, *, device: str, step_s: float | None) -> SaveC
     stall_s = snapshot_s if asynchronous else snapshot_s + write_s
     job_mtbf_s = mtbf_hours * 3600 / len(per_host)
     interval_s = max(math.sqrt(2 * job_mtbf_s * stall_s), write_s if asynchronous else 0.0)
-    interval_steps = max(1, round(interval_s / step_s)) if step_s else None
+    # Whole steps, rounded up: never sooner than the write allows (the optimum is flat).
+    interval_steps = max(1, math.ceil(interval_s / step_s)) if step_s else None
     if interval_steps is not None:
         interval_s = interval_steps * step_s
     return SaveCost(total_bytes=sum(per_rank), rank_bytes=max(per_rank), host_bytes=max(per_host),
                     snapshot_s=snapshot_s, write_s=write_s, stall_s=stall_s,
-                    asynchronous=asynchronous, write_gbps=write_gbps, node_mtbf_hours=mtbf_hours, job_mtbf_s=job_mtbf_s,
+                    asynchronous=asynchronous, write_gbps=write_gbps,
+                    node_mtbf_hours=mtbf_hours, job_mtbf_s=job_mtbf_s,
                     interval_s=interval_s, interval_steps=interval_steps, step_s=step_s,
                     lost_to_saves=stall_s / (interval_s + stall_s),
                     lost_to_failures=interval_s / 2 / job_mtbf_s)

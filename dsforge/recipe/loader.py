@@ -391,12 +391,15 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
 
 def _union_option(value: Any, options: list[Any]) -> Any:
     """The option of a union type a written value means: a list for a tuple option (a blend),
-    a scalar option of the value's own type (int | str: 3600 or "1h"), else the first option
-    (str | tuple[...] reads a string as the string)."""
+    a choice among a Literal option's, a scalar option of the value's own type (int | str: 3600
+    or "1h"), else the first option (str | tuple[...] reads a string as the string)."""
     if isinstance(value, (list, tuple)):
         for option in options:
             if typing.get_origin(option) is tuple:
                 return option
+    for option in options:  # int | Literal["auto"]: "auto" is the choice
+        if typing.get_origin(option) is Literal and value in typing.get_args(option):
+            return option
     return next((option for option in options if option is type(value)), options[0])
 
 

@@ -64,6 +64,11 @@ def tiny_model(model: ModelConfig, *, tp: int, etp: int, pp: int, vpp: int,
         kernels="auto", sdpa_backend="auto")
 
 
+def _tiny_interval(every: int | str) -> int | str:
+    """auto stays auto (chosen at run time, from the tiny run's own steps)."""
+    return every if every == "auto" else min(every, TINY_STEPS)
+
+
 def shrink(recipe: Recipe, grad_accum: int) -> Recipe:
     """`recipe` (valid, with `grad_accum` microbatches per step) at tiny size, same layout."""
     p = recipe.parallel
@@ -72,7 +77,7 @@ def shrink(recipe: Recipe, grad_accum: int) -> Recipe:
     train = dataclasses.replace(
         recipe.train, seq_len=model.max_seq_len, micro_batch=1, grad_accum=microbatches,
         global_batch=None, steps=TINY_STEPS, warmup_steps=0, timing_warmup=1,
-        checkpoint_every=min(recipe.train.checkpoint_every, TINY_STEPS))
+        checkpoint_every=_tiny_interval(recipe.train.checkpoint_every))
     data = recipe.data
     if recipe.model.vocab_size > TINY_MAX_VOCAB:  # the tiny model's vocabulary cannot hold it
         data = dataclasses.replace(data, source="synthetic", tokenizer=None)

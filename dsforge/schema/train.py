@@ -55,7 +55,10 @@ class TrainConfig:
     activation_checkpointing: Checkpointing = "none"
     seed: int = 1234
     timing_warmup: int = 1  # first steps left out of timing summaries (marked in metrics)
-    checkpoint_every: int = 0  # save a checkpoint every N steps and after the last; 0 = never
+    # Save a checkpoint every N steps and after the last; 0 = never; auto = the interval that
+    # loses least to saves and failures, chosen once the run has measured its steps
+    # (runtime/loop/save_interval.py, estimate/save_cost.py).
+    checkpoint_every: int | Literal["auto"] = 0
     # A periodic save stops training only for a snapshot in host memory and is written in the
     # background (runtime/loop/checkpointer.py); the last one, and a stop's, in the foreground.
     checkpoint_async: bool = True
@@ -108,9 +111,10 @@ class TrainConfig:
         c.require(self.warmup_steps != 1, "R2", {"train.warmup_steps": 1},
                   "DeepSpeed's warmup schedulers warm up over at least 2 steps and would "
                   "silently use 2", "use train.warmup_steps: 0 (none) or 2 or more")
-        c.require(self.checkpoint_every >= 0, "R1", {"train.checkpoint_every": self.checkpoint_every},
-                  "must be >= 0",
-                  "use train.checkpoint_every: 0 for no checkpoints, or N to save every N steps")
+        c.require(self.checkpoint_every == "auto" or self.checkpoint_every >= 0, "R1",
+                  {"train.checkpoint_every": self.checkpoint_every}, "must be >= 0 or auto",
+                  "use train.checkpoint_every: 0 for no checkpoints, N to save every N steps, "
+                  "or auto")
         c.require(self.eval_every >= 0, "R1", {"train.eval_every": self.eval_every},
                   "must be >= 0", "use train.eval_every: 0 for no validation, or N to "
                   "evaluate every N steps and at the end")

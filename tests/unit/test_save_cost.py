@@ -82,7 +82,7 @@ def test_the_interval_is_young_daly_in_whole_steps():
     assert cost.interval_s == pytest.approx(math.sqrt(2 * cost.job_mtbf_s * cost.stall_s))
     assert cost.stall_s == cost.snapshot_s  # a background save stops training for its snapshot
     in_steps = save_cost(resolved, device="cuda", step_s=10.0)
-    assert in_steps.interval_steps == round(cost.interval_s / 10.0)
+    assert in_steps.interval_steps == math.ceil(cost.interval_s / 10.0)
     assert in_steps.lost_to_failures == pytest.approx(in_steps.interval_s / 2 / cost.job_mtbf_s)
     foreground = _with(resolved, train={"checkpoint_async": False})
     sync = save_cost(foreground, device="cuda", step_s=None)
@@ -133,7 +133,7 @@ def test_plan_shows_the_save_cost():
     result = CliRunner().invoke(cli.main, ["plan", str(REPO / "recipes" / "70b_pp4.yaml"),
                                            "--device", "cuda"])
     assert result.exit_code == 0, result.output
-    assert "Checkpoints (estimate; a snapshot, written in the background" in result.output
+    assert "Checkpoints (estimate; written in the background" in result.output
     assert "best interval (Young/Daly, node MTBF 6,335 h" in result.output
     as_json = CliRunner().invoke(cli.main, ["plan", str(TINY), "--json"])
     cost = json.loads(as_json.output)["checkpoint"]
@@ -146,3 +146,52 @@ def _with(resolved, **sections):
         recipe = dataclasses.replace(recipe, **{name: dataclasses.replace(getattr(recipe, name),
                                                                           **values)})
     return dataclasses.replace(resolved, recipe=recipe)
+
+
+def test_checkpoint_every_auto_loads_and_a_negative_interval_is_refused():
+    auto = resolve_file(TINY, ["train.checkpoint_every=auto"])
+    assert auto.recipe.train.checkpoint_every == "auto"
+    with pytest.raises(RecipeError, match=r"\[R1\].*must be >= 0 or auto"):
+        resolve_file(TINY, ["train.checkpoint_every=-1"])
+    with pytest.raises(RecipeError, match="train.checkpoint_every"):
+        resolve_file(TINY, ["train.checkpoint_every=often"])
+
+
+def test_a_numbered_interval_saves_as_before():
+    from dsforge.runtime.loop.save_interval import SaveInterval
+
+    resolved = _with(resolve_file(TINY), train={"checkpoint_every": 4, "steps": 10})
+    interval = SaveInterval(resolved, device="cpu", first_timed_step=1, say=None)
+    assert [s + 1 for s in range(10) if interval.due(s)] == [4, 8, 10]
+    never = SaveInterval(_with(resolved, train={"checkpoint_every": 0}), device="cpu",
+                         first_timed_step=1, say=None)
+    assert not any(never.due(s) for s in range(10))
+
+
+def test_auto_chooses_the_young_daly_interval_from_the_measured_steps():
+    """Until it has measured 3 steps after the warmup an auto run saves only its last step;
+    then every rank (each given the same mean step time) chooses the same interval."""
+    from dsforge.runtime.loop.save_interval import MEASURED_STEPS, SaveInterval
+
+    resolved = _with(resolve_file(TINY), train={"checkpoint_every": "auto", "steps": 100_000})
+    said = []
+    interval = SaveInterval(resolved, device="cpu", first_timed_step=2, say=said.append)
+    for step, seconds in enumerate([9.0, 9.0, 0.5, 0.7, 0.6]):  # two warmup steps, then three
+        assert not interval.due(step)
+        interval.measured(step, seconds)
+    expected = save_cost(resolved, device="cpu", step_s=0.6).interval_steps
+    assert MEASURED_STEPS == 3 and interval.every == expected > 1
+    assert interval.due(expected - 1) and not interval.due(expected) and interval.due(99_999)
+    assert said == [f"dsforge: checkpoint every {expected:,} steps (train.checkpoint_every auto: "
+                    f"0.6 s a step, {said[0].split('0.6 s a step, ')[1]}"]
+    assert "a job MTBF of 6,335 h" in said[0]
+
+
+def test_a_tiny_run_keeps_auto():
+    from dsforge.recipe.tiny import TINY_STEPS, shrink
+
+    recipe = resolve_file(REPO / "recipes" / "7b_1gpu.yaml", ["train.checkpoint_every=auto"]).recipe
+    assert shrink(recipe, grad_accum=2).train.checkpoint_every == "auto"
+    numbered = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train,
+                                                                     checkpoint_every=1000))
+    assert shrink(numbered, grad_accum=2).train.checkpoint_every == TINY_STEPS

@@ -1,14 +1,15 @@
-"""A rank's background writer: one thread that writes one checkpoint at a time while training
+"""A rank's background writer: one thread that saves one checkpoint at a time while training
 goes on (`train.checkpoint_async`).
 
-The training thread hands it a job (write a snapshot's files) and goes on; `busy()` says
-whether the job still runs, `succeeded()` whether it ended well, `wait()` waits for it and raises what it raised, as the training
-thread's own error (a full disk is then the rank's failure, reported like any other). At most
-one job is in flight: `submit` waits for the one before. A thread rather than a process: the
-snapshot is already the writer's own copy in host memory, and writing it is file I/O, which
-runs outside the GIL (benchmarks/checkpoints measures what a background write costs a step).
-The thread is a daemon: a rank that ends without waiting (it failed) leaves the checkpoint
-unpublished, so invisible.
+The training thread hands it a job (copy a snapshot into host memory, then write its files) and
+goes on; `busy()` says whether the job still runs, `succeeded()` whether it ended well,
+`wait()` waits for it and raises what it raised, as the training thread's own error (a full
+disk is then the rank's failure, reported like any other). At most one job is in flight:
+`submit` waits for the one before. A thread rather than a process: the copies and the file
+writes run outside the GIL, so the training thread's Python goes on beside them; what a
+background save costs the steps beside it is measured in benchmarks/checkpoints. The thread is
+a daemon: a rank that ends without waiting (it failed) leaves the checkpoint unpublished, so
+invisible.
 """
 
 from __future__ import annotations

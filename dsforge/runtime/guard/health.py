@@ -76,10 +76,13 @@ def loss_share(loss: torch.Tensor | None, *, adds_loss: bool,
     return loss.detach().float().reshape(()).clone()
 
 
-def reduce_step(share: torch.Tensor, *, writing: bool = False) -> torch.Tensor:
-    """The step's one all-reduce over the world: each rank's loss share, and whether its
-    background writer has a checkpoint not yet written (`view` and `ranks_writing` read it)."""
-    reduced = torch.stack([share, share.new_tensor(float(writing))])
+def reduce_step(share: torch.Tensor, *, writing: bool = False,
+                last_step_s: float = 0.0) -> torch.Tensor:
+    """The step's one all-reduce over the world: each rank's loss share, whether its
+    background writer has a checkpoint not yet written, and how long its previous step took
+    (`view`, `ranks_writing` and `mean_last_step_s` read them)."""
+    reduced = torch.stack([share, share.new_tensor(float(writing)),
+                           share.new_tensor(last_step_s)])
     torch.distributed.all_reduce(reduced)
     return reduced
 
@@ -87,6 +90,11 @@ def reduce_step(share: torch.Tensor, *, writing: bool = False) -> torch.Tensor:
 def ranks_writing(reduced: torch.Tensor) -> int:
     """How many ranks have not yet written their files of the checkpoint in flight."""
     return int(reduced[1].item())
+
+
+def mean_last_step_s(reduced: torch.Tensor, world_size: int) -> float:
+    """The previous step's time, the mean over the ranks: the same number on every rank."""
+    return reduced[2].item() / world_size
 
 
 def view(reduced: torch.Tensor, *, replicas: int, grad_norm, applied: bool) -> StepView:

@@ -6,20 +6,20 @@ writes it and when it is published, and says what went wrong in the user's terms
 With `train.checkpoint_async` a save hardly stops training: a background writer
 (runtime/checkpoint/writer.py) copies each rank's state into host memory while the next step's
 forward and backward run (the optimizer step waits for the copy: runtime/checkpoint/staging.py)
-and then writes the files while the next steps train. At most one save is in flight. It is published (the completion
-marker, then `latest`, then the pruning) once every rank has written its files: each step's
-all-reduce carries whether a rank is still writing (runtime/guard/health.py `reduce_step`),
-so no collective is added. A save the run must end on (the last step's, a stop's) is written
-in the training thread after the one in flight is published; a run that ends otherwise
-(halted, or stopped right after a periodic save) publishes the one in flight first
-(`finish`). A rank that fails leaves its save unpublished: invisible.
+and then writes the files while the next steps train. At most one save is in flight. It is
+published (the completion marker, then `latest`, then the pruning) once every rank has written
+its files: each step's all-reduce carries whether a rank is still writing
+(runtime/guard/health.py `reduce_step`), so no collective is added. A save the run must end on
+(the last step's, a stop's) is written in the training thread after the one in flight is
+published; a run that ends otherwise (halted, or stopped right after a periodic save)
+publishes the one in flight first (`finish`). A rank that fails leaves its save unpublished:
+invisible.
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator
@@ -103,9 +103,11 @@ class Checkpointer:
         with self._saving(steps_done):
             self._started = time.monotonic()
             snapshot = self._snapshot(steps_done)
-            cost = {"step": steps_done, "bytes": snapshot.state.nbytes}
+            in_background = self.writer is not None and not final
+            cost = {"step": steps_done, "bytes": snapshot.state.nbytes,
+                    "in_background": in_background}
             self.saves.append(cost)
-            if self.writer is None or final:
+            if not in_background:
                 self._copy(snapshot, Staging(), cost)
                 self._write(snapshot, fault, cost)
                 torch.distributed.barrier()  # every rank's files are on disk
@@ -207,7 +209,6 @@ class Checkpointer:
     def _write(self, snapshot: save_load.Snapshot, fault, cost: dict) -> None:
         """The snapshot's files (in the training thread, or the writer's: no collective);
         their time into `cost`."""
-        cost["in_background"] = threading.current_thread() is not threading.main_thread()
         started = time.monotonic()
         try:
             save_load.write_files(snapshot, fault)

@@ -37,6 +37,7 @@ from dsforge.runtime.loop.metrics import loss_scale
 from dsforge.runtime.loop.phase_hooks import marking
 from dsforge.runtime.loop.profiler import open_profiler
 from dsforge.runtime.loop.reporter import Reporter
+from dsforge.runtime.loop.save_interval import SaveInterval
 from dsforge.runtime.startup import StartupClock
 
 
@@ -73,6 +74,9 @@ class Trainer:
                                first_timed_step=self.start_step + recipe.train.timing_warmup,
                                warn=lambda text: self.console.say(
                                    f"dsforge: warning: {text} (rank {self.rank})"))
+        say = self.console.say if self.rank == 0 else None
+        self.save_interval = SaveInterval(resolved, device=device.type, say=say,
+                                          first_timed_step=self.meter.first_timed_step)
         self.compiled = CompileReport() if recipe.model.compile == "layers" else None
         self.profiler = open_profiler(recipe.tracking.profile_range, run_dir=run_dir,
                                       start_step=self.start_step, device=device,
@@ -138,15 +142,17 @@ class Trainer:
         with clock.phase("guard"):
             reduced = health.reduce_step(health.loss_share(loss, adds_loss=self._adds_loss,
                                                            device=self.device),
-                                         writing=self.checkpointer.writing())
+                                         writing=self.checkpointer.writing(),
+                                         last_step_s=self.save_interval.last_step_s)
         marked = clock.stop()
         layout = self.resolved.layout
         seen = health.view(reduced, replicas=layout.dp * layout.cp,  # waits for the device
                            grad_norm=self.engine.get_global_grad_norm(),
                            applied=self.engine.was_step_applied())
-        elapsed = time.perf_counter() - start
+        elapsed = self.save_interval.last_step_s = time.perf_counter() - start
         ended_at = time.time()
         self.checkpointer.after_step(health.ranks_writing(reduced))  # publishes a finished save
+        self.save_interval.measured(step - 1, health.mean_last_step_s(reduced, layout.world_size))
         phases = self.meter.phases(step, marked, elapsed)
         bad = self.bad_steps.judge(step, seen)
         if self.compiled is not None:
@@ -232,9 +238,9 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
                after_steps: Callable[[], None] | None = None,
                save_fault: Callable[[int, int], None] | None = None,
                stopper: Stopper | None = None) -> Stopped | Halted | None:
-    """Steps trainer.start_step .. train.steps - 1 with a checkpoint every
-    train.checkpoint_every steps and after the last (as Megatron-LM and torchtitan save the
-    final state), then the summaries (`Trainer.finish`). Returns None; `Halted` when the
+    """Steps trainer.start_step .. train.steps - 1 with a checkpoint when `save_interval` says
+    (every train.checkpoint_every steps, or auto, and after the last, as Megatron-LM and
+    torchtitan save), then the summaries (`Trainer.finish`). Returns None; `Halted` when the
     training went bad (runtime/guard/health.py: the loop ends at that step, before its
     evaluation and any save); or with a `stopper` (runtime/guard/preempt.py) `Stopped` when
     the ranks agreed after a step to stop early (a signal, train.time_limit): that step's
@@ -249,7 +255,6 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
     without them.
     """
     train = trainer.resolved.recipe.train
-    every = train.checkpoint_every
     timed = stopper.note if stopper is not None else None
     stopped = None
     for step in range(trainer.start_step, train.steps):
@@ -262,7 +267,7 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
             break
         if eval_due(train, step):  # before the save: a resumed run has this step's eval
             _timed(timed, "eval", trainer.evaluate, step, before_batch=before_step)
-        due = every and ((step + 1) % every == 0 or step + 1 == train.steps)
+        due = trainer.save_interval.due(step)
         saved = due and trainer.save_checkpoint(step + 1, save_fault,
                                                 final=step + 1 == train.steps)
         if timed is not None and trainer.checkpointer.slowest_s is not None:

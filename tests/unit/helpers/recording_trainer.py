@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from dsforge.runtime.loop.save_interval import SaveInterval
+
 
 class RecordingTrainer:
     """What train_loop uses of a Trainer, recording the calls."""
@@ -17,6 +19,8 @@ class RecordingTrainer:
         self.halted = None  # set by a test's train_step: the training went bad
         self.refused_saves: set[int] = set()  # steps_done whose save_checkpoint returns False
         self.checkpointer = SimpleNamespace(slowest_s=None)  # no save measured
+        self.save_interval = SaveInterval(self.resolved, device="cpu", first_timed_step=0,
+                                          say=None)
 
     def train_step(self, step):
         self.calls.append(("step", step))
