@@ -8,7 +8,8 @@ parameter, the fp32 master weights and Adam's two moments, each element written 
 rank that holds it (ZeRO 1-3 partition it over the data-parallel ranks, expert-data-parallel
 for experts; at ZeRO-0 data-parallel rank 0 writes it), plus a few kB of RNG and counters. A
 save first copies the rank's part into host memory (the snapshot), then writes it: training
-waits for the snapshot only with `train.checkpoint_async`, for both without.
+waits for both without `train.checkpoint_async`; with it, at most for the snapshot (the copy
+runs beside the next step's forward and backward, runtime/checkpoint/staging.py).
 
 The interval is Young's (1974), refined by Daly (2006): about sqrt(2 x MTBF x C), C the time a
 save stops training, MTBF the job's mean time between failures (a node's over the job's
