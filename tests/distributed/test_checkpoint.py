@@ -26,7 +26,6 @@ from click.testing import CliRunner
 from dsforge.ckpt import trust
 from dsforge.cli import main
 from dsforge.job.metrics_file import read_metrics
-from dsforge.runtime.checkpoint import save_load as checkpoint
 from tests.conftest import REPO
 from tests.distributed.test_run import _job_processes, dsforge
 

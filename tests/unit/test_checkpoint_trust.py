@@ -15,7 +15,7 @@ from dsforge.ckpt.trust import (CheckpointError, check_complete, check_resumable
                                 check_safe_to_load, latest_complete)
 from dsforge.job.run_dir import RunDir
 from dsforge.runtime.checkpoint import save_load as checkpoint
-from tests.unit.helpers.checkpoints import FILES, RECIPE, fake_checkpoint
+from tests.unit.helpers.checkpoints import RECIPE, fake_checkpoint
 
 def _refused(run_dir: Path) -> CheckpointError:
     with pytest.raises(CheckpointError) as info:
