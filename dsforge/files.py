@@ -19,11 +19,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 def fsync_directory(directory: Path) -> None:
     """Make a rename or a new entry in `directory` durable (the entry, not the file's data)."""
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    fsync_file(directory)  # a directory is fsynced through a descriptor as a file is
 
 
 def fsync_file(path: Path) -> None:

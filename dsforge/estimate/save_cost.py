@@ -90,10 +90,10 @@ def _coordinates(lay, rank: int) -> tuple[int, bool, bool]:
     return rank // per_stage, within < lay.tp, within < lay.etp * lay.ep
 
 
-def host_state_bytes(resolved: Resolved) -> list[float]:
+def host_state_bytes(resolved: Resolved, per_rank: list[float] | None = None) -> list[float]:
     """Bytes each host's ranks write (and hold staged) per save, in the hostfile's order; one
-    host when the world's nodes are unknown."""
-    per_rank = rank_state_bytes(resolved)
+    host when the world's nodes are unknown. `per_rank`: rank_state_bytes, when already known."""
+    per_rank = rank_state_bytes(resolved) if per_rank is None else per_rank
     slots = resolved.topology.node_slots or (resolved.layout.world_size,)
     hosts, start = [], 0
     for count in slots:
@@ -106,7 +106,8 @@ def save_cost(resolved: Resolved, *, device: str, step_s: float | None) -> SaveC
     """The checkpoint's cost for `resolved` on `device` ("cpu" | "cuda"), with a step time
     `step_s` (seconds; None: unknown, the interval is then in seconds only)."""
     recipe = resolved.recipe
-    per_rank, per_host = rank_state_bytes(resolved), host_state_bytes(resolved)
+    per_rank = rank_state_bytes(resolved)
+    per_host = host_state_bytes(resolved, per_rank)
     cluster = recipe.cluster
     write_gbps = cluster.checkpoint_write_gbps if cluster else DEFAULT_CHECKPOINT_WRITE_GBPS
     mtbf_hours = cluster.node_mtbf_hours if cluster else DEFAULT_NODE_MTBF_HOURS

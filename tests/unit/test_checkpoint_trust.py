@@ -312,7 +312,11 @@ def test_save_records_every_file_and_its_size(tmp_path, monkeypatch):
     stale = root / "step00000003" / "dsforge_state" / "rank00001.safetensors"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"from a save that died")
-    checkpoint.save(Engine(), root, step=3, recipe=RECIPE, world_size=1, rank=0)
+    # What Checkpointer.save does on one rank (runtime/loop/checkpointer.py), barriers aside.
+    snapshot = checkpoint.take_snapshot(Engine(), root, step=3, world_size=1, rank=0)
+    snapshot.state.copy(None)
+    checkpoint.write_files(snapshot)
+    checkpoint.publish(root, 3, world_size=1, recipe=RECIPE)
     record = latest_complete(root)
     assert set(record["files"]) == {"dsforge_rng_rank00000.pt", "dsforge_state/rank00000.safetensors"}
     assert record["files"]["dsforge_state/rank00000.safetensors"] == 7 and not stale.exists()

@@ -42,7 +42,6 @@ from dsforge.ckpt.trust import (CheckpointError, check_complete, check_safe_to_l
 from dsforge.files import fsync_directory, fsync_file, write_atomic
 from dsforge.runtime.checkpoint.layout_free import (StateSnapshot, load_state, snapshot_state,
                                                     write_snapshot)
-from dsforge.runtime.checkpoint.staging import Staging
 
 
 @dataclass
@@ -93,19 +92,6 @@ def publish(root: Path, step: int, *, world_size: int, recipe: dict[str, Any]) -
         {"step": step, "tag": tag, "world_size": world_size, "recipe": recipe,
          "files": listing(directory)}, indent=2))
     write_atomic(root / LATEST, tag)
-
-
-def save(engine, root: Path, *, step: int, recipe: dict[str, Any], world_size: int, rank: int,
-         fault=None) -> None:
-    """Write the checkpoint of the state after `step` steps on every rank, in the training
-    thread; rank 0 publishes it."""
-    snapshot = take_snapshot(engine, root, step=step, world_size=world_size, rank=rank)
-    snapshot.state.copy(Staging())
-    write_files(snapshot, fault)
-    torch.distributed.barrier()  # every rank's files are on disk
-    if rank == 0:
-        publish(root, step, world_size=world_size, recipe=recipe)
-    torch.distributed.barrier()
 
 
 def _fresh_directory(directory: Path, rank: int) -> None:
