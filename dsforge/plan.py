@@ -289,7 +289,9 @@ def _render_checkpoint(plan: dict[str, Any]) -> str:
     lines = [f"Checkpoints (estimate; {how}; now train.checkpoint_every {every or 'off'})",
              f"  a save: {format_bytes(c['total_bytes'])}, {format_bytes(c['rank_bytes'])} from the "
              f"busiest rank, {format_bytes(c['host_bytes'])} from the busiest host (held in its "
-             "host memory until written)",
+             "host memory until written" + (f", in parts of {format_bytes(c['part_bytes'])} a "
+                                             "rank: train.checkpoint_staging_gb)" if c["part_bytes"]
+                                             else ")"),
              f"  training stops {'at most ' if c['asynchronous'] else ''}"
              f"{_duration(c['stall_s'])} a save; the files take "
              f"{_duration(c['write_s'])} at {c['write_gbps']:g} GB/s a node",

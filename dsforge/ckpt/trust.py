@@ -40,8 +40,8 @@ from dsforge.schema import Recipe
 # train.steps continues a run: the schedule then spans the new total unless
 # train.lr_decay_steps holds it to the old one (`schedule_change` says which).
 RESUMABLE_CHANGES = {"train.timing_warmup", "train.checkpoint_every", "train.checkpoint_async",
-                     "train.eval_every",
-                     "train.eval_iters", "data.cache_dir", "train.time_limit", "train.keep_last",
+                     "train.checkpoint_staging_gb", "train.eval_every", "train.eval_iters",
+                     "data.cache_dir", "train.time_limit", "train.keep_last",
                      "model.init_from", "model.kernels", "model.sdpa_backend",
                      "model.moe.experts", "model.compile", "train.fp8",
                      "train.steps", "train.lr_decay_steps", "train.on_nonfinite",

@@ -9,7 +9,9 @@ rank that holds it (ZeRO 1-3 partition it over the data-parallel ranks, expert-d
 for experts; at ZeRO-0 data-parallel rank 0 writes it), plus a few kB of RNG and counters. A
 save first copies the rank's part into host memory (the snapshot), then writes it: training
 waits for both without `train.checkpoint_async`; with it, at most for the snapshot (the copy
-runs beside the next step's forward and backward, runtime/checkpoint/staging.py).
+runs beside the next step's forward and backward, runtime/checkpoint/staging.py), and where
+`train.checkpoint_staging_gb` makes it stage in parts, for the writes of all parts but the
+last.
 
 The interval is Young's (1974), refined by Daly (2006): about sqrt(2 x MTBF x C), C the time a
 save stops training, MTBF the job's mean time between failures (a node's over the job's
@@ -44,6 +46,9 @@ class SaveCost:
     total_bytes: float  # one checkpoint, all ranks
     rank_bytes: float  # the rank that writes the most
     host_bytes: float  # the host whose ranks write the most (what its memory holds staged)
+    # Staged in parts of this many bytes a rank (a set train.checkpoint_staging_gb below the
+    # rank's state); None: whole (auto counts on the host holding it, as FIT4 checks).
+    part_bytes: float | None
     snapshot_s: float  # the copy into host memory (the slowest rank)
     write_s: float  # the files on disk (the busiest host at checkpoint_write_gbps)
     # Training stopped per save: the snapshot, or snapshot + write without async. In the
@@ -114,7 +119,9 @@ def save_cost(resolved: Resolved, *, device: str, step_s: float | None) -> SaveC
     snapshot_s = max(per_rank) / _copy_bytes_per_s(resolved, device)
     write_s = max(per_host) / (write_gbps * 1e9)
     asynchronous = recipe.train.checkpoint_async
-    stall_s = snapshot_s if asynchronous else snapshot_s + write_s
+    part_bytes = _part_bytes(recipe.train.checkpoint_staging_gb, max(per_rank))
+    stall_s = snapshot_s + _held_for_parts_s(resolved, max(per_rank), part_bytes, write_gbps) \
+        if asynchronous else snapshot_s + write_s
     job_mtbf_s = mtbf_hours * 3600 / len(per_host)
     interval_s = max(math.sqrt(2 * job_mtbf_s * stall_s), write_s if asynchronous else 0.0)
     # Whole steps, rounded up: never sooner than the write allows (the optimum is flat).
@@ -122,12 +129,30 @@ def save_cost(resolved: Resolved, *, device: str, step_s: float | None) -> SaveC
     if interval_steps is not None:
         interval_s = interval_steps * step_s
     return SaveCost(total_bytes=sum(per_rank), rank_bytes=max(per_rank), host_bytes=max(per_host),
-                    snapshot_s=snapshot_s, write_s=write_s, stall_s=stall_s,
+                    part_bytes=part_bytes, snapshot_s=snapshot_s, write_s=write_s,
+                    stall_s=stall_s,
                     asynchronous=asynchronous, write_gbps=write_gbps,
                     node_mtbf_hours=mtbf_hours, job_mtbf_s=job_mtbf_s,
                     interval_s=interval_s, interval_steps=interval_steps, step_s=step_s,
                     lost_to_saves=stall_s / (interval_s + stall_s),
                     lost_to_failures=interval_s / 2 / job_mtbf_s)
+
+
+def _part_bytes(setting: float | str, rank_bytes: float) -> float | None:
+    if setting == "auto" or float(setting) * 1e9 >= rank_bytes:
+        return None
+    return float(setting) * 1e9
+
+
+def _held_for_parts_s(resolved: Resolved, rank_bytes: float, part_bytes: float | None,
+                      write_gbps: float) -> float:
+    """How long the optimizer step after a background save waits for the writes of the parts
+    before the last, at the rank's share of its host's write rate: at most (the forward and
+    backward that run beside the first writes are not subtracted)."""
+    if part_bytes is None:
+        return 0.0
+    ranks_per_host = max(resolved.topology.node_slots or (resolved.layout.world_size,))
+    return (rank_bytes - part_bytes) / (write_gbps * 1e9 / ranks_per_host)
 
 
 def _copy_bytes_per_s(resolved: Resolved, device: str) -> float:

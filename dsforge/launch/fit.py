@@ -7,9 +7,12 @@ activations and buffers) and a probe of the machine (launch/probe.py):
   FIT2 (error)   a rank's predicted memory > free memory per GPU; on CPU, all of this
                  machine's ranks together > the host memory available (they share it);
   FIT3 (warning) more CPU ranks than cores: it runs, each rank on one thread, slowly;
-  FIT4 (error)   on a GPU machine, a checkpoint's snapshot of its ranks' state (each rank's
-                 part copied into host memory before it is written, estimate/save_cost.py) > the
-                 host memory available; on CPU the snapshot is part of FIT2's sum;
+  FIT4           a checkpoint's snapshot of its ranks' state (each rank's part copied into
+                 host memory before it is written, estimate/save_cost.py) beside the job:
+                 (warning) more than half the host memory the job leaves free, so saves stage
+                 in parts (train.checkpoint_staging_gb: auto, runtime/checkpoint/staging.py)
+                 and hold the optimizer step for the writes; (error) the parts a set
+                 train.checkpoint_staging_gb asks for do not fit;
   BLD1-BLD6      what DeepSpeed needs to build the ops the ranks build at run time, when the
                  machine's build facts were probed (translate/build_env.py).
 The user can override the errors (--skip-fit-check); warnings never block.
@@ -134,9 +137,13 @@ def fit_problems(resolved: Resolved, machine: Machine, *, device: str,
     per_rank = rank_memory_bytes(resolved, device)
     snapshot = snapshot_bytes(resolved, ranks)
     if device == "cuda":
-        problems = _gpu_problems(machine, ranks, per_rank) + _host_problems(machine, ranks, snapshot)
+        problems = _gpu_problems(machine, ranks, per_rank)
+        host_bytes = ranks * CPU_RANK_OVERHEAD_BYTES
     else:
-        problems = _cpu_problems(machine, ranks, per_rank, snapshot)
+        problems = _cpu_problems(machine, ranks, per_rank)
+        host_bytes = ranks * (per_rank + CPU_RANK_OVERHEAD_BYTES)
+    problems += _staging_problems(machine, ranks, snapshot, host_bytes,
+                                  resolved.recipe.train.checkpoint_staging_gb)
     if machine.build is not None:
         problems += build_problems(job_ops(resolved, device), machine.build, device=device,
                                    host=machine.name)
@@ -155,17 +162,41 @@ def snapshot_bytes(resolved: Resolved, ranks: int) -> float:
     return sum(hosts) if ranks >= resolved.layout.world_size else max(hosts)
 
 
-def _host_problems(machine: Machine, ranks: int, snapshot: float) -> list[Problem]:
-    need = snapshot + ranks * CPU_RANK_OVERHEAD_BYTES
-    if not snapshot or machine.memory_available is None or need <= machine.memory_available:
+def _staging_problems(machine: Machine, ranks: int, snapshot: float, job_bytes: float,
+                      setting: float | str) -> list[Problem]:
+    """FIT4: what a save holds in host memory beside the job (`job_bytes`: the ranks' own host
+    memory). auto stages at most half of what the job leaves free (staging.staging_budget)."""
+    if not snapshot or machine.memory_available is None:
+        return []
+    free = machine.memory_available - job_bytes
+    if free <= 0:
+        return []  # the job itself does not fit (FIT2 says so)
+    fields = {"checkpoint snapshot (estimated)": format_bytes(snapshot),
+              f"available RAM on {machine.name}": format_bytes(machine.memory_available)}
+    if setting != "auto":
+        staged = min(snapshot, ranks * float(setting) * 1e9)
+        if staged > free:
+            return [Problem(
+                rule="FIT4", fields={"train.checkpoint_staging_gb": setting, **fields},
+                message=f"the saves of the {ranks} rank(s) here would stage "
+                        f"{format_bytes(staged)} in host memory, and the job leaves "
+                        f"{format_bytes(free)} free",
+                fix=f"lower train.checkpoint_staging_gb (at most {free / ranks / 1e9:.2f} GB a "
+                    "rank here) or set it to auto")]
+        part = float(setting) * 1e9
+    elif snapshot > free / 2:
+        part = free / 2 / ranks
+    else:
+        return []
+    if part * ranks >= snapshot:
         return []
     return [Problem(
-        rule="FIT4", fields={"checkpoint snapshot (estimated)": format_bytes(snapshot),
-                             f"available RAM on {machine.name}": format_bytes(machine.memory_available)},
-        message=f"a checkpoint copies its {ranks} ranks' optimizer state into host memory before "
-                f"writing it, {format_bytes(need)} with the processes themselves",
-        fix="raise zero.stage or the data-parallel size (each rank then holds less state), "
-            "spread the ranks over more hosts, or set train.checkpoint_every: 0")]
+        rule="FIT4", severity="warning", fields=fields,
+        message=f"a save cannot hold the state of the ranks here in host memory at once: "
+                f"it stages it in parts of {format_bytes(part)} a rank, and the optimizer step "
+                "after a save waits until all but the last part are on disk",
+        fix="to save without holding the step: raise zero.stage or the data-parallel size "
+            "(each rank then holds less state), or spread the ranks over more hosts")]
 
 
 def _gpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem]:
@@ -187,17 +218,16 @@ def _gpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem
     return problems
 
 
-def _cpu_problems(machine: Machine, ranks: int, per_rank: float, snapshot: float) -> list[Problem]:
+def _cpu_problems(machine: Machine, ranks: int, per_rank: float) -> list[Problem]:
     problems = []
-    need = ranks * (per_rank + CPU_RANK_OVERHEAD_BYTES) + snapshot
+    need = ranks * (per_rank + CPU_RANK_OVERHEAD_BYTES)
     if machine.memory_available is not None and need > machine.memory_available:
-        saves = f" + {format_bytes(snapshot)} a checkpoint's snapshot" if snapshot else ""
         problems.append(Problem(
             rule="FIT2", fields={"ranks": ranks, "memory per rank (estimated)": format_bytes(per_rank),
                                  f"available RAM on {machine.name}": format_bytes(machine.memory_available)},
             message=f"the CPU ranks share the host's memory and need {format_bytes(need)} together "
                     f"(model states and activations + {CPU_RANK_OVERHEAD_BYTES // MiB} MiB a "
-                    f"process{saves})",
+                    f"process)",
             fix="run on GPUs over a hostfile, shrink the model, or smoke-test the layout at "
                 "tiny size (see below)"))
     if ranks > machine.cpus:

@@ -62,6 +62,11 @@ class TrainConfig:
     # A periodic save stops training only for a snapshot in host memory and is written in the
     # background (runtime/loop/checkpointer.py); the last one, and a stop's, in the foreground.
     checkpoint_async: bool = True
+    # Host memory (GB) one rank's save may hold at once. A rank's state larger than this is
+    # copied and written in parts of this size, the optimizer step waiting until all but the
+    # last part are on disk (runtime/checkpoint/staging.py). auto: half the memory the host
+    # has free at the run's first save, shared by its ranks.
+    checkpoint_staging_gb: float | Literal["auto"] = "auto"
     eval_every: int = 0  # validation loss every N steps and after the last; 0 = never
     eval_iters: int = 10  # global batches of held-out samples per evaluation
     # The job's wall-clock limit (time_limit_seconds says which forms): the ranks save a
@@ -115,6 +120,10 @@ class TrainConfig:
                   {"train.checkpoint_every": self.checkpoint_every}, "must be >= 0 or auto",
                   "use train.checkpoint_every: 0 for no checkpoints, N to save every N steps, "
                   "or auto")
+        c.require(self.checkpoint_staging_gb == "auto" or self.checkpoint_staging_gb > 0, "R1",
+                  {"train.checkpoint_staging_gb": self.checkpoint_staging_gb},
+                  "must be > 0 or auto", "use train.checkpoint_staging_gb: auto, or the GB of "
+                  "host memory a rank's save may hold at once, such as 16")
         c.require(self.eval_every >= 0, "R1", {"train.eval_every": self.eval_every},
                   "must be >= 0", "use train.eval_every: 0 for no validation, or N to "
                   "evaluate every N steps and at the end")

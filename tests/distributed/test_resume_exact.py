@@ -4,6 +4,8 @@ optimizer, and periodic saves are written in the background (issue 49).
 A resume from a checkpoint written in the background, on the layout that wrote it, trains the
 next steps bitwise as the uninterrupted run did, at every ZeRO stage and under a pipeline,
 through the traps of each:
+- ZeRO-1 staged in parts (train.checkpoint_staging_gb below a rank's state): the optimizer step
+  waits for the writes of all parts but the last;
 - ZeRO-0 in bf16: DeepSpeed's 16-bit wrapper takes an Adam step with zero gradients when it
   is built, so its step count runs one ahead (docs/checkpoints.md); the checkpoint keeps the
   count as it is;
@@ -23,17 +25,28 @@ One world of 2 ranks (legs_worker.py) trains each case 4 steps straight, saving 
 last); a copy of that run resumes the step-2 checkpoint and trains steps 3 and 4 again.
 
 Through `dsforge run`: a rank whose background writer dies after writing its files leaves that
-checkpoint unpublished; the previous one stays `latest` and the run resumes from it, exactly.
+checkpoint unpublished; the previous one stays `latest` and the run resumes from it, exactly. A
+writer that hangs is named, with its rank, when the run next waits for it. A job killed at a
+random moment while it saves every step (a rank's SIGKILL: its writer is a thread of it; or
+`dsforge run`'s SIGTERM) leaves `latest` on a complete checkpoint, which resumes.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from dsforge.ckpt.retention import complete_checkpoints
-from dsforge.ckpt.trust import read_latest
+from dsforge.ckpt.trust import latest_complete, read_latest
+from dsforge.job import failure
+from dsforge.job.run_dir import RunDir
 from dsforge.job.metrics_file import read_metrics
 from tests.conftest import REPO
 from tests.distributed.legs_worker import run_legs
@@ -48,7 +61,8 @@ COMMON = [f"data.source={TEXT}", "train.checkpoint_every=2", "train.steps=4",
           "train.warmup_steps=0", "train.timing_warmup=0"]
 CASES = {  # name -> (recipe, overrides)
     "zero0_bf16": (TINY, ["zero.stage=0", "train.precision=bf16"]),
-    "zero1": (TINY, ["zero.stage=1"]),
+    # 1.3 MB of state a rank through 200 kB of host memory: staged and written in 7 parts
+    "zero1_in_parts": (TINY, ["zero.stage=1", "train.checkpoint_staging_gb=0.0002"]),
     "zero2_offload": (TINY, ["zero.stage=2", "zero.offload_optimizer=cpu"]),
     "zero3_bf16": (TINY, ["zero.stage=3", "train.precision=bf16"]),
     "zero3_fp32": (TINY, ["zero.stage=3", "train.precision=fp32"]),
@@ -120,3 +134,73 @@ def test_a_writer_that_dies_leaves_its_checkpoint_invisible(tmp_path):
     again = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
     assert len(again) == 6 and again[:len(losses)] == losses
     assert list(complete_checkpoints(root)) == [2, 4, 6]
+
+
+def test_a_writer_that_hangs_is_named_and_the_run_ends(tmp_path):
+    """Rank 1's writer hangs once it has written the step-4 files: the final save waits for it,
+    and the watchdog ends the rank saying what it waited for; the step-4 save is never
+    published."""
+    run_dir = tmp_path / "run"
+    result = dsforge("run", str(TINY), "--set", f"data.source={TEXT}", "--set", "train.steps=6",
+                     "--set", "train.checkpoint_every=2", "--run-dir", str(run_dir),
+                     "--step-timeout", "5", env={"DSFORGE_INJECT_FAULT": "save-hang:1:4"},
+                     timeout=240)
+    assert result.returncode != 0
+    assert ("rank 1 stuck: step 6 made no progress for 5s (waiting for its checkpoint writer to "
+            "write the checkpoint of step 4") in result.stderr, result.stderr[-3000:]
+    records = {r.rank: r for r in failure.read_all(RunDir(run_dir))}
+    assert records[1].kind == "hang" and "checkpoint writer" in records[1].message
+    assert read_latest(run_dir / "checkpoints") == "step00000002"
+    assert not _job_processes(run_dir)
+
+
+@pytest.mark.parametrize("kill", ["a_rank", "the_run"])
+def test_a_job_killed_at_random_while_saving_leaves_latest_complete(tmp_path, kill):
+    """Saves every step, each in the background while the next trains, and keep_last 2; the
+    kill lands at a random moment (the seed is in the failure message;
+    DSFORGE_KILL_SEED=N repeats one)."""
+    seed = int(os.environ.get("DSFORGE_KILL_SEED", random.randrange(2**31)))
+    rng = random.Random(seed)
+    run_dir = tmp_path / "run"
+    args = ["run", str(TINY), "--set", f"data.source={TEXT}", "--set", "train.steps=60",
+            "--set", "train.checkpoint_every=1", "--set", "train.keep_last=2",
+            "--run-dir", str(run_dir)]
+    proc = subprocess.Popen([sys.executable, "-m", "dsforge", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _until_steps(run_dir / "metrics.jsonl", 2)
+        time.sleep(rng.uniform(0.0, 1.5))
+        if kill == "a_rank":
+            host_pid = RunDir(run_dir).pid_file(rng.randrange(2)).read_text().split()
+            os.kill(int(host_pid[1]), signal.SIGKILL)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = f"kill of {kill} with DSFORGE_KILL_SEED={seed}: {stderr[-2000:]}"
+    assert proc.returncode == 75 if kill == "the_run" else proc.returncode not in (0, 75), said
+    root = run_dir / "checkpoints"
+    record = latest_complete(root)  # the trust checks pass on it
+    assert record is not None and record["tag"] == read_latest(root), said
+    complete = list(complete_checkpoints(root))  # keep_last 2, and one not yet pruned at most
+    assert record["step"] == complete[-1] and len(complete) <= 3, said
+    assert not _job_processes(run_dir), said
+    if kill == "a_rank":  # a stopped run's resume is test_preemption.py's
+        losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
+        resumed = dsforge(*args, "--resume", timeout=240)
+        assert resumed.returncode == 0, said + resumed.stderr[-3000:]
+        assert f"after step {record['step']}" in resumed.stderr, said
+        again = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
+        assert len(again) == 60 and again[:len(losses)] == losses, said
+
+
+def _until_steps(metrics, count: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{metrics}: fewer than {count} steps after {timeout_s:.0f} s")

@@ -299,7 +299,7 @@ def test_save_records_every_file_and_its_size(tmp_path, monkeypatch):
         def save_checkpoint(self, *args, **kwargs):
             raise AssertionError("DeepSpeed's engine files are not written")
 
-    def write_snapshot(snapshot, directory):
+    def write_snapshot(snapshot, directory, parts=None, progress=None):
         (directory / "dsforge_state").mkdir()
         (directory / "dsforge_state" / "rank00000.safetensors").write_bytes(b"x" * 7)
 

@@ -27,8 +27,8 @@ def _checkpointer(tmp_path, monkeypatch, *, background: bool, world_size: int = 
                             step=step, rank=rank, state=state))
     monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
     resolved = types.SimpleNamespace(
-        recipe=types.SimpleNamespace(train=types.SimpleNamespace(keep_last=0,
-                                                                 checkpoint_async=background)),
+        recipe=types.SimpleNamespace(train=types.SimpleNamespace(
+            keep_last=0, checkpoint_async=background, checkpoint_staging_gb="auto")),
         layout=types.SimpleNamespace(world_size=world_size))
     return Checkpointer(types.SimpleNamespace(module=torch.nn.Linear(2, 2)), resolved,
                         run_dir=RunDir(tmp_path), device=torch.device("cpu"), console=None,
@@ -65,7 +65,7 @@ def test_a_background_write_that_fails_is_the_ranks_failure_and_nothing_is_publi
 def test_a_background_save_is_published_once_no_rank_is_writing(tmp_path, monkeypatch):
     checkpointer = _checkpointer(tmp_path, monkeypatch, background=True)
     published = []
-    monkeypatch.setattr(checkpoint, "write_files", lambda snapshot, fault: None)
+    monkeypatch.setattr(checkpoint, "write_files", lambda snapshot, fault, **_: None)
     monkeypatch.setattr(checkpoint, "publish", lambda root, step, **_: published.append(step))
     assert checkpointer.save(4, after_bad_step=False) is True
     checkpointer.writer._thread.join()
@@ -106,7 +106,7 @@ def test_a_peer_lost_while_saving_is_not_called_a_full_disk(tmp_path, monkeypatc
                            "Connection reset by peer")
 
     checkpointer = _checkpointer(tmp_path, monkeypatch, background=False, world_size=2)
-    monkeypatch.setattr(checkpoint, "write_files", lambda snapshot, fault: None)
+    monkeypatch.setattr(checkpoint, "write_files", lambda snapshot, fault, **_: None)
     monkeypatch.setattr(torch.distributed, "barrier", peer_gone)
     with pytest.raises(CheckpointError) as caught:
         checkpointer.save(4, after_bad_step=False)

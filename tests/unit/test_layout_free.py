@@ -204,7 +204,7 @@ def test_the_optimizer_step_waits_for_the_background_copy():
     weight = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.SGD([weight], lr=1.0)
     weight.grad = torch.ones(4)
-    gate = StepGate(optimizer)
+    gate = StepGate(optimizer, 1)
     stepping = threading.Thread(target=optimizer.step)
     stepping.start()
     time.sleep(0.2)

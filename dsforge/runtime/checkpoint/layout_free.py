@@ -3,11 +3,12 @@ checkpoint's only copy of the weights and the optimizer.
 
 A save needs no collective: each rank takes the pieces of optimizer state it owns (its ZeRO
 partition of its tensor-parallel shards; `snapshot_state`), copies them into host memory
-(`StateSnapshot.copy`, runtime/checkpoint/staging.py) and writes them under the parameters'
-global names (`write_snapshot`). `load_state` runs on every rank of a resumed job, on the
-checkpoint's layout or another: for each of its parameters it reads the full tensor (one at a
-time), cuts this rank's shard out of it and puts it where the ZeRO stage keeps it, then
-restores the step counters, the learning-rate schedule and the loss scaler.
+(`StateSnapshot.copy`, runtime/checkpoint/staging.py; or in parts) and writes them under the
+parameters' global names (`write_snapshot`, a stream: stream_file.py). `load_state` runs on
+every rank of a resumed job, on the checkpoint's layout or another: for each of its parameters
+it reads the full tensor (one at a time), cuts this rank's shard out of it and puts it where
+the ZeRO stage keeps it, then restores the step counters, the learning-rate schedule and the
+loss scaler.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -23,9 +24,10 @@ from dsforge.ckpt.format import (FORMAT_VERSION, STATE_DIR, STATE_FILE, STATES, 
                                  rank_file)
 from dsforge.ckpt.names import ParamSpec, param_specs, shard
 from dsforge.ckpt.reader import StateError, StateReader
-from dsforge.files import fsync_directory, fsync_file, write_atomic
+from dsforge.files import fsync_directory, write_atomic
 from dsforge.runtime.assemble.vocab import VOCAB_TENSORS, pad_rows
 from dsforge.runtime.checkpoint.staging import Staging, ready_event
+from dsforge.runtime.checkpoint.stream_file import Progress, write_stream
 from dsforge.runtime.checkpoint.zero_state import optimizer_view
 
 
@@ -73,16 +75,20 @@ def snapshot_state(engine, chunks, *, rank: int, world_size: int, step: int,
                          optimizer=view.base, ready=ready_event(tensors))
 
 
-def write_snapshot(snapshot: StateSnapshot, checkpoint_dir: Path) -> None:
-    """The snapshot's files under CHECKPOINT/dsforge_state, on disk (fsync) when it returns."""
-    from safetensors.torch import save_file
-
-    assert snapshot.copied, "a snapshot is copied into host memory before it is written"
+def write_snapshot(snapshot: StateSnapshot, checkpoint_dir: Path,
+                   parts: Iterable[torch.Tensor] | None = None,
+                   progress: Progress | None = None) -> None:
+    """The snapshot's files under CHECKPOINT/dsforge_state, on disk (fsync) when it returns:
+    from its host copies, or from `parts` (Staging.parts: the pieces' elements end to end, each
+    part copied as the one before is written). `progress` counts the bytes on disk."""
+    if parts is None:
+        assert snapshot.copied, "a snapshot is copied into host memory before it is written"
+        parts = snapshot.tensors.values()
     directory = checkpoint_dir / STATE_DIR
     directory.mkdir(exist_ok=True)
-    path = directory / rank_file(snapshot.rank)
-    save_file(snapshot.tensors, str(path), metadata={"pieces": json.dumps(snapshot.pieces)})
-    fsync_file(path)  # on disk before the ranks agree the save is written
+    sizes = {key: t.numel() for key, t in snapshot.tensors.items()}
+    write_stream(directory / rank_file(snapshot.rank), sizes,
+                 {"pieces": json.dumps(snapshot.pieces)}, parts, progress)
     if snapshot.engine_state is not None:
         write_atomic(directory / STATE_FILE, json.dumps(snapshot.engine_state, indent=2))
     fsync_directory(directory)

@@ -30,7 +30,7 @@ import random
 import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from dsforge.ckpt.trust import (CheckpointError, check_complete, check_safe_to_l
 from dsforge.files import fsync_directory, fsync_file, write_atomic
 from dsforge.runtime.checkpoint.layout_free import (StateSnapshot, load_state, snapshot_state,
                                                     write_snapshot)
+from dsforge.runtime.checkpoint.stream_file import Progress
 
 
 @dataclass
@@ -71,13 +72,16 @@ def take_snapshot(engine, root: Path, *, step: int, world_size: int, rank: int) 
                                          step=step, padded_vocab_size=padded_vocab_of(chunks)))
 
 
-def write_files(snapshot: Snapshot, fault=None) -> None:
-    """A snapshot's files, on disk (fsync) when it returns. `fault`: the drill that dies, or
-    signals, while saving, with the files written but not published."""
+def write_files(snapshot: Snapshot, fault=None, *, parts: Iterable[torch.Tensor] | None = None,
+                progress: Progress | None = None) -> None:
+    """A snapshot's files, on disk (fsync) when it returns: from its host copies, or from
+    `parts` (layout_free.write_snapshot); `progress` counts the bytes on disk. `fault`: the
+    drill that dies, hangs or signals while saving, with the files written but not
+    published."""
     rng = snapshot.directory / rng_file(snapshot.rank)
     torch.save(snapshot.rng, rng)
     fsync_file(rng)
-    write_snapshot(snapshot.state, snapshot.directory)
+    write_snapshot(snapshot.state, snapshot.directory, parts, progress)
     if fault is not None:
         fault(snapshot.rank, snapshot.step)
 

@@ -8,6 +8,8 @@ A rank that fails or stops:
   GPUs), which fails as on a GPU where that list is one DeepSpeed cannot read, and does
   nothing where the build would get past it;
 - save-exit kills RANK while it saves the checkpoint of STEP, after writing its files;
+  save-hang makes RANK's save of STEP (its writer, or the training thread where it writes)
+  hang there instead, for the watchdog to end;
 - preemption: stop sends SIGTERM to the `dsforge run` that started the job (to the rank itself
   without one on this host) when RANK starts STEP, stop-save the same while RANK saves the
   checkpoint of STEP; stop-eval sends SIGUSR1 to RANK's supervisor only (a `kill` of the
@@ -44,8 +46,8 @@ NUMERIC_KINDS = ("nan", "nan-from", "spike", "nan-weights")
 SPIKE_FACTOR = 10.0
 
 FAULT_ENV = "DSFORGE_INJECT_FAULT"
-FAULT_KINDS = ("raise", "hang", "exit", "oom", "build", "save-exit", "stop", "stop-eval",
-               "stop-save", *NUMERIC_KINDS)
+FAULT_KINDS = ("raise", "hang", "exit", "oom", "build", "save-exit", "save-hang", "stop",
+               "stop-eval", "stop-save", *NUMERIC_KINDS)
 _STEP_FAULTS = ("raise", "hang", "exit", "oom", "build")  # act when a step starts
 
 
@@ -94,7 +96,7 @@ def _arch_flags_as_deepspeed_builds_them() -> None:
 
 
 def save_fault(fault, owner: str = "", request: StopRequest | None = None):
-    if fault is None or fault[0] not in ("save-exit", "stop-save"):
+    if fault is None or fault[0] not in ("save-exit", "save-hang", "stop-save"):
         return None
 
     def while_saving(rank: int, steps_done: int) -> None:
@@ -102,6 +104,9 @@ def save_fault(fault, owner: str = "", request: StopRequest | None = None):
             return
         if fault[0] == "save-exit":
             os._exit(9)
+        if fault[0] == "save-hang":
+            while True:  # the watchdog ends the rank when the training thread waits for it
+                time.sleep(1)
         signal_the_job(owner, request)
 
     return while_saving

@@ -19,6 +19,7 @@ invisible.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -26,16 +27,19 @@ from typing import Iterator
 
 import torch
 
-from dsforge.ckpt.trust import CheckpointError, latest_complete, resumed_changes
+from dsforge.ckpt.trust import CheckpointError, latest_complete, resumed_changes, tag_for
 from dsforge.job.console import RankConsole
 from dsforge.job.run_dir import RunDir
 from dsforge.recipe import Resolved
 from dsforge.runtime.checkpoint import save_load
-from dsforge.runtime.checkpoint.staging import Staging, StepGate
+from dsforge.runtime.checkpoint.staging import Staging, StepGate, staging_budget
+from dsforge.runtime.checkpoint.stream_file import Progress
 from dsforge.runtime.checkpoint.writer import BackgroundWriter
 from dsforge.runtime.guard import health
 from dsforge.runtime.guard.record import passing_kind
+from dsforge.runtime.guard.watchdog import waiting_for
 from dsforge.runtime.loop.bad_steps import Halted
+from dsforge.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,14 @@ class Checkpointer:
         self.device, self.console, self.rank = device, console, rank
         self.writer = BackgroundWriter() if resolved.recipe.train.checkpoint_async else None
         # A background save's host buffers, kept from one save to the next (at most one in
-        # flight: a snapshot is written before the next is taken).
-        self.staging = Staging() if self.writer is not None else None
+        # flight: a snapshot is written before the next is taken); made at the first save.
+        self.staging: Staging | None = None
         self._gate: StepGate | None = None  # holds the optimizer until the save is copied
         self.in_flight: int | None = None  # steps_done of the save not yet published
         self._started: float | None = None  # when the save in flight was started (monotonic)
+        self._budget: int | None = None  # bytes a save may stage (staging.staging_budget)
+        self._said_parts = False
+        self._progress = Progress()  # the bytes of the newest save on this rank's disk
         self.slowest_s: float | None = None  # the longest save yet, snapshot to published
         self.saves: list[dict] = []  # what each save of this rank cost (`measured`)
 
@@ -107,16 +114,18 @@ class Checkpointer:
             cost = {"step": steps_done, "bytes": snapshot.state.nbytes,
                     "in_background": in_background}
             self.saves.append(cost)
+            self._progress = Progress()
+            staging = self._staging()
             if not in_background:
-                self._copy(snapshot, Staging(), cost)
-                self._write(snapshot, fault, cost)
-                torch.distributed.barrier()  # every rank's files are on disk
+                with waiting_for(f"its disk to take the checkpoint of step {steps_done}",
+                                 self._progress):
+                    self._stage_and_write(snapshot, staging, fault, cost, on_copied=None)
+                self._wait_for_peers(steps_done)
                 self._publish(steps_done)
             else:  # copied and written by the writer; the optimizer's next step waits for the copy
-                self._gate = StepGate(snapshot.state.optimizer)
-                gate, staging = self._gate, self.staging
-                self.writer.submit(lambda: self._copy_and_write(snapshot, staging, gate, fault,
-                                                                cost))
+                gate = self._gate = StepGate(snapshot.state.optimizer, steps_done)
+                self.writer.submit(lambda: self._stage_and_write(snapshot, staging, fault, cost,
+                                                                 on_copied=gate.open))
                 self.in_flight = steps_done
             cost["stall_s"] = time.monotonic() - stopped  # the training thread's wait, so far
         return True
@@ -155,11 +164,22 @@ class Checkpointer:
         calls it at the same point, before a save and when the run ends)."""
         if self.in_flight is None:
             return
-        with self._saving(self.in_flight):
-            self.writer.wait()
+        step = self.in_flight
+        with self._saving(step):
+            with waiting_for(f"its checkpoint writer to write the checkpoint of step {step} "
+                             "(a slow or hung disk?)", self._progress):
+                self.writer.wait()
             self._close_gate()
+            self._wait_for_peers(step)
+            self._publish(step)
+
+    def _wait_for_peers(self, steps_done: int) -> None:
+        """Until every rank's files of the save are on disk; its deadline moves on while the
+        checkpoint's files grow (a peer that writes more than this rank, or more slowly)."""
+        directory = self.run_dir.checkpoints / tag_for(steps_done)
+        with waiting_for(f"the other ranks to write the checkpoint of step {steps_done}",
+                         lambda: _bytes_under(directory)):
             torch.distributed.barrier()
-            self._publish(self.in_flight)
 
     @contextlib.contextmanager
     def _saving(self, steps_done: int) -> Iterator[None]:
@@ -190,28 +210,60 @@ class Checkpointer:
             self.saves[-1]["stall_s"] += self._gate.waited_s
             self._gate = None
 
-    def _copy_and_write(self, snapshot: save_load.Snapshot, staging: Staging, gate: StepGate,
-                        fault, cost: dict) -> None:
-        """The writer's job: copy the snapshot into host memory and let the optimizer step,
-        whatever happens, then write the files."""
+    def _staging(self) -> Staging:
+        """Where the snapshot is copied: a background save's buffers, kept from one save to
+        the next, or (a run that saves in the foreground) buffers of this save only, so no
+        host memory stays held between saves. The budget is taken at the first save."""
+        if self._budget is None:
+            setting = self.resolved.recipe.train.checkpoint_staging_gb
+            self._budget = staging_budget(setting,
+                                          local_ranks=int(os.environ.get("LOCAL_SIZE", 1)))
+        if self.writer is None:
+            return Staging(self._budget)
+        if self.staging is None:
+            self.staging = Staging(self._budget)
+        return self.staging
+
+    def _stage_and_write(self, snapshot: save_load.Snapshot, staging: Staging, fault,
+                         cost: dict, on_copied) -> None:
+        """Copy the snapshot into host memory (whole, or in parts each written before the next
+        is copied) and write its files; `on_copied()` once all is copied (the optimizer may
+        step then), and whatever happens."""
+        started = time.monotonic()
+
+        def copied() -> None:
+            cost["snapshot_s"] = time.monotonic() - started
+            if on_copied is not None:
+                on_copied()
+
+        state = snapshot.state
         try:
-            self._copy(snapshot, staging, cost)
+            parts = None
+            if staging.holds(state.nbytes):
+                state.copy(staging)
+                copied()
+            else:
+                self._say_parts(state.nbytes, staging.budget_bytes)
+                parts = staging.parts(state.tensors, state.ready, copied)
+            self._write(snapshot, fault, cost, parts)
         finally:
-            gate.open()
-        self._write(snapshot, fault, cost)
+            if on_copied is not None:
+                on_copied()
 
-    @staticmethod
-    def _copy(snapshot: save_load.Snapshot, staging: Staging, cost: dict) -> None:
-        started = time.monotonic()
-        snapshot.state.copy(staging)
-        cost["snapshot_s"] = time.monotonic() - started
+    def _say_parts(self, nbytes: int, budget: int) -> None:
+        if self.rank == 0 and not self._said_parts:
+            self._said_parts = True
+            self.console.say(
+                f"dsforge: a save stages rank 0's {format_bytes(nbytes)} of state in parts of "
+                f"{format_bytes(budget)} (train.checkpoint_staging_gb): the optimizer step "
+                "waits until all but the last part are written")
 
-    def _write(self, snapshot: save_load.Snapshot, fault, cost: dict) -> None:
+    def _write(self, snapshot: save_load.Snapshot, fault, cost: dict, parts) -> None:
         """The snapshot's files (in the training thread, or the writer's: no collective);
-        their time into `cost`."""
+        their time into `cost` (with the parts' copies, where it is staged in parts)."""
         started = time.monotonic()
         try:
-            save_load.write_files(snapshot, fault)
+            save_load.write_files(snapshot, fault, parts=parts, progress=self._progress)
         except (OSError, RuntimeError) as exc:
             raise self._disk_error(snapshot.step, exc) from exc
         cost["write_s"] = time.monotonic() - started
@@ -254,6 +306,11 @@ def _medians(costs: list[dict]) -> dict | None:
     nbytes = costs[-1]["bytes"]
     rate = nbytes / median["write_s"] / 1e9 if median["write_s"] > 0 else None
     return {"saves": len(costs), **median, "bytes": nbytes, "write_gbps": rate}
+
+
+def _bytes_under(directory) -> int:
+    """The size of every file under `directory`: how far the ranks' writes have come."""
+    return sum(entry.stat().st_size for entry in directory.rglob("*") if entry.is_file())
 
 
 def _first_line(exc: BaseException) -> str:

@@ -251,9 +251,7 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
     batch, so a long evaluation is not taken for a hang); `after_step(step)` runs the drill
     that spoils weights between a step and its save; `after_steps()` disarms the watchdog;
     `save_fault(rank, steps_done)` is the drill that dies while saving; `stopper` agrees on
-    stopping once per step (one all-reduce). tests/distributed/worker.py runs the same loop
-    without them.
-    """
+    stopping once per step (one all-reduce). tests/distributed/worker.py runs without them."""
     train = trainer.resolved.recipe.train
     timed = stopper.note if stopper is not None else None
     stopped = None
@@ -281,6 +279,7 @@ def train_loop(trainer: Trainer, *, before_step: Callable[[int], None] | None = 
                     saved = trainer.save_checkpoint(step + 1, save_fault, final=True)
                 stopped = replace(stopped, saved=bool(saved))  # published by finish()
                 break
+    trainer.checkpointer.finish()  # the save in flight published while the watchdog watches
     if after_steps is not None:
         after_steps()
     trainer.finish(closing_line=stopped is None and trainer.halted is None)
