@@ -9,6 +9,7 @@ parallel, each command with a timeout, so one dead host costs `timeout_s`, not N
 from __future__ import annotations
 
 import getpass
+import inspect
 import json
 import os
 import shlex
@@ -18,16 +19,29 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from dsforge import host_memory
 from dsforge.launch import probe as probe_module
 from dsforge.problems import Problem, errors
 from dsforge.recipe.hostfile import Hostfile
 from dsforge.versions import PACKAGES, RANKS_ONLY, package_versions
 
+_DSFORGE_IMPORT = "from dsforge.host_memory import memory_available\n"
+
+
+def _standalone(probe_text: str) -> str:
+    """probe.py's text with its one dsforge import replaced by the functions it imports."""
+    assert _DSFORGE_IMPORT in probe_text, "probe.py no longer imports host_memory as expected"
+    functions = "".join(inspect.getsource(f) + "\n\n" for f in (host_memory._cgroup_headroom,
+                                                                  host_memory.memory_available))
+    return probe_text.replace(_DSFORGE_IMPORT, functions)
+
+
 # One ssh round trip per host: its package versions and what it has for the job, its build
 # tools when the job builds an op (probe.py's own text, so the remote side needs nothing but
 # Python; `nvcc --version` alone can take seconds).
 _HOST_PROBE = (
-    Path(probe_module.__file__).read_text().replace('if __name__ == "__main__":', "if False:")
+    _standalone(Path(probe_module.__file__).read_text()).replace('if __name__ == "__main__":',
+                                                                 "if False:")
     + "\nfrom importlib.metadata import version, PackageNotFoundError\n"
     "def _version(name):\n"
     "    try:\n"

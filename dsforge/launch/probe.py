@@ -1,8 +1,10 @@
 """What a machine has for a job: CPU cores, available host memory, GPUs and their memory, and
 what DeepSpeed's run-time op builds would find there (`build_facts`, checked by build_env.py).
 
-Standard library only, and runnable as a script, because preflight sends this file's text
-over ssh to every host of a hostfile (`python -c SOURCE`) where dsforge may not be importable.
+Standard library only, because preflight sends this file's text over ssh to every host of a
+hostfile (`python -c SOURCE`) where dsforge may not be importable; the one dsforge import,
+host_memory's (which a rank's checkpoint staging shares), preflight replaces with that module's
+functions (preflight.host_script).
 GPUs are read from nvidia-smi, never from torch: initialising CUDA here would leave a context
 (hundreds of MiB) on every GPU for the whole job. torch and DeepSpeed are not imported either
 (seconds each): the facts needed from them are read from their installed files' text.
@@ -19,6 +21,8 @@ import shlex
 import shutil
 import subprocess
 
+from dsforge.host_memory import memory_available
+
 MiB = 1024**2
 # Where torch.utils.cpp_extension looks for the CUDA toolkit last (its _find_cuda_home).
 TORCH_DEFAULT_CUDA_HOME = "/usr/local/cuda"
@@ -27,31 +31,6 @@ TORCH_DEFAULT_CUDA_HOME = "/usr/local/cuda"
 def probe() -> dict:
     return {"cpus": len(os.sched_getaffinity(0)), "memory_available": memory_available(),
             "gpus": visible_gpus()}
-
-
-def memory_available() -> int | None:
-    """Bytes a new process can still use: MemAvailable, lowered by a cgroup limit if any."""
-    available = None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    limit = _cgroup_headroom()
-    return min(available, limit) if available is not None and limit is not None else available
-
-
-def _cgroup_headroom() -> int | None:
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-    return None if limit == "max" else max(0, int(limit) - used)
 
 
 def visible_gpus() -> list[dict]:

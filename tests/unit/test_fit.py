@@ -59,11 +59,14 @@ def test_device_auto_follows_the_gpus():
     assert _rules(fit_problems(resolved, LAPTOP, device="cuda")) == [("FIT1", "error")]
 
 
-def test_probe_runs_as_a_standalone_script():
-    """preflight sends probe.py's text over ssh: it must need nothing but the stdlib."""
-    out = subprocess.run([sys.executable, "-I", probe.__file__], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
-    found = json.loads(out)
+def test_the_host_probe_runs_as_a_standalone_script(tmp_path):
+    """preflight sends probe.py's text over ssh (with host_memory's functions in place of its
+    import): it must need nothing but the stdlib, where dsforge is not importable."""
+    from dsforge.launch.preflight import host_script
+
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", host_script(False)], capture_output=True,
+                         text=True, check=True, timeout=60, cwd=tmp_path).stdout
+    found = json.loads(out)["machine"]
     assert found["cpus"] >= 1 and found["memory_available"] > 0 and isinstance(found["gpus"], list)
 
 

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from dsforge.launch.probe import memory_available  # stdlib only: what the fit check counts
+from dsforge.host_memory import memory_available
 from dsforge.runtime.guard.watchdog import waiting_for
 
 # Parts smaller than this would make a save a stream of small writes; a host that cannot spare
