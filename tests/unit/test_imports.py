@@ -195,7 +195,8 @@ LAYERS = (
     ("dsforge.data",),
     ("dsforge.schema", "dsforge.job", "dsforge.tokenizer"),
     ("dsforge.hardware",),
-    ("dsforge.problems", "dsforge.files", "dsforge.units", "dsforge.lock", "dsforge.versions"),
+    ("dsforge.problems", "dsforge.files", "dsforge.units", "dsforge.lock", "dsforge.versions",
+     "dsforge.host_memory"),
 )
 # Inside a rank the same rule, from the top down: rank.py, then the sub-packages of runtime/.
 RUNTIME_LAYERS = (("dsforge.runtime",), ("dsforge.runtime.rank",), ("dsforge.runtime.loop",),
