@@ -143,6 +143,11 @@ def check_option_pairs(options) -> None:
         _check_no_ssh_options(options)
     if options.max_restarts and options.node_rank is not None:
         raise BadOptions(NO_SSH_RESTARTS)
+    if options.exclude_after is not None and not (options.hostfile and options.max_restarts
+                                                  and options.launcher != "slurm"):
+        raise BadOptions("--exclude-after leaves a failing host of a hostfile out of the "
+                         "restarts: it needs --hostfile, --max-restarts N and DeepSpeed's runner "
+                         "(pdsh, openmpi or mvapich; leaving a Slurm node out is not built)")
     if options.launcher == "slurm":
         _check_slurm_options(options)
 
@@ -309,13 +314,18 @@ def check_remote_shell(placement: Placement) -> None:
 
 
 def preflight_or_refuse(hostfile: str, include: str, exclude: str, port: int, *, say: Say,
-                        timeout_s: float = 10.0, fit: tuple[Resolved, str] | None = None) -> None:
+                        timeout_s: float = 10.0, fit: tuple[Resolved, str] | None = None,
+                        down: list[str] = ()) -> None:
     """Every host reachable with the same versions and the master port free; with `fit`
-    (the resolved job and --device), each host's slots and memory checked against the job."""
+    (the resolved job and --device), each host's slots and memory checked against the job.
+    `down`: hosts the host-down drill failed (job/hosts.py), reported as unreachable."""
     from dsforge.launch.preflight import preflight
 
     hosts = active_hosts(read_hostfile(hostfile), include, exclude)
-    problems = preflight(hosts, master_port=port, timeout_s=timeout_s, fit=fit)
+    problems = [Problem(rule="F1", fields={"host": host},
+                        message="unreachable (DSFORGE_INJECT_FAULT host-down drill)",
+                        fix="a drill: nothing to fix") for host in down if host in hosts.hostnames]
+    problems += preflight(hosts, master_port=port, timeout_s=timeout_s, fit=fit)
     refuse(f"preflight of {hostfile}", problems)
     warn(problems, say)
     say(f"dsforge: preflight ok: {len(hosts.hosts)} hosts reachable, same versions, "

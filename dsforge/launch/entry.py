@@ -24,8 +24,10 @@ from dsforge.job.run_dir import RunDir, RunDirError, runs_root
 from dsforge.job.word import JobSpec
 from dsforge.launch import checks, restart, start
 from dsforge.launch.commands import Placement, job_spec, launch_command, plain_deepspeed_command
+from dsforge.launch.host_pool import (HostPool, HostsFailed, drilled_down, failing_hosts,
+                                      hosts_env)
 from dsforge.launch.local import STOP_GRACE_S, StopAsked, free_port
-from dsforge.launch.refusal import BadOptions, Say, resolve_or_refuse
+from dsforge.launch.refusal import BadOptions, Refused, Say, resolve_or_refuse
 from dsforge.launch.slurm import SlurmPlan
 from dsforge.lock import Lock
 from dsforge.recipe import Resolved
@@ -52,6 +54,7 @@ class RunOptions:
     stop_grace: float = STOP_GRACE_S  # seconds to save and exit after a stop request
     resume: bool = False
     max_restarts: int = 0  # starts again after a lost rank (launch/restart.py)
+    exclude_after: int | None = None  # failures before a host is left out (launch/host_pool.py)
     launcher: str = "pdsh"
     include: str = ""
     exclude: str = ""
@@ -154,7 +157,8 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
         return watched(starts.again(job))
 
     code = restart.run_with_restarts(job, watched(how), max_restarts=options.max_restarts,
-                                     prepare=again, say=say, asked=asked)
+                                     prepare=again, say=say, asked=asked,
+                                     hosts=getattr(starts, "pool", None))
     if code == 0 and options.tiny:
         code = start.check_tiny_layout(resolved, run_dir, env=checked.env,
                                        timeout=options.timeout, verbose=options.verbose, say=say)
@@ -201,8 +205,10 @@ class _SrunStarts:
 
 class _DeepSpeedStarts:
     """DeepSpeed's launcher: this machine, a hostfile's hosts, or with --no-ssh this node. A
-    restart starts the same hosts again, on a new port unless --master-port gave one, after
-    the hosts' preflight (pdsh, openmpi, mvapich) passes again."""
+    restart starts the hosts again, on a new port unless --master-port gave one, after the
+    hosts' preflight (pdsh, openmpi, mvapich) passes again; over a hostfile, without the hosts
+    the restarts left out (`pool`, launch/host_pool.py), whose spares DeepSpeed gets a
+    hostfile of their own for (RUN_DIR/hostfiles)."""
 
     def __init__(self, options: RunOptions, resolved: Resolved, say: Say):
         self.options, self.resolved, self.say = options, resolved, say
@@ -212,23 +218,51 @@ class _DeepSpeedStarts:
             master_addr=options.master_addr,
             master_port=options.master_port or _default_port(options), node_rank=options.node_rank)
         checks.check_remote_shell(self.placement)
+        self.pool = HostPool(active_hosts(read_hostfile(options.hostfile), options.include,
+                                          options.exclude),
+                             exclude_after=options.exclude_after,
+                             slots_chosen=":" in options.include + options.exclude) \
+            if self._checked_hosts() else None
+
+    def _checked_hosts(self) -> bool:
+        """Whether the hosts are this process's to check (and to leave out): a hostfile's,
+        started over a remote shell from here."""
+        options = self.options
+        return bool(options.hostfile and options.node_rank is None
+                    and options.launcher in ("pdsh", "openmpi", "mvapich"))
 
     def first(self, job: JobSpec) -> _Start:
         options, placement = self.options, self.placement
+        if self.pool is not None:
+            job = dataclasses.replace(job, env={**job.env, **hosts_env(self.pool.hostfile)})
+        if self._checked_hosts() and not options.dry_run:
+            self._preflight(job)
         command = launch_command(placement, job)
-        if (options.hostfile and options.node_rank is None and not options.dry_run
-                and options.launcher in ("pdsh", "openmpi", "mvapich")):
-            checks.preflight_or_refuse(options.hostfile, options.include, options.exclude,
-                                       placement.master_port, say=self.say,
-                                       fit=None if options.skip_fit_check else (self.resolved,
-                                                                                options.device))
         shown = shlex.join(command) + "\n" + _plain_form(options, placement, job.directory)
         return _Start(command, shown)
+
+    def _preflight(self, job: JobSpec) -> None:
+        """The hosts in use checked; HostsFailed names those that fail it."""
+        placement, options = self.placement, self.options
+        try:
+            checks.preflight_or_refuse(
+                placement.hostfile, placement.include, placement.exclude, placement.master_port,
+                say=self.say, fit=None if options.skip_fit_check else (self.resolved, options.device),
+                down=drilled_down(job.directory))
+        except Refused as refused:
+            failing = failing_hosts(refused.problems, self.pool.hostfile)
+            if failing and job.restarts:
+                raise HostsFailed(failing, refused) from None
+            raise
 
     def again(self, job: JobSpec) -> _Start:
         if self.options.master_port is None:
             self.placement = dataclasses.replace(self.placement,
                                                  master_port=_default_port(self.options))
+        if self.pool is not None and self.pool.left_out:
+            self.placement = dataclasses.replace(
+                self.placement, include="", exclude="",
+                hostfile=self.pool.write(job.directory.path / "hostfiles", len(job.restarts)))
         return self.first(job)
 
 

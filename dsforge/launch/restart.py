@@ -45,6 +45,7 @@ from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.steps import step_text
 from dsforge.job.who_failed import who_failed
 from dsforge.job.word import JobSpec
+from dsforge.launch.host_pool import HostPool, HostsFailed, NoSpare
 from dsforge.launch.local import EXIT_TIMEOUT, StopAsked, StopSignals, Stopped
 from dsforge.launch.refusal import BadOptions, Refused
 from dsforge.launch.start import STOPPED_CODES
@@ -87,6 +88,8 @@ class Verdict:
     retry: bool
     why: str  # the cause (retry) or why not (no retry)
     cause: Failure | None = None
+    repeated: bool = False  # not retried only because the same failure came back
+    leave_out: str | None = None  # the host the restart leaves out (launch/host_pool.py)
 
 
 class NotRestarted(Exception):
@@ -115,7 +118,7 @@ def decide(code: int, run_dir: RunDir, earlier: list[dict],
                               f"code {code}; its output is in {run_dir.job_log})")
     if any(_same(r, cause) for r in earlier):
         return Verdict(False, f"the same failure came back at {step_text(cause.step)} "
-                              f"({cause.message}): not a passing fault", cause)
+                              f"({cause.message}): not a passing fault", cause, repeated=True)
     return Verdict(True, cause.headline(), cause)
 
 
@@ -130,10 +133,13 @@ def _same(earlier: dict, cause: Failure) -> bool:
 
 
 def restart_record(attempt: int, cause: Failure, resumed_after: int | None,
-                   records: RunDir) -> dict:
+                   records: RunDir, *, host: str | None = None,
+                   left_out: list[dict] | None = None) -> dict:
     """One restart as the job word and summary.json keep it; `records`: where the failed
-    attempt's records go (attempts/N)."""
-    return {"attempt": attempt, **_what_failed(cause), "resumed_after_step": resumed_after,
+    attempt's records go (attempts/N); `host`: the failing rank's (with a hostfile);
+    `left_out`: the hosts this restart left out, why, and the spare in each one's place."""
+    return {"attempt": attempt, **_what_failed(cause), "host": host,
+            "left_out": left_out or [], "resumed_after_step": resumed_after,
             "records": f"{records.path.parent.name}/{records.path.name}", "time": time.time()}
 
 
@@ -181,12 +187,14 @@ Start = Callable[[], int]  # runs one attempt of the job, returns its exit code
 
 def run_with_restarts(job: JobSpec, first: Start, *, max_restarts: int,
                       prepare: Callable[[JobSpec], Start], say: Say,
-                      asked: StopAsked | None = None) -> int:
+                      asked: StopAsked | None = None, hosts: HostPool | None = None) -> int:
     """Run the `first` attempt of `job`; after a failure worth retrying, start it again from
     its newest complete checkpoint, up to `max_restarts` times. `prepare(job)` checks that the
-    job still fits (raising Refused, BadOptions or NotRestarted when it does not) and gives its
-    start. `asked`: the stops asked for while the attempts ran (the starts note them); a stop
-    asked for between attempts ends it too. Returns the last attempt's exit code."""
+    job still fits (raising Refused, BadOptions or NotRestarted when it does not; HostsFailed
+    when hosts in use fail its preflight) and gives its start. `asked`: the stops asked for
+    while the attempts ran (the starts note them); a stop asked for between attempts ends it
+    too. `hosts`: a hostfile's hosts, whose failing ones are left out (launch/host_pool.py).
+    Returns the last attempt's exit code."""
     asked = asked or StopAsked()
     restarts: list[dict] = []
     go = first
@@ -197,7 +205,8 @@ def run_with_restarts(job: JobSpec, first: Start, *, max_restarts: int,
                 if code == 0 or max_restarts == 0:
                     _said_done(code, restarts, job.directory, say)
                     return code
-                job, go = _next_attempt(job, code, restarts, max_restarts, prepare, say, asked)
+                job, go = _next_attempt(job, code, restarts, max_restarts, prepare, say, asked,
+                                        hosts)
         except _Ended as ended:
             return ended.code
 
@@ -220,12 +229,12 @@ class _Over(Exception):
 
 
 def _next_attempt(job: JobSpec, code: int, restarts: list[dict], max_restarts: int,
-                  prepare: Callable[[JobSpec], Start], say: Say,
-                  asked: StopAsked) -> tuple[JobSpec, Start]:
+                  prepare: Callable[[JobSpec], Start], say: Say, asked: StopAsked,
+                  hosts: HostPool | None) -> tuple[JobSpec, Start]:
     """The restarted job and its start, with the restart appended to `restarts` and said; or
     _Ended. A stop before the restart is said ends the job instead; one after it stops the
     attempt as soon as its launcher runs (launch/local.StopSignals)."""
-    verdict = _verdict(code, job.directory, restarts, max_restarts, asked)
+    verdict = _verdict(code, job.directory, restarts, max_restarts, asked, hosts)
     if not verdict.retry:
         say(f"dsforge: not restarted: {verdict.why}")
         _end(_code_after_a_stop(code, job.directory, asked), verdict, restarts, job.directory,
@@ -233,8 +242,8 @@ def _next_attempt(job: JobSpec, code: int, restarts: list[dict], max_restarts: i
     try:
         with StopSignals(asked) as signals:
             signals.arm()
-            following, go, line = _restart(job, verdict.cause, restarts, max_restarts, prepare,
-                                           say, signals)
+            following, go, line = _restart(job, verdict, restarts, max_restarts, prepare,
+                                           say, signals, hosts)
     except _Over as over:
         _end(code, dataclasses.replace(verdict, why=over.why), restarts, job.directory)
     except Stopped as stop:
@@ -264,24 +273,33 @@ def _code_after_a_stop(code: int, run_dir: RunDir, asked: StopAsked) -> int:
 
 
 def _verdict(code: int, run_dir: RunDir, restarts: list[dict], max_restarts: int,
-             asked: StopAsked) -> Verdict:
-    """`decide`, with the budget of restarts counted."""
+             asked: StopAsked, hosts: HostPool | None) -> Verdict:
+    """`decide`, with the failing host counted (left out once it has failed enough, before the
+    same failure twice ends the job) and the budget of restarts."""
     verdict = decide(code, run_dir, restarts, asked)
+    if hosts is not None and verdict.cause is not None and (verdict.retry or verdict.repeated):
+        host = hosts.blame(verdict.cause)
+        if host is not None:
+            verdict = Verdict(True, verdict.cause.headline(), verdict.cause, leave_out=host)
     if verdict.retry and len(restarts) == max_restarts:
         return Verdict(False, f"--max-restarts {max_restarts} is used up; the last failure is "
                               "the one reported above", verdict.cause)
     return verdict
 
 
-def _restart(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts: int,
-             prepare: Callable[[JobSpec], Start], say: Say,
-             signals: StopSignals) -> tuple[JobSpec, Start, str]:
+def _restart(job: JobSpec, verdict: Verdict, restarts: list[dict], max_restarts: int,
+             prepare: Callable[[JobSpec], Start], say: Say, signals: StopSignals,
+             hosts: HostPool | None) -> tuple[JobSpec, Start, str]:
     """`_restarted`'s, or _Over with the reason said."""
     from dsforge.ckpt.trust import CheckpointError
 
     try:
         _wait_gone(job.directory)
-        return _restarted(job, cause, restarts, max_restarts, prepare, signals)
+        return _restarted(job, verdict, restarts, max_restarts, prepare, signals, hosts)
+    except HostsFailed as failed:
+        why = _refusal_text(failed.refused)
+        say(f"dsforge: not restarted: {why}")
+        raise _Over(why) from None
     except (Refused, BadOptions, CheckpointError, NotRestarted) as exc:
         why = _refusal_text(exc)
         say(f"dsforge: not restarted: {why}")
@@ -309,24 +327,47 @@ def _has_checkpoint(run_dir: RunDir) -> bool:
         return False
 
 
-def _restarted(job: JobSpec, cause: Failure, restarts: list[dict], max_restarts: int,
-               prepare: Callable[[JobSpec], Start],
-               signals: StopSignals) -> tuple[JobSpec, Start, str]:
+def _restarted(job: JobSpec, verdict: Verdict, restarts: list[dict], max_restarts: int,
+               prepare: Callable[[JobSpec], Start], signals: StopSignals,
+               hosts: HostPool | None) -> tuple[JobSpec, Start, str]:
     """The next attempt of `job` (its job word carries the restart's record last), its start
     once `prepare` found that it fits, and the line that says it; the failed attempt's records
     set aside whole: a signal from then on is noted, not raised, and stops the next attempt as
-    soon as its launcher runs."""
-    attempt = len(restarts) + 1
+    soon as its launcher runs. The hosts left out (the failing one, hosts in use that fail the
+    preflight) are replaced by spares first, each one tried in turn."""
+    attempt, cause = len(restarts) + 1, verdict.cause
     after = newest_complete_step(job.directory)
-    record = restart_record(attempt, cause, after, job.directory.next_attempt())
-    following = dataclasses.replace(job, resume=after is not None, restarts=[*restarts, record],
-                                    launched_at=time.time())
-    go = prepare(following)
+    records = job.directory.next_attempt()
+    failed_on = hosts.host_of(cause.rank) if hosts is not None else None
+    if verdict.leave_out is not None:
+        _leave_out(hosts, verdict.leave_out, attempt)
+    while True:
+        left = [e for e in (hosts.left_out if hosts else []) if e["attempt"] == attempt]
+        record = restart_record(attempt, cause, after, records, host=failed_on, left_out=left)
+        following = dataclasses.replace(job, resume=after is not None,
+                                        restarts=[*restarts, record], launched_at=time.time())
+        try:
+            go = prepare(following)
+            break
+        except HostsFailed as failed:
+            leaving = [h for h in failed.hosts if hosts is not None and hosts.blame_preflight(h)]
+            if not leaving:
+                raise
+            for host in leaving:
+                _leave_out(hosts, host, attempt)
     signals.disarm()
     kept = set_aside(job.directory, everything=after is None)
     where = "from the start" if after is None else f"from the checkpoint after step {after}"
-    return following, go, (f"dsforge: restarting ({attempt} of {max_restarts}) {where}; the "
-                           f"failed attempt's records are in {kept}")
+    swaps = "".join(f"; {e['replaced_by']} in place of {e['host']} ({e['why']})" for e in left)
+    return following, go, (f"dsforge: restarting ({attempt} of {max_restarts}) {where}{swaps}; "
+                           f"the failed attempt's records are in {kept}")
+
+
+def _leave_out(hosts: HostPool, host: str, attempt: int) -> None:
+    try:
+        hosts.leave_out(host, hosts.why(host), attempt)
+    except NoSpare as exc:
+        raise NotRestarted(str(exc)) from None
 
 
 def _said_done(code: int, restarts: list[dict], run_dir: RunDir, say: Say) -> None:

@@ -33,6 +33,11 @@ RUN_OPTIONS = (
     click.option("--resume", is_flag=True,
                  help="Continue the run in --run-dir from its latest complete checkpoint."),
     MAX_RESTARTS,
+    click.option("--exclude-after", type=click.IntRange(min=1), default=None, metavar="K",
+                 help="With --hostfile and --max-restarts: leave a host out of the restarts once "
+                      "it caused K failures, a `#spare HOST slots=N` line's host taking its place "
+                      "[default: 1 for a device error, a host gone or a failed preflight; 2 for "
+                      "others]."),
     click.option("--launcher", type=click.Choice(["pdsh", "openmpi", "mvapich", "slurm"]),
                  default="pdsh", show_default=True,
                  help="With --hostfile: DeepSpeed's multi-node runner. slurm: start the ranks with "

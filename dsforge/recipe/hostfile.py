@@ -4,6 +4,10 @@ Rules (docs/validation.md): H1 one `host slots=N` per line and no duplicate host
 tokens are hostname/IP characters only and never start with `-` (ssh would read an option);
 H3 a hostfile that was named but does not exist is an error, never a silent fallback to
 localhost (DeepSpeed only warns). `parse_hostfile` is pure; `read_hostfile` adds the file.
+
+A spare host stands by on a line `#spare host slots=N`: a full-line comment, which DeepSpeed's
+own parser skips (so a plain `deepspeed --hostfile` never starts ranks there), and which
+dsforge reads to take the place of a host that fails (launch/host_pool.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Iterable
 from dsforge.problems import Problem, RecipeError, read_text
 
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)$")
+_SPARE = re.compile(r"^#\s*spare\s+(?P<line>.*?)\s*$")
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 
 
@@ -23,6 +28,12 @@ _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 class Hostfile:
     hosts: tuple[tuple[str, int], ...]  # (host, slots) in file order = rank order
     source: str = "<hostfile>"
+    spares: tuple[tuple[str, int], ...] = ()  # `#spare host slots=N` lines, in file order
+
+    def text(self) -> str:
+        """The hosts in use as DeepSpeed reads them, spares as the comments it skips."""
+        return "".join([*(f"{host} slots={slots}\n" for host, slots in self.hosts),
+                        *(f"#spare {host} slots={slots}\n" for host, slots in self.spares)])
 
     @property
     def total_slots(self) -> int:
@@ -58,11 +69,13 @@ def parse_hostfile(lines: Iterable[str], source: str = "<hostfile>") -> Hostfile
     hosts: list[tuple[str, int]] = []
     first_seen: dict[str, int] = {}
     problems: list[Problem] = []
+    spares: list[tuple[str, int]] = []
     for number, line in enumerate(lines, start=1):
-        text = line.split("#", 1)[0].strip()
+        spare = _SPARE.match(line.strip())
+        text = spare["line"].split("#", 1)[0].strip() if spare else line.split("#", 1)[0].strip()
         if not text:
             continue
-        where = {f"{source}:{number}": text}
+        where = {f"{source}:{number}": line.strip() if spare else text}
         parsed = _parse_line(text, where, problems)
         if parsed is None:
             continue
@@ -70,16 +83,17 @@ def parse_hostfile(lines: Iterable[str], source: str = "<hostfile>") -> Hostfile
         if host in first_seen:
             problems.append(Problem(rule="H1", fields=where,
                                     message=f"duplicate host (first on line {first_seen[host]})",
-                                    fix="list each host once with its total slots"))
+                                    fix="list each host once with its total slots, in use or "
+                                        "spare"))
             continue
         first_seen[host] = number
-        hosts.append((host, slots))
+        (spares if spare else hosts).append((host, slots))
     if not hosts and not problems:
         problems.append(Problem(rule="H1", fields={"hostfile": source}, message="no hosts",
                                 fix="add lines such as `node1 slots=8`"))
     if problems:
         raise RecipeError(problems)
-    return Hostfile(hosts=tuple(hosts), source=source)
+    return Hostfile(hosts=tuple(hosts), source=source, spares=tuple(spares))
 
 
 def _parse_line(text: str, where: dict, problems: list[Problem]) -> tuple[str, int] | None:
@@ -124,4 +138,4 @@ def active_hosts(hostfile: Hostfile, include: str = "", exclude: str = "") -> Ho
     if not hosts:
         raise RecipeError([Problem(rule="H5", fields={"--exclude": exclude},
                                    message="no slots left", fix="exclude fewer hosts")])
-    return Hostfile(hosts=hosts, source=f"{hostfile.source} (filtered)")
+    return Hostfile(hosts=hosts, source=f"{hostfile.source} (filtered)", spares=hostfile.spares)

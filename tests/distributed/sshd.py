@@ -1,4 +1,5 @@
-"""A private sshd on 127.0.0.1 that answers for two host aliases, for pdsh multi-node tests.
+"""A private sshd on 127.0.0.1 that answers for three host aliases, for pdsh multi-node tests
+(two hosts in use, and a spare for the restarts that leave a host out).
 
 It runs from a temporary directory with its own host key, accepts one generated client key,
 and is reached through an ssh config that maps `node-a` and `node-b` to it. pdsh and dsforge's
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ALIASES = ("node-a", "node-b")
+ALIASES = ("node-a", "node-b", "node-c")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def single_node(tmp_path_factory):
 @pytest.fixture
 def hostfile(tmp_path):
     path = tmp_path / "hostfile"
-    path.write_text("".join(f"{alias} slots=1\n" for alias in sshd.ALIASES))
+    path.write_text("".join(f"{alias} slots=1\n" for alias in sshd.ALIASES[:2]))
     return path
 
 
@@ -124,18 +124,49 @@ def test_killing_one_nodes_rank_ends_the_whole_job(loopback_hosts, hostfile, tmp
     assert not _job_processes(run_dir)
 
 
-def test_pdsh_restarts_the_whole_job_on_the_same_hosts(loopback_hosts, hostfile, tmp_path):
-    """--max-restarts over a hostfile: node-b's rank SIGKILLed mid-run, the job comes back on
-    both hosts after a second preflight, and ends with the single-node run's losses."""
-    reference = RunDir(tmp_path / "reference")
+@pytest.fixture(scope="module")
+def restarted_reference(tmp_path_factory):
+    """The restart tests' job, uninterrupted, on this machine."""
+    reference = RunDir(tmp_path_factory.mktemp("reference") / "run")
     done = dsforge("run", TINY, *RESTARTED, "--run-dir", str(reference), timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
+    return restarted_losses(reference)
+
+
+def test_pdsh_restarts_the_whole_job_on_the_same_hosts(loopback_hosts, hostfile, tmp_path,
+                                                       restarted_reference):
+    """--max-restarts over a hostfile: node-b's rank SIGKILLed mid-run, the job comes back on
+    both hosts after a second preflight, and ends with the single-node run's losses."""
     run_dir = RunDir(tmp_path / "run")
     code, stderr = run_killing(run_dir, [(1, 4)], max_restarts=1, env=loopback_hosts.env,
                                extra=("--hostfile", str(hostfile), "--master-addr", "127.0.0.1"))
     assert code == 0, stderr[-4000:]
     assert stderr.count("preflight ok") == 2 and "restarting (1 of 1)" in stderr
-    assert restarted_losses(run_dir) == pytest.approx(restarted_losses(reference), abs=1e-5)
+    assert restarted_losses(run_dir) == pytest.approx(restarted_reference, abs=1e-5)
+    assert not _job_processes(run_dir.path)
+
+
+def test_a_failing_host_is_left_out_and_a_spare_takes_its_place(loopback_hosts, tmp_path,
+                                                                restarted_reference):
+    """node-b fails (the host-down drill: its rank dies at step 5, then the host fails the
+    restart's preflight): the restart leaves node-b out, the spare node-c takes its place and
+    rank, and the job ends with the uninterrupted run's losses."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n#spare node-c slots=1\n")
+    run_dir = RunDir(tmp_path / "run")
+    result = dsforge("run", TINY, *RESTARTED, "--hostfile", str(hostfile), "--master-addr",
+                     "127.0.0.1", "--max-restarts", "1", "--run-dir", str(run_dir.path),
+                     env={**loopback_hosts.env, "DSFORGE_INJECT_FAULT": "host-down:node-b:4"},
+                     timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "node-c in place of node-b (2 failures there: a killed failure, a failed preflight)" \
+        in result.stderr
+    assert result.stderr.count("preflight ok") == 2
+    summary = json.loads(run_dir.summary.read_text())
+    (restart,) = summary["restart_causes"]
+    assert restart["host"] == "node-b" and restart["left_out"][0]["replaced_by"] == "node-c"
+    assert (run_dir.path / "hostfiles" / "attempt1").read_text() == "node-a slots=1\nnode-c slots=1\n"
+    assert restarted_losses(run_dir) == pytest.approx(restarted_reference, abs=1e-5)
     assert not _job_processes(run_dir.path)
 
 

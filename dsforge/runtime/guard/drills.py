@@ -10,6 +10,10 @@ A rank that fails or stops:
 - save-exit kills RANK while it saves the checkpoint of STEP, after writing its files;
   save-hang makes RANK's save of STEP (its writer, or the training thread where it writes)
   hang there instead, for the watchdog to end;
+- host-down:HOST:STEP (HOST a host of the hostfile, not a rank): the ranks on HOST mark it
+  failed (RUN_DIR/drills, job/hosts.py: the launcher's preflight then reports it unreachable)
+  and SIGKILL themselves when they start STEP; a restart leaves the host out
+  (launch/host_pool.py). Keyed by host, so the drill does not follow a rank to a spare;
 - preemption: stop sends SIGTERM to the `dsforge run` that started the job (to the rank itself
   without one on this host) when RANK starts STEP, stop-save the same while RANK saves the
   checkpoint of STEP; stop-eval sends SIGUSR1 to RANK's supervisor only (a `kill` of the
@@ -35,7 +39,9 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from dsforge.job.hosts import HOSTS_ENV, down_marker, host_of_rank
 from dsforge.job.owner import owner_alive
+from dsforge.job.run_dir import RunDir
 from dsforge.job.steps import step_text
 from dsforge.runtime.guard.preempt import StopRequest
 
@@ -47,17 +53,30 @@ SPIKE_FACTOR = 10.0
 
 FAULT_ENV = "DSFORGE_INJECT_FAULT"
 FAULT_KINDS = ("raise", "hang", "exit", "oom", "build", "save-exit", "save-hang", "stop",
-               "stop-eval", "stop-save", *NUMERIC_KINDS)
+               "stop-eval", "stop-save", "host-down", *NUMERIC_KINDS)
 _STEP_FAULTS = ("raise", "hang", "exit", "oom", "build")  # act when a step starts
 
 
-def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
+def parse_fault(spec: str | None) -> tuple[str, int | str, int] | None:
+    """(kind, rank, step); host-down's second field is a host name."""
     if not spec:
         return None
-    kind, rank, step = spec.split(":")
+    kind, who, step = spec.split(":")
     if kind not in FAULT_KINDS:
         raise ValueError(f"{FAULT_ENV}={spec!r}: KIND must be one of {', '.join(FAULT_KINDS)}")
-    return kind, int(rank), int(step)
+    return kind, who if kind == "host-down" else int(who), int(step)
+
+
+def host_down(fault, rank: int, step: int, run_dir: RunDir) -> None:
+    """The host-down drill, when `rank` starts `step` on the drill's host."""
+    if fault is None or fault[0] != "host-down" or fault[2] != step:
+        return
+    if host_of_rank(os.environ.get(HOSTS_ENV, ""), rank) != fault[1]:
+        return
+    marker = down_marker(run_dir, fault[1])
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> None:

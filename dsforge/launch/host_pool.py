@@ -1,0 +1,129 @@
+"""The hosts a multi-node job runs on across its restarts, and the failing ones it leaves out.
+
+`dsforge run --hostfile H --max-restarts N` starts the job on the hostfile's hosts (after
+--include/--exclude). When an attempt fails, the host that caused it is the host of the rank
+that failed first (job/who_failed.py; the host from the hostfile's order of hosts and slots,
+as DeepSpeed numbers the ranks: `gethostname` would name one machine for loopback hosts), or a
+host that fails the preflight before a restart. A host that has caused `--exclude-after K`
+failures is left out: a spare host with the same slots (`#spare host slots=N` lines) takes its
+place, at its position, so every rank keeps its number and the resume stays exact. Without such
+a spare the restart is refused, saying so (a smaller world is not built yet).
+
+The default K: 1 for a failure that says the host itself is gone (a device error, a rank lost
+without a word, a failed preflight), 2 for the others (a hang, a killed or stopped rank, a
+failed collective: often the job's, not the host's, and the "same failure twice" rule of
+launch/restart.py would end the job on the second anyway: the host is left out first).
+
+DeepSpeed is handed a hostfile of the hosts in use only (RUN_DIR/hostfiles/attemptN), its
+spares as the comments it skips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsforge.job.failure import Failure
+from dsforge.job.run_dir import RunDir
+from dsforge.problems import Problem
+from dsforge.recipe.hostfile import Hostfile
+from dsforge.job.hosts import HOSTS_ENV, encode, host_of_rank, marked_down
+
+# Failures that say the host itself is gone: left out after the first.
+HOST_GONE = ("device",)
+WITHOUT_A_WORD = "without a record"  # who_failed's message for a rank lost with its host
+PREFLIGHT = "preflight"
+
+
+class NoSpare(Exception):
+    """A host must be left out and no spare can take its place; the message says why."""
+
+
+class HostsFailed(Exception):
+    """Hosts in use failed the preflight before a restart (`refused` says how)."""
+
+    def __init__(self, hosts: list[str], refused: Exception):
+        super().__init__(", ".join(hosts))
+        self.hosts, self.refused = hosts, refused
+
+
+@dataclass
+class HostPool:
+    hostfile: Hostfile  # the hosts in use now, in rank order, and the spares left
+    exclude_after: int | None = None  # --exclude-after; None: by kind (module docstring)
+    slots_chosen: bool = False  # --include/--exclude name slots: no spare can have the same
+    failures: dict[str, list[str]] = field(default_factory=dict)  # host -> kinds it caused
+    left_out: list[dict] = field(default_factory=list)
+
+    def host_of(self, rank: int) -> str | None:
+        """The host of `rank`: DeepSpeed numbers ranks host by host, in hostfile order."""
+        return host_of_rank(encode(self.hostfile.hosts), rank)
+
+    def blame(self, cause: Failure) -> str | None:
+        """Count `cause` against its rank's host; that host when it is to be left out now."""
+        host = self.host_of(cause.rank)
+        if host is None:
+            return None
+        kind = "gone" if cause.kind in HOST_GONE or WITHOUT_A_WORD in cause.message else cause.kind
+        return host if self._count(host, kind) else None
+
+    def blame_preflight(self, host: str) -> bool:
+        """A host in use that failed the preflight before a restart: whether to leave it out."""
+        return self._count(host, PREFLIGHT)
+
+    def _count(self, host: str, kind: str) -> bool:
+        kinds = self.failures.setdefault(host, [])
+        kinds.append(kind)
+        if self.exclude_after is not None:
+            return len(kinds) >= self.exclude_after
+        return any(k in ("gone", PREFLIGHT) for k in kinds) or len(kinds) >= 2
+
+    def why(self, host: str) -> str:
+        """What `host` caused, in words: the reason it is left out."""
+        words = {"gone": "a rank lost with its host or device", PREFLIGHT: "a failed preflight"}
+        kinds = self.failures.get(host, [])
+        return (f"{len(kinds)} failure{'s' if len(kinds) > 1 else ''} there: "
+                + ", ".join(words.get(k, f"a {k} failure") for k in kinds))
+
+    def leave_out(self, host: str, why: str, attempt: int) -> str:
+        """`host` replaced by the first spare with its slots, at its position; the spare's
+        name. NoSpare when none has them."""
+        slots = dict(self.hostfile.hosts)[host]
+        spare = next((s for s in self.hostfile.spares if s[1] == slots), None)
+        if self.slots_chosen:
+            raise NoSpare(f"{host} is left out ({why}), and --include/--exclude chose slots of "
+                          "the hosts, which a spare's cannot be matched to")
+        if spare is None:
+            have = ", ".join(f"{h} slots={n}" for h, n in self.hostfile.spares) or "none"
+            raise NoSpare(f"{host} is left out ({why}) and no spare host has its {slots} "
+                          f"slot(s) (spares: {have}); continuing on fewer hosts is not built")
+        hosts = tuple(spare if h == host else (h, n) for h, n in self.hostfile.hosts)
+        spares = tuple(s for s in self.hostfile.spares if s != spare)
+        self.hostfile = Hostfile(hosts=hosts, spares=spares, source=self.hostfile.source)
+        self.left_out.append({"host": host, "why": why, "attempt": attempt,
+                              "replaced_by": spare[0]})
+        return spare[0]
+
+    def write(self, directory: Path, attempt: int) -> str:
+        """The hostfile DeepSpeed gets for `attempt`: the hosts in use, the spares left."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"attempt{attempt}"
+        path.write_text(self.hostfile.text())
+        return str(path)
+
+
+def hosts_env(hostfile: Hostfile) -> dict[str, str]:
+    """The hosts in use, in rank order, for the ranks (job/hosts.py)."""
+    return {HOSTS_ENV: encode(hostfile.hosts)}
+
+
+def failing_hosts(problems: list[Problem], hostfile: Hostfile) -> list[str]:
+    """The hosts in use that the preflight's errors name (`host` fields)."""
+    named = {p.fields.get("host") for p in problems if p.severity == "error"}
+    return [host for host in hostfile.hostnames if host in named]
+
+
+def drilled_down(run_dir: RunDir) -> list[str]:
+    """Hosts the host-down drill marked as failed (runtime/guard/drills.py): the preflight
+    reports them unreachable, as it would a host that is gone."""
+    return marked_down(run_dir)

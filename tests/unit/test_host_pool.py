@@ -1,0 +1,139 @@
+"""A failing host left out of the restarts (issue 50): which host failed, when it is left out,
+the spare that takes its place, and the restart's words and records. The run over loopback
+hosts is tests/distributed/test_multinode.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsforge.job import failure
+from dsforge.job.failure import Failure
+from dsforge.job.hosts import HOSTS_ENV, host_of_rank
+from dsforge.job.run_dir import RunDir
+from dsforge.job.word import JobSpec
+from dsforge.launch.host_pool import HostPool, HostsFailed, NoSpare, failing_hosts, hosts_env
+from dsforge.launch.refusal import Refused
+from dsforge.launch.restart import run_with_restarts
+from dsforge.problems import Problem, RecipeError
+from dsforge.recipe.hostfile import parse_hostfile
+from dsforge.runtime.guard.drills import parse_fault
+
+HOSTFILE = ["node-a slots=2", "node-b slots=2", "#spare node-c slots=2", "# spare node-d slots=1"]
+
+
+def _pool(**options) -> HostPool:
+    return HostPool(parse_hostfile(HOSTFILE), **options)
+
+
+def test_spares_are_comments_deepspeed_skips():
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    hostfile = parse_hostfile(HOSTFILE)
+    assert hostfile.hosts == (("node-a", 2), ("node-b", 2)) and hostfile.total_slots == 4
+    assert hostfile.spares == (("node-c", 2), ("node-d", 1))
+    assert dict(_parse_hostfile(hostfile.text().splitlines())) == {"node-a": 2, "node-b": 2}
+    with pytest.raises(RecipeError, match="duplicate host"):
+        parse_hostfile(["node-a slots=1", "#spare node-a slots=1"])
+    with pytest.raises(RecipeError, match=r"\[H2\]"):
+        parse_hostfile(["node-a slots=1", "#spare -oProxyCommand=x slots=1"])
+
+
+def test_ranks_are_numbered_host_by_host():
+    pool = _pool()
+    assert [pool.host_of(rank) for rank in range(5)] == ["node-a", "node-a", "node-b", "node-b",
+                                                         None]
+    encoded = hosts_env(pool.hostfile)[HOSTS_ENV]
+    assert host_of_rank(encoded, 3) == "node-b" and host_of_rank(encoded, 4) is None
+
+
+@pytest.mark.parametrize("kind, message, after", [
+    ("device", "CUDA error: uncorrectable ECC error", 1),
+    ("killed", "ended on node-b without a record (its host or its supervisor is gone)", 1),
+    ("hang", "step 5 made no progress", 2), ("collective", "gloo: connection reset", 2)])
+def test_a_host_is_left_out_after_its_share_of_failures(kind, message, after):
+    pool, cause = _pool(), Failure(rank=3, step=4, kind=kind, message=message)
+    blamed = [pool.blame(cause) for _ in range(after)]
+    assert blamed == [None] * (after - 1) + ["node-b"]
+    assert _pool(exclude_after=3).blame(cause) is None
+    preflight = _pool()
+    assert preflight.blame_preflight("node-a")  # a failed preflight: at once
+
+
+def test_a_spare_with_the_same_slots_takes_the_place_of_the_host(tmp_path):
+    pool = _pool()
+    pool.blame(Failure(rank=2, step=1, kind="device", message="lost"))
+    assert pool.leave_out("node-b", pool.why("node-b"), attempt=1) == "node-c"
+    assert pool.hostfile.hosts == (("node-a", 2), ("node-c", 2))  # same position, same ranks
+    assert pool.left_out == [{"host": "node-b", "why": "1 failure there: a rank lost with its "
+                              "host or device", "attempt": 1, "replaced_by": "node-c"}]
+    path = pool.write(tmp_path, attempt=1)
+    assert open(path).read() == "node-a slots=2\nnode-c slots=2\n#spare node-d slots=1\n"
+    with pytest.raises(NoSpare, match="no spare host has its 2 slot"):
+        pool.leave_out("node-a", "x", attempt=2)
+    with pytest.raises(NoSpare, match="--include/--exclude chose slots"):
+        _pool(slots_chosen=True).leave_out("node-a", "x", attempt=1)
+
+
+def test_the_preflights_errors_name_the_failing_hosts():
+    problems = [Problem(rule="F1", fields={"host": "node-b"}, message="cannot run Python"),
+                Problem(rule="F2", fields={"host": "node-a"}, message="slow", severity="warning"),
+                Problem(rule="F1", fields={"host": "elsewhere"}, message="not ours")]
+    assert failing_hosts(problems, parse_hostfile(HOSTFILE)) == ["node-b"]
+
+
+def test_the_host_drill_names_a_host():
+    assert parse_fault("host-down:node-b:3") == ("host-down", "node-b", 3)
+    assert parse_fault("exit:1:3") == ("exit", 1, 3)
+
+
+def _restarted(tmp_path, outcomes, prepare_fails=()):
+    """run_with_restarts over a pool, fake attempts failing on `outcomes` (rank, kind), and a
+    prepare whose preflight fails the hosts of `prepare_fails` (once each)."""
+    run_dir, said, jobs = RunDir(tmp_path), [], []
+    pool, outcomes, failing = _pool(), list(outcomes), list(prepare_fails)
+
+    def start(job):
+        def go():
+            jobs.append((job, pool.hostfile.hosts))
+            if not outcomes:
+                return 0
+            rank, kind = outcomes.pop(0)
+            failure.write(run_dir, Failure(rank=rank, step=3, kind=kind, message=f"{kind} here"))
+            return 1
+        return go
+
+    def prepare(job):
+        down = [h for h in failing if h in pool.hostfile.hostnames]
+        if down:
+            failing.remove(down[0])
+            refused = Refused("preflight", [Problem(rule="F1", fields={"host": down[0]},
+                                                     message="cannot run Python over ssh")])
+            raise HostsFailed([down[0]], refused)
+        return start(job)
+
+    job = JobSpec(recipe_yaml="", run_dir=str(run_dir), started_at=1000.0)
+    code = run_with_restarts(job, start(job), max_restarts=3, prepare=prepare, say=said.append,
+                             hosts=pool)
+    return code, said, jobs, pool
+
+
+def test_a_host_that_fails_twice_is_replaced_before_the_same_failure_ends_the_job(tmp_path):
+    code, said, jobs, pool = _restarted(tmp_path, [(2, "hang"), (3, "hang")])
+    assert code == 0 and [hosts for _, hosts in jobs][-1] == (("node-a", 2), ("node-c", 2))
+    assert "node-c in place of node-b (2 failures there: a hang failure, a hang failure)" in said[1]
+    last = jobs[-1][0].restarts[-1]
+    assert last["host"] == "node-b" and last["left_out"][0]["replaced_by"] == "node-c"
+
+
+def test_a_host_that_fails_the_preflight_is_replaced_and_the_spare_checked(tmp_path):
+    code, said, jobs, pool = _restarted(tmp_path, [(0, "killed")], prepare_fails=["node-a"])
+    assert code == 0 and jobs[-1][1] == (("node-c", 2), ("node-b", 2))
+    assert "node-c in place of node-a (2 failures there: a killed failure, a failed preflight)" \
+        in said[0]
+    assert jobs[-1][0].restarts[-1]["host"] == "node-a"
+
+
+def test_no_spare_left_ends_the_job_saying_why(tmp_path):
+    code, said, jobs, pool = _restarted(tmp_path, [(2, "device"), (0, "device")])
+    assert code == 1 and len(jobs) == 2
+    assert "not restarted: node-a is left out" in said[-1] and "no spare host" in said[-1]
