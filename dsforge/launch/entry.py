@@ -25,13 +25,15 @@ from dsforge.job.word import JobSpec
 from dsforge.launch import checks, restart, start
 from dsforge.launch.commands import Placement, job_spec, launch_command, plain_deepspeed_command
 from dsforge.launch.host_pool import (HostPool, HostsFailed, drilled_down, failing_hosts,
-                                      hosts_env)
+                                      hosts_env, layout_change, on_fewer_hosts)
 from dsforge.launch.local import STOP_GRACE_S, StopAsked, free_port
 from dsforge.launch.refusal import BadOptions, Refused, Say, resolve_or_refuse
 from dsforge.launch.slurm import SlurmPlan
 from dsforge.lock import Lock
+from dsforge.problems import RecipeError
 from dsforge.recipe import Resolved
 from dsforge.recipe.hostfile import active_hosts, read_hostfile
+from dsforge.recipe.loader import dump_recipe
 
 NO_SSH_PORT = 29500  # DeepSpeed's default rendezvous port, as `dsforge preflight` checks
 # Run-directory locks this process holds until it exits (job/run_dir.claim).
@@ -92,6 +94,7 @@ class _Start:
     command: list[str]
     shown: str
     srun_env: dict[str, str] | None = None  # srun's MASTER_ADDR and MASTER_PORT
+    ranks: int | None = None  # the ranks it starts, when not the job's first world (fewer hosts)
 
 
 def deepspeed_argv(args: list[str]) -> list[str]:
@@ -144,9 +147,9 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
 
     def watched(how: _Start):
         return lambda: start.launch_and_watch(
-            how.command, run_dir, ranks, timeout=clock.left(), verbose=options.verbose,
-            say=say, stop_grace=options.stop_grace, extra_env=how.srun_env,
-            srun=how.srun_env is not None, asked=asked)
+            how.command, run_dir, how.ranks or ranks, timeout=clock.left(),
+            verbose=options.verbose, say=say, stop_grace=options.stop_grace,
+            extra_env=how.srun_env, srun=how.srun_env is not None, asked=asked)
 
     def again(job: JobSpec):
         """A restart's start, once the job fits again: this machine's check, and the hosts'
@@ -239,7 +242,8 @@ class _DeepSpeedStarts:
             self._preflight(job)
         command = launch_command(placement, job)
         shown = shlex.join(command) + "\n" + _plain_form(options, placement, job.directory)
-        return _Start(command, shown)
+        return _Start(command, shown, ranks=self.resolved.layout.world_size
+                      if options.node_rank is None else None)
 
     def _preflight(self, job: JobSpec) -> None:
         """The hosts in use checked; HostsFailed names those that fail it."""
@@ -263,7 +267,25 @@ class _DeepSpeedStarts:
             self.placement = dataclasses.replace(
                 self.placement, include="", exclude="",
                 hostfile=self.pool.write(job.directory.path / "hostfiles", len(job.restarts)))
+            if self.pool.hostfile.total_slots != self.resolved.layout.world_size:
+                self._on_fewer_hosts()
+            job = dataclasses.replace(job, recipe_yaml=dump_recipe(self.resolved.recipe))
         return self.first(job)
+
+    def _on_fewer_hosts(self) -> None:
+        """The job resolved again for the hosts left (launch/host_pool.on_fewer_hosts)."""
+        try:
+            resolved = on_fewer_hosts(self.resolved, self.pool.hostfile)
+        except RecipeError as exc:
+            raise Refused(f"the job on the hosts left ({', '.join(self.pool.hostfile.hostnames)})",
+                          exc.problems) from None
+        self.say(f"dsforge: continuing on {len(self.pool.hostfile.hosts)} host(s) "
+                 f"({', '.join(self.pool.hostfile.hostnames)}) without a spare: "
+                 f"{layout_change(self.resolved, resolved)}; the resume goes through the "
+                 "layout-free state")
+        self.resolved = resolved
+        self.placement = dataclasses.replace(self.placement,
+                                             world_size=resolved.layout.world_size)
 
 
 def _plain_form(options: RunOptions, placement: Placement, run_dir: RunDir) -> str:

@@ -7,7 +7,11 @@ as DeepSpeed numbers the ranks: `gethostname` would name one machine for loopbac
 host that fails the preflight before a restart. A host that has caused `--exclude-after K`
 failures is left out: a spare host with the same slots (`#spare host slots=N` lines) takes its
 place, at its position, so every rank keeps its number and the resume stays exact. Without such
-a spare the restart is refused, saying so (a smaller world is not built yet).
+a spare the job goes on without the host (`on_fewer_hosts`): the recipe is resolved again for
+the smaller world, data parallelism shrinking and gradient accumulation rising to keep the
+global batch (refused with the layout rules' reason where tp, pp, cp, ep or the batch cannot
+follow), and the ranks resume through the layout-free state (the losses continue, no longer
+bitwise: other microbatches sum the same samples).
 
 The default K: 1 for a failure that says the host itself is gone (a device error, a rank lost
 without a word, a failed preflight), 2 for the others (a hang, a killed or stopped rank, a
@@ -20,12 +24,14 @@ spares as the comments it skips.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsforge.job.failure import Failure
 from dsforge.job.run_dir import RunDir
-from dsforge.problems import Problem
+from dsforge.problems import Problem, RecipeError
+from dsforge.recipe import Resolved, resolve, topology_for
 from dsforge.recipe.hostfile import Hostfile
 from dsforge.job.hosts import HOSTS_ENV, encode, host_of_rank, marked_down
 
@@ -85,24 +91,28 @@ class HostPool:
         return (f"{len(kinds)} failure{'s' if len(kinds) > 1 else ''} there: "
                 + ", ".join(words.get(k, f"a {k} failure") for k in kinds))
 
-    def leave_out(self, host: str, why: str, attempt: int) -> str:
-        """`host` replaced by the first spare with its slots, at its position; the spare's
-        name. NoSpare when none has them."""
+    def leave_out(self, host: str, why: str, attempt: int) -> str | None:
+        """`host` replaced by the first spare with its slots, at its position (the spare's
+        name), or without one dropped (None: the world shrinks). NoSpare when no host would
+        be left, or --include/--exclude chose slots."""
         slots = dict(self.hostfile.hosts)[host]
-        spare = next((s for s in self.hostfile.spares if s[1] == slots), None)
         if self.slots_chosen:
             raise NoSpare(f"{host} is left out ({why}), and --include/--exclude chose slots of "
-                          "the hosts, which a spare's cannot be matched to")
+                          "the hosts, which neither a spare's nor fewer hosts can match")
+        spare = next((s for s in self.hostfile.spares if s[1] == slots), None)
+        if spare is None and len(self.hostfile.hosts) == 1:
+            raise NoSpare(f"{host} is left out ({why}), and no host is left to run the job "
+                          "(no spare host has its slots)")
         if spare is None:
-            have = ", ".join(f"{h} slots={n}" for h, n in self.hostfile.spares) or "none"
-            raise NoSpare(f"{host} is left out ({why}) and no spare host has its {slots} "
-                          f"slot(s) (spares: {have}); continuing on fewer hosts is not built")
-        hosts = tuple(spare if h == host else (h, n) for h, n in self.hostfile.hosts)
+            hosts = tuple((h, n) for h, n in self.hostfile.hosts if h != host)
+        else:
+            hosts = tuple(spare if h == host else (h, n) for h, n in self.hostfile.hosts)
         spares = tuple(s for s in self.hostfile.spares if s != spare)
         self.hostfile = Hostfile(hosts=hosts, spares=spares, source=self.hostfile.source)
         self.left_out.append({"host": host, "why": why, "attempt": attempt,
-                              "replaced_by": spare[0]})
-        return spare[0]
+                              "replaced_by": spare[0] if spare else None,
+                              "hosts_after": list(self.hostfile.hostnames)})
+        return spare[0] if spare else None
 
     def write(self, directory: Path, attempt: int) -> str:
         """The hostfile DeepSpeed gets for `attempt`: the hosts in use, the spares left."""
@@ -127,3 +137,27 @@ def drilled_down(run_dir: RunDir) -> list[str]:
     """Hosts the host-down drill marked as failed (runtime/guard/drills.py): the preflight
     reports them unreachable, as it would a host that is gone."""
     return marked_down(run_dir)
+
+
+def on_fewer_hosts(resolved: Resolved, hostfile: Hostfile) -> Resolved:
+    """The job resolved again for `hostfile`'s smaller world: dp follows the world, grad_accum
+    the kept global batch (with micro_batch), cluster.nodes the hosts. RecipeError with the
+    layout rules' reasons where the layout cannot shrink."""
+    recipe = resolved.recipe
+    cluster = recipe.cluster and dataclasses.replace(recipe.cluster, nodes=len(hostfile.hosts))
+    smaller = dataclasses.replace(
+        recipe, cluster=cluster, parallel=dataclasses.replace(recipe.parallel, dp=-1),
+        train=dataclasses.replace(recipe.train, grad_accum=None))
+    topology, problems = topology_for(smaller, hostfile=hostfile)
+    if problems:
+        raise RecipeError(problems)
+    return resolve(smaller, topology)
+
+
+def layout_change(before: Resolved, after: Resolved) -> str:
+    """What fewer hosts change, in words: `dp 2 -> 1, grad_accum 2 -> 4`."""
+    old, new = before.layout, after.layout
+    changes = [f"{name} {getattr(old, name)} -> {getattr(new, name)}"
+               for name in ("world_size", "dp", "edp", "grad_accum")
+               if getattr(old, name) != getattr(new, name)]
+    return ", ".join(changes) + f" (global batch {new.global_batch} kept)"

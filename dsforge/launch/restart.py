@@ -358,7 +358,8 @@ def _restarted(job: JobSpec, verdict: Verdict, restarts: list[dict], max_restart
     signals.disarm()
     kept = set_aside(job.directory, everything=after is None)
     where = "from the start" if after is None else f"from the checkpoint after step {after}"
-    swaps = "".join(f"; {e['replaced_by']} in place of {e['host']} ({e['why']})" for e in left)
+    swaps = "".join(f"; {e['replaced_by']} in place of {e['host']} ({e['why']})"
+                    if e["replaced_by"] else f"; without {e['host']} ({e['why']})" for e in left)
     return following, go, (f"dsforge: restarting ({attempt} of {max_restarts}) {where}{swaps}; "
                            f"the failed attempt's records are in {kept}")
 

@@ -11,6 +11,7 @@ with --max-restarts brings the job back on both hosts.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -125,12 +126,17 @@ def test_killing_one_nodes_rank_ends_the_whole_job(loopback_hosts, hostfile, tmp
 
 
 @pytest.fixture(scope="module")
-def restarted_reference(tmp_path_factory):
-    """The restart tests' job, uninterrupted, on this machine."""
+def reference_run(tmp_path_factory):
+    """The restart tests' job, uninterrupted, on this machine (a checkpoint every 2 steps)."""
     reference = RunDir(tmp_path_factory.mktemp("reference") / "run")
     done = dsforge("run", TINY, *RESTARTED, "--run-dir", str(reference), timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
-    return restarted_losses(reference)
+    return reference
+
+
+@pytest.fixture(scope="module")
+def restarted_reference(reference_run):
+    return restarted_losses(reference_run)
 
 
 def test_pdsh_restarts_the_whole_job_on_the_same_hosts(loopback_hosts, hostfile, tmp_path,
@@ -174,3 +180,38 @@ def _free_port() -> int:
     from dsforge.launch.local import free_port
 
     return free_port()
+
+
+def test_without_a_spare_the_job_goes_on_on_fewer_hosts(loopback_hosts, tmp_path, reference_run):
+    """Two hosts, no spare: node-b fails, the job goes on on node-a alone, dp 2 -> 1 and
+    grad_accum 2 -> 4 (the global batch kept), resumed through the layout-free state; its
+    losses equal a resume of the same checkpoint on dp 1 made by hand."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    run_dir = RunDir(tmp_path / "run")
+    result = dsforge("run", TINY, *RESTARTED, "--hostfile", str(hostfile), "--master-addr",
+                     "127.0.0.1", "--max-restarts", "1", "--run-dir", str(run_dir.path),
+                     env={**loopback_hosts.env, "DSFORGE_INJECT_FAULT": "host-down:node-b:4"},
+                     timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert ("continuing on 1 host(s) (node-a) without a spare: world_size 2 -> 1, dp 2 -> 1, "
+            "edp 2 -> 1, grad_accum 2 -> 4 (global batch 8 kept)") in result.stderr
+    assert "; without node-b (2 failures there" in result.stderr
+    summary = json.loads(run_dir.summary.read_text())
+    (restart,) = summary["restart_causes"]
+    after = restart["resumed_after_step"]
+    assert restart["left_out"][0]["hosts_after"] == ["node-a"] and after is not None
+    by_hand = RunDir(tmp_path / "by_hand")
+    shutil.copytree(reference_run.path, by_hand.path)
+    for later in sorted(by_hand.checkpoints.glob("step*"))[after // 2:]:
+        shutil.rmtree(later)
+    (by_hand.checkpoints / "latest").write_text(f"step{after:08d}")
+    resumed = dsforge("run", TINY, *RESTARTED, "--set", "parallel.dp=1", "--set",
+                      "train.grad_accum=4", "--run-dir", str(by_hand.path), "--resume",
+                      timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"after step {after}" in resumed.stderr and "new layout" in resumed.stderr
+    shrunk, hand = restarted_losses(run_dir), restarted_losses(by_hand)
+    assert [shrunk[s] for s in range(after, 40)] == [hand[s] for s in range(after, 40)]
+    assert shrunk != restarted_losses(reference_run)  # dp 1 sums its microbatches otherwise
+    assert not _job_processes(run_dir.path)

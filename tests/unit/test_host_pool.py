@@ -38,6 +38,14 @@ def test_spares_are_comments_deepspeed_skips():
         parse_hostfile(["node-a slots=1", "#spare -oProxyCommand=x slots=1"])
 
 
+def test_the_shipped_example_has_a_spare():
+    from dsforge.recipe.hostfile import read_hostfile
+    from tests.conftest import REPO
+
+    example = read_hostfile(REPO / "hostfiles" / "with_spare.txt")
+    assert example.node_slots == (8, 8) and example.spares == (("node-c", 8),)
+
+
 def test_ranks_are_numbered_host_by_host():
     pool = _pool()
     assert [pool.host_of(rank) for rank in range(5)] == ["node-a", "node-a", "node-b", "node-b",
@@ -65,11 +73,12 @@ def test_a_spare_with_the_same_slots_takes_the_place_of_the_host(tmp_path):
     assert pool.leave_out("node-b", pool.why("node-b"), attempt=1) == "node-c"
     assert pool.hostfile.hosts == (("node-a", 2), ("node-c", 2))  # same position, same ranks
     assert pool.left_out == [{"host": "node-b", "why": "1 failure there: a rank lost with its "
-                              "host or device", "attempt": 1, "replaced_by": "node-c"}]
+                              "host or device", "attempt": 1, "replaced_by": "node-c",
+                              "hosts_after": ["node-a", "node-c"]}]
     path = pool.write(tmp_path, attempt=1)
     assert open(path).read() == "node-a slots=2\nnode-c slots=2\n#spare node-d slots=1\n"
-    with pytest.raises(NoSpare, match="no spare host has its 2 slot"):
-        pool.leave_out("node-a", "x", attempt=2)
+    assert pool.leave_out("node-a", "x", attempt=2) is None  # no spare with 2 slots: fewer hosts
+    assert pool.hostfile.hosts == (("node-c", 2),)
     with pytest.raises(NoSpare, match="--include/--exclude chose slots"):
         _pool(slots_chosen=True).leave_out("node-a", "x", attempt=1)
 
@@ -133,7 +142,47 @@ def test_a_host_that_fails_the_preflight_is_replaced_and_the_spare_checked(tmp_p
     assert jobs[-1][0].restarts[-1]["host"] == "node-a"
 
 
-def test_no_spare_left_ends_the_job_saying_why(tmp_path):
-    code, said, jobs, pool = _restarted(tmp_path, [(2, "device"), (0, "device")])
-    assert code == 1 and len(jobs) == 2
-    assert "not restarted: node-a is left out" in said[-1] and "no spare host" in said[-1]
+def test_without_a_spare_the_job_goes_on_fewer_hosts_until_none_is_left(tmp_path):
+    code, said, jobs, pool = _restarted(tmp_path, [(2, "device"), (3, "device"), (0, "device")])
+    assert code == 1 and [hosts for _, hosts in jobs] == [
+        (("node-a", 2), ("node-b", 2)), (("node-a", 2), ("node-c", 2)), (("node-a", 2),)]
+    assert "; without node-c (1 failure there" in said[1]
+    assert jobs[-1][0].restarts[-1]["left_out"][0]["hosts_after"] == ["node-a"]
+    assert "not restarted: node-a is left out" in said[-1] and "no host is left" in said[-1]
+
+
+def test_fewer_hosts_shrink_dp_and_keep_the_global_batch():
+    from dsforge.launch.host_pool import layout_change, on_fewer_hosts
+    from dsforge.recipe import resolve_file
+    from tests.conftest import REPO
+
+    two = resolve_file(REPO / "recipes" / "tiny.yaml")
+    one = on_fewer_hosts(two, parse_hostfile(["node-a slots=1"]))
+    assert (one.layout.dp, one.layout.grad_accum, one.layout.global_batch) == (1, 4, 8)
+    assert layout_change(two, one) == ("world_size 2 -> 1, dp 2 -> 1, edp 2 -> 1, grad_accum "
+                                       "2 -> 4 (global batch 8 kept)")
+    tp2 = resolve_file(REPO / "recipes" / "tiny.yaml", ["parallel.dp=1", "parallel.tp=2"])
+    with pytest.raises(RecipeError, match=r"\[P2\].*groups of tp x pp x cp = 2"):
+        on_fewer_hosts(tp2, parse_hostfile(["node-a slots=1"]))
+    odd = resolve_file(REPO / "recipes" / "tiny.yaml", ["train.global_batch=6", "parallel.dp=3"],
+                       world_size=3)
+    with pytest.raises(RecipeError, match=r"\[B2\]"):
+        on_fewer_hosts(odd, parse_hostfile(["node-a slots=2"]))
+
+
+def test_a_layout_that_cannot_shrink_refuses_the_restart_with_its_reason(tmp_path):
+    """tp 2 over two one-slot hosts: without node-b no tp group is left (rule P2)."""
+    from dsforge.launch.entry import RunOptions, _DeepSpeedStarts
+    from dsforge.recipe import resolve_file
+    from tests.conftest import REPO
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    recipe = str(REPO / "recipes" / "tiny.yaml")
+    sets = ("parallel.dp=1", "parallel.tp=2")
+    options = RunOptions(recipe=recipe, hostfile=str(hostfile), overrides=sets, max_restarts=1)
+    starts = _DeepSpeedStarts(options, resolve_file(recipe, sets, hostfile=hostfile), print)
+    assert starts.pool.leave_out("node-b", "a drill", attempt=1) is None
+    with pytest.raises(Refused, match=r"the job on the hosts left \(node-a\)") as refused:
+        starts._on_fewer_hosts()
+    assert [p.rule for p in refused.value.problems] == ["P2"]
