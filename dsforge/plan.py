@@ -18,6 +18,7 @@ from dsforge.estimate.memory import estimate_memory, largest_stage_params
 from dsforge.estimate.memory_fixes import zero_at_stage
 from dsforge.estimate.params import count_params
 from dsforge.estimate.save_cost import save_cost
+from dsforge.launch.host_pool import host_loss
 from dsforge.hardware import gpu_by_key
 from dsforge.problems import errors
 from dsforge.recipe.resolve import Resolved
@@ -94,6 +95,7 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
         "checkpoint_every": train.checkpoint_every,
         "checkpoint": save_cost(resolved, device=device,
                                 step_s=_predicted_step_s(resolved, device)).to_dict(),
+        "host_loss": host_loss(resolved),
         "warnings": warnings,
     }
     return plan
@@ -299,6 +301,11 @@ def _render_checkpoint(plan: dict[str, Any]) -> str:
              f"{c['job_mtbf_s'] / 3600:,.0f} h for the job): "
              f"{interval}; loses {c['lost_to_saves']:.2%} to saves and {c['lost_to_failures']:.2%}"
              " to the work redone after failures"]
+    loss = plan["host_loss"]
+    if loss is not None:
+        lines.append("  a host lost without a spare (dsforge run --max-restarts): " + (
+            f"goes on with {loss['change']}" if loss["continues"] else
+            f"cannot go on: {loss['why']}"))
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from dsforge.launch.host_pool import (HostPool, HostsFailed, drilled_down, faili
                                       hosts_env, layout_change, on_fewer_hosts)
 from dsforge.launch.local import STOP_GRACE_S, StopAsked, free_port
 from dsforge.launch.refusal import BadOptions, Refused, Say, resolve_or_refuse
+from dsforge.launch.remote_end import end_job_on
 from dsforge.launch.slurm import SlurmPlan
 from dsforge.lock import Lock
 from dsforge.problems import RecipeError
@@ -226,6 +227,7 @@ class _DeepSpeedStarts:
                              exclude_after=options.exclude_after,
                              slots_chosen=":" in options.include + options.exclude) \
             if self._checked_hosts() else None
+        self._ended: set[str] = set()  # left-out hosts where the job's processes were ended
 
     def _checked_hosts(self) -> bool:
         """Whether the hosts are this process's to check (and to leave out): a hostfile's,
@@ -264,6 +266,9 @@ class _DeepSpeedStarts:
             self.placement = dataclasses.replace(self.placement,
                                                  master_port=_default_port(self.options))
         if self.pool is not None and self.pool.left_out:
+            for host in [e["host"] for e in self.pool.left_out if e["host"] not in self._ended]:
+                self._ended.add(host)  # once, before the host's place is taken
+                self.say(end_job_on(host, job.directory))
             self.placement = dataclasses.replace(
                 self.placement, include="", exclude="",
                 hostfile=self.pool.write(job.directory.path / "hostfiles", len(job.restarts)))

@@ -108,7 +108,8 @@ class HostPool:
         else:
             hosts = tuple(spare if h == host else (h, n) for h, n in self.hostfile.hosts)
         spares = tuple(s for s in self.hostfile.spares if s != spare)
-        self.hostfile = Hostfile(hosts=hosts, spares=spares, source=self.hostfile.source)
+        source = self.hostfile.source + ("" if spare else f" without {host}")
+        self.hostfile = Hostfile(hosts=hosts, spares=spares, source=source)
         self.left_out.append({"host": host, "why": why, "attempt": attempt,
                               "replaced_by": spare[0] if spare else None,
                               "hosts_after": list(self.hostfile.hostnames)})
@@ -161,3 +162,19 @@ def layout_change(before: Resolved, after: Resolved) -> str:
                for name in ("world_size", "dp", "edp", "grad_accum")
                if getattr(old, name) != getattr(new, name)]
     return ", ".join(changes) + f" (global batch {new.global_batch} kept)"
+
+
+def host_loss(resolved: Resolved) -> dict | None:
+    """What losing one host without a spare does to the job (`dsforge plan`): the layout it
+    goes on with on the hosts left (the last one lost), or why it cannot; None on one host."""
+    slots = resolved.topology.node_slots
+    if not slots or len(slots) < 2:
+        return None
+    left = Hostfile(hosts=tuple((f"host{i}", n) for i, n in enumerate(slots[:-1])),
+                    source="the hosts left")
+    try:
+        after = on_fewer_hosts(resolved, left)
+    except RecipeError as exc:
+        return {"continues": False, "why": "; ".join(str(p) for p in exc.problems)}
+    return {"continues": True, "world_size": after.layout.world_size,
+            "change": layout_change(resolved, after)}

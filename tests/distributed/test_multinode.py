@@ -11,6 +11,7 @@ with --max-restarts brings the job back on both hosts.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -197,6 +198,7 @@ def test_without_a_spare_the_job_goes_on_on_fewer_hosts(loopback_hosts, tmp_path
     assert ("continuing on 1 host(s) (node-a) without a spare: world_size 2 -> 1, dp 2 -> 1, "
             "edp 2 -> 1, grad_accum 2 -> 4 (global batch 8 kept)") in result.stderr
     assert "; without node-b (2 failures there" in result.stderr
+    assert "dsforge: nothing of the failed attempt is left on node-b" in result.stderr
     summary = json.loads(run_dir.summary.read_text())
     (restart,) = summary["restart_causes"]
     after = restart["resumed_after_step"]
@@ -215,3 +217,28 @@ def test_without_a_spare_the_job_goes_on_on_fewer_hosts(loopback_hosts, tmp_path
     assert [shrunk[s] for s in range(after, 40)] == [hand[s] for s in range(after, 40)]
     assert shrunk != restarted_losses(reference_run)  # dp 1 sums its microbatches otherwise
     assert not _job_processes(run_dir.path)
+
+
+def test_a_left_out_hosts_leftovers_are_ended_over_ssh(loopback_hosts, tmp_path, monkeypatch):
+    """A process of the job still alive on a host the restart leaves out is found there by its
+    run directory and SIGKILLed by PID over ssh; an unreachable host is named."""
+    from dsforge.launch.remote_end import end_job_on
+    from dsforge.lock import JOB_DIR_ENV
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.path.mkdir()
+    for name, value in loopback_hosts.env.items():
+        monkeypatch.setenv(name, value)
+    leftover = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                                env={**os.environ, JOB_DIR_ENV: str(run_dir.path.resolve())})
+    try:
+        line = end_job_on("node-b", run_dir)
+        assert line == ("dsforge: ended 1 process(es) of the failed attempt on node-b "
+                        f"(PIDs {leftover.pid})")
+        assert leftover.wait(timeout=10) == -9
+        assert end_job_on("node-b", run_dir) == \
+            "dsforge: nothing of the failed attempt is left on node-b"
+        gone = end_job_on("no-such-host", run_dir, timeout_s=5)
+        assert gone.startswith("dsforge: could not reach no-such-host")
+    finally:
+        leftover.kill()

@@ -170,6 +170,25 @@ def test_fewer_hosts_shrink_dp_and_keep_the_global_batch():
         on_fewer_hosts(odd, parse_hostfile(["node-a slots=2"]))
 
 
+def test_plan_says_what_losing_a_host_does(tmp_path):
+    from dsforge.launch.host_pool import host_loss
+    from dsforge.plan import build_plan, render_plan
+    from dsforge.recipe import resolve_file
+    from tests.conftest import REPO
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    recipe = REPO / "recipes" / "tiny.yaml"
+    dp2 = resolve_file(recipe, hostfile=hostfile)
+    assert host_loss(dp2) == {"continues": True, "world_size": 1, "change": (
+        "world_size 2 -> 1, dp 2 -> 1, edp 2 -> 1, grad_accum 2 -> 4 (global batch 8 kept)")}
+    tp2 = resolve_file(recipe, ["parallel.dp=1", "parallel.tp=2"], hostfile=hostfile)
+    assert not host_loss(tp2)["continues"] and "[P2] hostfile the hosts left" in host_loss(tp2)["why"]
+    assert host_loss(resolve_file(recipe)) is None  # one host
+    assert "a host lost without a spare (dsforge run --max-restarts): cannot go on: [P2]" in \
+        render_plan(build_plan(tp2, device="cpu"))
+
+
 def test_a_layout_that_cannot_shrink_refuses_the_restart_with_its_reason(tmp_path):
     """tp 2 over two one-slot hosts: without node-b no tp group is left (rule P2)."""
     from dsforge.launch.entry import RunOptions, _DeepSpeedStarts
@@ -186,3 +205,16 @@ def test_a_layout_that_cannot_shrink_refuses_the_restart_with_its_reason(tmp_pat
     with pytest.raises(Refused, match=r"the job on the hosts left \(node-a\)") as refused:
         starts._on_fewer_hosts()
     assert [p.rule for p in refused.value.problems] == ["P2"]
+
+
+def test_exclude_after_needs_a_hostfile_and_restarts():
+    from dsforge.launch.checks import check_option_pairs
+    from dsforge.launch.entry import RunOptions
+    from dsforge.launch.refusal import BadOptions
+
+    for options in (RunOptions(recipe="r", exclude_after=1, max_restarts=1),
+                    RunOptions(recipe="r", exclude_after=1, hostfile="h"),
+                    RunOptions(recipe="r", exclude_after=1, hostfile="h", max_restarts=1,
+                               launcher="slurm")):
+        with pytest.raises(BadOptions, match="--exclude-after leaves a failing host"):
+            check_option_pairs(options)

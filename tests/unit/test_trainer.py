@@ -18,10 +18,11 @@ def test_train_loop_resumes_saves_every_n_and_runs_the_rank_hooks():
     assert trainer.calls == [
         ("before", 2), ("step", 2), ("save", 3, drill), ("before", 3), ("step", 3),
         ("before", 4), ("step", 4), ("before", 5), ("step", 5), ("save", 6, drill),
-        ("before", 6), ("step", 6), ("final save", 7, drill), ("after",), ("finish",)]  # and the last
+        ("before", 6), ("step", 6), ("final save", 7, drill), ("published",), ("after",),
+        ("finish",)]  # the save in flight published before the watchdog is disarmed
     plain = RecordingTrainer(steps=2, every=0, start_step=0)
     train_loop(plain)  # what tests/distributed/worker.py runs
-    assert plain.calls == [("step", 0), ("step", 1), ("finish",)]
+    assert plain.calls == [("step", 0), ("step", 1), ("published",), ("finish",)]
 
 
 def test_train_loop_evaluates_every_n_steps_and_after_the_last_before_saving():
@@ -31,7 +32,7 @@ def test_train_loop_evaluates_every_n_steps_and_after_the_last_before_saving():
     assert trainer.calls == [
         ("step", 0), ("step", 1), ("eval", 1, hook), ("save", 2, None), ("step", 2), ("step", 3),
         ("eval", 3, hook), ("save", 4, None), ("step", 4), ("eval", 4, hook),
-        ("final save", 5, None), ("finish",)]
+        ("final save", 5, None), ("published",), ("finish",)]
 
 
 class _GoesBad(RecordingTrainer):
@@ -52,7 +53,8 @@ def test_a_step_that_went_bad_ends_the_loop_before_its_evaluation_and_save():
     after = []
     ended = train_loop(trainer, after_step=after.append, stopper=_NeverStops())
     assert ended == trainer.halted and ended.step == 3
-    assert trainer.calls[-3:] == [("step", 2), ("step", 3), ("finish", "without its line")]
+    assert trainer.calls[-4:] == [("step", 2), ("step", 3), ("published",),
+                                  ("finish", "without its line")]
     assert after == [0, 1, 2, 3]  # the weights drill ran after every step, the bad one too
 
 

@@ -18,7 +18,9 @@ class RecordingTrainer:
         self.start_step, self.calls = start_step, []
         self.halted = None  # set by a test's train_step: the training went bad
         self.refused_saves: set[int] = set()  # steps_done whose save_checkpoint returns False
-        self.checkpointer = SimpleNamespace(slowest_s=None)  # no save measured
+        # No save measured; its save in flight published before the watchdog is disarmed.
+        self.checkpointer = SimpleNamespace(slowest_s=None,
+                                            finish=lambda: self.calls.append(("published",)))
         self.save_interval = SaveInterval(self.resolved, device="cpu", first_timed_step=0,
                                           say=None)
 
