@@ -296,11 +296,7 @@ def _restart(job: JobSpec, verdict: Verdict, restarts: list[dict], max_restarts:
     try:
         _wait_gone(job.directory)
         return _restarted(job, verdict, restarts, max_restarts, prepare, signals, hosts)
-    except HostsFailed as failed:
-        why = _refusal_text(failed.refused)
-        say(f"dsforge: not restarted: {why}")
-        raise _Over(why) from None
-    except (Refused, BadOptions, CheckpointError, NotRestarted) as exc:
+    except (Refused, BadOptions, CheckpointError, NotRestarted, HostsFailed) as exc:
         why = _refusal_text(exc)
         say(f"dsforge: not restarted: {why}")
         raise _Over(why) from None
@@ -378,6 +374,8 @@ def _said_done(code: int, restarts: list[dict], run_dir: RunDir, say: Say) -> No
 
 
 def _refusal_text(exc: Exception) -> str:
+    if isinstance(exc, HostsFailed):  # hosts that failed the preflight and stay in use
+        exc = exc.refused
     if isinstance(exc, Refused):
         return f"{exc.source}: " + "; ".join(str(p) for p in exc.problems)
     return str(exc)

@@ -1,11 +1,19 @@
-"""`dsforge run`'s options (cli.py gathers them into launch/entry.RunOptions), in the order
-its --help lists them; `--max-restarts` is also `dsforge sbatch`'s (launch/sbatch.py)."""
+"""`dsforge run`'s options, in the order its --help lists them (`--max-restarts` is also
+`dsforge sbatch`'s, launch/sbatch.py), and `RunOptions`, which cli.py gathers them into.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
+
+from dsforge.job.run_dir import RunDir
+from dsforge.job.word import JobSpec
+from dsforge.launch.commands import job_spec
+from dsforge.launch.local import STOP_GRACE_S
+from dsforge.recipe import Resolved
 
 # `dsforge run`'s, and `dsforge sbatch`'s for the `dsforge run` line of its script.
 MAX_RESTARTS = click.option(
@@ -71,3 +79,52 @@ def run_options(command):
     for option in reversed(RUN_OPTIONS):
         command = option(command)
     return command
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """The options of `dsforge run`, gathered once from its command line (cli.py)."""
+
+    recipe: str
+    world_size: int | None = None
+    hostfile: str | None = None
+    overrides: tuple[str, ...] = ()
+    run_dir: Path | None = None
+    device: str = "auto"
+    backend: str = "auto"
+    step_timeout: float = 300.0  # seconds a step may take
+    timeout: float | None = None  # seconds for the whole job
+    stop_grace: float = STOP_GRACE_S  # seconds to save and exit after a stop request
+    resume: bool = False
+    max_restarts: int = 0  # starts again after a lost rank (launch/restart.py)
+    exclude_after: int | None = None  # failures before a host is left out (launch/host_pool.py)
+    launcher: str = "pdsh"
+    include: str = ""
+    exclude: str = ""
+    node_rank: int | None = None  # --no-ssh
+    master_addr: str | None = None
+    master_port: int | None = None
+    dry_run: bool = False
+    tiny: bool = False
+    skip_fit_check: bool = False
+    verbose: bool = False
+    local_rank: int | None = None  # set by DeepSpeed's launcher: this process is a rank
+
+    @classmethod
+    def gather(cls, *, overrides=(), profile_steps: str | None = None, **options) -> RunOptions:
+        """From click's parameters; `--profile A:B` is the override tracking.profile="A:B"."""
+        if profile_steps is not None:
+            from dsforge.launch.checks import profile_override
+
+            overrides = (*overrides, profile_override(profile_steps))
+        return cls(overrides=tuple(overrides), **options)
+
+    def job(self, resolved: Resolved, run_dir: RunDir, **fields) -> JobSpec:
+        """The job word with these options; `fields`: job_spec's others (launch/commands.py).
+        A dry run's is neither owned nor marked: its commands are for a user to run after this
+        process is gone (owned ranks would end themselves at once, job/owner.py), with no
+        `dsforge run` reading their lines."""
+        by_hand = {"owned": False, "marked_output": False} if self.dry_run else {}
+        return job_spec(resolved, run_dir, device=self.device, backend=self.backend,
+                        step_timeout_s=self.step_timeout, resume=self.resume,
+                        **{**by_hand, **fields})

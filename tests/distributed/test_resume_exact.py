@@ -116,8 +116,7 @@ def test_a_resume_from_a_background_save_is_bitwise(world, name):
 
 def test_a_writer_that_dies_leaves_its_checkpoint_invisible(tmp_path):
     """Rank 1 dies (os._exit) right after its writer wrote the step-4 files, before every rank
-    had written and the save was published: `latest` stays the step-2 checkpoint, which
-    the resume continues, its steps equal to the crashed run's."""
+    had written and the save was published: `latest` stays the step-2 checkpoint."""
     run_dir = tmp_path / "run"
     args = ["run", str(TINY), "--set", f"data.source={TEXT}", "--set", "train.steps=6",
             "--set", "train.checkpoint_every=2", "--run-dir", str(run_dir)]
@@ -126,14 +125,7 @@ def test_a_writer_that_dies_leaves_its_checkpoint_invisible(tmp_path):
     root = run_dir / "checkpoints"
     assert read_latest(root) == "step00000002" and list(complete_checkpoints(root)) == [2]
     assert not (root / "step00000004" / "dsforge_complete.json").exists()
-    assert not _job_processes(run_dir)
-    losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
-    resumed = dsforge(*args, "--resume", timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "after step 2" in resumed.stderr
-    again = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
-    assert len(again) == 6 and again[:len(losses)] == losses
-    assert list(complete_checkpoints(root)) == [2, 4, 6]
+    assert not _job_processes(run_dir)  # the resume from `latest`: the random kills' below
 
 
 def test_a_writer_that_hangs_is_named_and_the_run_ends(tmp_path):
@@ -162,7 +154,7 @@ def test_a_job_killed_at_random_while_saving_leaves_latest_complete(tmp_path, ki
     seed = int(os.environ.get("DSFORGE_KILL_SEED", random.randrange(2**31)))
     rng = random.Random(seed)
     run_dir = tmp_path / "run"
-    args = ["run", str(TINY), "--set", f"data.source={TEXT}", "--set", "train.steps=60",
+    args = ["run", str(TINY), "--set", f"data.source={TEXT}", "--set", "train.steps=40",
             "--set", "train.checkpoint_every=1", "--set", "train.keep_last=2",
             "--run-dir", str(run_dir)]
     proc = subprocess.Popen([sys.executable, "-m", "dsforge", *args], cwd=REPO,
@@ -194,7 +186,7 @@ def test_a_job_killed_at_random_while_saving_leaves_latest_complete(tmp_path, ki
         assert resumed.returncode == 0, said + resumed.stderr[-3000:]
         assert f"after step {record['step']}" in resumed.stderr, said
         again = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
-        assert len(again) == 60 and again[:len(losses)] == losses, said
+        assert len(again) == 40 and again[:len(losses)] == losses, said
 
 
 def _until_steps(metrics, count: int, timeout_s: float = 120) -> None:

@@ -196,9 +196,9 @@ def test_launch_options_that_cannot_work_are_refused_before_anything_starts(tmp_
 
 
 def test_no_ssh_nodes_agree_on_the_port_without_being_told():
-    from dsforge.launch.entry import NO_SSH_PORT, RunOptions, _default_port
+    from dsforge.launch.starts import NO_SSH_PORT, RunOptions, default_port
 
-    assert _default_port(RunOptions(recipe="r.yaml", node_rank=1)) == NO_SSH_PORT == 29500
+    assert default_port(RunOptions(recipe="r.yaml", node_rank=1)) == NO_SSH_PORT == 29500
 
 
 def test_deepspeeds_local_rank_moves_behind_run():

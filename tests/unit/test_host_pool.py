@@ -191,7 +191,7 @@ def test_plan_says_what_losing_a_host_does(tmp_path):
 
 def test_a_layout_that_cannot_shrink_refuses_the_restart_with_its_reason(tmp_path):
     """tp 2 over two one-slot hosts: without node-b no tp group is left (rule P2)."""
-    from dsforge.launch.entry import RunOptions, _DeepSpeedStarts
+    from dsforge.launch.starts import DeepSpeedStarts, RunOptions
     from dsforge.recipe import resolve_file
     from tests.conftest import REPO
 
@@ -200,7 +200,7 @@ def test_a_layout_that_cannot_shrink_refuses_the_restart_with_its_reason(tmp_pat
     recipe = str(REPO / "recipes" / "tiny.yaml")
     sets = ("parallel.dp=1", "parallel.tp=2")
     options = RunOptions(recipe=recipe, hostfile=str(hostfile), overrides=sets, max_restarts=1)
-    starts = _DeepSpeedStarts(options, resolve_file(recipe, sets, hostfile=hostfile), print)
+    starts = DeepSpeedStarts(options, resolve_file(recipe, sets, hostfile=hostfile), print)
     assert starts.pool.leave_out("node-b", "a drill", attempt=1) is None
     with pytest.raises(Refused, match=r"the job on the hosts left \(node-a\)") as refused:
         starts._on_fewer_hosts()

@@ -318,4 +318,4 @@ def test_the_run_directory_travels_as_a_value():
     # word's field and the batch script's.
     bare = {str(p.relative_to(package)) for p in package.rglob("*.py")
             if re.search(r"\brun_dir: (Path|str)\b", p.read_text())}
-    assert bare == {"launch/entry.py", "launch/sbatch.py", "job/word.py", "launch/slurm.py"}, bare
+    assert bare == {"launch/run_options.py", "launch/sbatch.py", "job/word.py", "launch/slurm.py"}, bare

@@ -242,13 +242,13 @@ def _word(command: list[str]) -> JobSpec:
 
 
 def test_a_local_restart_starts_the_same_job_word_on_a_new_port(tmp_path):
-    from dsforge.launch.entry import RunOptions, _DeepSpeedStarts
+    from dsforge.launch.starts import DeepSpeedStarts, RunOptions
     from dsforge.recipe import resolve_file
     from tests.conftest import REPO
 
     recipe = str(REPO / "recipes" / "tiny.yaml")
     options = RunOptions(recipe=recipe, max_restarts=2)
-    starts = _DeepSpeedStarts(options, resolve_file(recipe), say=lambda line: None)
+    starts = DeepSpeedStarts(options, resolve_file(recipe), say=lambda line: None)
     job = _job(RunDir(tmp_path))
     first = starts.first(job)
     again = starts.again(dataclasses.replace(job, resume=True, restarts=[{"attempt": 1}]))
@@ -256,19 +256,19 @@ def test_a_local_restart_starts_the_same_job_word_on_a_new_port(tmp_path):
     assert port(first.command) != port(again.command)
     assert (_word(first.command).resume, _word(again.command).resume) == (False, True)
     assert _word(again.command).started_at == job.started_at
-    fixed = _DeepSpeedStarts(dataclasses.replace(options, master_port=29555), resolve_file(recipe),
+    fixed = DeepSpeedStarts(dataclasses.replace(options, master_port=29555), resolve_file(recipe),
                              say=lambda line: None)
     assert port(fixed.again(job).command) == "29555"  # --master-port is kept
 
 
 def test_a_slurm_restart_runs_srun_again_in_the_allocation(tmp_path):
     from dsforge.launch import slurm
-    from dsforge.launch.entry import RunOptions, _SrunStarts
+    from dsforge.launch.starts import RunOptions, SrunStarts
     from tests.unit.test_slurm import BATCH
 
     plan, _ = slurm.plan_job(16, BATCH, cpu_only=False, master_addr=None, master_port=None,
                              free_port=lambda: 1, hostnames=lambda _: ["gpu01", "gpu02"])
-    starts = _SrunStarts(RunOptions(recipe="r.yaml", launcher="slurm", max_restarts=1), plan)
+    starts = SrunStarts(RunOptions(recipe="r.yaml", launcher="slurm", max_restarts=1), plan)
     job = _job(RunDir(tmp_path))
     again = starts.again(dataclasses.replace(job, resume=True))
     assert again.command[:3] == ["srun", "--nodes=2", "--ntasks=16"]
