@@ -108,11 +108,11 @@ class DeepSpeedStarts:
     def _preflight(self, job: JobSpec) -> None:
         """The hosts in use checked; HostsFailed names those that fail it."""
         placement, options = self.placement, self.options
+        fit = None if options.skip_fit_check else (self.resolved, options.device)
         try:
             checks.preflight_or_refuse(
                 placement.hostfile, placement.include, placement.exclude, placement.master_port,
-                say=self.say, fit=None if options.skip_fit_check else (self.resolved, options.device),
-                down=drilled_down(job.directory))
+                say=self.say, fit=fit, down=drilled_down(job.directory))
         except Refused as refused:
             failing = failing_hosts(refused.problems, self.pool.hostfile)
             if failing and job.restarts:

@@ -17,8 +17,9 @@ from dsforge.runtime.guard import watchdog
 
 def _state() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return {"exp_avg/w": torch.randn(1000, generator=generator), "fp32/b": torch.randn(37, generator=generator),
-            "fp32/empty": torch.zeros(0), "exp_avg_sq/w": torch.rand(40, 50, generator=generator)}
+    return {"exp_avg/w": torch.randn(1000, generator=generator),
+            "fp32/b": torch.randn(37, generator=generator), "fp32/empty": torch.zeros(0),
+            "exp_avg_sq/w": torch.rand(40, 50, generator=generator)}
 
 
 def _sizes(tensors):
@@ -61,6 +62,26 @@ def test_parts_write_the_same_bytes_as_a_whole_snapshot(tmp_path, part_elements)
     write_stream(streamed, _sizes(tensors), {"pieces": "[]"}, written(parts))
     assert streamed.read_bytes() == whole.read_bytes()
     assert events.count("copied") == 1 and events[-2:] == ["copied", "part"]
+
+
+def test_a_large_chunk_reaches_the_disk_in_synced_pieces(tmp_path, monkeypatch):
+    """The watchdog sees a long write move: every SYNC_EVERY_BYTES is synced and counted,
+    within one chunk too."""
+    from dsforge.runtime.checkpoint import stream_file
+
+    monkeypatch.setattr(stream_file, "SYNC_EVERY_BYTES", 400)
+    added = []
+
+    class Counted(Progress):
+        def add(self, nbytes):
+            added.append(nbytes)
+            super().add(nbytes)
+
+    tensor = torch.arange(1000, dtype=torch.float32)  # 4,000 bytes in one chunk
+    write_stream(tmp_path / "x.safetensors", {"t": 1000}, {}, [tensor], Counted())
+    assert added[:10] == [400] * 10 and sum(added) == 4000  # and the final sync
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("t"), tensor)
 
 
 def test_a_stream_short_of_its_tensors_is_refused(tmp_path):

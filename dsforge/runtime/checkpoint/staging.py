@@ -146,16 +146,18 @@ class StepGate:
     copied). The training thread makes it and `close()`s it once open; the writer opens it,
     whatever happens."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, steps_done: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, steps_done: int, *,
+                 progress: Callable[[], int] | None = None):
         self.copied = threading.Event()
         self.waited_s = 0.0  # how long the optimizer step waited for the copy
         self._what = f"its checkpoint writer to copy the state of step {steps_done}"
+        self._progress = progress  # the save's bytes on disk: staged in parts, the wait moves
         self._hook = optimizer.register_step_pre_hook(self._before_step)
 
     def _before_step(self, *_) -> None:
         if not self.copied.is_set():
             started = time.monotonic()
-            with waiting_for(self._what):
+            with waiting_for(self._what, self._progress):
                 self.copied.wait()
             self.waited_s += time.monotonic() - started
 

@@ -1,6 +1,6 @@
 """A rank's state file written as a stream: the safetensors format (what `safetensors.safe_open`
 reads, ckpt/reader.py), its header first, then the tensors' bytes in order, from host buffers
-that may hold only part of the state at a time (runtime/checkpoint/staging.py buckets).
+that may hold only part of the state at a time (runtime/checkpoint/staging.py `parts`).
 
 safetensors' own `save_file` needs every tensor in memory at once and writes them in one call
 that says nothing until it returns. Written here piece by piece instead, a save can stage less
@@ -45,7 +45,8 @@ def header(sizes: dict[str, int], metadata: dict[str, str]) -> bytes:
     entries: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for key, numel in sizes.items():
-        entries[key] = {"dtype": "F32", "shape": [numel], "data_offsets": [offset, offset + 4 * numel]}
+        entries[key] = {"dtype": "F32", "shape": [numel],
+                        "data_offsets": [offset, offset + 4 * numel]}
         offset += 4 * numel
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % _ALIGN)
@@ -62,13 +63,14 @@ def write_stream(path: Path, sizes: dict[str, int], metadata: dict[str, str],
     with open(path, "wb") as out:
         out.write(header(sizes, metadata))
         for chunk in chunks:
-            data = chunk.detach().reshape(-1).numpy()
-            out.write(memoryview(data).cast("B"))
-            written += data.nbytes
-            unsynced += data.nbytes
-            if unsynced >= SYNC_EVERY_BYTES:
-                _sync(out, progress, unsynced)
-                unsynced = 0
+            data = memoryview(chunk.detach().reshape(-1).numpy()).cast("B")
+            for start in range(0, len(data), SYNC_EVERY_BYTES):  # a large chunk moves too
+                piece = data[start:start + SYNC_EVERY_BYTES]
+                out.write(piece)
+                written, unsynced = written + len(piece), unsynced + len(piece)
+                if unsynced >= SYNC_EVERY_BYTES:
+                    _sync(out, progress, unsynced)
+                    unsynced = 0
         if written != expected:
             raise ValueError(f"{path}: {written} bytes of tensors given, {expected} expected")
         _sync(out, progress, unsynced)

@@ -123,7 +123,8 @@ class Checkpointer:
                 self._wait_for_peers(steps_done)
                 self._publish(steps_done)
             else:  # copied and written by the writer; the optimizer's next step waits for the copy
-                gate = self._gate = StepGate(snapshot.state.optimizer, steps_done)
+                gate = self._gate = StepGate(snapshot.state.optimizer, steps_done,
+                                             progress=self._progress)
                 self.writer.submit(lambda: self._stage_and_write(snapshot, staging, fault, cost,
                                                                  on_copied=gate.open))
                 self.in_flight = steps_done
