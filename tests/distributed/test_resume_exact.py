@@ -24,11 +24,12 @@ One world of 2 ranks (legs_worker.py) trains each case 4 steps straight, saving 
 (in the background: published at step 3's all-reduce) and after step 4 (in the foreground, the
 last); a copy of that run resumes the step-2 checkpoint and trains steps 3 and 4 again.
 
-Through `dsforge run`: a rank whose background writer dies after writing its files leaves that
-checkpoint unpublished; the previous one stays `latest` and the run resumes from it, exactly. A
-writer that hangs is named, with its rank, when the run next waits for it. A job killed at a
-random moment while it saves every step (a rank's SIGKILL: its writer is a thread of it; or
-`dsforge run`'s SIGTERM) leaves `latest` on a complete checkpoint, which resumes.
+Through `dsforge run`: a writer that hangs is named, with its rank, when the run next waits for
+it. A job killed at a random moment while it saves every step (a rank's SIGKILL: its writer is
+a thread of it; then `dsforge run`'s SIGTERM during the resume) leaves `latest` on a complete
+checkpoint, which resumes exactly. The hung writer has written its files: that save stays
+unpublished, invisible. (A rank killed while the last, foreground save is written:
+test_checkpoint.py's `save-exit` drill.)
 """
 
 from __future__ import annotations
@@ -114,20 +115,6 @@ def test_a_resume_from_a_background_save_is_bitwise(world, name):
     assert not [name for name in files if name.endswith("_states.pt")]  # the state once
 
 
-def test_a_writer_that_dies_leaves_its_checkpoint_invisible(tmp_path):
-    """Rank 1 dies (os._exit) right after its writer wrote the step-4 files, before every rank
-    had written and the save was published: `latest` stays the step-2 checkpoint."""
-    run_dir = tmp_path / "run"
-    args = ["run", str(TINY), "--set", f"data.source={TEXT}", "--set", "train.steps=6",
-            "--set", "train.checkpoint_every=2", "--run-dir", str(run_dir)]
-    crashed = dsforge(*args, env={"DSFORGE_INJECT_FAULT": "save-exit:1:4"}, timeout=240)
-    assert crashed.returncode != 0
-    root = run_dir / "checkpoints"
-    assert read_latest(root) == "step00000002" and list(complete_checkpoints(root)) == [2]
-    assert not (root / "step00000004" / "dsforge_complete.json").exists()
-    assert not _job_processes(run_dir)  # the resume from `latest`: the random kills' below
-
-
 def test_a_writer_that_hangs_is_named_and_the_run_ends(tmp_path):
     """Rank 1's writer hangs once it has written the step-4 files: the final save waits for it,
     and the watchdog ends the rank saying what it waited for; the step-4 save is never
@@ -146,47 +133,67 @@ def test_a_writer_that_hangs_is_named_and_the_run_ends(tmp_path):
     assert not _job_processes(run_dir)
 
 
-@pytest.mark.parametrize("kill", ["a_rank", "the_run"])
-def test_a_job_killed_at_random_while_saving_leaves_latest_complete(tmp_path, kill):
-    """Saves every step, each in the background while the next trains, and keep_last 2; the
-    kill lands at a random moment (the seed is in the failure message;
-    DSFORGE_KILL_SEED=N repeats one)."""
+def test_a_job_killed_at_random_while_saving_leaves_latest_complete(tmp_path):
+    """Saves every step, each in the background while the next trains, and keep_last 2. A
+    rank is SIGKILLed at a random moment (its writer is a thread of it); the resume continues
+    from `latest` exactly, and `dsforge run` is sent SIGTERM at a random moment of that run
+    (exit 75). After each, `latest` is a complete checkpoint that keep_last kept. The seed is
+    in every failure's message; DSFORGE_KILL_SEED=N repeats one."""
     seed = int(os.environ.get("DSFORGE_KILL_SEED", random.randrange(2**31)))
     rng = random.Random(seed)
     run_dir = tmp_path / "run"
     args = ["run", str(TINY), "--set", f"data.source={TEXT}", "--set", "train.steps=40",
             "--set", "train.checkpoint_every=1", "--set", "train.keep_last=2",
             "--run-dir", str(run_dir)]
+    rank = rng.randrange(2)
+    code, said = _killed(args, run_dir, rng, lambda proc: os.kill(_rank_pid(run_dir, rank),
+                                                                  signal.SIGKILL))
+    said = f"SIGKILL of rank {rank} with DSFORGE_KILL_SEED={seed}: {said}"
+    assert code not in (0, 75), said
+    killed = _latest_is_complete(run_dir, said)
+    losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
+    code, stderr = _killed([*args, "--resume"], run_dir, rng,
+                           lambda proc: proc.send_signal(signal.SIGTERM), after=killed + 1)
+    said = f"SIGTERM of the resumed run with DSFORGE_KILL_SEED={seed}: {stderr}"
+    assert code == 75 and f"after step {killed}" in stderr, said
+    stopped = _latest_is_complete(run_dir, said)
+    again = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
+    assert stopped > killed and len(again) >= stopped, said
+    overlap = min(len(losses), len(again))
+    assert again[:overlap] == losses[:overlap], said  # the resumed steps, bit for bit
+
+
+def _killed(args: list[str], run_dir, rng: random.Random, kill, after: int = 0):
+    """`dsforge` with `args`, `kill(proc)` at a random moment once `after` + 2 steps are in
+    metrics.jsonl; its exit code and stderr's tail."""
     proc = subprocess.Popen([sys.executable, "-m", "dsforge", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        _until_steps(run_dir / "metrics.jsonl", 2)
+        _until_steps(run_dir / "metrics.jsonl", after + 2)
         time.sleep(rng.uniform(0.0, 1.5))
-        if kill == "a_rank":
-            host_pid = RunDir(run_dir).pid_file(rng.randrange(2)).read_text().split()
-            os.kill(int(host_pid[1]), signal.SIGKILL)
-        else:
-            proc.send_signal(signal.SIGTERM)
+        kill(proc)
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    said = f"kill of {kill} with DSFORGE_KILL_SEED={seed}: {stderr[-2000:]}"
-    assert proc.returncode == 75 if kill == "the_run" else proc.returncode not in (0, 75), said
+    return proc.returncode, stderr[-2000:]
+
+
+def _rank_pid(run_dir, rank: int) -> int:
+    return int(RunDir(run_dir).pid_file(rank).read_text().split()[1])
+
+
+def _latest_is_complete(run_dir, said: str) -> int:
+    """`latest`'s step: a complete checkpoint (the trust checks pass on it), the newest one
+    keep_last kept, and nothing of the job left running."""
     root = run_dir / "checkpoints"
-    record = latest_complete(root)  # the trust checks pass on it
+    record = latest_complete(root)
     assert record is not None and record["tag"] == read_latest(root), said
     complete = list(complete_checkpoints(root))  # keep_last 2, and one not yet pruned at most
     assert record["step"] == complete[-1] and len(complete) <= 3, said
     assert not _job_processes(run_dir), said
-    if kill == "a_rank":  # a stopped run's resume is test_preemption.py's
-        losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
-        resumed = dsforge(*args, "--resume", timeout=240)
-        assert resumed.returncode == 0, said + resumed.stderr[-3000:]
-        assert f"after step {record['step']}" in resumed.stderr, said
-        again = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]]
-        assert len(again) == 40 and again[:len(losses)] == losses, said
+    return record["step"]
 
 
 def _until_steps(metrics, count: int, timeout_s: float = 120) -> None:
