@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsforge.job.failure import Failure
+from dsforge.job.hosts import HOSTS_ENV, encode, host_of_rank, marked_down
 from dsforge.job.run_dir import RunDir
 from dsforge.problems import Problem, RecipeError
 from dsforge.recipe import Resolved, resolve, topology_for
 from dsforge.recipe.hostfile import Hostfile
-from dsforge.job.hosts import HOSTS_ENV, encode, host_of_rank, marked_down
 
 # Failures that say the host itself is gone: left out after the first.
 HOST_GONE = ("device",)
@@ -41,8 +41,9 @@ WITHOUT_A_WORD = "without a record"  # who_failed's message for a rank lost with
 PREFLIGHT = "preflight"
 
 
-class NoSpare(Exception):
-    """A host must be left out and no spare can take its place; the message says why."""
+class CannotLeaveOut(Exception):
+    """A host must be left out and the job cannot go on without it (no host would be left,
+    or --include/--exclude chose slots); the message says why."""
 
 
 class HostsFailed(Exception):
@@ -93,16 +94,17 @@ class HostPool:
 
     def leave_out(self, host: str, why: str, attempt: int) -> str | None:
         """`host` replaced by the first spare with its slots, at its position (the spare's
-        name), or without one dropped (None: the world shrinks). NoSpare when no host would
-        be left, or --include/--exclude chose slots."""
+        name), or without one dropped (None: the world shrinks). CannotLeaveOut when no host
+        would be left, or --include/--exclude chose slots."""
         slots = dict(self.hostfile.hosts)[host]
         if self.slots_chosen:
-            raise NoSpare(f"{host} is left out ({why}), and --include/--exclude chose slots of "
-                          "the hosts, which neither a spare's nor fewer hosts can match")
+            raise CannotLeaveOut(f"{host} is left out ({why}), and --include/--exclude chose "
+                                 "slots of the hosts, which neither a spare's nor fewer hosts "
+                                 "can match")
         spare = next((s for s in self.hostfile.spares if s[1] == slots), None)
         if spare is None and len(self.hostfile.hosts) == 1:
-            raise NoSpare(f"{host} is left out ({why}), and no host is left to run the job "
-                          "(no spare host has its slots)")
+            raise CannotLeaveOut(f"{host} is left out ({why}), and no host is left to run the "
+                                 "job (no spare host has its slots)")
         if spare is None:
             hosts = tuple((h, n) for h, n in self.hostfile.hosts if h != host)
         else:

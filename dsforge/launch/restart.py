@@ -45,7 +45,7 @@ from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.steps import step_text
 from dsforge.job.who_failed import who_failed
 from dsforge.job.word import JobSpec
-from dsforge.launch.host_pool import HostPool, HostsFailed, NoSpare
+from dsforge.launch.host_pool import CannotLeaveOut, HostPool, HostsFailed
 from dsforge.launch.local import EXIT_TIMEOUT, StopAsked, StopSignals, Stopped
 from dsforge.launch.refusal import BadOptions, Refused
 from dsforge.launch.start import STOPPED_CODES
@@ -363,7 +363,7 @@ def _restarted(job: JobSpec, verdict: Verdict, restarts: list[dict], max_restart
 def _leave_out(hosts: HostPool, host: str, attempt: int) -> None:
     try:
         hosts.leave_out(host, hosts.why(host), attempt)
-    except NoSpare as exc:
+    except CannotLeaveOut as exc:
         raise NotRestarted(str(exc)) from None
 
 

@@ -11,7 +11,8 @@ from dsforge.job.failure import Failure
 from dsforge.job.hosts import HOSTS_ENV, host_of_rank
 from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec
-from dsforge.launch.host_pool import HostPool, HostsFailed, NoSpare, failing_hosts, hosts_env
+from dsforge.launch.host_pool import (CannotLeaveOut, HostPool, HostsFailed, failing_hosts,
+                                      hosts_env)
 from dsforge.launch.refusal import Refused
 from dsforge.launch.restart import run_with_restarts
 from dsforge.problems import Problem, RecipeError
@@ -79,7 +80,7 @@ def test_a_spare_with_the_same_slots_takes_the_place_of_the_host(tmp_path):
     assert open(path).read() == "node-a slots=2\nnode-c slots=2\n#spare node-d slots=1\n"
     assert pool.leave_out("node-a", "x", attempt=2) is None  # no spare with 2 slots: fewer hosts
     assert pool.hostfile.hosts == (("node-c", 2),)
-    with pytest.raises(NoSpare, match="--include/--exclude chose slots"):
+    with pytest.raises(CannotLeaveOut, match="--include/--exclude chose slots"):
         _pool(slots_chosen=True).leave_out("node-a", "x", attempt=1)
 
 
