@@ -132,26 +132,36 @@ def restarted_reference(reference_run):
     return restarted_losses(reference_run)
 
 
-def test_a_failing_host_is_left_out_and_a_spare_takes_its_place(loopback_hosts, tmp_path,
-                                                                restarted_reference):
-    """node-b fails (the host-down drill: its rank dies at step 5, then the host fails the
-    restart's preflight): the restart leaves node-b out, the spare node-c takes its place and
-    rank, and the job ends with the uninterrupted run's losses."""
+def _node_b_fails(loopback_hosts, tmp_path, hosts: str):
+    """`dsforge run` over `hosts` (a hostfile's text) with one restart, node-b failing at step
+    5 (the host-down drill: its rank dies, then the host fails every preflight); its run
+    directory, once it finished."""
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=1\nnode-b slots=1\n#spare node-c slots=1\n")
+    hostfile.write_text(hosts)
     run_dir = RunDir(tmp_path / "run")
     result = dsforge("run", TINY, *RESTARTED, "--hostfile", str(hostfile), "--master-addr",
                      "127.0.0.1", "--max-restarts", "1", "--run-dir", str(run_dir.path),
                      env={**loopback_hosts.env, "DSFORGE_INJECT_FAULT": "host-down:node-b:4"},
                      timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-4000:]
+    return run_dir, result.stderr
+
+
+def test_a_failing_host_is_left_out_and_a_spare_takes_its_place(loopback_hosts, tmp_path,
+                                                                restarted_reference):
+    """node-b fails (the host-down drill: its rank dies at step 5, then the host fails the
+    restart's preflight): the restart leaves node-b out, the spare node-c takes its place and
+    rank, and the job ends with the uninterrupted run's losses."""
+    run_dir, stderr = _node_b_fails(loopback_hosts, tmp_path,
+                                    "node-a slots=1\nnode-b slots=1\n#spare node-c slots=1\n")
     assert "node-c in place of node-b (2 failures there: a killed failure, a failed preflight)" \
-        in result.stderr
-    assert result.stderr.count("preflight ok") == 2
+        in stderr
+    assert stderr.count("preflight ok") == 2
     summary = json.loads(run_dir.summary.read_text())
     (restart,) = summary["restart_causes"]
     assert restart["host"] == "node-b" and restart["left_out"][0]["replaced_by"] == "node-c"
-    assert (run_dir.path / "hostfiles" / "attempt1").read_text() == "node-a slots=1\nnode-c slots=1\n"
+    assert (run_dir.path / "hostfiles" / "attempt1").read_text() == \
+        "node-a slots=1\nnode-c slots=1\n"
     assert restarted_losses(run_dir) == pytest.approx(restarted_reference, abs=1e-5)
     assert not _job_processes(run_dir.path)
 
@@ -166,18 +176,11 @@ def test_without_a_spare_the_job_goes_on_on_fewer_hosts(loopback_hosts, tmp_path
     """Two hosts, no spare: node-b fails, the job goes on on node-a alone, dp 2 -> 1 and
     grad_accum 2 -> 4 (the global batch kept), resumed through the layout-free state; its
     losses equal a resume of the same checkpoint on dp 1 made by hand."""
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    run_dir = RunDir(tmp_path / "run")
-    result = dsforge("run", TINY, *RESTARTED, "--hostfile", str(hostfile), "--master-addr",
-                     "127.0.0.1", "--max-restarts", "1", "--run-dir", str(run_dir.path),
-                     env={**loopback_hosts.env, "DSFORGE_INJECT_FAULT": "host-down:node-b:4"},
-                     timeout=TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir, stderr = _node_b_fails(loopback_hosts, tmp_path, "node-a slots=1\nnode-b slots=1\n")
     assert ("continuing on 1 host(s) (node-a) without a spare: world_size 2 -> 1, dp 2 -> 1, "
-            "edp 2 -> 1, grad_accum 2 -> 4 (global batch 8 kept)") in result.stderr
-    assert "; without node-b (2 failures there" in result.stderr
-    assert "dsforge: nothing of the failed attempt is left on node-b" in result.stderr
+            "edp 2 -> 1, grad_accum 2 -> 4 (global batch 8 kept)") in stderr
+    assert "; without node-b (2 failures there" in stderr
+    assert "dsforge: nothing of the failed attempt is left on node-b" in stderr
     summary = json.loads(run_dir.summary.read_text())
     (restart,) = summary["restart_causes"]
     after = restart["resumed_after_step"]
