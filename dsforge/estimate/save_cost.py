@@ -119,7 +119,8 @@ def save_cost(resolved: Resolved, *, device: str, step_s: float | None) -> SaveC
     snapshot_s = max(per_rank) / _copy_bytes_per_s(resolved, device)
     write_s = max(per_host) / (write_gbps * 1e9)
     asynchronous = recipe.train.checkpoint_async
-    part_bytes = _part_bytes(recipe.train.checkpoint_staging_gb, max(per_rank))
+    staged = recipe.train.staging_bytes
+    part_bytes = staged if staged is not None and staged < max(per_rank) else None
     stall_s = snapshot_s + _held_for_parts_s(resolved, max(per_rank), part_bytes, write_gbps) \
         if asynchronous else snapshot_s + write_s
     job_mtbf_s = mtbf_hours * 3600 / len(per_host)
@@ -136,12 +137,6 @@ def save_cost(resolved: Resolved, *, device: str, step_s: float | None) -> SaveC
                     interval_s=interval_s, interval_steps=interval_steps, step_s=step_s,
                     lost_to_saves=stall_s / (interval_s + stall_s),
                     lost_to_failures=interval_s / 2 / job_mtbf_s)
-
-
-def _part_bytes(setting: float | str, rank_bytes: float) -> float | None:
-    if setting == "auto" or float(setting) * 1e9 >= rank_bytes:
-        return None
-    return float(setting) * 1e9
 
 
 def _held_for_parts_s(resolved: Resolved, rank_bytes: float, part_bytes: float | None,

@@ -25,6 +25,7 @@ from typing import Callable
 
 from dsforge.problems import Problem
 from dsforge.recipe import Resolved
+from dsforge.schema.train import TrainConfig
 from dsforge.translate.build_env import BuildFacts, build_problems, job_ops
 from dsforge.translate.kernels import predicted_memory
 from dsforge.units import MiB, format_bytes
@@ -142,8 +143,7 @@ def fit_problems(resolved: Resolved, machine: Machine, *, device: str,
     else:
         problems = _cpu_problems(machine, ranks, per_rank)
         host_bytes = ranks * (per_rank + CPU_RANK_OVERHEAD_BYTES)
-    problems += _staging_problems(machine, ranks, snapshot, host_bytes,
-                                  resolved.recipe.train.checkpoint_staging_gb)
+    problems += _staging_problems(machine, ranks, snapshot, host_bytes, resolved.recipe.train)
     if machine.build is not None:
         problems += build_problems(job_ops(resolved, device), machine.build, device=device,
                                    host=machine.name)
@@ -163,7 +163,7 @@ def snapshot_bytes(resolved: Resolved, ranks: int) -> float:
 
 
 def _staging_problems(machine: Machine, ranks: int, snapshot: float, job_bytes: float,
-                      setting: float | str) -> list[Problem]:
+                      train: TrainConfig) -> list[Problem]:
     """FIT4: what a save holds in host memory beside the job (`job_bytes`: the ranks' own host
     memory). auto stages at most half of what the job leaves free (staging.staging_budget)."""
     if not snapshot or machine.memory_available is None:
@@ -173,17 +173,18 @@ def _staging_problems(machine: Machine, ranks: int, snapshot: float, job_bytes: 
         return []  # the job itself does not fit (FIT2 says so)
     fields = {"checkpoint snapshot (estimated)": format_bytes(snapshot),
               f"available RAM on {machine.name}": format_bytes(machine.memory_available)}
-    if setting != "auto":
-        staged = min(snapshot, ranks * float(setting) * 1e9)
+    if train.staging_bytes is not None:
+        staged = min(snapshot, ranks * train.staging_bytes)
         if staged > free:
             return [Problem(
-                rule="FIT4", fields={"train.checkpoint_staging_gb": setting, **fields},
+                rule="FIT4", fields={"train.checkpoint_staging_gb": train.checkpoint_staging_gb,
+                                     **fields},
                 message=f"the saves of the {ranks} rank(s) here would stage "
                         f"{format_bytes(staged)} in host memory, and the job leaves "
                         f"{format_bytes(free)} free",
                 fix=f"lower train.checkpoint_staging_gb (at most {free / ranks / 1e9:.2f} GB a "
                     "rank here) or set it to auto")]
-        part = float(setting) * 1e9
+        part = train.staging_bytes
     elif snapshot > free / 2:
         part = free / 2 / ranks
     else:

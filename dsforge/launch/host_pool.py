@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsforge.job.failure import Failure
-from dsforge.job.hosts import HOSTS_ENV, encode, host_of_rank, marked_down
-from dsforge.job.run_dir import RunDir
+from dsforge.job.hosts import HOSTS_ENV, encode, host_of_rank
 from dsforge.problems import Problem, RecipeError
 from dsforge.recipe import Resolved, resolve, topology_for
 from dsforge.recipe.hostfile import Hostfile
@@ -134,12 +133,6 @@ def failing_hosts(problems: list[Problem], hostfile: Hostfile) -> list[str]:
     """The hosts in use that the preflight's errors name (`host` fields)."""
     named = {p.fields.get("host") for p in problems if p.severity == "error"}
     return [host for host in hostfile.hostnames if host in named]
-
-
-def drilled_down(run_dir: RunDir) -> list[str]:
-    """Hosts the host-down drill marked as failed (runtime/guard/drills.py): the preflight
-    reports them unreachable, as it would a host that is gone."""
-    return marked_down(run_dir)
 
 
 def on_fewer_hosts(resolved: Resolved, hostfile: Hostfile) -> Resolved:

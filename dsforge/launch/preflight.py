@@ -69,7 +69,9 @@ def ssh_command(host: str, remote: list[str], timeout_s: float) -> list[str]:
     return ["ssh", *options, shlex.join(remote)]
 
 
-def _run(command: list[str], timeout_s: float) -> tuple[int, str, str]:
+def run_command(command: list[str], timeout_s: float) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of `command` (an ssh command line), never waiting on a
+    terminal: 124 without an answer within `timeout_s`, 127 when it cannot start."""
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
                               stdin=subprocess.DEVNULL)
@@ -85,7 +87,7 @@ def check_host(host: str, python: str, timeout_s: float,
     """SSH reachability; the host's package versions and machine (probe.py), with its build
     tools when `builds`."""
     command = [python, "-c", host_script(builds)]
-    code, out, err = _run(ssh_command(host, command, timeout_s), timeout_s + 5)
+    code, out, err = run_command(ssh_command(host, command, timeout_s), timeout_s + 5)
     if code == 0:
         try:
             return [], json.loads(out.strip().splitlines()[-1])
@@ -99,7 +101,7 @@ def check_host(host: str, python: str, timeout_s: float,
 
 def check_port(host: str, port: int, python: str, timeout_s: float) -> list[Problem]:
     script = f"import socket; s = socket.socket(); s.bind(('', {port})); s.close()"
-    code, _, err = _run(ssh_command(host, [python, "-c", script], timeout_s), timeout_s + 5)
+    code, _, err = run_command(ssh_command(host, [python, "-c", script], timeout_s), timeout_s + 5)
     if code == 0:
         return []
     return [Problem(rule="F2", fields={"host": host, "--master-port": port},

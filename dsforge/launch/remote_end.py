@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import inspect
 import os
-import subprocess
 import sys
 
 from dsforge import lock
 from dsforge.job.run_dir import RunDir
-from dsforge.launch.preflight import ssh_command
+from dsforge.launch.preflight import run_command, ssh_command
 
 # Sent as text, standard library only (dsforge need not be importable in an ssh session's
 # directory): lock.py's own functions, then the kill. This process's PID is left alone:
@@ -41,16 +40,13 @@ def end_job_on(host: str, run_dir: RunDir, *, timeout_s: float = 20.0) -> str:
     """End the job's processes on `host`; the line that says what happened."""
     command = ssh_command(host, [sys.executable, "-c", _END, str(run_dir.path.absolute()),
                                  str(os.getpid())], timeout_s)
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        done = None
-    if done is None or done.returncode != 0:
-        why = "no answer" if done is None else (done.stderr.strip().splitlines() or ["?"])[-1]
+    code, out, err = run_command(command, timeout_s + 5)
+    if code != 0:
+        why = (err.splitlines() or ["?"])[-1]
         return (f"dsforge: could not reach {host} to end the failed attempt's processes there "
                 f"({why}); any still running end when their supervisor sees the job gone, or "
                 "with the host")
-    pids = done.stdout.split()
+    pids = out.split()
     if not pids:
         return f"dsforge: nothing of the failed attempt is left on {host}"
     return (f"dsforge: ended {len(pids)} process(es) of the failed attempt on {host} "

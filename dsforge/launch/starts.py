@@ -13,12 +13,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsforge.job.hosts import marked_down
 from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec
 from dsforge.launch import checks
 from dsforge.launch.commands import Placement, launch_command, plain_deepspeed_command
-from dsforge.launch.host_pool import (HostPool, HostsFailed, drilled_down, failing_hosts,
-                                      hosts_env, layout_change, on_fewer_hosts)
+from dsforge.launch.host_pool import (HostPool, HostsFailed, failing_hosts, hosts_env,
+                                      layout_change, on_fewer_hosts)
 from dsforge.launch.local import free_port
 from dsforge.launch.refusal import Refused, Say
 from dsforge.launch.remote_end import end_job_on
@@ -112,7 +113,7 @@ class DeepSpeedStarts:
         try:
             checks.preflight_or_refuse(
                 placement.hostfile, placement.include, placement.exclude, placement.master_port,
-                say=self.say, fit=fit, down=drilled_down(job.directory))
+                say=self.say, fit=fit, down=marked_down(job.directory))  # host-down drill
         except Refused as refused:
             failing = failing_hosts(refused.problems, self.pool.hostfile)
             if failing and job.restarts:

@@ -85,6 +85,12 @@ class TrainConfig:
     on_spike: OnSpike = "report"
 
     @property
+    def staging_bytes(self) -> int | None:
+        """checkpoint_staging_gb in bytes; None for auto (the rank decides at its first save)."""
+        gb = self.checkpoint_staging_gb
+        return None if gb == "auto" else int(float(gb) * 1e9)
+
+    @property
     def time_limit_s(self) -> int | None:
         return time_limit_seconds(self.time_limit)
 

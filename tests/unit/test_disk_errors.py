@@ -28,7 +28,7 @@ def _checkpointer(tmp_path, monkeypatch, *, background: bool, world_size: int = 
     monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
     resolved = types.SimpleNamespace(
         recipe=types.SimpleNamespace(train=types.SimpleNamespace(
-            keep_last=0, checkpoint_async=background, checkpoint_staging_gb="auto")),
+            keep_last=0, checkpoint_async=background, staging_bytes=None)),
         layout=types.SimpleNamespace(world_size=world_size))
     return Checkpointer(types.SimpleNamespace(module=torch.nn.Linear(2, 2)), resolved,
                         run_dir=RunDir(tmp_path), device=torch.device("cpu"), console=None,

@@ -90,12 +90,21 @@ def test_a_stream_short_of_its_tensors_is_refused(tmp_path):
 
 
 def test_the_budget_is_the_recipes_or_half_the_free_memory_shared(monkeypatch):
-    assert staging_budget(2.5, local_ranks=8) == 2_500_000_000
+    from dsforge.recipe import resolve_file
+    from tests.conftest import REPO
+
+    def staging_bytes(setting: str) -> int | None:
+        recipe = resolve_file(REPO / "recipes" / "tiny.yaml",
+                              [f"train.checkpoint_staging_gb={setting}"]).recipe
+        return recipe.train.staging_bytes
+
+    assert staging_budget(staging_bytes("2.5"), local_ranks=8) == 2_500_000_000
+    assert staging_bytes("auto") is None
     monkeypatch.setattr("dsforge.runtime.checkpoint.staging.memory_available", lambda: 64 * 2**30)
-    assert staging_budget("auto", local_ranks=4) == 8 * 2**30
-    assert staging_budget("auto", local_ranks=4096) == MIN_PART_BYTES
+    assert staging_budget(None, local_ranks=4) == 8 * 2**30
+    assert staging_budget(None, local_ranks=4096) == MIN_PART_BYTES
     monkeypatch.setattr("dsforge.runtime.checkpoint.staging.memory_available", lambda: None)
-    assert Staging(staging_budget("auto", local_ranks=1)).holds(2**50)
+    assert Staging(staging_budget(None, local_ranks=1)).holds(2**50)
 
 
 def _watchdog(tmp_path, monkeypatch, timeout_s):

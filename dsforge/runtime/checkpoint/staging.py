@@ -118,12 +118,12 @@ class Staging:
             self._stream.synchronize()
 
 
-def staging_budget(setting: float | str, *, local_ranks: int) -> int:
-    """Bytes a rank's save may hold staged: `train.checkpoint_staging_gb`, or for auto half
-    the host memory free now shared by the host's `local_ranks` (no limit where that is
-    unknown). Taken at the first save: the job's own memory is in use by then."""
-    if setting != "auto":
-        return int(float(setting) * 1e9)
+def staging_budget(staging_bytes: int | None, *, local_ranks: int) -> int:
+    """Bytes a rank's save may hold staged: `train.checkpoint_staging_gb`'s (`staging_bytes`),
+    or for auto (None) half the host memory free now shared by the host's `local_ranks` (no
+    limit where that is unknown). Taken at the first save: the job's memory is in use then."""
+    if staging_bytes is not None:
+        return staging_bytes
     available = memory_available()
     if available is None:
         return 2**62

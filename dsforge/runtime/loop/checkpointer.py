@@ -27,7 +27,8 @@ from typing import Iterator
 
 import torch
 
-from dsforge.ckpt.trust import CheckpointError, latest_complete, resumed_changes, tag_for
+from dsforge.ckpt.trust import (CheckpointError, latest_complete, listing, resumed_changes,
+                                tag_for)
 from dsforge.job.console import RankConsole
 from dsforge.job.run_dir import RunDir
 from dsforge.recipe import Resolved
@@ -179,7 +180,7 @@ class Checkpointer:
         checkpoint's files grow (a peer that writes more than this rank, or more slowly)."""
         directory = self.run_dir.checkpoints / tag_for(steps_done)
         with waiting_for(f"the other ranks to write the checkpoint of step {steps_done}",
-                         lambda: _bytes_under(directory)):
+                         lambda: sum(listing(directory).values())):
             torch.distributed.barrier()
 
     @contextlib.contextmanager
@@ -216,8 +217,7 @@ class Checkpointer:
         the next, or (a run that saves in the foreground) buffers of this save only, so no
         host memory stays held between saves. The budget is taken at the first save."""
         if self._budget is None:
-            setting = self.resolved.recipe.train.checkpoint_staging_gb
-            self._budget = staging_budget(setting,
+            self._budget = staging_budget(self.resolved.recipe.train.staging_bytes,
                                           local_ranks=int(os.environ.get("LOCAL_SIZE", 1)))
         if self.writer is None:
             return Staging(self._budget)
@@ -307,11 +307,6 @@ def _medians(costs: list[dict]) -> dict | None:
     nbytes = costs[-1]["bytes"]
     rate = nbytes / median["write_s"] / 1e9 if median["write_s"] > 0 else None
     return {"saves": len(costs), **median, "bytes": nbytes, "write_gbps": rate}
-
-
-def _bytes_under(directory) -> int:
-    """The size of every file under `directory`: how far the ranks' writes have come."""
-    return sum(entry.stat().st_size for entry in directory.rglob("*") if entry.is_file())
 
 
 def _first_line(exc: BaseException) -> str:
