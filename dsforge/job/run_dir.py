@@ -53,6 +53,18 @@ class RunDir:
         return self.path / "metrics.jsonl"
 
     @property
+    def hostfiles(self) -> Path:
+        """The hosts each attempt runs on, as its launcher reads them (DeepSpeed's hostfile,
+        Slurm's SLURM_HOSTFILE): written before the last attempt's records are set aside."""
+        return self.path / "hostfiles"
+
+    @property
+    def requeue_exclude(self) -> Path:
+        """Under Slurm, the nodes a job left out and could not do without (launch/restart.py):
+        `dsforge sbatch`'s script requeues the job excluding them, then removes the file."""
+        return self.path / "requeue_exclude"
+
+    @property
     def summary(self) -> Path:
         """The run's summary, written by rank 0 when the run ends."""
         return self.path / "summary.json"
@@ -177,11 +189,12 @@ def set_aside(run_dir: RunDir, *, everything: bool = False) -> RunDir | None:
     attempt's cause, and would stop a supervisor recording its rank's death), heartbeats and
     pid files (a rank of an earlier, larger world would look silent; its pid may be reused).
     With `everything`, all it wrote (metrics, manifest, trackers' files, incomplete
-    checkpoints) but the job log, which every attempt appends to, the recipe and earlier
-    attempts: for a start from scratch. The folder it made, or None with nothing to move."""
+    checkpoints) but the job log, which every attempt appends to, the recipe, earlier
+    attempts and the hostfiles (the next attempt's is written first): for a start from
+    scratch. The folder it made, or None with nothing to move."""
     moved = [run_dir.failures, run_dir.heartbeats, run_dir.ranks]
     if everything:
-        stay = {run_dir.job_log, run_dir.recipe, run_dir.attempts}
+        stay = {run_dir.job_log, run_dir.recipe, run_dir.attempts, run_dir.hostfiles}
         moved = [p for p in run_dir.path.iterdir() if p not in stay]
     moved = [p for p in moved if p.exists()]
     if not moved:

@@ -66,7 +66,8 @@ def checked_run(options, say: Say) -> Checked:
     if options.launcher == "slurm":
         slurm_plan = plan_slurm(options.recipe, resolved, device=options.device,
                                 master_addr=options.master_addr,
-                                master_port=options.master_port, say=say)
+                                master_port=options.master_port, say=say,
+                                spare_nodes=options.spare_nodes)
     env = checked_env()
     refuse("environment", compile_backend_problems(resolved))
     if not options.skip_fit_check:
@@ -143,11 +144,15 @@ def check_option_pairs(options) -> None:
         _check_no_ssh_options(options)
     if options.max_restarts and options.node_rank is not None:
         raise BadOptions(NO_SSH_RESTARTS)
-    if options.exclude_after is not None and not (options.hostfile and options.max_restarts
-                                                  and options.launcher != "slurm"):
-        raise BadOptions("--exclude-after leaves a failing host of a hostfile out of the "
-                         "restarts: it needs --hostfile, --max-restarts N and DeepSpeed's runner "
-                         "(pdsh, openmpi or mvapich; leaving a Slurm node out is not built)")
+    slurm = options.launcher == "slurm"
+    if options.exclude_after is not None and not ((options.hostfile or slurm)
+                                                  and options.max_restarts):
+        raise BadOptions("--exclude-after leaves a failing host out of the restarts: it needs "
+                         "--max-restarts N, and --hostfile or --launcher slurm")
+    if options.spare_nodes and not (slurm and options.max_restarts):
+        raise BadOptions("--spare-nodes keeps Slurm nodes standing by for the restarts: it "
+                         "needs --launcher slurm and --max-restarts N (over a hostfile, spares "
+                         "are `#spare HOST slots=N` lines)")
     if options.launcher == "slurm":
         _check_slurm_options(options)
 
@@ -181,7 +186,7 @@ def _check_slurm_options(options) -> None:
 
 
 def plan_slurm(recipe: str, resolved: Resolved, *, device: str, master_addr: str | None,
-               master_port: int | None, say: Say):
+               master_port: int | None, say: Say, spare_nodes: int = 0):
     """The srun plan for this allocation (launch/slurm.py); Refused outside an allocation or
     when the allocation cannot hold the recipe's world."""
     from dsforge.launch import slurm
@@ -192,12 +197,16 @@ def plan_slurm(recipe: str, resolved: Resolved, *, device: str, master_addr: str
                       [slurm.outside_allocation_problem(recipe)])
     plan, problems = slurm.plan_job(resolved.layout.world_size, os.environ,
                                     cpu_only=device == "cpu", master_addr=master_addr,
-                                    master_port=master_port, free_port=free_port)
+                                    master_port=master_port, free_port=free_port,
+                                    spare_nodes=spare_nodes)
     if plan is None:
         raise Refused(f"{recipe} in Slurm allocation {os.environ['SLURM_JOB_ID']}", problems)
     warn(problems, say)
+    spares = plan.hostfile.spares
     say(f"dsforge: Slurm {plan.allocation.describe()}: {plan.nodes} x {plan.per_node} ranks "
-        f"with srun, master {plan.master_addr}:{plan.master_port}")
+        f"with srun, master {plan.address(plan.hostfile)}:{plan.master_port}"
+        + (f", spare node{'s' if len(spares) > 1 else ''} {', '.join(h for h, _ in spares)}"
+           if spares else ""))
     return plan
 
 

@@ -62,7 +62,7 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
     if checked.slurm_plan is not None:
         run_dir = _own_run_dir(options, resolved, say, joining=False, peers_may_join=False)
         job = options.job(resolved, run_dir, env=checked.env, slurm=True)
-        starts = SrunStarts(options, checked.slurm_plan)
+        starts = SrunStarts(options, checked.slurm_plan, resolved, say)
     else:
         starts = DeepSpeedStarts(options, resolved, say)
         # With --no-ssh every node starts its own dsforge; nodes after the first join the run
@@ -94,7 +94,7 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
 
     code = restart.run_with_restarts(job, watched(how), max_restarts=options.max_restarts,
                                      prepare=again, say=say, asked=asked,
-                                     hosts=getattr(starts, "pool", None))
+                                     hosts=starts.pool)
     if code == 0 and options.tiny:
         code = start.check_tiny_layout(resolved, run_dir, env=checked.env,
                                        timeout=options.timeout, verbose=options.verbose, say=say)

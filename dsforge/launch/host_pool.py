@@ -19,7 +19,9 @@ failed collective: often the job's, not the host's, and the "same failure twice"
 launch/restart.py would end the job on the second anyway: the host is left out first).
 
 DeepSpeed is handed a hostfile of the hosts in use only (RUN_DIR/hostfiles/attemptN), its
-spares as the comments it skips.
+spares as the comments it skips. Under Slurm (launch/starts.SrunStarts) the hosts are the
+allocation's nodes and the spares its last `--spare-nodes`; a job the nodes left cannot hold
+ends for a requeue without them (`AllocationShort`, launch/restart.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ class CannotLeaveOut(Exception):
     or --include/--exclude chose slots); the message says why."""
 
 
+class AllocationShort(Exception):
+    """Under Slurm: the allocation's nodes left cannot hold the job (no spare node, and no
+    node left or a layout that cannot shrink). The job ends for a requeue without `hosts`, the
+    nodes it left out; the message says why."""
+
+    def __init__(self, hosts: list[str], why: str):
+        super().__init__(why)
+        self.hosts = hosts
+
+
 class HostsFailed(Exception):
     """Hosts in use failed the preflight before a restart (`refused` says how)."""
 
@@ -58,6 +70,7 @@ class HostPool:
     hostfile: Hostfile  # the hosts in use now, in rank order, and the spares left
     exclude_after: int | None = None  # --exclude-after; None: by kind (module docstring)
     slots_chosen: bool = False  # --include/--exclude name slots: no spare can have the same
+    in_allocation: bool = False  # Slurm's nodes: a job they cannot hold asks for a requeue
     failures: dict[str, list[str]] = field(default_factory=dict)  # host -> kinds it caused
     left_out: list[dict] = field(default_factory=list)
 
@@ -115,6 +128,12 @@ class HostPool:
                               "replaced_by": spare[0] if spare else None,
                               "hosts_after": list(self.hostfile.hostnames)})
         return spare[0] if spare else None
+
+    def short(self, host: str, why: str) -> AllocationShort:
+        """`host` must be left out and the nodes left cannot hold the job (`why`): the
+        requeue without every host left out so far."""
+        hosts = [e["host"] for e in self.left_out]
+        return AllocationShort([*hosts, *([host] if host not in hosts else [])], why)
 
     def write(self, directory: Path, attempt: int) -> str:
         """The hostfile DeepSpeed gets for `attempt`: the hosts in use, the spares left."""

@@ -45,7 +45,7 @@ from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.steps import step_text
 from dsforge.job.who_failed import who_failed
 from dsforge.job.word import JobSpec
-from dsforge.launch.host_pool import CannotLeaveOut, HostPool, HostsFailed
+from dsforge.launch.host_pool import AllocationShort, CannotLeaveOut, HostPool, HostsFailed
 from dsforge.launch.local import EXIT_TIMEOUT, StopAsked, StopSignals, Stopped
 from dsforge.launch.refusal import BadOptions, Refused
 from dsforge.launch.start import STOPPED_CODES
@@ -221,11 +221,11 @@ class _Ended(Exception):
 
 class _Over(Exception):
     """No restart after all (the job no longer fits, its processes outlived the wait, ...),
-    said already; `why` for the summary."""
+    said already; `why` for the summary, `code` the job's exit code when not the attempt's."""
 
-    def __init__(self, why: str):
+    def __init__(self, why: str, code: int | None = None):
         super().__init__(why)
-        self.why = why
+        self.why, self.code = why, code
 
 
 def _next_attempt(job: JobSpec, code: int, restarts: list[dict], max_restarts: int,
@@ -245,7 +245,8 @@ def _next_attempt(job: JobSpec, code: int, restarts: list[dict], max_restarts: i
             following, go, line = _restart(job, verdict, restarts, max_restarts, prepare,
                                            say, signals, hosts)
     except _Over as over:
-        _end(code, dataclasses.replace(verdict, why=over.why), restarts, job.directory)
+        _end(code if over.code is None else over.code, dataclasses.replace(verdict, why=over.why),
+             restarts, job.directory)
     except Stopped as stop:
         name = signal.Signals(stop.signum).name
         resumable = _has_checkpoint(job.directory)
@@ -300,6 +301,25 @@ def _restart(job: JobSpec, verdict: Verdict, restarts: list[dict], max_restarts:
         why = _refusal_text(exc)
         say(f"dsforge: not restarted: {why}")
         raise _Over(why) from None
+    except AllocationShort as short:
+        raise _requeue_without(job.directory, short, say) from None
+
+
+def _requeue_without(run_dir: RunDir, short: AllocationShort, say: Say) -> _Over:
+    """Under Slurm, nodes the allocation cannot do without were left out: with a complete
+    checkpoint the job ends resumable (75) and names them in RUN_DIR/requeue_exclude, for
+    `dsforge sbatch`'s script to requeue the job excluding them (Slurm's ExcNodeList)."""
+    nodes = ",".join(short.hosts)
+    if not _has_checkpoint(run_dir):
+        why = f"{short}; no checkpoint is complete to requeue the job from"
+        say(f"dsforge: not restarted: {why}")
+        return _Over(why)
+    write_atomic(run_dir.requeue_exclude, nodes + "\n")
+    why = f"{short}: ends resumable for a requeue without {nodes}"
+    say(f"dsforge: not restarted in this allocation: {short}; exit code {EXIT_RESUMABLE}, "
+        f"for a requeue without {nodes} (dsforge sbatch's script asks Slurm for it; "
+        f"{run_dir.requeue_exclude.name} names them)")
+    return _Over(why, EXIT_RESUMABLE)
 
 
 def _wait_gone(run_dir: RunDir, within_s: float = GONE_WITHIN_S) -> None:
@@ -364,6 +384,8 @@ def _leave_out(hosts: HostPool, host: str, attempt: int) -> None:
     try:
         hosts.leave_out(host, hosts.why(host), attempt)
     except CannotLeaveOut as exc:
+        if hosts.in_allocation:
+            raise hosts.short(host, str(exc)) from None
         raise NotRestarted(str(exc)) from None
 
 

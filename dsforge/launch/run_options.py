@@ -22,6 +22,13 @@ MAX_RESTARTS = click.option(
          "from its last complete checkpoint, up to N times (in a Slurm job: srun again inside "
          "the allocation).")
 
+# `dsforge run`'s, and `dsforge sbatch`'s, which asks Slurm for that many more nodes.
+SPARE_NODES = click.option(
+    "--spare-nodes", type=click.IntRange(min=0), default=0, show_default=True, metavar="S",
+    help="Slurm nodes standing by for the restarts (with --max-restarts): the allocation's last "
+         "S nodes; a restart puts one in place of a node left out (--exclude-after). "
+         "`dsforge sbatch` asks for S more nodes.")
+
 RUN_OPTIONS = (
     click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
                  help="Where metrics, the resolved recipe and checkpoints go "
@@ -42,10 +49,12 @@ RUN_OPTIONS = (
                  help="Continue the run in --run-dir from its latest complete checkpoint."),
     MAX_RESTARTS,
     click.option("--exclude-after", type=click.IntRange(min=1), default=None, metavar="K",
-                 help="With --hostfile and --max-restarts: leave a host out of the restarts once "
-                      "it caused K failures, a `#spare HOST slots=N` line's host taking its place "
+                 help="With --max-restarts, over --hostfile or in a Slurm allocation: leave a host "
+                      "out of the restarts once it caused K failures, a spare (a `#spare HOST "
+                      "slots=N` line's host, a --spare-nodes node) taking its place "
                       "[default: 1 for a device error, a host gone or a failed preflight; 2 for "
                       "others]."),
+    SPARE_NODES,
     click.option("--launcher", type=click.Choice(["pdsh", "openmpi", "mvapich", "slurm"]),
                  default="pdsh", show_default=True,
                  help="With --hostfile: DeepSpeed's multi-node runner. slurm: start the ranks with "
@@ -98,6 +107,7 @@ class RunOptions:
     resume: bool = False
     max_restarts: int = 0  # starts again after a lost rank (launch/restart.py)
     exclude_after: int | None = None  # failures before a host is left out (launch/host_pool.py)
+    spare_nodes: int = 0  # the Slurm allocation's nodes that stand by for restarts
     launcher: str = "pdsh"
     include: str = ""
     exclude: str = ""

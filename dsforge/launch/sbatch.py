@@ -14,18 +14,19 @@ import click
 from dsforge.job.run_dir import runs_root
 from dsforge.launch import slurm
 from dsforge.launch.refusal import BadOptions, Refused, Say, resolve_or_refuse
-from dsforge.launch.run_options import MAX_RESTARTS
+from dsforge.launch.run_options import MAX_RESTARTS, SPARE_NODES
 
 
 def write_batch_script(recipe: str, *, nodes: int | None, gpus_per_node: int | None,
                        time_limit: str | None, partition: str | None, account: str | None,
                        signal_grace: int, run_dir: Path | None, out: Path | None,
                        overrides: tuple[str, ...], say: Say, show: Say,
-                       max_restarts: int = 0) -> None:
+                       max_restarts: int = 0, spare_nodes: int = 0) -> None:
     """The script for RECIPE on `nodes` x `gpus_per_node` (the recipe's cluster, else its world
     on one node), shown, or written to `out` (which must not exist) and made executable.
     `max_restarts`: the script's `dsforge run --max-restarts`, which runs srun again inside the
-    allocation after a lost rank (launch/restart.py)."""
+    allocation after a lost rank (launch/restart.py); `spare_nodes` more nodes stand by for
+    those restarts (`dsforge run --spare-nodes`)."""
     resolved = resolve_or_refuse(recipe, overrides, None, None)
     cluster = resolved.recipe.cluster
     nodes = nodes or (cluster.nodes if cluster else 1)
@@ -37,18 +38,21 @@ def write_batch_script(recipe: str, *, nodes: int | None, gpus_per_node: int | N
         resolved = resolve_or_refuse(recipe, overrides, world, None)
         run_args += ["--world-size", str(world)]
     problems = slurm.batch_problems(world=world, nodes=nodes, gpus_per_node=gpus_per_node,
-                                    time=time_limit, signal_grace_s=signal_grace)
+                                    time=time_limit, signal_grace_s=signal_grace,
+                                    spare_nodes=spare_nodes, max_restarts=max_restarts)
     if problems:
         raise Refused("dsforge sbatch", problems)
     limit = slurm.derived_time_limit(time_limit, signal_grace, resolved.recipe.train.time_limit)
     run_args += ["--set", f"train.time_limit={limit}"] if limit else []
     run_args += ["--max-restarts", str(max_restarts)] if max_restarts else []
+    run_args += ["--spare-nodes", str(spare_nodes)] if spare_nodes else []
     name = resolved.recipe.name
     run_dir = (run_dir or runs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     run_dir.parent.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there
     job = slurm.BatchJob(
         recipe=str(Path(recipe).absolute()), run_dir=str(run_dir), job_name=f"dsforge-{name}",
         nodes=nodes, tasks_per_node=world // nodes, gpus_per_node=gpus_per_node,
+        spare_nodes=spare_nodes, restarts=max_restarts > 0,
         time=time_limit, partition=partition, account=account, signal_grace_s=signal_grace,
         output=f"{run_dir}.slurm-%j.out", workdir=os.getcwd(), run_args=tuple(run_args),
         dsforge=slurm.dsforge_words())
@@ -62,8 +66,9 @@ def write_batch_script(recipe: str, *, nodes: int | None, gpus_per_node: int | N
     except FileExistsError:
         raise BadOptions(f"{out} exists; remove it or give another --out") from None
     out.chmod(0o755)
+    spares = f" and {spare_nodes} spare" if spare_nodes else ""
     say(f"dsforge: wrote {out} ({nodes} node{'s' if nodes > 1 else ''} x {world // nodes} "
-        f"ranks, run directory {run_dir}); submit it with: sbatch {out}")
+        f"ranks{spares}, run directory {run_dir}); submit it with: sbatch {out}")
 
 
 SBATCH_OPTIONS = (
@@ -85,6 +90,7 @@ SBATCH_OPTIONS = (
     click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
                  help="Write the script here (it must not exist) instead of printing it."),
     MAX_RESTARTS,  # passed to the script's `dsforge run`
+    SPARE_NODES,  # the script asks for them, and passes the option on
     click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
                  help="Override a recipe field (passed to dsforge run in the script). Repeatable."),
 )

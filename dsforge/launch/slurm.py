@@ -32,6 +32,7 @@ from typing import Mapping
 
 from dsforge.job.slurm_env import expand_counts
 from dsforge.problems import Problem
+from dsforge.recipe.hostfile import Hostfile
 
 # srun is sent this on a stop request: it passes SIGUSR1 to its tasks, but answers SIGTERM
 # by SIGKILLing them.
@@ -101,19 +102,29 @@ def allocation_from_env(environ: Mapping[str, str]) -> Allocation:
         gpus_per_node=_int(environ, "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"))
 
 
-def ranks_per_node(world: int, allocation: Allocation, *, cpu: bool) -> tuple[int, list[Problem]]:
-    """Tasks a node for `world` ranks spread evenly over every node of the allocation, and
-    the problems (rule SL2) when the allocation cannot hold them. `cpu`: CPU ranks (no GPU
-    in the allocation, or --device cpu); else one rank a GPU."""
+def ranks_per_node(world: int, allocation: Allocation, *, cpu: bool,
+                   spare_nodes: int = 0) -> tuple[int, list[Problem]]:
+    """Tasks a node for `world` ranks spread evenly over the allocation's nodes but
+    `spare_nodes` (which stand by for restarts), and the problems (rule SL2) when the
+    allocation cannot hold them. `cpu`: CPU ranks (no GPU in the allocation, or --device cpu);
+    else one rank a GPU."""
     where = {"recipe's world": world, "allocation": allocation.describe()}
-    if world % allocation.nodes:
+    nodes = allocation.nodes - spare_nodes
+    if nodes < 1:
+        return 0, [Problem(rule="SL2", fields={**where, "--spare-nodes": spare_nodes},
+                           message=f"--spare-nodes {spare_nodes} leaves none of the "
+                                   f"allocation's {allocation.nodes} nodes for the job",
+                           fix="ask for the job's nodes plus the spares (`dsforge sbatch "
+                               "--spare-nodes S` does), or give fewer --spare-nodes")]
+    if world % nodes:
+        spares = f" ({spare_nodes} kept spare)" if spare_nodes else ""
         return 0, [Problem(rule="SL2", fields=where,
                            message=f"{world} ranks cannot be spread evenly over "
-                                   f"{allocation.nodes} nodes",
+                                   f"{nodes} nodes{spares}",
                            fix="ask for a number of nodes that divides the world size "
                                "(sbatch/salloc --nodes), or change it (--world-size, "
                                "parallel.*)")]
-    per_node = world // allocation.nodes
+    per_node = world // nodes
     capacity, what = _capacity(allocation, cpu=cpu)
     problems = []
     if capacity is not None and per_node > capacity:
@@ -122,9 +133,9 @@ def ranks_per_node(world: int, allocation: Allocation, *, cpu: bool) -> tuple[in
             message=f"{per_node} ranks a node, but the allocation has {capacity} {what} a node",
             fix=f"ask for {per_node} {what} a node ("
                 + ("--gpus-per-node" if what == "GPUs" else "--ntasks-per-node")
-                + f"={per_node}, e.g. `dsforge sbatch RECIPE --nodes {allocation.nodes}`), or "
+                + f"={per_node}, e.g. `dsforge sbatch RECIPE --nodes {nodes}`), or "
                   "shrink the world (--world-size, parallel.*)"))
-    elif allocation.tasks is not None and world < allocation.tasks:
+    elif allocation.tasks is not None and world < allocation.tasks * nodes // allocation.nodes:
         problems.append(Problem(rule="SL2", fields=where, severity="warning",
                                 message=f"the job uses {world} of the allocation's "
                                         f"{allocation.tasks} tasks"))
@@ -145,32 +156,72 @@ def _capacity(allocation: Allocation, *, cpu: bool) -> tuple[int | None, str]:
 
 
 def node_hostnames(nodelist: str) -> list[str]:
-    """`scontrol show hostnames NODELIST`: the allocation's hosts, first one first."""
+    """`scontrol show hostnames NODELIST`: the allocation's hosts, first one first. A list
+    without ranges ("node1,node2") is its own expansion."""
+    if "[" not in nodelist:
+        return [name for name in nodelist.split(",") if name]
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
                          text=True, timeout=10, check=True).stdout
     return out.split()
 
 
-def master_port_for(allocation: Allocation, first_host: str, free_port) -> int:
-    """A free port when this is the first host (a batch script); else one from the job id,
-    the same for every `dsforge run` of the job (salloc from a login node cannot probe the
-    first node's ports)."""
+# sinfo's node states (%T, lower case) in which a node cannot run a rank: Slurm marks it so
+# when its slurmd stops answering, its health check fails or an admin drains it.
+UNUSABLE_STATES = ("down", "drain", "fail", "not_responding", "inval", "unknown", "future")
+
+
+def unusable_nodes(hosts: list[str], timeout_s: float = 10.0) -> dict[str, str]:
+    """The nodes of `hosts` Slurm says cannot run a rank, with their state (sinfo); none when
+    sinfo does not answer (the restart's srun then finds out)."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %T"],
+                             capture_output=True, text=True, timeout=timeout_s,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return node_states_unusable(out)
+
+
+def node_states_unusable(sinfo_out: str) -> dict[str, str]:
+    """sinfo `%N %T` lines' nodes whose state is unusable (a trailing * is Slurm's "not
+    responding"; a + joins states, "drained+down")."""
+    found = {}
+    for line in sinfo_out.splitlines():
+        node, _, state = line.strip().partition(" ")
+        words = state.strip().lower().replace("*", "+not_responding").split("+")
+        if node and any(w.startswith(UNUSABLE_STATES) for w in words):
+            found[node] = state.strip()
+    return found
+
+
+def master_port_for(allocation: Allocation, first_host: str, free_port, attempt: int = 0) -> int:
+    """A free port when this is the first host (a batch script); else one from the job id
+    and the attempt, the same for every `dsforge run` of the job (salloc from a login node
+    cannot probe the first node's ports)."""
     if first_host in (socket.gethostname(), socket.getfqdn()):
         return free_port()
     digits = re.sub(r"\D", "", allocation.job_id) or "0"
-    return PORT_BASE + int(digits) % PORT_SPAN
+    return PORT_BASE + (int(digits) + attempt) % PORT_SPAN
 
 
-def srun_command(*, nodes: int, per_node: int, cpus_per_task: int | None,
+def srun_command(*, nodes: int, ranks: int, cpus_per_task: int | None,
                  rank_program: list[str]) -> list[str]:
-    """One srun for the whole job: `nodes` x `per_node` tasks, each running `rank_program`.
-    --kill-on-bad-exit ends every task when one fails, as DeepSpeed's launcher does on a
-    node. --cpus-per-task is given explicitly: srun 22.05+ does not take it from sbatch."""
-    command = ["srun", f"--nodes={nodes}", f"--ntasks={nodes * per_node}",
-               f"--ntasks-per-node={per_node}", "--kill-on-bad-exit=1", "--export=ALL"]
+    """One srun for the whole job: `ranks` tasks on `nodes` nodes, each running
+    `rank_program`, placed task by task as SLURM_HOSTFILE lists them (--distribution=arbitrary:
+    dsforge chooses which node runs which rank, so it knows the host of a failing rank and
+    can put a spare node in a failed one's place). --kill-on-bad-exit ends every task when
+    one fails, as DeepSpeed's launcher does on a node. --cpus-per-task is given explicitly:
+    srun 22.05+ does not take it from sbatch."""
+    command = ["srun", f"--nodes={nodes}", f"--ntasks={ranks}", "--distribution=arbitrary",
+               "--kill-on-bad-exit=1", "--export=ALL"]
     if cpus_per_task:
         command.append(f"--cpus-per-task={cpus_per_task}")
     return command + rank_program
+
+
+def task_hosts(hostfile: Hostfile) -> str:
+    """SLURM_HOSTFILE's text for the hosts in use: a line a task, in rank order."""
+    return "".join(f"{host}\n" * slots for host, slots in hostfile.hosts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,9 +235,11 @@ class BatchJob:
     recipe: str  # absolute path
     run_dir: str  # absolute path; the same for every requeue of the job
     job_name: str
-    nodes: int
+    nodes: int  # the nodes the job runs on
     tasks_per_node: int
     gpus_per_node: int  # 0: CPU ranks
+    spare_nodes: int = 0  # more nodes, standing by for the restarts (--spare-nodes)
+    restarts: bool = False  # dsforge run restarts inside the allocation (--max-restarts)
     time: str | None = None  # Slurm's --time
     partition: str | None = None
     account: str | None = None
@@ -205,9 +258,10 @@ class BatchJob:
 def sbatch_script(job: BatchJob, *, command_line: str) -> str:
     """The batch script, commented for a reader who will edit it."""
     q = shlex.quote
-    sbatch = [f"--job-name={job.job_name}", f"--nodes={job.nodes}",
+    sbatch = [f"--job-name={job.job_name}", f"--nodes={job.nodes + job.spare_nodes}",
               f"--ntasks-per-node={job.tasks_per_node}"]
-    notes = ["", "", "one task a rank"]
+    notes = ["", f"{job.nodes} for the job, {job.spare_nodes} standing by" if job.spare_nodes
+             else "", "one task a rank"]
     if job.gpus_per_node:
         sbatch.append(f"--gpus-per-node={job.gpus_per_node}")
         notes.append("one GPU a rank")
@@ -218,6 +272,9 @@ def sbatch_script(job: BatchJob, *, command_line: str) -> str:
         if value:
             sbatch.append(f"--{name}={value}")
             notes.append("")
+    if job.restarts:
+        sbatch.append("--no-kill")
+        notes.append("a failed node does not end the job: dsforge run restarts without it")
     sbatch += [f"--output={job.output}", "--open-mode=append",
                f"--chdir={job.workdir}", f"--signal=B:TERM@{job.signal_grace_s}", "--requeue"]
     notes += ["a requeued job appends to the same file", "", "",
@@ -271,7 +328,23 @@ wait "$PID" 2>/dev/null; LAST=$?
 # 75: the ranks stopped with a complete checkpoint (a signal, or train.time_limit). Requeue
 # this job: it starts again later, with --resume (above). Any other code is final: 65 (the
 # training went bad: non-finite values or a loss spike) needs a change the report names.
-if [ "$CODE" = 75 ]; then
+# $RUN_DIR/requeue_exclude: dsforge run left failing nodes out and the nodes left could not
+# hold the job. Slurm changes a job's excluded nodes only while it is pending: requeue it held,
+# add them to ExcNodeList (retried: the job turns pending once its steps have ended, and
+# Slurm's SIGTERM to this shell interrupts a command; the trap above keeps the shell), then
+# release it.
+if [ "$CODE" = 75 ] && [ -s "$RUN_DIR/requeue_exclude" ]; then
+    EXCLUDE=$(cat "$RUN_DIR/requeue_exclude"); rm -f "$RUN_DIR/requeue_exclude"
+    BEFORE=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*' | cut -d= -f2)
+    if [ -n "$BEFORE" ] && [ "$BEFORE" != "(null)" ]; then EXCLUDE="$BEFORE,$EXCLUDE"; fi
+    echo "dsforge sbatch: resumable stop (exit 75); requeueing job $SLURM_JOB_ID without $EXCLUDE" >&2
+    scontrol requeuehold "$SLURM_JOB_ID"
+    for TRY in $(seq 40); do
+        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$EXCLUDE" 2>/dev/null && break
+        sleep 0.5
+    done
+    scontrol release "$SLURM_JOB_ID"
+elif [ "$CODE" = 75 ]; then
     echo "dsforge sbatch: resumable stop (exit 75); requeueing job $SLURM_JOB_ID" >&2
     scontrol requeue "$SLURM_JOB_ID"
 fi
@@ -290,50 +363,69 @@ class SlurmPlan:
     """How `dsforge run --launcher slurm` starts a job in this allocation."""
 
     allocation: Allocation
-    per_node: int
-    master_addr: str
+    hostfile: Hostfile  # the nodes in use in rank order, with their ranks; the spare nodes
+    master_addr: str | None  # --master-addr; else each attempt's first node in use
     master_port: int
 
     @property
     def nodes(self) -> int:
-        return self.allocation.nodes
+        return len(self.hostfile.hosts)
 
-    def command(self, rank_program: list[str]) -> list[str]:
-        return srun_command(nodes=self.nodes, per_node=self.per_node,
+    @property
+    def per_node(self) -> int:
+        return self.hostfile.hosts[0][1]
+
+    def address(self, hostfile: Hostfile) -> str:
+        return self.master_addr or hostfile.hosts[0][0]
+
+    def command(self, hostfile: Hostfile, rank_program: list[str]) -> list[str]:
+        """srun for the ranks of `hostfile`'s nodes (this plan's, or what a restart left)."""
+        return srun_command(nodes=len(hostfile.hosts), ranks=hostfile.total_slots,
                             cpus_per_task=self.allocation.cpus_per_task,
                             rank_program=rank_program)
 
-    def env(self) -> dict[str, str]:
-        """Added to srun's environment, which srun passes to every task."""
-        return {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+    def env(self, hostfile: Hostfile, task_hosts_file: str) -> dict[str, str]:
+        """Added to srun's environment, which srun passes to every task; `task_hosts_file`
+        holds `task_hosts(hostfile)`."""
+        return {"MASTER_ADDR": self.address(hostfile), "MASTER_PORT": str(self.master_port),
+                "SLURM_HOSTFILE": task_hosts_file}
 
 
 def plan_job(world: int, environ: Mapping[str, str], *, cpu_only: bool,
              master_addr: str | None, master_port: int | None, free_port,
-             hostnames=node_hostnames) -> tuple[SlurmPlan | None, list[Problem]]:
-    """The plan for `world` ranks in the allocation `environ` describes, and the problems
-    (SL1 outside an allocation, SL2 a world the allocation cannot hold); None on errors.
-    `cpu_only`: --device cpu. Otherwise ranks use GPUs when the allocation has them."""
+             hostnames=node_hostnames, spare_nodes: int = 0) -> tuple[SlurmPlan | None, list[Problem]]:
+    """The plan for `world` ranks in the allocation `environ` describes, its last
+    `spare_nodes` nodes standing by, and the problems (SL2: a world the allocation cannot
+    hold, nodes scontrol cannot name); None on errors. `cpu_only`: --device cpu. Otherwise
+    ranks use GPUs when the allocation has them."""
     allocation = allocation_from_env(environ)
     cpu = cpu_only or not allocation.gpus_per_node
-    per_node, problems = ranks_per_node(world, allocation, cpu=cpu)
+    per_node, problems = ranks_per_node(world, allocation, cpu=cpu, spare_nodes=spare_nodes)
     if any(p.severity == "error" for p in problems):
         return None, problems
-    if master_addr is None:
-        try:
-            master_addr = hostnames(allocation.nodelist)[0]
-        except (OSError, IndexError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", None) or exc
-            if isinstance(detail, bytes):
-                detail = detail.decode(errors="replace")
-            detail = str(detail).strip().splitlines()[-1]
-            return None, problems + [Problem(
-                rule="SL2", fields={"SLURM_JOB_NODELIST": allocation.nodelist},
-                message=f"`scontrol show hostnames` could not name its first host: {detail}",
-                fix="check that scontrol works here, or give --master-addr")]
-    first = master_addr
-    port = master_port or master_port_for(allocation, first, free_port)
-    return SlurmPlan(allocation=allocation, per_node=per_node, master_addr=first,
+    try:
+        names = hostnames(allocation.nodelist)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or exc
+        if isinstance(detail, bytes):
+            detail = detail.decode(errors="replace")
+        detail = (str(detail).strip().splitlines() or [""])[-1]
+        return None, problems + [Problem(
+            rule="SL2", fields={"SLURM_JOB_NODELIST": allocation.nodelist},
+            message=f"`scontrol show hostnames` could not name the allocation's nodes: {detail}",
+            fix="check that scontrol works here (SLURM_CONF, slurmctld reachable)")]
+    if len(names) != allocation.nodes:
+        return None, problems + [Problem(
+            rule="SL2", fields={"SLURM_JOB_NODELIST": allocation.nodelist,
+                                "SLURM_JOB_NUM_NODES": allocation.nodes},
+            message=f"the node list names {len(names)} nodes, not {allocation.nodes}",
+            fix="run dsforge inside the allocation's own environment (salloc or sbatch)")]
+    used = len(names) - spare_nodes
+    hostfile = Hostfile(hosts=tuple((name, per_node) for name in names[:used]),
+                        spares=tuple((name, per_node) for name in names[used:]),
+                        source=f"Slurm job {allocation.job_id}")
+    port = master_port or master_port_for(allocation, master_addr or names[0], free_port)
+    return SlurmPlan(allocation=allocation, hostfile=hostfile, master_addr=master_addr,
                      master_port=port), problems
 
 
@@ -361,9 +453,14 @@ def derived_time_limit(time: str | None, signal_grace_s: int, recipe_limit) -> i
 
 
 def batch_problems(*, world: int, nodes: int, gpus_per_node: int, time: str | None,
-                   signal_grace_s: int) -> list[Problem]:
+                   signal_grace_s: int, spare_nodes: int = 0,
+                   max_restarts: int = 0) -> list[Problem]:
     """SB1: what `dsforge sbatch` cannot write a working script for."""
     problems = []
+    if spare_nodes and not max_restarts:
+        problems.append(Problem(rule="SB1", fields={"--spare-nodes": spare_nodes},
+                                message="spare nodes stand by for restarts, and the job has none",
+                                fix="give --max-restarts N, or leave out --spare-nodes"))
     if world % nodes:
         problems.append(Problem(rule="SB1", fields={"world": world, "--nodes": nodes},
                                 message=f"{world} ranks cannot be spread evenly over {nodes} nodes",

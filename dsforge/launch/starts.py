@@ -1,8 +1,8 @@
 """How `dsforge run` starts the ranks of each attempt (launch/entry.py runs them, with
 restarts): one srun inside a Slurm allocation (`SrunStarts`), or DeepSpeed's launcher on this
 machine, over a hostfile, or on one node with --no-ssh (`DeepSpeedStarts`); each makes the
-command line, and over a hostfile checks the hosts first and leaves out those the restarts
-left out (launch/host_pool.py). `--dry-run` prints what they would start.
+command line, and over a hostfile or in an allocation checks the hosts first and leaves out
+those the restarts left out (launch/host_pool.py). `--dry-run` prints what they would start.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from dsforge.launch.local import free_port
 from dsforge.launch.refusal import Refused, Say
 from dsforge.launch.remote_end import end_job_on
 from dsforge.launch.run_options import RunOptions
-from dsforge.launch.slurm import SlurmPlan
-from dsforge.problems import RecipeError
+from dsforge.launch.slurm import SlurmPlan, master_port_for, task_hosts, unusable_nodes
+from dsforge.problems import Problem, RecipeError
 from dsforge.recipe import Resolved
-from dsforge.recipe.hostfile import active_hosts, read_hostfile
+from dsforge.recipe.hostfile import Hostfile, active_hosts, read_hostfile
 from dsforge.recipe.loader import dump_recipe
 
 NO_SSH_PORT = 29500  # DeepSpeed's default rendezvous port, as `dsforge preflight` checks
@@ -44,26 +44,80 @@ class Start:
 
 
 class SrunStarts:
-    """`--launcher slurm`: one srun for every rank of the job (launch/slurm.py); a restart
-    runs srun again inside the same allocation, on a new port unless --master-port gave one."""
+    """`--launcher slurm`: one srun for every rank of the job (launch/slurm.py), each rank on
+    the node SLURM_HOSTFILE gives it; a restart runs srun again inside the same allocation, on
+    a new port unless --master-port gave one, without the nodes left out (launch/host_pool.py:
+    a spare node of `--spare-nodes` in a failed one's place, else fewer nodes), after Slurm's
+    view of the nodes in use (sinfo: down, drained, not responding) passes. A job the nodes
+    left cannot hold ends for a requeue without them (launch/restart.py)."""
 
-    def __init__(self, options: RunOptions, plan: SlurmPlan):
-        self.options, self.plan = options, plan
+    def __init__(self, options: RunOptions, plan: SlurmPlan, resolved: Resolved, say: Say):
+        self.options, self.plan, self.resolved, self.say = options, plan, resolved, say
+        self.pool = HostPool(plan.hostfile, exclude_after=options.exclude_after,
+                             in_allocation=True)
 
     def first(self, job: JobSpec) -> Start:
-        command = self.plan.command([sys.executable, "-u", "-m", "dsforge.runtime.rank",
-                                     "--job", job.encode()])
-        env = self.plan.env()
-        shown = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command) + "\n"
-        return Start(command, shown, srun_env=env)
+        hostfile = self.pool.hostfile
+        job = dataclasses.replace(job, env={**job.env, **hosts_env(hostfile)})
+        command = self.plan.command(hostfile, [sys.executable, "-u", "-m", "dsforge.runtime.rank",
+                                               "--job", job.encode()])
+        tasks = job.directory.hostfiles / f"slurm-attempt{len(job.restarts)}"
+        env = self.plan.env(hostfile, str(tasks))
+        if not self.options.dry_run:
+            tasks.parent.mkdir(parents=True, exist_ok=True)
+            tasks.write_text(task_hosts(hostfile))
+        shown = ("# SLURM_HOSTFILE (written when the job starts), a line a rank: "
+                 + ", ".join(f"{host} x{slots}" for host, slots in hostfile.hosts) + "\n"
+                 + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command) + "\n")
+        return Start(command, shown, srun_env=env, ranks=hostfile.total_slots)
 
     def again(self, job: JobSpec) -> Start:
+        self._check_nodes(job)
         if self.options.master_port is None:
-            from dsforge.launch.slurm import master_port_for
-
-            port = master_port_for(self.plan.allocation, self.plan.master_addr, free_port)
+            port = master_port_for(self.plan.allocation, self.plan.address(self.pool.hostfile),
+                                   free_port, attempt=len(job.restarts))
             self.plan = dataclasses.replace(self.plan, master_port=port)
+        if self.pool.hostfile.total_slots != self.resolved.layout.world_size:
+            try:
+                self.resolved = fewer_hosts(self.resolved, self.pool.hostfile, self.say)
+            except Refused as refused:
+                host = self.pool.left_out[-1]["host"]
+                raise self.pool.short(host, _refusal_words(refused)) from None
+            job = dataclasses.replace(job, recipe_yaml=dump_recipe(self.resolved.recipe))
         return self.first(job)
+
+    def _check_nodes(self, job: JobSpec) -> None:
+        """HostsFailed for nodes in use that the host-down drill marked, or that Slurm says
+        cannot run a rank."""
+        hosts = list(self.pool.hostfile.hostnames)
+        drilled = {h: "unreachable (DSFORGE_INJECT_FAULT host-down drill)"
+                   for h in marked_down(job.directory) if h in hosts}
+        states = {h: f"Slurm says {state}" for h, state in unusable_nodes(hosts).items()}
+        failing = {**states, **drilled}
+        if failing:
+            problems = [Problem(rule="F1", fields={"host": h}, message=why,
+                                fix="Slurm's admins, or a requeue without the node")
+                        for h, why in failing.items()]
+            raise HostsFailed([h for h in hosts if h in failing],
+                              Refused("Slurm's nodes before the restart", problems))
+
+
+def _refusal_words(refused: Refused) -> str:
+    return f"{refused.source}: " + "; ".join(str(p) for p in refused.problems)
+
+
+def fewer_hosts(resolved: Resolved, hostfile: Hostfile, say: Say) -> Resolved:
+    """The job resolved again for the hosts left (launch/host_pool.on_fewer_hosts), said;
+    Refused with the layout rules' reasons where it cannot shrink."""
+    try:
+        smaller = on_fewer_hosts(resolved, hostfile)
+    except RecipeError as exc:
+        raise Refused(f"the job on the hosts left ({', '.join(hostfile.hostnames)})",
+                      exc.problems) from None
+    say(f"dsforge: continuing on {len(hostfile.hosts)} host(s) ({', '.join(hostfile.hostnames)}) "
+        f"without a spare: {layout_change(resolved, smaller)}; the resume goes through the "
+        "layout-free state")
+    return smaller
 
 
 class DeepSpeedStarts:
@@ -130,26 +184,16 @@ class DeepSpeedStarts:
                 self.say(end_job_on(host, job.directory))
             self.placement = dataclasses.replace(
                 self.placement, include="", exclude="",
-                hostfile=self.pool.write(job.directory.path / "hostfiles", len(job.restarts)))
+                hostfile=self.pool.write(job.directory.hostfiles, len(job.restarts)))
             if self.pool.hostfile.total_slots != self.resolved.layout.world_size:
                 self._on_fewer_hosts()
             job = dataclasses.replace(job, recipe_yaml=dump_recipe(self.resolved.recipe))
         return self.first(job)
 
     def _on_fewer_hosts(self) -> None:
-        """The job resolved again for the hosts left (launch/host_pool.on_fewer_hosts)."""
-        try:
-            resolved = on_fewer_hosts(self.resolved, self.pool.hostfile)
-        except RecipeError as exc:
-            raise Refused(f"the job on the hosts left ({', '.join(self.pool.hostfile.hostnames)})",
-                          exc.problems) from None
-        self.say(f"dsforge: continuing on {len(self.pool.hostfile.hosts)} host(s) "
-                 f"({', '.join(self.pool.hostfile.hostnames)}) without a spare: "
-                 f"{layout_change(self.resolved, resolved)}; the resume goes through the "
-                 "layout-free state")
-        self.resolved = resolved
+        self.resolved = fewer_hosts(self.resolved, self.pool.hostfile, self.say)
         self.placement = dataclasses.replace(self.placement,
-                                             world_size=resolved.layout.world_size)
+                                             world_size=self.resolved.layout.world_size)
 
 
 def plain_form(options: RunOptions, placement: Placement, run_dir: RunDir) -> str:

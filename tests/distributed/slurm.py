@@ -30,9 +30,10 @@ class Cluster:
     env: dict[str, str]  # the test's environment for Slurm clients and the jobs they submit
     procs: list[subprocess.Popen] = field(default_factory=list)
 
-    def run(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    def run(self, *args: str, timeout: float = 30,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
-                              env=self.env)
+                              env=env or self.env)
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job`'s fields (JobState, Reason, Restarts, ExitCode, ...)."""

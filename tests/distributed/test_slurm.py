@@ -8,8 +8,9 @@ when the Debian packages are absent or the daemons do not start) runs the batch 
   --batch`: the batch shell only): its trap passes it to `dsforge run`, the ranks save, the
   job exits 75 and requeues itself, and the requeued job resumes; its losses equal the
   straight job's bitwise (CPU fp32, same layout);
-- a third, written with --max-restarts 1, loses a rank to SIGKILL: `dsforge run` runs srun
-  again inside the same job and ends with the straight job's losses.
+- a third, written with --max-restarts 2, loses a rank to SIGKILL: `dsforge run` runs srun
+  again inside the same job; then the host-down drill fails the node again and the job, which
+  no other node can hold, is requeued with the node excluded (it then waits: one node).
 Without a cluster: `--launcher slurm` outside an allocation, and a world the allocation cannot
 hold, are refused before anything starts.
 One node only: Debian's slurmd cannot pose as several nodes on one machine.
@@ -115,20 +116,37 @@ def test_signalled_job_saves_requeues_and_resumes_exactly(cluster, straight_job,
 
 
 @pytest.mark.timeout(240)
-def test_a_killed_rank_is_restarted_with_srun_inside_the_allocation(cluster, straight_job,
-                                                                     tmp_path):
-    """`dsforge sbatch --max-restarts 1`: a rank SIGKILLed mid-run; the script's dsforge run
-    runs srun again in the same job (no requeue) and the losses equal the straight job's."""
-    script, run_dir = _script(cluster, tmp_path, "run", "--max-restarts", "1")
-    job_id = cluster.run("sbatch", "--parsable", str(script)).stdout.strip().split(";")[0]
+def test_restarts_inside_the_allocation_then_a_requeue_without_the_failing_node(
+        cluster, straight_job, tmp_path):
+    """`dsforge sbatch --max-restarts 2`: a rank SIGKILLed at step 3: the script's dsforge run
+    runs srun again in the same job (one failure does not leave a node out). At step 30 the
+    host-down drill kills the node's ranks: its second failure leaves it out, and with no
+    spare node and no other node the allocation cannot hold the job: dsforge run ends
+    resumable (75) naming the node, and the script requeues the job held, adds the node to
+    its ExcNodeList and releases it. On this one-node cluster the job then waits for a node
+    that is not excluded."""
+    node = cluster.run("sinfo", "-h", "-o", "%N").stdout.strip()
+    script, run_dir = _script(cluster, tmp_path, "run", "--max-restarts", "2")
+    env = {**cluster.env, "DSFORGE_INJECT_FAULT": f"host-down:{node}:30"}
+    job_id = cluster.run("sbatch", "--parsable", str(script), env=env).stdout.strip().split(";")[0]
     kill_rank_at(RunDir(run_dir), 1, 3, after_restarts=0, deadline=time.monotonic() + 150)
-    _until(lambda: cluster.job(job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
-                                                          "TIMEOUT"), 180, cluster, job_id)
+    _until(lambda: cluster.job(job_id).get("Restarts") == "1"
+           and cluster.job(job_id).get("JobState") == "PENDING", 180, cluster, job_id)
     job, output = cluster.job(job_id), _output(run_dir, job_id)
-    assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("COMPLETED", "0", "0:0"), output
-    assert "rank 1 died" in output and "restarting (1 of 1)" in output
-    assert output.count("1 x 2 ranks with srun") == 1 and "done: 40 steps" in output
-    assert _losses(run_dir) == _losses(straight_job[0])  # bitwise
+    assert job["ExcNodeList"] == node, output
+    assert "rank 1 died" in output and "restarting (1 of 2) from the start" in output
+    assert output.count("1 x 2 ranks with srun") == 1
+    assert "not restarted in this allocation" in output and "[P" not in output
+    assert f"for a requeue without {node}" in output
+    assert f"requeueing job {job_id} without {node}" in output
+    assert not RunDir(run_dir).requeue_exclude.exists()  # applied by the script
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["host"] for r in summary["restart_causes"]] == [node]
+    assert "for a requeue without" in summary["failure"]["not_restarted"]
+    assert (run_dir / "hostfiles" / "slurm-attempt1").read_text() == f"{node}\n" * 2
+    losses = _losses(run_dir)  # the restarted attempt's steps, cut short at step 30
+    assert 20 <= len(losses) < 40 and losses == _losses(straight_job[0])[:len(losses)]
+    assert cluster.run("scancel", job_id).returncode == 0
 
 
 def _until(condition, timeout_s: float, cluster, job_id: str) -> None:

@@ -250,7 +250,9 @@ def test_slurm_dry_run_prints_one_srun_for_every_rank(tmp_path, monkeypatch):
                  "--run-dir", str(tmp_path / "run"))
     assert result.exit_code == 0, result.output
     srun = result.output.splitlines()[-1]
-    assert srun.startswith("MASTER_ADDR=node-a MASTER_PORT=29555 srun --nodes=1 --ntasks=2 ")
+    assert srun.startswith(f"MASTER_ADDR=node-a MASTER_PORT=29555 SLURM_HOSTFILE={tmp_path}/run/"
+                           "hostfiles/slurm-attempt0 srun --nodes=1 --ntasks=2 ")
+    assert "a line a rank: localhost x2" in result.output
     assert _job_word(srun).slurm and _job_word(srun).device == "cpu"
     assert "Slurm job 123: 1 node, 2 tasks: 1 x 2 ranks with srun" in result.output
 

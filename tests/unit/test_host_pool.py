@@ -208,14 +208,127 @@ def test_a_layout_that_cannot_shrink_refuses_the_restart_with_its_reason(tmp_pat
     assert [p.rule for p in refused.value.problems] == ["P2"]
 
 
-def test_exclude_after_needs_a_hostfile_and_restarts():
+def test_exclude_after_and_spare_nodes_need_restarts_and_hosts():
     from dsforge.launch.checks import check_option_pairs
     from dsforge.launch.entry import RunOptions
     from dsforge.launch.refusal import BadOptions
 
     for options in (RunOptions(recipe="r", exclude_after=1, max_restarts=1),
                     RunOptions(recipe="r", exclude_after=1, hostfile="h"),
-                    RunOptions(recipe="r", exclude_after=1, hostfile="h", max_restarts=1,
-                               launcher="slurm")):
+                    RunOptions(recipe="r", exclude_after=1, launcher="slurm")):
         with pytest.raises(BadOptions, match="--exclude-after leaves a failing host"):
             check_option_pairs(options)
+    for options in (RunOptions(recipe="r", spare_nodes=1, max_restarts=1),
+                    RunOptions(recipe="r", spare_nodes=1, launcher="slurm")):
+        with pytest.raises(BadOptions, match="--spare-nodes keeps Slurm nodes standing by"):
+            check_option_pairs(options)
+    check_option_pairs(RunOptions(recipe="r", exclude_after=1, spare_nodes=1, max_restarts=1,
+                                  launcher="slurm"))
+
+
+# Slurm: the same pool over the allocation's nodes (launch/starts.SrunStarts) -----------------
+
+def _slurm_restarted(tmp_path, monkeypatch, *, nodes: int, spare: int, outcomes, sets=(),
+                     states=None):
+    """run_with_restarts over SrunStarts in a fake allocation of nodes n1..nN (one rank a
+    node; the last `spare` standing by) for the tiny recipe with `sets`; attempts fail on
+    `outcomes` (rank, kind); `states`: sinfo's unusable nodes before each restart, in turn.
+    (code, lines said, each attempt's Start)."""
+    from dsforge.launch import restart, slurm, starts as starts_module
+    from dsforge.launch.run_options import RunOptions
+    from dsforge.recipe import resolve_file
+    from tests.conftest import REPO
+
+    states = list(states or [])
+    monkeypatch.setattr(starts_module, "unusable_nodes",
+                        lambda hosts: states.pop(0) if states else {})
+    monkeypatch.setattr(restart, "_has_checkpoint", lambda run_dir: True)
+    recipe = str(REPO / "recipes" / "tiny.yaml")
+    resolved = resolve_file(recipe, list(sets))
+    names = [f"n{i}" for i in range(1, nodes + 1)]
+    allocation = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": str(nodes),
+                  "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": f"n[1-{nodes}]"}
+    plan, problems = slurm.plan_job(resolved.layout.world_size, allocation, cpu_only=True,
+                                    master_addr=None, master_port=29500, free_port=lambda: 1,
+                                    hostnames=lambda _: names, spare_nodes=spare)
+    assert plan is not None, problems
+    options = RunOptions(recipe=recipe, overrides=tuple(sets), launcher="slurm", max_restarts=3,
+                         spare_nodes=spare)
+    said, started, outcomes = [], [], list(outcomes)
+    starts = starts_module.SrunStarts(options, plan, resolved, said.append)
+    run_dir = RunDir(tmp_path)
+
+    def attempt(how):
+        def go():
+            started.append(how)
+            if not outcomes:
+                return 0
+            rank, kind = outcomes.pop(0)
+            failure.write(run_dir, Failure(rank=rank, step=3, kind=kind, message=f"{kind} here"))
+            return 1
+        return go
+
+    job = JobSpec(recipe_yaml="", run_dir=str(run_dir), started_at=1000.0)
+    code = run_with_restarts(job, attempt(starts.first(job)), max_restarts=3,
+                             prepare=lambda job: attempt(starts.again(job)), say=said.append,
+                             hosts=starts.pool)
+    return code, said, started
+
+
+def _tasks(start) -> list[str]:
+    return open(start.srun_env["SLURM_HOSTFILE"]).read().split()
+
+
+def _word_of(start) -> JobSpec:
+    return JobSpec.decode(start.command[start.command.index("--job") + 1])
+
+
+def test_a_slurm_restart_puts_a_spare_node_in_the_failed_ones_place(tmp_path, monkeypatch):
+    code, said, started = _slurm_restarted(tmp_path, monkeypatch, nodes=3, spare=1,
+                                           outcomes=[(1, "device")])
+    assert code == 0 and [_tasks(s) for s in started] == [["n1", "n2"], ["n1", "n3"]]
+    assert started[1].command[:4] == ["srun", "--nodes=2", "--ntasks=2",
+                                      "--distribution=arbitrary"]
+    assert _word_of(started[1]).env[HOSTS_ENV] == "n1=1,n3=1"  # the ranks' hosts, for drills
+    assert "n3 in place of n2 (1 failure there: a rank lost with its host or device)" in said[0]
+    # a new port for the restart: from the job id (7) and the attempt, n1 not being this host
+    assert started[1].srun_env["MASTER_PORT"] == str(20000 + 7 + 1)
+
+
+def test_a_node_slurm_calls_down_is_left_out_before_the_restart(tmp_path, monkeypatch):
+    """A hang counts once against n1 (K=2 for a hang); then sinfo says n1 is down: the
+    restart's check leaves it out, the spare n3 takes rank 0."""
+    code, said, started = _slurm_restarted(tmp_path, monkeypatch, nodes=3, spare=1,
+                                           outcomes=[(0, "hang")], states=[{"n1": "down*"}])
+    assert code == 0 and _tasks(started[1]) == ["n3", "n2"]
+    assert started[1].srun_env["MASTER_ADDR"] == "n3"  # each attempt's first node
+    assert "n3 in place of n1 (2 failures there: a hang failure, a failed preflight)" in said[0]
+
+
+def test_without_a_spare_node_the_job_goes_on_fewer_nodes(tmp_path, monkeypatch):
+    code, said, started = _slurm_restarted(tmp_path, monkeypatch, nodes=2, spare=0,
+                                           outcomes=[(1, "device")])
+    assert code == 0 and [_tasks(s) for s in started] == [["n1", "n2"], ["n1"]]
+    assert started[1].command[1:3] == ["--nodes=1", "--ntasks=1"] and started[1].ranks == 1
+    assert "continuing on 1 host(s) (n1) without a spare: world_size 2 -> 1" in said[0]
+    assert "grad_accum: 4" in _word_of(started[1]).recipe_yaml
+
+
+def test_a_job_the_nodes_left_cannot_hold_ends_for_a_requeue_without_them(tmp_path,
+                                                                          monkeypatch):
+    """tp 2 over two one-rank nodes: without n2 no tp group is left (P2). The job ends
+    resumable (75), RUN_DIR/requeue_exclude naming n2 for the batch script's requeue."""
+    from dsforge.launch.host_pool import AllocationShort
+
+    code, said, started = _slurm_restarted(tmp_path, monkeypatch, nodes=2, spare=0,
+                                           outcomes=[(1, "device")],
+                                           sets=("parallel.dp=1", "parallel.tp=2"))
+    assert code == 75 and len(started) == 1
+    assert RunDir(tmp_path).requeue_exclude.read_text() == "n2\n"
+    assert "not restarted in this allocation: the job on the hosts left (n1): [P2]" in said[-1]
+    assert "exit code 75, for a requeue without n2" in said[-1]
+    # one node and no spare: no node is left at all; the nodes left out before are excluded too
+    pool = HostPool(parse_hostfile(["n1 slots=1", "n2 slots=1"]), in_allocation=True)
+    pool.leave_out("n2", "a drill", attempt=1)
+    assert isinstance(pool.short("n1", "why"), AllocationShort)
+    assert pool.short("n1", "why").hosts == ["n2", "n1"]

@@ -261,20 +261,6 @@ def test_a_local_restart_starts_the_same_job_word_on_a_new_port(tmp_path):
     assert port(fixed.again(job).command) == "29555"  # --master-port is kept
 
 
-def test_a_slurm_restart_runs_srun_again_in_the_allocation(tmp_path):
-    from dsforge.launch import slurm
-    from dsforge.launch.starts import RunOptions, SrunStarts
-    from tests.unit.test_slurm import BATCH
-
-    plan, _ = slurm.plan_job(16, BATCH, cpu_only=False, master_addr=None, master_port=None,
-                             free_port=lambda: 1, hostnames=lambda _: ["gpu01", "gpu02"])
-    starts = SrunStarts(RunOptions(recipe="r.yaml", launcher="slurm", max_restarts=1), plan)
-    job = _job(RunDir(tmp_path))
-    again = starts.again(dataclasses.replace(job, resume=True))
-    assert again.command[:3] == ["srun", "--nodes=2", "--ntasks=16"]
-    assert _word(again.command).resume and again.srun_env["MASTER_ADDR"] == "gpu01"
-
-
 def test_nothing_to_set_aside_makes_no_attempt(tmp_path):
     run_dir = RunDir(tmp_path)
     run_dir.metrics.write_text("x\n")  # a resume keeps the steps before its checkpoint

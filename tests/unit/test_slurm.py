@@ -49,11 +49,38 @@ def test_world_against_the_allocation():
 def test_plan_and_srun_command():
     plan, problems = slurm.plan_job(16, BATCH, cpu_only=False, master_addr=None, master_port=None,
                                     free_port=lambda: 1, hostnames=lambda _: ["gpu01", "gpu02"])
-    assert problems == [] and plan.env() == {"MASTER_ADDR": "gpu01",
-                                             "MASTER_PORT": str(slurm.PORT_BASE + 42)}
-    assert plan.command(["python", "-m", "dsforge.runtime.rank"]) == [
-        "srun", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--kill-on-bad-exit=1",
+    assert problems == [] and plan.hostfile.text() == "gpu01 slots=8\ngpu02 slots=8\n"
+    assert plan.env(plan.hostfile, "/r/tasks") == {
+        "MASTER_ADDR": "gpu01", "MASTER_PORT": str(slurm.PORT_BASE + 42),
+        "SLURM_HOSTFILE": "/r/tasks"}
+    assert plan.command(plan.hostfile, ["python", "-m", "dsforge.runtime.rank"]) == [
+        "srun", "--nodes=2", "--ntasks=16", "--distribution=arbitrary", "--kill-on-bad-exit=1",
         "--export=ALL", "python", "-m", "dsforge.runtime.rank"]
+    assert slurm.task_hosts(plan.hostfile) == "gpu01\n" * 8 + "gpu02\n" * 8  # a line a rank
+
+
+def test_spare_nodes_stand_by_at_the_end_of_the_allocation():
+    three = {**BATCH, "SLURM_JOB_NUM_NODES": "3", "SLURM_NTASKS": "24",
+             "SLURM_JOB_NODELIST": "gpu[01-03]"}
+    plan, problems = slurm.plan_job(16, three, cpu_only=False, master_addr=None, master_port=None,
+                                    free_port=lambda: 1, spare_nodes=1,
+                                    hostnames=lambda _: ["gpu01", "gpu02", "gpu03"])
+    assert problems == [] and (plan.nodes, plan.per_node) == (2, 8)
+    assert plan.hostfile.spares == (("gpu03", 8),)
+    _, problems = slurm.plan_job(16, three, cpu_only=False, master_addr=None, master_port=None,
+                                 free_port=lambda: 1, spare_nodes=3, hostnames=lambda _: [])
+    assert "--spare-nodes 3 leaves none of the allocation's 3 nodes" in str(problems[0])
+    _, problems = slurm.plan_job(16, three, cpu_only=False, master_addr=None, master_port=None,
+                                 free_port=lambda: 1, spare_nodes=0, hostnames=lambda _: [])
+    assert "16 ranks cannot be spread evenly over 3 nodes" in str(problems[0])
+
+
+def test_node_states_slurm_cannot_run_a_rank_on():
+    out = ("gpu01 allocated\ngpu02 down*\ngpu03 mixed\ngpu04 drained\ngpu05 allocated*\n"
+           "gpu06 draining\ngpu07 completing\n")
+    assert slurm.node_states_unusable(out) == {"gpu02": "down*", "gpu04": "drained",
+                                               "gpu05": "allocated*", "gpu06": "draining"}
+    assert slurm.node_hostnames("node1,node2") == ["node1", "node2"]  # no ranges: no scontrol
 
 
 def test_rank_env_from_a_tasks_variables():
@@ -90,6 +117,21 @@ def test_sbatch_script_lines():
                  'scontrol requeue "$SLURM_JOB_ID"', "ARGS+=(--resume)"):
         assert line in script
     assert "--account" not in script and "--gpus-per-node" not in _script(gpus_per_node=0)
+    assert "--no-kill" not in script
+
+
+def test_sbatch_script_with_spare_nodes_and_restarts():
+    script = _script(spare_nodes=1, restarts=True)
+    assert "#SBATCH --nodes=3  " in script and "# 2 for the job, 1 standing by" in script
+    assert "#SBATCH --no-kill" in script  # a failed node does not revoke the allocation
+    # nodes dsforge run left out: requeued held, excluded, released
+    for line in ('scontrol requeuehold "$SLURM_JOB_ID"',
+                 'scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$EXCLUDE"',
+                 'scontrol release "$SLURM_JOB_ID"', 'EXCLUDE="$BEFORE,$EXCLUDE"'):
+        assert line in script
+    problems = slurm.batch_problems(world=16, nodes=2, gpus_per_node=8, time=None,
+                                    signal_grace_s=300, spare_nodes=1, max_restarts=0)
+    assert "spare nodes stand by for restarts, and the job has none" in str(problems[0])
 
 
 def test_sbatch_script_is_valid_bash(tmp_path):
