@@ -29,7 +29,8 @@ from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.experts import choose_experts
 from dsforge.translate.groups import rank_groups
-from dsforge.translate.kernels import choose_kernels, fused_loss, liger_installed
+from dsforge.translate.kernels import (choose_kernels, documents_summary, fused_loss,
+                                      liger_installed)
 from dsforge.translate.megatron import (gpt_model_kwargs, parallel_state_kwargs,
                                         transformer_config_kwargs)
 from dsforge.translate.optimizer import adam_impl, ops_built_at_run_time
@@ -54,7 +55,8 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
     model, train, zero = recipe.model, recipe.train, recipe.zero
     params = count_params(model)
     flops = flops_per_token(model, train.seq_len, train.activation_checkpointing)
-    fused = fused_loss(model, tp=layout.tp, device=device)
+    fused = fused_loss(model, tp=layout.tp, device=device,
+                       per_token_loss=recipe.data.eod_mask_loss)
     memory = estimate_memory(model=model, train=train, zero=zero, layout=layout, fused_loss=fused)
     warnings = [str(p) for p in resolved.warnings]
     kernels = choose_kernels(model, device=device, liger_available=liger_installed())
@@ -79,7 +81,8 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
             "built_at_run_time": list(ops_built_at_run_time(train=train, zero=zero, device=device)),
             "kernels": kernels.impl, "kernels_why": kernels.why, "sdpa_backend": model.sdpa_backend,
             "compile": compiled_with(model.compile), "fp8": train.fp8,
-            **({"experts": experts.impl, "experts_why": experts.why} if experts else {})},
+            **({"experts": experts.impl, "experts_why": experts.why} if experts else {}),
+            **documents_summary(recipe.data, device=device)},
         "params": {"total": params.total, "active": params.active,
                    "padded_vocab_size": padded_vocab_size(model.vocab_size, layout.tp)},
         "flops_per_token": flops.model,
@@ -228,7 +231,20 @@ def _render_implementations(impl: dict[str, Any]) -> str:
     compiled = f"; compiled: {impl['compile']}" if impl.get("compile", "none") != "none" else ""
     compiled += f"; float8 GEMMs: {impl['fp8']} (torchao)" if impl.get("fp8", "none") != "none" else ""
     return (f"  optimizer: {_ADAM[impl['adam']]} ({builds}); kernels: {impl['kernels']} "
-            f"({impl['kernels_why']}); attention: SDPA {impl['sdpa_backend']}{experts}{compiled}")
+            f"({impl['kernels_why']}); attention: SDPA {impl['sdpa_backend']}{experts}{compiled}"
+            + _render_documents(impl.get("documents")))
+
+
+def _render_documents(documents: dict | None) -> str:
+    if not documents:
+        return ""
+    said = [what for key, what in (("reset_position_ids", "positions restart at each"),
+                                   ("eod_mask_loss", "no loss where the input is the EOD"))
+            if documents[key]]
+    if documents["masking"]:
+        said.insert(0, f"attention within each, {documents['kernel']} ({documents['kernel_why']}); "
+                       f"attention FLOPs count {documents['attention_flops']}")
+    return "\n  packed documents: " + "; ".join(said)
 
 
 def _on_off(flag: bool) -> str:

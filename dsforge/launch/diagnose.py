@@ -113,7 +113,8 @@ def run_recipe(run_dir: RunDir) -> Resolved | None:
 def memory_advice(memory: dict, resolved: Resolved) -> str:
     """The memory model's peak for `resolved` against what a rank measured when it ran out,
     and the changes predicted to fit (estimate/memory_fixes.py)."""
-    fused = fused_loss(resolved.recipe.model, tp=resolved.layout.tp, device="cuda")  # a GPU ran out
+    fused = fused_loss(resolved.recipe.model, tp=resolved.layout.tp, device="cuda",  # a GPU ran out
+                       per_token_loss=resolved.recipe.data.eod_mask_loss)
     peak = estimate(resolved, fused_loss=fused)
     where = f"pipeline rank {peak.pipeline_rank}, " if resolved.layout.pp > 1 else ""
     said = f"the memory model predicts {format_bytes(peak.total)} ({where}at the {peak.peak_moment})"

@@ -43,6 +43,14 @@ class DataConfig:
     split: str = "98,1,1"  # train, validation, test shares of each dataset
     tokenizer: str | None = None  # "bytes", a tokenizer.json or a local Hugging Face model folder
     cache_dir: str | None = None  # dataset index cache; None: $XDG_CACHE_HOME/dsforge/indices
+    # Packed documents (docs/data.md#documents-in-a-packed-sequence): attention stays inside
+    # each document of a sequence; positions restart at each document (RoPE); no loss on the
+    # position whose input is the EOD (Megatron-LM's --reset-attention-mask,
+    # --reset-position-ids, --eod-mask-loss).
+    document_masking: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+    eod_id: int | None = None  # the end-of-document id; a dataset's record names its own
 
     def __post_init__(self) -> None:
         c = Checks()
@@ -61,6 +69,13 @@ class DataConfig:
         split = split_problem(self.split)
         if split is not None:
             c.problems.append(split)
+        c.require(self.eod_id is None or self.eod_id >= 0, "D17", {"data.eod_id": self.eod_id},
+                  "a token id is >= 0", "write the tokenizer's end-of-document id")
+        c.require(not self.reset_position_ids or self.document_masking, "D17",
+                  {"data.reset_position_ids": True, "data.document_masking": False},
+                  "positions restarting at each document while attention still reaches the "
+                  "documents before would give tokens of two documents the same position",
+                  "set data.document_masking: true as well, or leave reset_position_ids out")
         for name in ("tokenizer", "cache_dir"):
             value = getattr(self, name)
             c.require(value is None or (bool(value.strip()) and "\0" not in value), "D1",
@@ -81,6 +96,11 @@ class DataConfig:
         if isinstance(self.source, str) and os.path.isfile(self.source):
             return "token_file"
         return "indexed"
+
+    @property
+    def documents(self) -> bool:
+        """Whether the ranks look for document boundaries (any of the three options)."""
+        return self.document_masking or self.reset_position_ids or self.eod_mask_loss
 
     @property
     def blend(self) -> tuple[BlendPart, ...]:

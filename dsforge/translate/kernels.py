@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from dsforge.estimate.memory import MemoryEstimate, estimate_memory
 from dsforge.problems import Problem
 from dsforge.recipe import Resolved
-from dsforge.schema import ModelConfig
+from dsforge.schema import DataConfig, ModelConfig
 
 LIGER_PACKAGE = "liger_kernel"
 # Attention backends torch's CPU SDPA has (flash: its own CPU flash kernel).
@@ -59,12 +59,63 @@ def choose_kernels(model: ModelConfig, *, device: str, liger_available: bool) ->
     return KernelChoice("liger", "auto: GPU ranks and liger-kernel installed")
 
 
-def fused_loss(model: ModelConfig, *, tp: int, device: str) -> bool:
+@dataclass(frozen=True)
+class Documents:
+    """How packed documents change the model (runtime/assemble/documents.py)."""
+
+    kernel: str = "sdpa-mask"  # the attention's kernel when documents are masked
+    position_ids: bool = False  # rotary by position ids (data.reset_position_ids)
+    per_token_loss: bool = False  # data.eod_mask_loss: no fused (mean) loss head
+
+
+NO_DOCUMENTS = Documents()
+
+
+def document_attention(data: DataConfig, *, device: str) -> KernelChoice | None:
+    """The kernel of attention within documents (data.document_masking), and why; None when
+    the documents are not masked."""
+    if not data.document_masking:
+        return None
+    if device == "cuda":
+        return KernelChoice("flex", "a GPU: flex attention's block mask skips the blocks no "
+                                    "document reaches, its cost follows the documents' lengths")
+    return KernelChoice("sdpa-mask", "CPU ranks: torch's SDPA with the dense document mask "
+                                     "(flex attention compiles for GPUs); the full causal "
+                                     "square's cost")
+
+
+# How the FLOPs of MFU and the plan count attention with documents masked: as without (the
+# convention of estimate/flops.py), which overstates the work done by the share of the
+# square no document reaches.
+DOCUMENT_FLOPS = ("the full causal square of each sequence, as without masking (attention "
+                  "within documents does less: MFU is then an upper bound)")
+
+
+def documents_summary(data: DataConfig, *, device: str) -> dict:
+    """What plan and manifest say of packed documents ({} when none of the options is on)."""
+    if not data.documents:
+        return {}
+    said = {"masking": data.document_masking, "reset_position_ids": data.reset_position_ids,
+            "eod_mask_loss": data.eod_mask_loss}
+    choice = document_attention(data, device=device)
+    if choice is not None:
+        said |= {"kernel": choice.impl, "kernel_why": choice.why, "attention_flops": DOCUMENT_FLOPS}
+    return {"documents": said}
+
+
+def documents_for(data: DataConfig, *, device: str) -> Documents:
+    choice = document_attention(data, device=device)
+    return Documents(kernel=choice.impl if choice else "sdpa-mask",
+                     position_ids=data.reset_position_ids, per_token_loss=data.eod_mask_loss)
+
+
+def fused_loss(model: ModelConfig, *, tp: int, device: str, per_token_loss: bool = False) -> bool:
     """Whether ranks on `device` started from this machine run the output layer fused with
     its loss (Liger, tp 1): the memory model then keeps no logits (estimate/memory.py
     logits_bytes). For `auto` that is liger-kernel installed here, as the fit check and
-    preflight require of every host; a plan made where it is not counts the logits."""
-    if tp != 1 or device != "cuda" or model.kernels == "torch":
+    preflight require of every host; a plan made where it is not counts the logits. Never
+    for a loss masked per token (`per_token_loss`, data.eod_mask_loss)."""
+    if tp != 1 or device != "cuda" or model.kernels == "torch" or per_token_loss:
         return False  # decided without looking for liger-kernel (a search asks thousands of times)
     return choose_kernels(model, device=device, liger_available=liger_installed()).impl == "liger"
 
@@ -74,7 +125,8 @@ def predicted_memory(resolved: Resolved, device: str) -> MemoryEstimate:
     their kernels compute (fused_loss): the one way every command asks it."""
     r, lay = resolved.recipe, resolved.layout
     return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=lay,
-                           fused_loss=fused_loss(r.model, tp=lay.tp, device=device))
+                           fused_loss=fused_loss(r.model, tp=lay.tp, device=device,
+                                                 per_token_loss=r.data.eod_mask_loss))
 
 
 def device_problems(model: ModelConfig, *, device: str, precision: str,

@@ -10,6 +10,8 @@ What data.source names decides which rules apply (kind.py tells the kinds apart)
   split that Megatron-Core reads differently from dsforge (splits.py), D12-D14
   (tokenizers.py), D16 (cache_dir.py). Blend parts of weight 0 are left out, as the runtime
   leaves them out (data/samples.py).
+- D17 for any kind: packed documents need an end-of-document id and a kernel that takes a
+  mask (documents.py).
 
 A dataset is checked from its .idx (memory-mapped by Megatron-Core's own IndexedDataset), the
 size of its .bin and its PREFIX.tokenizer.json record: never its tokens, so a 100 GB corpus
@@ -20,10 +22,11 @@ import; it is imported only when a recipe names a dataset.
 
 from __future__ import annotations
 
-from dsforge.recipe.data_rules import cache_dir, datasets, splits, token_file, tokenizers
+from dsforge.recipe.data_rules import (cache_dir, datasets, documents, splits, token_file,
+                                      tokenizers)
 from dsforge.recipe.fixes import Rule
 
 DATA_RULES: tuple[Rule, ...] = (
     token_file.token_file, datasets.dataset_files, splits.dataset_splits, tokenizers.tokenizer,
-    cache_dir.cache_dir,
+    cache_dir.cache_dir, documents.documents,
 )

@@ -27,7 +27,8 @@ from dsforge.runtime.assemble.schedule import make_scheduler
 from dsforge.runtime.startup import StartupClock
 from dsforge.translate.deepspeed_config import deepspeed_config, scheduler_section
 from dsforge.translate.experts import ExpertsChoice, choose_experts
-from dsforge.translate.kernels import KernelChoice, choose_kernels, liger_installed
+from dsforge.translate.kernels import (KernelChoice, choose_kernels, documents_for,
+                                      liger_installed)
 from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
                                         parallel_state_kwargs, transformer_config_kwargs)
 
@@ -104,7 +105,8 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
                              precision=recipe.train.precision, capability=capability)
     chunks = build_model_chunks(config, gpt_kwargs, device, vocab_size=recipe.model.vocab_size,
                                 kernels=kernels.impl, sdpa_backend=recipe.model.sdpa_backend,
-                                experts=experts.impl if experts else "sequential")
+                                experts=experts.impl if experts else "sequential",
+                                documents=documents_for(recipe.data, device=device.type))
     startup.mark("model")
     if recipe.model.init_from:
         init_from_hugging_face(chunks, folder=recipe.model.init_from, model=recipe.model,

@@ -92,17 +92,19 @@ class LigerSwiGLU(nn.Module):
         return out.view(*shape[:-1], shape[-1] // 2)
 
 
-def liger_loss_gpt_model() -> type:
+def liger_loss_gpt_model(fused_head: bool = True) -> type:
     """GPTModel with Liger's loss (a function: megatron.core imports at call time). With one
     tensor-parallel rank the output layer and the cross-entropy are one fused function that
-    makes the logits a chunk of tokens at a time (`_FusedLossHead`); with tp > 1 the logits are
-    vocabulary-parallel, their padded columns masked (vocab.py), and Liger's vocab-parallel
-    cross-entropy takes them."""
+    makes the logits a chunk of tokens at a time (`_FusedLossHead`); with tp > 1, or without
+    `fused_head` (a loss masked per token, data.eod_mask_loss: the fused one is a mean), the
+    logits are vocabulary-parallel, their padded columns masked (vocab.py), and Liger's
+    vocab-parallel cross-entropy takes them."""
     class LigerLossGPTModel(masked_vocab_gpt_model()):
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self._ops = liger_ops()
-            self._fused_head = self.post_process and self.config.tensor_model_parallel_size == 1
+            self._fused_head = fused_head and self.post_process and \
+                self.config.tensor_model_parallel_size == 1
             if self._fused_head:
                 _FusedLossHead.adopt(self.output_layer, self._ops.linear_cross_entropy,
                                      self.unpadded_vocab_size)

@@ -5,7 +5,9 @@
   group (each TP rank only saw its slice of the sequence; runtime/assemble/grads.py).
 - Core attention on torch's scaled_dot_product_attention: flash/memory-efficient kernels on
   GPU (no s x s matrix), a fused kernel on CPU; causal, with grouped KV heads. With context
-  parallelism the same attention between two all-to-alls (Ulysses).
+  parallelism the same attention between two all-to-alls (Ulysses). With packed documents
+  (data.document_masking) the attention stays inside each document: Megatron's
+  `attention_mask` argument then carries the document ids (runtime/assemble/documents.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dsforge.runtime.assemble import documents as documents_mod
 from dsforge.runtime.context_shards import gathered_order
 
 
@@ -44,20 +47,22 @@ class SDPAttention(nn.Module):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
-                 sdpa_backend: str = "auto"):
+                 sdpa_backend: str = "auto", document_kernel: str = "sdpa-mask"):
         super().__init__()
         self.softmax_scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.backends = sdpa_backends(sdpa_backend)
         self.native_gqa = sdpa_backend in GQA_SDPA_BACKENDS
+        self.document_kernel = document_kernel  # documents.DOCUMENT_KERNELS
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        out = self.attend(query, key, value)
+        out = self.attend(query, key, value, attention_mask)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def attend(self, query, key, value):
-        """Causal attention over the whole sequence, [seq, batch, heads, head_dim] in and out."""
+    def attend(self, query, key, value, documents=None):
+        """Causal attention over the whole sequence, [seq, batch, heads, head_dim] in and out;
+        with `documents` ([batch, seq] ids), within each document."""
         # Megatron passes [seq, batch, heads, head_dim]; SDPA wants [batch, heads, seq, head_dim].
         # Rotary gave Q and K storage of their own, but V is still a view of the fused QKV
         # projection's output: the kernel would save it for the backward and keep that whole
@@ -66,15 +71,26 @@ class SDPAttention(nn.Module):
         # (tests/unit/test_saved_activations.py).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value.contiguous()))
         grouped = k.shape[1] != q.shape[1]
-        native = self.native_gqa and (q.device.type == "cpu" or q.dtype != torch.float32)
+        # flex attention takes grouped heads as they are; a GPU's masked SDPA kernel does not
+        native = (documents is not None and self.document_kernel == "flex") or (
+            self.native_gqa and (q.device.type == "cpu" or
+                                 (q.dtype != torch.float32 and documents is None)))
         if grouped and not native:  # share each KV head by repeating it
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        with self._kernel():
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale,
-                dropout_p=self.dropout if self.training else 0.0,
-                enable_gqa=grouped and native)
+        dropout_p = self.dropout if self.training else 0.0
+        if documents is not None and self.document_kernel == "flex":
+            out = documents_mod.flex(q, k, v, documents, scale=self.softmax_scale,
+                                     enable_gqa=grouped)
+        elif documents is not None:
+            with self._kernel():
+                out = documents_mod.masked_sdpa(q, k, v, documents, scale=self.softmax_scale,
+                                                dropout_p=dropout_p, enable_gqa=grouped and native)
+        else:
+            with self._kernel():
+                out = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.softmax_scale, dropout_p=dropout_p,
+                    enable_gqa=grouped and native)
         return out.permute(2, 0, 1, 3)
 
     def _kernel(self):
@@ -104,12 +120,15 @@ class UlyssesAttention(SDPAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        out = self.exchange(query, key, value, 1)  # batch_dim_idx 1: [seq, batch, heads, dim]
+        # batch_dim_idx 1: [seq, batch, heads, dim]; no rotary there (Megatron applied it);
+        # the document ids (whole sequences, in order) go through to `_in_order`
+        out = self.exchange(query, key, value, 1, None, attention_mask)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _in_order(self, query, key, value, *args, **kwargs):
+    def _in_order(self, query, key, value, documents=None):
         to_sequence, to_ranks = self._order(query.shape[0], query.device)
-        out = self.attend(*(t.index_select(0, to_sequence) for t in (query, key, value)))
+        out = self.attend(*(t.index_select(0, to_sequence) for t in (query, key, value)),
+                          documents)
         return out.index_select(0, to_ranks)
 
     def _order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ dataset's record or a sample of the file, and every microbatch is checked as it 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -102,6 +103,29 @@ class Sources:
     train: Source
     validation: Source | None  # None: evaluation not asked for
     note: str | None = None  # what opening them did, for the user (indexed datasets)
+    eod: int | None = None  # the end-of-document id, where the data has one
+
+
+@dataclass(frozen=True)
+class Documents:
+    """What a microbatch carries of its packed documents (data.document_masking,
+    reset_position_ids, eod_mask_loss; dsforge/data/documents.py)."""
+
+    eod: int
+    masking: bool = False  # the document ids of each whole sequence, for the attention
+    reset_positions: bool = False  # position ids restart at each document
+    eod_mask_loss: bool = False  # no loss where the input is the EOD
+
+    @classmethod
+    def of(cls, resolved: Resolved, eod: int | None) -> Documents | None:
+        data = resolved.recipe.data
+        if not data.documents:
+            return None
+        if eod is None:  # validation (D17) refuses this before any rank starts
+            raise ValueError("data.document_masking and its companions need an end-of-document "
+                             "id (data.eod_id)")
+        return cls(eod=eod, masking=data.document_masking,
+                   reset_positions=data.reset_position_ids, eod_mask_loss=data.eod_mask_loss)
 
 
 def open_sources(resolved: Resolved) -> Sources:
@@ -114,7 +138,7 @@ def open_sources(resolved: Resolved) -> Sources:
         return Sources(SyntheticTokens(**common),
                        SyntheticTokens(**common, stream=VALIDATION) if evaluate else None)
     if data.kind == "token_file":
-        return _token_file_sources(resolved, evaluate)
+        return dataclasses.replace(_token_file_sources(resolved, evaluate), eod=data.eod_id)
     return _indexed_sources(resolved, evaluate)
 
 
@@ -157,7 +181,9 @@ def _indexed_sources(resolved: Resolved, evaluate: bool) -> Sources:
             + (f", {len(splits.validation):,} validation samples" if evaluate else "")
             + f"; indices {'built' if splits.built else 'read from the cache'} in "
               f"{splits.seconds:.1f} s ({cache})")
-    return Sources(MegatronSamples(splits.train, what="training samples"), validation, note)
+    eod = data.eod_id if data.eod_id is not None else (identity.eod_id if identity else None)
+    return Sources(MegatronSamples(splits.train, what="training samples"), validation, note,
+                   eod=eod)
 
 
 def step_data(source: Source, step: int, global_batch: int) -> dict:
@@ -180,14 +206,24 @@ class Microbatch:
     tokens: torch.Tensor  # [micro_batch, seq_len] inputs
     labels: torch.Tensor  # [micro_batch, seq_len] next tokens
     position_ids: torch.Tensor
+    # data.document_masking: each position's document in the whole sequence [micro_batch,
+    # seq_len], in sequence order (under context parallelism too: Ulysses' attention sees the
+    # whole sequence), handed to the attention as Megatron's attention_mask argument
+    documents: torch.Tensor | None = None
+    # data.eod_mask_loss: 1 where a position's loss counts [micro_batch, local seq_len], and
+    # the factor that makes the weighted sum the mean over the global batch's counted tokens
+    # (`weigh_loss`)
+    loss_mask: torch.Tensor | None = None
+    loss_norm: torch.Tensor | None = None
 
 
 def microbatches(source: Source, *, step: int, global_batch: int, micro_batch: int,
                  grad_accum: int, dp: int, dp_rank: int, vocab_size: int, cp: int = 1,
-                 cp_rank: int = 0) -> list[Microbatch]:
+                 cp_rank: int = 0, documents: Documents | None = None) -> list[Microbatch]:
     """The grad_accum microbatches data-parallel rank `dp_rank` trains on at `step` (or
     evaluates for validation batch `step`); with context parallelism, context-parallel rank
-    `cp_rank`'s shard of each sequence (runtime/context_shards.py)."""
+    `cp_rank`'s shard of each sequence (runtime/context_shards.py). The documents are found
+    before the sequence is cut into shards."""
     batches = []
     for k in range(grad_accum):
         first = step * global_batch + (k * dp + dp_rank) * micro_batch
@@ -196,20 +232,59 @@ def microbatches(source: Source, *, step: int, global_batch: int, micro_batch: i
         seq_len = rows.shape[1] - 1
         keep = context_shard(seq_len, cp, cp_rank)
         positions = keep.unsqueeze(0).expand(micro_batch, -1)
+        extra = {}
+        if documents is not None:
+            positions, extra = _documents(rows[:, :-1], keep, documents, positions)
         batches.append(Microbatch(tokens=rows[:, :-1][:, keep].contiguous(),
-                                  labels=rows[:, 1:][:, keep].contiguous(), position_ids=positions))
+                                  labels=rows[:, 1:][:, keep].contiguous(), position_ids=positions,
+                                  **extra))
     return batches
 
 
-def rank_microbatches(source: Source, index: int, *, layout, vocab_size: int) -> list[Microbatch]:
+def _documents(inputs: torch.Tensor, keep: torch.Tensor, documents: Documents,
+               positions: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The position ids and the Microbatch fields of `inputs`' documents, `keep` this
+    context-parallel rank's positions."""
+    from dsforge.data import documents as found
+
+    ids = found.document_ids(inputs, documents.eod)
+    extra = {"documents": ids} if documents.masking else {}
+    if documents.reset_positions:
+        positions = found.reset_positions(ids)[:, keep].contiguous()
+    if documents.eod_mask_loss:
+        extra["loss_mask"] = found.loss_mask(inputs, documents.eod)[:, keep].contiguous()
+    return positions, extra
+
+
+def weigh_loss(batches: list[Microbatch], *, layout, group, device) -> list[Microbatch]:
+    """`batches` with the factor that makes a microbatch's loss its masked per-token loss
+    summed, times dp x cp x grad_accum / the tokens that count in the whole global batch:
+    DeepSpeed divides by grad_accum and averages over dp x cp, so the step's gradient is the
+    mean over the global batch's counted tokens (not a mean of microbatch means). The count
+    is one all-reduce over `group` (data and context parallel), kept on the device."""
+    if not batches or batches[0].loss_mask is None:
+        return batches
+    counted = torch.tensor([float(sum(mb.loss_mask.sum() for mb in batches))], device=device)
+    torch.distributed.all_reduce(counted, group=group)
+    norm = (layout.dp * layout.cp * layout.grad_accum) / counted.clamp(min=1.0)
+    return [dataclasses.replace(mb, loss_norm=norm) for mb in batches]
+
+
+def rank_microbatches(source: Source, index: int, resolved: Resolved, *, eod: int | None,
+                      device) -> list[Microbatch]:
     """This rank's microbatches of global batch `index` of `source`, by its data-parallel and
-    context-parallel ranks in Megatron's groups."""
+    context-parallel ranks in Megatron's groups; `eod`: the data's end-of-document id."""
     from megatron.core import parallel_state as ps
 
-    return microbatches(source, step=index, global_batch=layout.global_batch,
-                        micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
-                        dp=layout.dp, dp_rank=ps.get_data_parallel_rank(), cp=layout.cp,
-                        cp_rank=ps.get_context_parallel_rank(), vocab_size=vocab_size)
+    layout = resolved.layout
+    batches = microbatches(source, step=index, global_batch=layout.global_batch,
+                           micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
+                           dp=layout.dp, dp_rank=ps.get_data_parallel_rank(), cp=layout.cp,
+                           cp_rank=ps.get_context_parallel_rank(),
+                           vocab_size=resolved.recipe.model.vocab_size,
+                           documents=Documents.of(resolved, eod))
+    return weigh_loss(batches, layout=layout, device=device,
+                      group=ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def _check_ids(rows: torch.Tensor, source: Source, first: int, vocab_size: int) -> None:

@@ -102,11 +102,13 @@ def run_manifest(resolved, *, device: torch.device, optimizer, kernels, experts,
     with (`kernels`, `experts`: translate's choices as this rank made them) and, on resume,
     the checkpoint continued and the recipe's changes."""
     from dsforge.translate.compile import compiled_with
+    from dsforge.translate.kernels import documents_summary
 
     model = resolved.recipe.model
     used = implementations(optimizer, kernels=kernels.impl, kernels_why=kernels.why,
                            sdpa_backend=model.sdpa_backend, experts=experts,
                            compiled=compiled_with(model.compile), fp8=resolved.recipe.train.fp8)
+    used |= documents_summary(resolved.recipe.data, device=device.type)
     manifest = environment_manifest(device, asdict(resolved.layout), used)
     if resumed is not None:
         manifest["resumed"] = resumed

@@ -30,9 +30,22 @@ from dsforge.runtime.loop.breakdown import OFF
 from dsforge.runtime.loop.data import Microbatch
 
 
-def _loss_of(chunk_output: torch.Tensor) -> torch.Tensor:
-    """GPTModel returns per-token cross entropy [batch, seq] when given labels."""
-    return chunk_output.float().mean()
+def _loss_of(chunk_output: torch.Tensor, mb: Microbatch) -> torch.Tensor:
+    """GPTModel returns per-token cross entropy [batch, seq] when given labels: their mean;
+    with data.eod_mask_loss the tokens that count summed, times the global batch's factor
+    (runtime/loop/data.weigh_loss)."""
+    if mb.loss_mask is None:
+        return chunk_output.float().mean()
+    mask = mb.loss_mask.to(chunk_output.device)
+    return (chunk_output.float() * mask).sum() * mb.loss_norm
+
+
+def _forward(model, mb: Microbatch, device) -> torch.Tensor:
+    """The model (an engine or a chunk) on microbatch `mb`: Megatron's attention_mask argument
+    carries the document ids when documents are masked (runtime/assemble/documents.py)."""
+    documents = None if mb.documents is None else mb.documents.to(device)
+    return model(mb.tokens.to(device), mb.position_ids.to(device), documents,
+                 labels=mb.labels.to(device))
 
 
 def _spoiled_if_not_finite(loss: torch.Tensor) -> torch.Tensor:
@@ -85,9 +98,7 @@ def step_unpipelined(engine, batches: list[Microbatch], device, census: Census |
     for i, mb in enumerate(batches):
         last = i == len(batches) - 1
         with clock.phase("forward"):
-            out = engine(mb.tokens.to(device), mb.position_ids.to(device), None,
-                         labels=mb.labels.to(device))
-            loss = _loss_of(out)
+            loss = _loss_of(_forward(engine, mb, device), mb)
         if census and last:
             # a hook on the loss runs inside the pass engine.backward starts
             loss.register_hook(lambda grad: _census_at_end_of_backward(census))
@@ -195,9 +206,7 @@ def eval_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
     losses = []
     with torch.no_grad():
         for mb in batches:
-            out = engine(mb.tokens.to(device), mb.position_ids.to(device), None,
-                         labels=mb.labels.to(device))
-            losses.append(_loss_of(out))
+            losses.append(_loss_of(_forward(engine, mb, device), mb))
     return torch.stack(losses).mean()
 
 
@@ -235,8 +244,7 @@ def _run_schedule(chunks, batches: list[Microbatch], *, seq_len: int, micro_batc
 
 def _forward_step(data_iterator, model, device, on_backward=None):
     mb = next(data_iterator)
-    output = model(mb.tokens.to(device), mb.position_ids.to(device), None,
-                   labels=mb.labels.to(device))
+    output = _forward(model, mb, device)
     if on_backward is not None:
         from deepspeed.runtime.utils import register_output_backward_hooks
 
@@ -246,7 +254,7 @@ def _forward_step(data_iterator, model, device, on_backward=None):
         register_output_backward_hooks(output, preprocess_once_fn=on_backward)
 
     def loss_func(output_tensor):
-        loss = _loss_of(output_tensor)
+        loss = _loss_of(output_tensor, mb)
         # The schedule multiplies the loss it back-propagates by the context-parallel size
         # (Megatron's loss functions reduce over cp first) and divides it by num_microbatches,
         # in place. A rank's loss here is its shard's mean, and DeepSpeed averages the

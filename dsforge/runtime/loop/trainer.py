@@ -120,8 +120,8 @@ class Trainer:
         return adds, adds and ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
     def _batches(self, source, index: int) -> list[data_mod.Microbatch]:
-        return data_mod.rank_microbatches(source, index, layout=self.resolved.layout,
-                                          vocab_size=self.resolved.recipe.model.vocab_size)
+        return data_mod.rank_microbatches(source, index, self.resolved, eod=self.sources.eod,
+                                          device=self.device)
 
     def train_step(self, step: int) -> None:
         with self.profiler.step(step) if self.profiler else contextlib.nullcontext():

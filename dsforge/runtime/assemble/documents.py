@@ -1,0 +1,121 @@
+"""Attention that stays inside each document of a packed sequence, and rotary positions that
+restart at each document (data.document_masking, data.reset_position_ids).
+
+The document ids of a microbatch (dsforge/data/documents.py: [batch, seq], in sequence order)
+reach every layer's core attention as Megatron's `attention_mask` argument, which Megatron
+passes through its layers (and their recompute) untouched. A query attends to a key when both
+are in the same document and the key is not after it. Two kernels (translate/kernels.py
+`document_attention` chooses, with the reason, for plan and manifest):
+- "sdpa-mask": torch's scaled_dot_product_attention with the dense boolean mask, [batch, 1,
+  seq, seq]: exact on any device, its cost the full causal square (and seq^2 bytes of mask);
+- "flex": flex attention with a block mask made from the ids once per microbatch: blocks no
+  document reaches are skipped, so its cost follows the documents' lengths. Compiled (GPUs).
+
+Megatron's RoPE ignores `position_ids` (it rotates by 0..seq-1, sliced for context
+parallelism). `rotary_from_position_ids` makes a model's rotary embedding rotate each token by
+its own position id, which the data loader has already cut to this context-parallel rank's
+shard, so the frequencies come out [seq, batch, 1, dim], which Megatron's rotation broadcasts.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DOCUMENT_KERNELS = ("sdpa-mask", "flex")
+
+
+def dense_mask(documents: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq] bool: same document and not in the future."""
+    seq = documents.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
+
+
+def masked_sdpa(q, k, v, documents: torch.Tensor, *, scale, dropout_p: float,
+                enable_gqa: bool) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(documents), scale=scale,
+                                          dropout_p=dropout_p, enable_gqa=enable_gqa)
+
+
+def flex(q, k, v, documents: torch.Tensor, *, scale, enable_gqa: bool) -> torch.Tensor:
+    """Flex attention over the block mask of `documents` (made once per ids tensor: every
+    layer, and the backward's recompute, get the same tensor)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = _compiled(flex_attention) if q.device.type == "cuda" else flex_attention
+    return attend(q, k, v, block_mask=_block_mask(documents), scale=scale,
+                  enable_gqa=enable_gqa)
+
+
+@functools.cache
+def _compiled(function):
+    return torch.compile(function, dynamic=False)
+
+
+_BLOCK_MASKS: dict[int, tuple[Any, Any]] = {}  # id(ids) -> (weak reference to ids, mask)
+
+
+def _block_mask(documents: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    found = _BLOCK_MASKS.get(id(documents))
+    if found is not None and found[0]() is documents:
+        return found[1]
+    batch, seq = documents.shape
+
+    def same_document(b, h, q_index, kv_index):
+        return (documents[b, q_index] == documents[b, kv_index]) & (q_index >= kv_index)
+
+    mask = create_block_mask(same_document, batch, None, seq, seq, device=documents.device)
+    for key in [key for key, (ref, _) in _BLOCK_MASKS.items() if ref() is None]:
+        del _BLOCK_MASKS[key]  # the microbatches whose ids are gone
+    _BLOCK_MASKS[id(documents)] = (weakref.ref(documents), mask)
+    return mask
+
+
+def rotary_from_position_ids(model_class: type) -> type:
+    """`model_class` (a GPTModel) whose rotary embedding rotates each token by its position
+    id: the model's forward hands the ids to the embedding for the length of the call."""
+    class PositionIdsRotaryModel(model_class):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            _rotate_by_ids(self.rotary_pos_emb)
+
+        def forward(self, input_ids, position_ids, attention_mask, *args: Any, **kwargs: Any):
+            self.rotary_pos_emb.position_ids = position_ids
+            try:
+                return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+            finally:
+                self.rotary_pos_emb.position_ids = None
+
+    return PositionIdsRotaryModel
+
+
+def _rotate_by_ids(rope) -> None:
+    """Megatron's RotaryEmbedding made to return, while `position_ids` is set, the rotation of
+    each token [seq, batch, 1, dim] by its id, as its own `get_emb` builds one by position
+    (interpolation factor, interleaved layout)."""
+    plain_forward = rope.forward
+    rope.position_ids = None
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        ids = rope.position_ids
+        if ids is None:
+            return plain_forward(max_seq_len, offset, packed_seq, cp_group)
+        inv_freq = rope.inv_freq.to(ids.device)
+        seq = ids.t().to(inv_freq.dtype) + offset  # [seq, batch]
+        if rope.seq_len_interpolation_factor is not None:
+            seq = seq / rope.seq_len_interpolation_factor
+        freqs = seq[..., None] * inv_freq  # [seq, batch, dim / 2]
+        if rope.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, :, None, :]
+
+    rope.forward = forward

@@ -1,0 +1,191 @@
+"""Packed documents (data.document_masking, reset_position_ids, eod_mask_loss; issue 51): the
+boundaries from the EOD ids, what each context-parallel rank gets of them, the rules (D17),
+and, in a child process with a one-rank Megatron-Core model, a packed sequence trained as its
+documents one by one (loss and gradients within 1e-5, with and without position resets), the
+flex kernel's forward equal to the dense mask's, and positions from ids equal to Megatron's own rotary.
+That every layout equals one rank with documents masked is test_equivalence's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsforge.data.documents import document_ids, document_lengths, loss_mask, reset_positions
+from dsforge.problems import RecipeError
+from dsforge.recipe import resolve_file
+from dsforge.runtime.loop import data as data_mod
+from tests.conftest import REPO
+from tests.unit.helpers.child import run_child
+
+TINY = REPO / "recipes" / "tiny.yaml"
+EOD = 0
+# Three documents, the first cut at the sample's start (it counts as one of its own there).
+PACKED = [7, 8, EOD, 5, 6, 9, 4, EOD, 3, 3, 2, 1, 11, EOD, 12, 13]
+
+
+def test_the_eod_belongs_to_the_document_it_ends():
+    inputs = torch.tensor([PACKED])
+    ids = document_ids(inputs, EOD)
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3]]
+    assert reset_positions(ids).tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1]]
+    assert loss_mask(inputs, EOD)[0].tolist() == [float(t != EOD) for t in PACKED]
+    assert document_lengths(ids[0]) == [3, 5, 6, 2]
+
+
+class _Rows:
+    what = "rows"
+
+    def sample(self, index: int) -> torch.Tensor:
+        return torch.tensor(PACKED + [21])
+
+    def locate(self, index):
+        return None
+
+
+def test_documents_are_found_before_the_sequence_is_sharded():
+    """cp 2: rank 1 holds chunks 1 and 2 of 4 (runtime/context_shards.py); it gets the whole
+    sequence's document ids, its own positions (reset) and loss mask."""
+    docs = data_mod.Documents(eod=EOD, masking=True, reset_positions=True, eod_mask_loss=True)
+    (mb,) = data_mod.microbatches(_Rows(), step=0, global_batch=1, micro_batch=1, grad_accum=1,
+                                  dp=1, dp_rank=0, vocab_size=32, cp=2, cp_rank=1,
+                                  documents=docs)
+    assert mb.documents.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3]]
+    assert mb.position_ids.tolist() == [[1, 2, 3, 4, 0, 1, 2, 3]]  # positions 4..11
+    assert mb.tokens.tolist() == [PACKED[4:12]]
+    assert mb.loss_mask.tolist() == [[1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]]
+    (plain,) = data_mod.microbatches(_Rows(), step=0, global_batch=1, micro_batch=1,
+                                     grad_accum=1, dp=1, dp_rank=0, vocab_size=32)
+    assert plain.documents is None and plain.loss_mask is None
+
+
+def test_documents_need_an_eod_and_a_kernel_that_takes_a_mask(tmp_path):
+    tokens = tmp_path / "tokens.u16"
+    torch.randint(1, 250, (4096,), dtype=torch.int16).numpy().tofile(tokens)
+    on = ["data.document_masking=true"]
+
+    def rules(*sets):
+        with pytest.raises(RecipeError) as err:
+            resolve_file(TINY, [*on, *sets])
+        return [(p.rule, str(p)) for p in err.value.problems]
+
+    assert "synthetic tokens have no documents" in rules()[0][1]
+    assert "a flat token file records no end-of-document id" in \
+        rules(f"data.source={tokens}")[0][1]
+    found = rules(f"data.source={tokens}", "data.eod_id=0", "model.sdpa_backend=flash")
+    assert found[0][0] == "D17" and "the flash kernel takes no attention mask" in found[0][1]
+    assert "outside the model's vocabulary" in rules(f"data.source={tokens}", "data.eod_id=999")[0][1]
+    resolve_file(TINY, [*on, f"data.source={tokens}", "data.eod_id=0"])
+    # a dataset's record names its EOD (the bytes tokenizer's 256), and a different one is refused
+    tempest = [f"data.source={REPO / 'data' / 'tempest'}", "model.vocab_size=257"]
+    resolve_file(TINY, [*on, *tempest])
+    assert "the dataset's record names end-of-document id 256" in \
+        rules(*tempest, "data.eod_id=3")[0][1]
+
+
+def test_plan_names_the_kernel_and_how_flops_count(tmp_path):
+    from dsforge.plan import build_plan, render_plan
+
+    resolved = resolve_file(TINY, ["data.document_masking=true", "data.eod_mask_loss=true",
+                                   f"data.source={REPO / 'data' / 'tempest'}",
+                                   "model.vocab_size=257"])
+    plan = build_plan(resolved, device="cpu")
+    said = plan["implementations"]["documents"]
+    assert said["kernel"] == "sdpa-mask" and "full causal square" in said["attention_flops"]
+    assert "packed documents: attention within each, sdpa-mask" in render_plan(plan)
+    assert build_plan(resolved, device="cuda")["implementations"]["documents"]["kernel"] == "flex"
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> dict:
+    return run_child("tests.unit.test_documents", tmp_path_factory.mktemp("documents"),
+                     "packed.json")
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_packed_sequence_trains_as_its_documents_one_by_one(packed, reset):
+    found = packed[f"reset={reset}"]
+    assert found["loss"] == pytest.approx(found["one_by_one_loss"], abs=1e-5)
+    assert found["grad_diff"] < 1e-5
+    # the test can fail: without the mask the packed sequence is another computation
+    assert abs(found["unmasked_loss"] - found["one_by_one_loss"]) > 1e-3
+
+
+def test_flex_attention_equals_the_dense_mask(packed):
+    """Per-token losses; its gradients need a GPU (tests/gpu/test_gpu_documents.py)."""
+    assert packed["flex_vs_mask"] < 1e-5
+
+
+def test_rotary_from_position_ids_is_megatrons_for_plain_positions(packed):
+    assert packed["rotary_plain_diff"] == 0.0
+
+
+def _child(folder: Path) -> None:
+    from dsforge.runtime.assemble.model import build_model_chunks
+    from dsforge.translate.kernels import Documents
+    from dsforge.translate.megatron import (build_transformer_config, gpt_model_kwargs,
+                                            transformer_config_kwargs)
+    from tests.unit.test_accepted_builds import _init_one_rank_world
+
+    _init_one_rank_world(folder)
+    resolved = resolve_file(TINY, ["parallel.dp=1", "train.precision=fp32"], world_size=1)
+    r, layout = resolved.recipe, resolved.layout
+    config = build_transformer_config(transformer_config_kwargs(
+        model=r.model, train=r.train, layout=layout, device="cpu"))
+
+    def build(**documents):
+        torch.manual_seed(0)
+        (chunk,) = build_model_chunks(config, gpt_model_kwargs(model=r.model, layout=layout),
+                                      torch.device("cpu"), vocab_size=r.model.vocab_size,
+                                      documents=Documents(position_ids=True, **documents))
+        return chunk
+
+    model, flex_model = build(), build(kernel="flex")
+    flex_model.load_state_dict(model.state_dict())
+    inputs = torch.tensor([PACKED])
+    labels = torch.tensor([PACKED[1:] + [21]])
+    ids = document_ids(inputs, EOD)
+    results = {}
+    for reset in (False, True):
+        positions = reset_positions(ids) if reset else torch.arange(len(PACKED))[None]
+        loss, grads = _run(model, inputs, positions, ids, labels)
+        pieces = [_run(model, inputs[:, a:b], torch.arange(b - a)[None], None, labels[:, a:b])
+                  for a, b in _spans(ids[0])]
+        one_loss = sum(p[0] for p in pieces)
+        one_grads = [sum(p[1][i] for p in pieces) for i in range(len(grads))]
+        unmasked, _ = _run(model, inputs, positions, None, labels)
+        results[f"reset={reset}"] = {
+            "loss": loss, "one_by_one_loss": one_loss, "unmasked_loss": unmasked,
+            "grad_diff": max(float((g - o).abs().max()) for g, o in zip(grads, one_grads))}
+    positions = reset_positions(ids)
+    with torch.no_grad():  # flex attention has no backward on the CPU (tests/gpu: on a GPU)
+        per_token = [m(inputs, positions, ids, labels=labels) for m in (model, flex_model)]
+    results["flex_vs_mask"] = float((per_token[0] - per_token[1]).abs().max())
+    plain = model.rotary_pos_emb(len(PACKED))
+    model.rotary_pos_emb.position_ids = torch.arange(len(PACKED))[None]
+    by_ids = model.rotary_pos_emb(len(PACKED))
+    model.rotary_pos_emb.position_ids = None
+    results["rotary_plain_diff"] = float((plain - by_ids).abs().max())
+    (folder / "packed.json").write_text(json.dumps(results))
+
+
+def _spans(ids: torch.Tensor) -> list[tuple[int, int]]:
+    lengths = document_lengths(ids)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return [(a, a + n) for a, n in zip(starts, lengths)]
+
+
+def _run(model, inputs, positions, ids, labels) -> tuple[float, list[torch.Tensor]]:
+    """The summed per-token loss and the parameters' gradients of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    loss = model(inputs, positions, ids, labels=labels).float().sum()
+    loss.backward()
+    return float(loss), [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                         for p in model.parameters()]
+
+
+if __name__ == "__main__":
+    _child(Path(sys.argv[1]))
