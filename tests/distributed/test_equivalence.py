@@ -50,13 +50,19 @@ def _moe(*overrides: str, evaluate: bool = True) -> list[str]:
     return _case("model.moe.aux_loss_coeff=1.0", *overrides, evaluate=evaluate)
 
 
+# Packed documents (issue 51): attention within each Tempest line, positions restarting at
+# each, no loss where the input is the EOD (the bytes tokenizer's 256, from the datasets'
+# records); the loss the mean over the global batch's counted tokens.
+DOCS = ("data.document_masking=true", "data.reset_position_ids=true", "data.eod_mask_loss=true")
 # Four KV heads instead of the tiny model's 2: what cp 4, and tp 2 x cp 2, need (rule T7).
 MHA = "model.num_kv_heads=4"
 GROUPED = "model.moe.experts=grouped"
 REFERENCE = {"dense": _case("parallel.dp=1"), "moe": _moe("parallel.dp=1", "parallel.ep=1"),
              "moe_grouped": _moe("parallel.dp=1", "parallel.ep=1", GROUPED),
              "dense_mha": _case("parallel.dp=1", MHA),
-             "dense_file": _case("parallel.dp=1", data=[f"data.source={TEXT}"])}
+             "dense_file": _case("parallel.dp=1", data=[f"data.source={TEXT}"]),
+             "docs": _case("parallel.dp=1", *DOCS),
+             "moe_docs": _moe("parallel.dp=1", "parallel.ep=1", *DOCS)}
 
 WORLD2_DENSE = {
     **{f"dp2_zero{s}": _case("parallel.dp=2", f"zero.stage={s}") for s in range(4)},
@@ -86,6 +92,18 @@ WORLD2_NO_EVAL = {
                                     "zero.stage=1", evaluate=False),
 }
 WORLD2_FILE = {"dp2_file": _case("parallel.dp=2", data=[f"data.source={TEXT}"])}
+# Every layout kind with documents masked: ZeRO-3, tp with sequence parallelism, the
+# interleaved schedule, Ulysses (each rank attends over the whole sequence for its heads,
+# the document ids found before the sequence is sharded), and experts over ep 2.
+WORLD2_DOCS = {"docs_dp2_zero3": _case("parallel.dp=2", "zero.stage=3", *DOCS),
+               "docs_tp2_sp": _case("parallel.dp=1", "parallel.tp=2",
+                                    "parallel.sequence_parallel=true", *DOCS),
+               "docs_pp2_vpp2_zero1": _case("parallel.dp=1", "parallel.pp=2", "parallel.vpp=2",
+                                            "zero.stage=1", *DOCS),
+               "docs_cp2_zero1": _case("parallel.dp=1", "parallel.cp=2", "zero.stage=1", *DOCS)}
+WORLD2_MOE_DOCS = {"docs_moe_ep2": _moe("parallel.dp=2", "parallel.ep=2", *DOCS)}
+WORLD4_DOCS = {"docs_dp2_cp2_zero2": _case("parallel.dp=2", "parallel.cp=2", "zero.stage=2",
+                                           *DOCS)}
 WORLD2_MOE = {
     **{f"moe_ep2_zero{s}": _moe("parallel.dp=2", "parallel.ep=2", f"zero.stage={s}") for s in (0, 1, 2)},
     "moe_dp2": _moe("parallel.dp=2", "parallel.ep=1"),
@@ -217,13 +235,14 @@ def results(tmp_path_factory):
     DATA[:] = _blend(out)
     found = {}
     worlds = [(1, {"ref_dense": REFERENCE["dense"], "ref_dense_file": REFERENCE["dense_file"],
-                   "ref_dense_mha": REFERENCE["dense_mha"]}, DENSE),
-              (1, {"ref_moe": REFERENCE["moe"], "ref_moe_grouped": REFERENCE["moe_grouped"]}, MOE),
+                   "ref_dense_mha": REFERENCE["dense_mha"], "ref_docs": REFERENCE["docs"]}, DENSE),
+              (1, {"ref_moe": REFERENCE["moe"], "ref_moe_grouped": REFERENCE["moe_grouped"],
+                   "ref_moe_docs": REFERENCE["moe_docs"]}, MOE),
               (2, {**WORLD2_DENSE, **WORLD2_FUSED, **BF16, **BF16_FUSED, **WORLD2_NO_EVAL,
-                   **WORLD2_FILE}, DENSE),
-              (2, {**WORLD2_MOE, **WORLD2_MOE_NO_EVAL, **WORLD2_MOE_GROUPED, **WORLD2_MOE_TOP1},
-               MOE),
-              (4, {**WORLD4_DENSE, **WORLD4_FUSED, **WORLD4_MHA}, DENSE),
+                   **WORLD2_FILE, **WORLD2_DOCS}, DENSE),
+              (2, {**WORLD2_MOE, **WORLD2_MOE_NO_EVAL, **WORLD2_MOE_GROUPED, **WORLD2_MOE_TOP1,
+                   **WORLD2_MOE_DOCS}, MOE),
+              (4, {**WORLD4_DENSE, **WORLD4_FUSED, **WORLD4_MHA, **WORLD4_DOCS}, DENSE),
               (4, {**WORLD4_MOE, **WORLD4_MOE_GROUPED, **WORLD4_MOE_ETP1}, MOE)]
     for i, (size, cases, recipe) in enumerate(worlds):
         found.update(run_world(size, _cases(cases), recipe=recipe, out=out / f"world{i}"))
@@ -315,6 +334,22 @@ def test_grouped_experts_equal_sequential_ones(results, grouped):
 @pytest.mark.parametrize("name", WORLD2_FILE)
 def test_flat_token_file_layout_matches_single_process(results, name):
     _assert_matches(results, name, "ref_dense_file")
+
+
+@pytest.mark.parametrize("name", [*WORLD2_DOCS, *WORLD4_DOCS])
+def test_packed_documents_layout_matches_single_process(results, name):
+    _assert_matches(results, name, "ref_docs")
+
+
+@pytest.mark.parametrize("name", WORLD2_MOE_DOCS)
+def test_packed_documents_moe_layout_matches_single_process(results, name):
+    _assert_matches(results, name, "ref_moe_docs")
+
+
+def test_masking_documents_changes_the_computation(results):
+    """The document cases are another computation than the plain ones (the test can fail)."""
+    docs, plain = _steps(results["ref_docs"]), _steps(results["ref_dense"])
+    assert all(abs(d["loss"] - p["loss"]) > 1e-4 for d, p in zip(docs[1:], plain[1:]))
 
 
 @pytest.mark.parametrize("with_eval", NO_EVAL)
