@@ -114,7 +114,8 @@ def run_problems(resolved: Resolved, device: str, *, capability: tuple[int, int]
 
     r = resolved.recipe
     problems = device_problems(r.model, device=device, precision=r.train.precision,
-                               liger_available=liger)
+                               liger_available=liger,
+                               document_masking=r.data.document_masking)
     problems += fp8_device_problems(r.train.fp8, device=device, capability=capability,
                                     torchao_available=torchao)
     if r.model.compile != "none":

@@ -80,7 +80,11 @@ def shrink(recipe: Recipe, grad_accum: int) -> Recipe:
         checkpoint_every=_tiny_interval(recipe.train.checkpoint_every))
     data = recipe.data
     if recipe.model.vocab_size > TINY_MAX_VOCAB:  # the tiny model's vocabulary cannot hold it
-        data = dataclasses.replace(data, source="synthetic", tokenizer=None)
+        # synthetic tokens have no documents (rule D17): the tiny run checks the layout
+        # without them
+        data = dataclasses.replace(data, source="synthetic", tokenizer=None, eod_id=None,
+                                   document_masking=False, reset_position_ids=False,
+                                   eod_mask_loss=False)
     # The recipe's profiler steps are its own run's; the tiny run has TINY_STEPS (rule R4).
     tracking = dataclasses.replace(recipe.tracking, profile=None)
     # Names become directory names (at most 100 characters, rule N1): room for the suffixes.

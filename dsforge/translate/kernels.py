@@ -130,10 +130,20 @@ def predicted_memory(resolved: Resolved, device: str) -> MemoryEstimate:
 
 
 def device_problems(model: ModelConfig, *, device: str, precision: str,
-                    liger_available: bool) -> list[Problem]:
+                    liger_available: bool, document_masking: bool = False) -> list[Problem]:
     """K1: what the ranks' device cannot run; X1: liger asked for where it is not installed."""
     if device == "cuda":
         problems = [] if model.kernels != "liger" or liger_available else [_liger_missing()]
+        if document_masking and model.compile == "layers":
+            # the flex kernel's block mask is made per microbatch from Python (a cache by the
+            # ids tensor): inside a compiled layer that breaks the graph at every layer
+            problems.append(Problem(
+                rule="K1", fields={"data.document_masking": True, "model.compile": "layers"},
+                message="documents are masked by flex attention on GPU ranks, whose block mask "
+                        "dsforge makes outside torch.compile; compiled layers would break their "
+                        "graph on it (not built yet)",
+                fix="set model.compile: none with data.document_masking (flex attention is "
+                    "compiled on its own)"))
         if model.sdpa_backend in HALF_ONLY_SDPA_BACKENDS and precision == "fp32":
             problems.append(Problem(
                 rule="K1", fields={"model.sdpa_backend": model.sdpa_backend,

@@ -86,6 +86,18 @@ def test_documents_need_an_eod_and_a_kernel_that_takes_a_mask(tmp_path):
         rules(*tempest, "data.eod_id=3")[0][1]
 
 
+def test_compiled_layers_with_flex_on_gpus_are_refused():
+    from dsforge.recipe import load_recipe
+    from dsforge.translate.kernels import device_problems
+
+    model = load_recipe(TINY, ["model.compile=layers"]).model
+    found = device_problems(model, device="cuda", precision="bf16", liger_available=False,
+                            document_masking=True)
+    assert [p.rule for p in found] == ["K1"] and "model.compile: none" in found[0].fix
+    assert device_problems(model, device="cpu", precision="fp32", liger_available=False,
+                           document_masking=True) == []
+
+
 def test_plan_names_the_kernel_and_how_flops_count(tmp_path):
     from dsforge.plan import build_plan, render_plan
 
