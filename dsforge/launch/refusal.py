@@ -24,6 +24,10 @@ class Refused(Exception):
         super().__init__(source)
         self.source, self.problems, self.advice = source, tuple(problems), advice
 
+    def line(self) -> str:
+        """The source and every problem, on one line (a restart's reason)."""
+        return f"{self.source}: " + "; ".join(str(p) for p in self.problems)
+
     def report(self) -> None:
         """The problems under their source, then the advice, on stderr."""
         print_problems(self.source, self.problems)

@@ -398,6 +398,4 @@ def _said_done(code: int, restarts: list[dict], run_dir: RunDir, say: Say) -> No
 def _refusal_text(exc: Exception) -> str:
     if isinstance(exc, HostsFailed):  # hosts that failed the preflight and stay in use
         exc = exc.refused
-    if isinstance(exc, Refused):
-        return f"{exc.source}: " + "; ".join(str(p) for p in exc.problems)
-    return str(exc)
+    return exc.line() if isinstance(exc, Refused) else str(exc)

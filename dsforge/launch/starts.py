@@ -81,8 +81,8 @@ class SrunStarts:
             try:
                 self.resolved = fewer_hosts(self.resolved, self.pool.hostfile, self.say)
             except Refused as refused:
-                host = self.pool.left_out[-1]["host"]
-                raise self.pool.short(host, _refusal_words(refused)) from None
+                raise self.pool.short(self.pool.left_out[-1]["host"], refused.line()) from None
+        if self.pool.left_out:  # every attempt after a shrink runs the smaller job's recipe
             job = dataclasses.replace(job, recipe_yaml=dump_recipe(self.resolved.recipe))
         return self.first(job)
 
@@ -100,10 +100,6 @@ class SrunStarts:
                         for h, why in failing.items()]
             raise HostsFailed([h for h in hosts if h in failing],
                               Refused("Slurm's nodes before the restart", problems))
-
-
-def _refusal_words(refused: Refused) -> str:
-    return f"{refused.source}: " + "; ".join(str(p) for p in refused.problems)
 
 
 def fewer_hosts(resolved: Resolved, hostfile: Hostfile, say: Say) -> Resolved:

@@ -306,12 +306,14 @@ def test_a_node_slurm_calls_down_is_left_out_before_the_restart(tmp_path, monkey
 
 
 def test_without_a_spare_node_the_job_goes_on_fewer_nodes(tmp_path, monkeypatch):
+    """n2 fails: the job goes on on n1 at dp 1; a hang there restarts it on n1 again, still
+    the smaller job."""
     code, said, started = _slurm_restarted(tmp_path, monkeypatch, nodes=2, spare=0,
-                                           outcomes=[(1, "device")])
-    assert code == 0 and [_tasks(s) for s in started] == [["n1", "n2"], ["n1"]]
+                                           outcomes=[(1, "device"), (0, "hang")])
+    assert code == 0 and [_tasks(s) for s in started] == [["n1", "n2"], ["n1"], ["n1"]]
     assert started[1].command[1:3] == ["--nodes=1", "--ntasks=1"] and started[1].ranks == 1
     assert "continuing on 1 host(s) (n1) without a spare: world_size 2 -> 1" in said[0]
-    assert "grad_accum: 4" in _word_of(started[1]).recipe_yaml
+    assert all("grad_accum: 4" in _word_of(s).recipe_yaml for s in started[1:])
 
 
 def test_a_job_the_nodes_left_cannot_hold_ends_for_a_requeue_without_them(tmp_path,
