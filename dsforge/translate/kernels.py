@@ -80,15 +80,16 @@ def document_attention(data: DataConfig, *, device: str) -> KernelChoice | None:
         return KernelChoice("flex", "a GPU: flex attention's block mask skips the blocks no "
                                     "document reaches, its cost follows the documents' lengths")
     return KernelChoice("sdpa-mask", "CPU ranks: torch's SDPA with the dense document mask "
-                                     "(flex attention compiles for GPUs); the full causal "
-                                     "square's cost")
+                                     "(flex attention has no backward on the CPU); the whole "
+                                     "causal attention's cost")
 
 
 # How the FLOPs of MFU and the plan count attention with documents masked: as without (the
 # convention of estimate/flops.py), which overstates the work done by the share of the
-# square no document reaches.
-DOCUMENT_FLOPS = ("the full causal square of each sequence, as without masking (attention "
-                  "within documents does less: MFU is then an upper bound)")
+# score matrix no document reaches.
+DOCUMENT_FLOPS = ("the full seq x seq score matrix of each sequence, as without masking "
+                  "(docs/flops.md; attention within documents does less: MFU is then an "
+                  "upper bound)")
 
 
 def documents_summary(data: DataConfig, *, device: str) -> dict:

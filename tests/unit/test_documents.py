@@ -106,7 +106,7 @@ def test_plan_names_the_kernel_and_how_flops_count(tmp_path):
                                    "model.vocab_size=257"])
     plan = build_plan(resolved, device="cpu")
     said = plan["implementations"]["documents"]
-    assert said["kernel"] == "sdpa-mask" and "full causal square" in said["attention_flops"]
+    assert said["kernel"] == "sdpa-mask" and "full seq x seq score matrix" in said["attention_flops"]
     assert "packed documents: attention within each, sdpa-mask" in render_plan(plan)
     assert build_plan(resolved, device="cuda")["implementations"]["documents"]["kernel"] == "flex"
 
