@@ -7,7 +7,8 @@ passes through its layers (and their recompute) untouched. A query attends to a 
 are in the same document and the key is not after it. Two kernels (translate/kernels.py
 `document_attention` chooses, with the reason, for plan and manifest):
 - "sdpa-mask": torch's scaled_dot_product_attention with the dense boolean mask, [batch, 1,
-  seq, seq]: exact on any device, its cost the whole causal attention's (and seq^2 bytes of mask);
+  seq, seq]: exact on any device, its cost the whole causal attention's (and seq^2 bytes of
+  mask);
 - "flex": flex attention with a block mask made from the ids once per microbatch: blocks no
   document reaches are skipped, so its cost follows the documents' lengths. Compiled (GPUs).
 
