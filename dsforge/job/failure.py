@@ -19,11 +19,13 @@ report as its detail.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from dsforge.files import write_atomic
+from dsforge.job.hosts import HOSTS_ENV, host_of_rank
 from dsforge.job.run_dir import RunDir
 from dsforge.job.steps import step_text
 from dsforge.units import format_bytes
@@ -49,6 +51,9 @@ class Failure:
     # oom, bytes: peak (and its source), capacity of the device (CPU: the host's memory over
     # its ranks), allocated and reserved (CUDA), requested (the allocation that failed)
     memory: dict[str, Any] | None = None
+    # the rank's host, as the launcher placed it (job/hosts.py; a hostfile's or a Slurm
+    # allocation's): filled in by `write` where the job has more than one host
+    host: str | None = None
 
     def innermost_call(self) -> str:
         """The last `File "...", line N, in f` of the detail: where the rank was."""
@@ -68,7 +73,8 @@ class Failure:
         what = {"hang": "stuck", "oom": "out of memory", "killed": "died", "exited": "exited",
                 "stopped": "was stopped", "collective": "lost its peers",
                 "device": "had a device error"}.get(self.kind, "failed")
-        return f"rank {self.rank} {what} {when}: {self.message}"
+        on = f" on {self.host}" if self.host else ""
+        return f"rank {self.rank} {what} {when}{on}: {self.message}"
 
     @property
     def explained(self) -> bool:
@@ -78,11 +84,15 @@ class Failure:
 
 
 def write(run_dir: RunDir, failure: Failure) -> None:
-    """Best effort and atomic: a failing rank must still exit if its disk is full."""
+    """Best effort and atomic: a failing rank must still exit if its disk is full. The host is
+    the rank's place in the job's hosts (HOSTS_ENV), never gethostname: loopback test hosts
+    share one."""
+    host = failure.host or host_of_rank(os.environ.get(HOSTS_ENV, ""), failure.rank)
     try:
         path = run_dir.failure(failure.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(asdict(failure) | {"time": failure.time or time.time()}))
+        write_atomic(path, json.dumps(asdict(failure) | {"time": failure.time or time.time(),
+                                                          "host": host}))
     except OSError:
         pass
 

@@ -80,7 +80,7 @@ class HostPool:
 
     def blame(self, cause: Failure) -> str | None:
         """Count `cause` against its rank's host; that host when it is to be left out now."""
-        host = self.host_of(cause.rank)
+        host = cause.host or self.host_of(cause.rank)
         if host is None:
             return None
         kind = "gone" if cause.kind in HOST_GONE or WITHOUT_A_WORD in cause.message else cause.kind

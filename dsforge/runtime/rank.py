@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from dsforge.job import failure
 from dsforge.job.console import RankConsole
+from dsforge.job.hosts import HOSTS_ENV
 from dsforge.job.pids import write_pid
 from dsforge.job.run_dir import RunDir
 from dsforge.job.word import JobSpec, check_names
@@ -83,6 +84,8 @@ def main(argv=None) -> None:
         from dsforge.job.slurm_env import rank_env
 
         os.environ.update(rank_env(os.environ))
+    if HOSTS_ENV in job.env:  # the supervisor's failure records name the host too (job/failure.py)
+        os.environ[HOSTS_ENV] = job.env[HOSTS_ENV]
     run_supervised(lambda: run_rank(job), run_dir=job.directory,
                    rank=int(os.environ.get("RANK", 0)), forward=not job.slurm, owner=job.owner)
 

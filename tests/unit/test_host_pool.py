@@ -334,3 +334,18 @@ def test_a_job_the_nodes_left_cannot_hold_ends_for_a_requeue_without_them(tmp_pa
     pool.leave_out("n2", "a drill", attempt=1)
     assert isinstance(pool.short("n1", "why"), AllocationShort)
     assert pool.short("n1", "why").hosts == ["n2", "n1"]
+
+
+def test_a_failure_record_names_its_ranks_host(tmp_path, monkeypatch):
+    """The record carries the rank's host from the job's hosts (HOSTS_ENV, as the launcher
+    placed the ranks), and the report says it; the pool blames that host."""
+    monkeypatch.setenv(HOSTS_ENV, "node-a=2,node-b=2")
+    run_dir = RunDir(tmp_path)
+    failure.write(run_dir, Failure(rank=2, step=4, kind="device", message="CUDA error"))
+    (record,) = failure.read_all(run_dir)
+    assert record.host == "node-b"
+    assert record.headline() == "rank 2 had a device error at step 5 on node-b: CUDA error"
+    assert _pool().blame(record) == "node-b"
+    monkeypatch.delenv(HOSTS_ENV)
+    failure.write(run_dir, Failure(rank=0, step=4, kind="hang", message="stuck"))
+    assert [f.host for f in failure.read_all(run_dir) if f.rank == 0] == [None]  # one machine
