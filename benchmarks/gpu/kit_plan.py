@@ -86,6 +86,14 @@ STEP_MOE = Estimate(1.82, f"{KIT3}: the MoE at 8 layers (1.48 s in KIT2)")
 # of the sequential step and the whole step ran at ~9% of peak, host-bound; grouped GEMMs at
 # the dense path's ~70% of peak and no host sync bring the step to ~0.55 s (35% MFU asks 0.47 s).
 STEP_MOE_GROUPED = Estimate(0.55, "guess: issue 38's prediction for grouped experts")
+# Issue 51, written before any masked run on a GPU (benchmarks/gpu/README.md): the 1B's
+# 65,536 tokens a step at mb 1 (its fixed cost a microbatch: 8 of them at 8k) with the
+# attention's causal half growing with the sequence (~15% of the executed FLOPs at 8k, ~46% at
+# 32k); within documents of a few thousand tokens flex does a fraction of that work, at a lower
+# rate than flash.
+STEP_1B_8K = Estimate(1.45, "guess: the 1B's 1.13 s at 4k, mb 1's fixed costs, attention x2")
+STEP_1B_32K = Estimate(2.2, "guess: attention ~46% of the executed FLOPs at 32k")
+DOCUMENTS = ("data.document_masking=true", "data.reset_position_ids=true")
 FUSED_ADAM_JIT_S = 60  # measured 2026-11-26: DeepSpeed's FusedAdam JIT build on the H200
 STEP_7B_GB8 = Estimate(2.87, f"{KIT2}: the 7B as shipped at 8 sequences (53.2% MFU)")
 # The peer loop (peer_loop.py), never run on a GPU before: guesses. Its start: Python, torch and
@@ -284,6 +292,20 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
                                 start=START_MOE, step=step, shrunk="8 of its 24 layers")
                            for impl, step in (("sequential", STEP_MOE),
                                               ("grouped", STEP_MOE_GROUPED)))),
+    # Issue 51: packed documents on the kit's corpus (a Python source file a document): the 1B
+    # at 8k and 32k tokens a sequence (65,536 tokens a step each), attention over the whole
+    # sequence (SDPA's causal kernel) and within each document (data.document_masking: flex
+    # attention's block mask on a GPU, the kernel in each run's manifest).
+    Measurement(name="documents", about="the 1B at 8k and 32k tokens a sequence, full causal "
+                                        "attention and attention within documents (flex): "
+                                        "tokens/s and the kernel chosen",
+                runs=tuple(_run(f"1b-{size}-{mode}", ONE_B, f"train.seq_len={seq}",
+                                f"model.max_seq_len={seq}", f"train.global_batch={65536 // seq}",
+                                "train.micro_batch=1", *sets, start=START_1B, step=step,
+                                shrunk=f"{seq} tokens a sequence, {65536 // seq} a step")
+                           for size, seq, step in (("8k", 8192, STEP_1B_8K),
+                                                   ("32k", 32768, STEP_1B_32K))
+                           for mode, sets in (("causal", ()), ("documents", DOCUMENTS)))),
     # Issue 39: a peer on the same job, in the same command. The largest Llama-family shape
     # both fit on the GPU (the 7B on an H200; the 3B on an H100, which holds no 7B with 16
     # bytes a parameter), as dsforge ships it but at 8 sequences a step to fit the command.
@@ -412,6 +434,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "peers": ("peers",),
     "compile-fp8": ("compile-fp8",),
     "fp8-loss": ("fp8-loss",),
+    "documents": ("documents",),
 }
 
 
