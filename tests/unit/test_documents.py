@@ -111,6 +111,17 @@ def test_plan_names_the_kernel_and_how_flops_count(tmp_path):
     assert build_plan(resolved, device="cuda")["implementations"]["documents"]["kernel"] == "flex"
 
 
+def test_mfu_says_how_it_counts_attention_when_documents_are_masked():
+    from dsforge.runtime.loop.metrics import format_summary
+
+    summary = {"steps": 12, "final_loss": 2.0, "measured_steps": 10, "median_step_time_s": 1.0,
+               "median_tokens_per_s": 65536, "median_tokens_per_s_per_gpu": 65536,
+               "median_mfu": 0.41}
+    assert format_summary(summary).endswith("MFU 41.0%")
+    assert format_summary({**summary, "mfu_attention_flops": "the full seq x seq ..."}).endswith(
+        "MFU 41.0% (attention counted over whole sequences: an upper bound, documents masked)")
+
+
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> dict:
     return run_child("tests.unit.test_documents", tmp_path_factory.mktemp("documents"),

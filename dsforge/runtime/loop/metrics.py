@@ -153,6 +153,8 @@ class MetricsWriter:
 
 def format_summary(summary: dict) -> str:
     mfu_text = f"{summary['median_mfu']:.1%}" if summary["median_mfu"] is not None else "n/a"
+    if summary["median_mfu"] is not None and summary.get("mfu_attention_flops"):
+        mfu_text += " (attention counted over whole sequences: an upper bound, documents masked)"
     val = summary.get("final_val_loss")
     val_text = f", validation loss {val:.4f}" if val is not None else ""
     return (f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}{val_text}; median over "
