@@ -72,7 +72,10 @@ def _block_mask(documents: torch.Tensor):
     def same_document(b, h, q_index, kv_index):
         return (documents[b, q_index] == documents[b, kv_index]) & (q_index >= kv_index)
 
-    mask = create_block_mask(same_document, batch, None, seq, seq, device=documents.device)
+    # compiled on a GPU: eager, it evaluates the mask over the whole seq x seq grid (1 GiB a
+    # sequence at 32k) before reducing it to blocks
+    mask = create_block_mask(same_document, batch, None, seq, seq, device=documents.device,
+                             _compile=documents.is_cuda)
     for key in [key for key, (ref, _) in _BLOCK_MASKS.items() if ref() is None]:
         del _BLOCK_MASKS[key]  # the microbatches whose ids are gone
     _BLOCK_MASKS[id(documents)] = (weakref.ref(documents), mask)
