@@ -65,17 +65,16 @@ REFERENCE = {"dense": _case("parallel.dp=1"), "moe": _moe("parallel.dp=1", "para
              "moe_docs": _moe("parallel.dp=1", "parallel.ep=1", *DOCS)}
 
 WORLD2_DENSE = {
-    **{f"dp2_zero{s}": _case("parallel.dp=2", f"zero.stage={s}") for s in range(4)},
+    # (dp2_zero2, tp2_sp, pp2_vpp2_zero0 and cp2_zero0 run with documents masked: WORLD2_DOCS)
+    **{f"dp2_zero{s}": _case("parallel.dp=2", f"zero.stage={s}") for s in (0, 1, 3)},
     "tp2": _case("parallel.dp=1", "parallel.tp=2"),
-    "tp2_sp": _case("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true"),
     "tp2_full_ckpt": _case("parallel.dp=1", "parallel.tp=2", "train.activation_checkpointing=full"),
     "dp2_selective_ckpt": _case("parallel.dp=2", "train.activation_checkpointing=selective"),
     "dp2_zero2_offload": _case("parallel.dp=2", "zero.stage=2", "zero.offload_optimizer=cpu"),
     **{f"pp2_1f1b_zero{s}": _case("parallel.dp=1", "parallel.pp=2", f"zero.stage={s}") for s in (0, 1)},
-    **{f"pp2_vpp2_zero{s}": _case("parallel.dp=1", "parallel.pp=2", "parallel.vpp=2", f"zero.stage={s}")
-       for s in (0, 1)},
+    "pp2_vpp2_zero1": _case("parallel.dp=1", "parallel.pp=2", "parallel.vpp=2", "zero.stage=1"),
     # Context parallelism (Ulysses): each rank a zigzag half of every sequence.
-    **{f"cp2_zero{s}": _case("parallel.dp=1", "parallel.cp=2", f"zero.stage={s}") for s in (0, 3)},
+    "cp2_zero3": _case("parallel.dp=1", "parallel.cp=2", "zero.stage=3"),
 }
 # torch's fused AdamW (adam_impl auto's choice on GPUs; torch runs it on CPUs too) through
 # DeepSpeed at every ZeRO stage, and under the interleaved schedule.
@@ -92,16 +91,19 @@ WORLD2_NO_EVAL = {
                                     "zero.stage=1", evaluate=False),
 }
 WORLD2_FILE = {"dp2_file": _case("parallel.dp=2", data=[f"data.source={TEXT}"])}
-# Every layout kind with documents masked: ZeRO-3, tp with sequence parallelism, the
-# interleaved schedule, Ulysses (each rank attends over the whole sequence for its heads,
-# the document ids found before the sequence is sharded), and experts over ep 2.
-WORLD2_DOCS = {"docs_dp2_zero3": _case("parallel.dp=2", "zero.stage=3", *DOCS),
+# Every layout kind with documents masked, each in the place of a plain layout whose siblings
+# cover the plain path: ZeRO-2, tp with sequence parallelism, the interleaved schedule,
+# Ulysses (each rank attends over the whole sequence for its heads, the document ids found
+# before the sequence is sharded), dp x cp (the counted tokens summed over both), and
+# experts over ep 2 beside cp 2.
+WORLD2_DOCS = {"docs_dp2_zero2": _case("parallel.dp=2", "zero.stage=2", *DOCS),
                "docs_tp2_sp": _case("parallel.dp=1", "parallel.tp=2",
                                     "parallel.sequence_parallel=true", *DOCS),
-               "docs_pp2_vpp2_zero1": _case("parallel.dp=1", "parallel.pp=2", "parallel.vpp=2",
-                                            "zero.stage=1", *DOCS),
-               "docs_cp2_zero1": _case("parallel.dp=1", "parallel.cp=2", "zero.stage=1", *DOCS)}
-WORLD2_MOE_DOCS = {"docs_moe_ep2": _moe("parallel.dp=2", "parallel.ep=2", *DOCS)}
+               "docs_pp2_vpp2_zero0": _case("parallel.dp=1", "parallel.pp=2", "parallel.vpp=2",
+                                            "zero.stage=0", *DOCS),
+               "docs_cp2_zero0": _case("parallel.dp=1", "parallel.cp=2", "zero.stage=0", *DOCS)}
+WORLD2_MOE_DOCS = {"docs_moe_cp2_ep2": _moe("parallel.dp=1", "parallel.ep=2", "parallel.cp=2",
+                                            *DOCS)}
 WORLD4_DOCS = {"docs_dp2_cp2_zero2": _case("parallel.dp=2", "parallel.cp=2", "zero.stage=2",
                                            *DOCS)}
 WORLD2_MOE = {
@@ -112,8 +114,8 @@ WORLD2_MOE = {
     # Context parallelism: the router counts tokens over tp x cp, each rank's aux loss is its
     # share of the sequence's, and the shares' gradients add over cp.
     "moe_cp2": _moe("parallel.dp=1", "parallel.ep=1", "parallel.cp=2"),
-    # Megatron's expert grid takes ep out of dp x cp: here out of cp alone.
-    "moe_cp2_ep2": _moe("parallel.dp=1", "parallel.ep=2", "parallel.cp=2"),
+    # Megatron's expert grid takes ep out of dp x cp: here out of cp alone, with documents
+    # masked (WORLD2_MOE_DOCS, docs_moe_cp2_ep2).
 }
 # Grouped experts (runtime/assemble/grouped_moe.py): at ep 1 behind dsforge's on-device dispatch,
 # at ep 2 (or etp 2) behind Megatron's all-to-all dispatcher; ZeRO-3 gathers them as one leaf.
@@ -152,7 +154,7 @@ WORLD4_DENSE = {
         "train.activation_checkpointing=full", "zero.offload_optimizer=cpu"),
     # Context parallelism beside replicas: gradients reduce over dp x cp; with full
     # recomputation the all-to-alls run again in the backward.
-    "dp2_cp2_zero2": _case("parallel.dp=2", "parallel.cp=2", "zero.stage=2"),
+    # (dp2_cp2_zero2 runs with documents masked: WORLD4_DOCS)
     "dp2_cp2_zero1_full_ckpt": _case("parallel.dp=2", "parallel.cp=2", "zero.stage=1",
                                      "train.activation_checkpointing=full"),
     # Context parallelism under Megatron's schedules: each stage sends its shard's activations
