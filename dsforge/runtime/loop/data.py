@@ -17,6 +17,11 @@ samples every time, so successive validation losses are comparable.
   is reshuffled every epoch.
 Nothing scans a corpus at start-up: the recipe's validation checks token ids from the
 dataset's record or a sample of the file, and every microbatch is checked as it is made.
+
+With packed documents (data.document_masking, reset_position_ids, eod_mask_loss) a microbatch
+also carries its sequences' document ids, their reset positions and the loss mask
+(dsforge/data/documents.py), found before the sequence is cut into context-parallel shards;
+`weigh_loss` makes a masked loss the mean over the global batch's counted tokens.
 """
 
 from __future__ import annotations
