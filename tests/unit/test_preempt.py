@@ -388,6 +388,17 @@ def test_a_stop_signal_started_ignored_stays_ignored():
         signal.signal(signal.SIGHUP, before)
 
 
+@pytest.fixture
+def ctrl_c_handled():
+    """Ctrl-C as an interactive dsforge gets it: a suite started as a shell's background job
+    inherits SIGINT ignored, which dsforge keeps ignored (test_a_stop_signal_started_ignored_
+    stays_ignored), and the test's SIGINTs would then be lost."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.usefixtures("ctrl_c_handled")
 def test_a_signal_while_the_job_is_stopped_ends_it_at_once(tmp_path, capsys):
     """Ctrl-C, then Ctrl-C again while the group gets its 10 s to exit: the second one does not
     wait for them (nor kills dsforge, which still says how the job ended)."""
