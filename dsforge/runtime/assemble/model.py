@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from dsforge.translate.kernels import NO_DOCUMENTS, Documents
 from dsforge.runtime.assemble.documents import rotary_from_position_ids
 from dsforge.runtime.assemble.layers import RMSNorm, SDPAttention, UlyssesAttention
 from dsforge.runtime.assemble.vocab import masked_vocab_gpt_model
+from dsforge.translate.kernels import NO_DOCUMENTS, Documents
 
 
 def layer_spec(num_experts: int | None, kernels: str = "torch", sdpa_backend: str = "auto",
