@@ -96,6 +96,19 @@ def test_the_host_drill_names_a_host():
     assert parse_fault("exit:1:3") == ("exit", 1, 3)
 
 
+def _attempt(run_dir: RunDir, outcomes: list, note):
+    """A fake attempt: `note()` when it runs, then a failure record of the next of `outcomes`
+    (rank, kind) and exit code 1, or 0 when none is left."""
+    def go():
+        note()
+        if not outcomes:
+            return 0
+        rank, kind = outcomes.pop(0)
+        failure.write(run_dir, Failure(rank=rank, step=3, kind=kind, message=f"{kind} here"))
+        return 1
+    return go
+
+
 def _restarted(tmp_path, outcomes, prepare_fails=()):
     """run_with_restarts over a pool, fake attempts failing on `outcomes` (rank, kind), and a
     prepare whose preflight fails the hosts of `prepare_fails` (once each)."""
@@ -103,14 +116,7 @@ def _restarted(tmp_path, outcomes, prepare_fails=()):
     pool, outcomes, failing = _pool(), list(outcomes), list(prepare_fails)
 
     def start(job):
-        def go():
-            jobs.append((job, pool.hostfile.hosts))
-            if not outcomes:
-                return 0
-            rank, kind = outcomes.pop(0)
-            failure.write(run_dir, Failure(rank=rank, step=3, kind=kind, message=f"{kind} here"))
-            return 1
-        return go
+        return _attempt(run_dir, outcomes, lambda: jobs.append((job, pool.hostfile.hosts)))
 
     def prepare(job):
         down = [h for h in failing if h in pool.hostfile.hostnames]
@@ -259,14 +265,7 @@ def _slurm_restarted(tmp_path, monkeypatch, *, nodes: int, spare: int, outcomes,
     run_dir = RunDir(tmp_path)
 
     def attempt(how):
-        def go():
-            started.append(how)
-            if not outcomes:
-                return 0
-            rank, kind = outcomes.pop(0)
-            failure.write(run_dir, Failure(rank=rank, step=3, kind=kind, message=f"{kind} here"))
-            return 1
-        return go
+        return _attempt(run_dir, outcomes, lambda: started.append(how))
 
     job = JobSpec(recipe_yaml="", run_dir=str(run_dir), started_at=1000.0)
     code = run_with_restarts(job, attempt(starts.first(job)), max_restarts=3,
