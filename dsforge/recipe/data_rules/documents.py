@@ -58,8 +58,9 @@ def documents(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
 
 def eod_id(recipe: Recipe) -> int | Problem:
     """The data's end-of-document id: data.eod_id, else the datasets' record; a Problem
-    (D17) when neither names one, or they disagree. The ranks read it here too
-    (runtime/loop/data.py), so the rule and the run agree."""
+    (D17) when neither names one, or they disagree. The ranks take the same, data.eod_id
+    else the first dataset's record (runtime/loop/data.py open_sources), which this rule
+    has checked agree."""
     d, kind = recipe.data, data_kind(recipe.data)
     recorded = sorted({ds.info.identity.eod_id for ds in (opened_datasets(recipe) or ())
                        if ds.info is not None and ds.info.identity is not None})
