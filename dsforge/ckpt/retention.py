@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from dsforge.ckpt.format import COMPLETE
-from dsforge.ckpt.trust import CheckpointError, read_latest, read_marker, tag_for
+from dsforge.ckpt.trust import CheckpointError, newest_published, read_marker, tag_for
 
 _TAG = re.compile(r"step[0-9]{8}")
 
@@ -46,7 +46,7 @@ def to_delete(root: Path, keep_last: int) -> list[str]:
     if keep_last <= 0:
         return []
     try:
-        latest = read_latest(root)
+        latest = newest_published(root)
         latest_step = read_marker(root, latest)["step"] if latest else None
     except (CheckpointError, OSError):
         return []  # latest unreadable: delete nothing

@@ -85,8 +85,31 @@ def listing(directory: Path) -> dict[str, int]:
 def latest_complete(root: Path) -> dict[str, Any] | None:
     """The completion record of the newest published checkpoint, or None when nothing was
     published (reads `latest` and JSON only; CheckpointError when either is unusable)."""
-    tag = read_latest(root)
+    tag = newest_published(root)
     return None if tag is None else read_marker(root, tag)
+
+
+def newest_published(root: Path) -> str | None:
+    """The tag of the checkpoint a resume takes: the one `latest` names, or a newer one whose
+    publish was cut short. Rank 0 publishes a save by writing its completion marker and then
+    `latest` (runtime/checkpoint/save_load.publish); killed between the two, the save is
+    complete and `latest` still names the one before. Such a marker was written after
+    `latest` was. A `latest` written by hand to go back to an earlier checkpoint is newer than
+    every marker, so going back still works."""
+    tag = read_latest(root)
+    pointer = root / LATEST
+    since = pointer.stat().st_mtime_ns if tag is not None else -1
+    step = int(tag[len("step"):]) if tag is not None else -1
+    for entry in sorted(root.iterdir(), reverse=True) if root.is_dir() else ():
+        if not _TAG.fullmatch(entry.name.encode()) or int(entry.name[len("step"):]) <= step:
+            continue
+        try:
+            if (entry / COMPLETE).lstat().st_mtime_ns > since:
+                read_marker(root, entry.name)
+                return entry.name
+        except (CheckpointError, OSError):
+            continue  # a save that never finished, or a marker not to trust: not published
+    return tag
 
 
 def read_latest(root: Path) -> str | None:

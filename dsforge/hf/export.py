@@ -30,7 +30,7 @@ import click
 import torch
 
 from dsforge.ckpt.format import COMPLETE, LATEST
-from dsforge.ckpt.trust import CheckpointError, check_complete, read_latest, read_marker
+from dsforge.ckpt.trust import CheckpointError, check_complete, newest_published, read_marker
 from dsforge.files import fsync_directory, write_atomic
 from dsforge.hf.config import TORCH_DTYPES, export_problems, generation_config, hf_config
 from dsforge.hf.names import architecture, global_shapes, model_config, pieces, to_hf
@@ -194,7 +194,7 @@ def _find_checkpoint(source: Path) -> tuple[Path, dict[str, Any]]:
     else:
         checkpoints = RunDir(source).checkpoints
         root = checkpoints if checkpoints.is_dir() else source
-        tag = read_latest(root)
+        tag = newest_published(root)
         if tag is None:
             raise ExportRefused([Problem(
                 rule="EX5", fields={"checkpoint": str(source)},

@@ -178,6 +178,33 @@ def test_nothing_published_is_none(tmp_path):
     assert latest_complete(tmp_path / "checkpoints") is None
 
 
+def _written_at(path: Path, seconds: int) -> None:
+    os.utime(path, ns=(seconds * 10**9, seconds * 10**9))
+
+
+def test_a_publish_cut_between_the_marker_and_latest_is_published(tmp_path):
+    """Rank 0 killed after step 6's marker and before `latest` (save_load.publish): the resume
+    takes step 6, which is complete, not step 3 that `latest` still names. A `latest` written
+    later by hand to go back to step 3 is obeyed; a newer save that never finished, or whose
+    marker is not whole JSON, is not published."""
+    root = fake_checkpoint(tmp_path, step=3)
+    fake_checkpoint(tmp_path, step=6)
+    marker = root / "step00000006" / "dsforge_complete.json"
+    (root / "latest").write_text("step00000003")
+    _written_at(root / "latest", 100)
+    _written_at(marker, 200)
+    assert latest_complete(root)["step"] == 6 and trust.read_latest(root) == "step00000003"
+    assert check_resumable(RunDir(tmp_path), {**RECIPE, "train": {"steps": 9}}, 2)["step"] == 6
+    _written_at(root / "latest", 300)  # going back by hand, after step 6 was saved
+    assert latest_complete(root)["step"] == 3
+    _written_at(root / "latest", 100)
+    marker.write_text('{"step": 6, "tag": ')  # cut short: not a marker to trust
+    _written_at(marker, 200)
+    assert latest_complete(root)["step"] == 3
+    marker.unlink()  # the save of step 6 never finished
+    assert latest_complete(root)["step"] == 3
+
+
 @pytest.mark.parametrize("damage", ["missing", "truncated", "empty"])
 def test_a_missing_or_truncated_optimizer_shard_is_found_before_any_rank_starts(tmp_path, damage):
     root = fake_checkpoint(tmp_path)
