@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from dsforge.data.errors import DataError
 from dsforge.files import write_atomic
@@ -72,6 +72,23 @@ def mismatches(recorded: TokenizerIdentity, current: TokenizerIdentity) -> list[
             found.append(f"{name}: dataset {getattr(recorded, name)!r}, "
                          f"tokenizer {getattr(current, name)!r}")
     return found
+
+
+def recorded_eods(identities: Iterable[TokenizerIdentity | None]) -> list[int]:
+    """The end-of-document ids the datasets' records name (datasets without one name none)."""
+    return sorted({identity.eod_id for identity in identities if identity is not None})
+
+
+def end_of_document(eod_id: int | None,
+                    identities: Iterable[TokenizerIdentity | None]) -> int | None:
+    """The id packed documents end with (data.document_masking): data.eod_id when set, else
+    the one id the datasets' records name; None when they name none, or several. Rule D17
+    (recipe/data_rules/documents.py) refuses those before any rank starts, and a data.eod_id
+    the records contradict; the ranks take what this returns."""
+    if eod_id is not None:
+        return eod_id
+    recorded = recorded_eods(identities)
+    return recorded[0] if len(recorded) == 1 else None
 
 
 def record_path(prefix: str | Path) -> Path:

@@ -303,12 +303,24 @@ def _microbatches_in_flight(layout: Layout, rank: int) -> float:
 
 
 def estimate_memory(*, model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layout: Layout,
-                    fused_attention: bool = True, fused_loss: bool = False) -> MemoryEstimate:
+                    fused_attention: bool = True, fused_loss: bool = False,
+                    document_mask: bool = False) -> MemoryEstimate:
     """Peak bytes per GPU on the most loaded pipeline rank. `fused_loss`: the ranks run
-    Liger's fused linear cross-entropy (translate/kernels.py fused_loss says when)."""
-    per_rank = [_rank_memory(model, train, zero, layout, rank, fused_attention, fused_loss)
-                for rank in range(layout.pp)]
+    Liger's fused linear cross-entropy (translate/kernels.py fused_loss says when);
+    `document_mask`: they mask packed documents with SDPA's dense mask (document_mask_bytes)."""
+    per_rank = [_rank_memory(model, train, zero, layout, rank, fused_attention, fused_loss,
+                             document_mask) for rank in range(layout.pp)]
     return max(per_rank, key=lambda est: est.total)
+
+
+def document_mask_bytes(train: TrainConfig, layout: Layout, rank: int) -> float:
+    """data.document_masking through SDPA's dense mask (translate/kernels.py
+    document_attention): one [micro_batch, 1, seq, seq] mask in the attention's dtype for each
+    microbatch in flight, shared by its layers (runtime/assemble/documents.py). Ulysses gives
+    each rank whole sequences, so cp does not divide it."""
+    element = 4 if train.precision == "fp32" else 2
+    in_flight = math.ceil(_microbatches_in_flight(layout, rank))
+    return float(layout.micro_batch * train.seq_len ** 2 * element * in_flight)
 
 
 def float8_buffer_bytes(model: ModelConfig, train: TrainConfig, layout: Layout) -> float:
@@ -326,7 +338,8 @@ def float8_buffer_bytes(model: ModelConfig, train: TrainConfig, layout: Layout) 
 
 
 def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layout: Layout,
-                 rank: int, fused_attention: bool, fused_loss: bool) -> MemoryEstimate:
+                 rank: int, fused_attention: bool, fused_loss: bool,
+                 document_mask: bool) -> MemoryEstimate:
     psi = stage_params(model, layout, rank)
     ratio = zero.offload_ratio if zero.offload_optimizer == "cpu" else 0.0
     kw = dict(stage=zero.stage, precision=train.precision, offload_optimizer_ratio=ratio,
@@ -338,7 +351,8 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
     return MemoryEstimate(
         params=dense.params + expert.params, grads=dense.grads + expert.grads,
         optimizer=dense.optimizer + expert.optimizer,
-        activations=activation_bytes(model, train, layout, rank, fused_attention, fused_loss),
+        activations=activation_bytes(model, train, layout, rank, fused_attention, fused_loss)
+        + (document_mask_bytes(train, layout, rank) if document_mask else 0.0),
         buffers=buffers, bucket=bucket,
         step_grads=dense.step_grads + expert.step_grads,
         step_buffers=_step_buffers(dense, expert, zero.stage),

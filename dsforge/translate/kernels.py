@@ -71,16 +71,19 @@ class Documents:
 NO_DOCUMENTS = Documents()
 
 
-def document_attention(data: DataConfig, *, device: str) -> KernelChoice | None:
+def document_attention(data: DataConfig, *, device: str, sdpa_backend: str) -> KernelChoice | None:
     """The kernel of attention within documents (data.document_masking), and why; None when
-    the documents are not masked."""
+    the documents are not masked. `sdpa_backend` (model.sdpa_backend) other than auto asks
+    for torch's SDPA, which then takes the dense mask (rule D17 refuses the kernels that take
+    none)."""
     if not data.document_masking:
         return None
-    if device == "cuda":
+    if device == "cuda" and sdpa_backend == "auto":
         return KernelChoice("flex", "a GPU: flex attention's block mask skips the blocks no "
                                     "document reaches, its cost follows the documents' lengths")
-    return KernelChoice("sdpa-mask", "CPU ranks: torch's SDPA with the dense document mask "
-                                     "(flex attention has no backward on the CPU); the whole "
+    why = (f"model.sdpa_backend: {sdpa_backend} asks for torch's SDPA" if device == "cuda" else
+           "CPU ranks: flex attention has no backward on the CPU")
+    return KernelChoice("sdpa-mask", f"{why}: the dense document mask through SDPA, the whole "
                                      "causal attention's cost")
 
 
@@ -92,20 +95,20 @@ DOCUMENT_FLOPS = ("the full seq x seq score matrix of each sequence, as without 
                   "upper bound)")
 
 
-def documents_summary(data: DataConfig, *, device: str) -> dict:
+def documents_summary(data: DataConfig, *, device: str, sdpa_backend: str) -> dict:
     """What plan and manifest say of packed documents ({} when none of the options is on)."""
     if not data.documents:
         return {}
     said = {"masking": data.document_masking, "reset_position_ids": data.reset_position_ids,
             "eod_mask_loss": data.eod_mask_loss}
-    choice = document_attention(data, device=device)
+    choice = document_attention(data, device=device, sdpa_backend=sdpa_backend)
     if choice is not None:
         said |= {"kernel": choice.impl, "kernel_why": choice.why, "attention_flops": DOCUMENT_FLOPS}
     return {"documents": said}
 
 
-def documents_for(data: DataConfig, *, device: str) -> Documents:
-    choice = document_attention(data, device=device)
+def documents_for(data: DataConfig, *, device: str, sdpa_backend: str) -> Documents:
+    choice = document_attention(data, device=device, sdpa_backend=sdpa_backend)
     return Documents(kernel=choice.impl if choice else "sdpa-mask",
                      position_ids=data.reset_position_ids, per_token_loss=data.eod_mask_loss)
 
@@ -125,9 +128,11 @@ def predicted_memory(resolved: Resolved, device: str) -> MemoryEstimate:
     """The memory model's estimate for the resolved recipe's ranks on `device`, with the loss
     their kernels compute (fused_loss): the one way every command asks it."""
     r, lay = resolved.recipe, resolved.layout
+    documents = document_attention(r.data, device=device, sdpa_backend=r.model.sdpa_backend)
     return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=lay,
                            fused_loss=fused_loss(r.model, tp=lay.tp, device=device,
-                                                 per_token_loss=r.data.eod_mask_loss))
+                                                 per_token_loss=r.data.eod_mask_loss),
+                           document_mask=documents is not None and documents.impl == "sdpa-mask")
 
 
 def device_problems(model: ModelConfig, *, device: str, precision: str,
@@ -136,12 +141,13 @@ def device_problems(model: ModelConfig, *, device: str, precision: str,
     if device == "cuda":
         problems = [] if model.kernels != "liger" or liger_available else [_liger_missing()]
         if document_masking and model.compile == "layers":
-            # the flex kernel's block mask is made per microbatch from Python (a cache by the
-            # ids tensor): inside a compiled layer that breaks the graph at every layer
+            # the mask (flex's block mask, or SDPA's dense one) is made once per microbatch
+            # from Python (a cache by the ids tensor): inside a compiled layer that breaks
+            # the graph at every layer
             problems.append(Problem(
                 rule="K1", fields={"data.document_masking": True, "model.compile": "layers"},
-                message="documents are masked by flex attention on GPU ranks, whose block mask "
-                        "dsforge makes outside torch.compile; compiled layers would break their "
+                message="documents are masked on GPU ranks by a mask dsforge makes once per "
+                        "microbatch outside torch.compile; compiled layers would break their "
                         "graph on it (not built yet)",
                 fix="set model.compile: none with data.document_masking (flex attention is "
                     "compiled on its own)"))

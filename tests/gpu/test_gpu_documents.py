@@ -34,3 +34,28 @@ def test_flex_equals_the_dense_mask_forward_and_backward(dtype, tolerance):
     assert (out - reference).abs().max().item() < tolerance
     for got, ref in zip(flex_grads, ref_grads):
         assert (got - ref).abs().max().item() < tolerance * 10
+
+
+def test_a_new_microbatch_reuses_the_compiled_kernels_and_frees_its_mask():
+    """Each microbatch's block mask is made (compiled create_block_mask) and used (compiled
+    flex attention) without compiling again, and goes with the microbatch's ids."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 2048, 64, device="cuda", dtype=torch.bfloat16)
+
+    def microbatch():
+        inputs = torch.randint(1, 100, (1, 2048), device="cuda")
+        inputs[:, torch.randint(0, 2048, (9,))] = 0
+        ids = document_ids(inputs, 0)
+        documents.flex(q, q, q, ids, scale=None, enable_gqa=False)
+
+    microbatch()
+    before, masks = dict(counters["stats"]), len(documents._MASKS)
+    for _ in range(3):
+        microbatch()
+    gc.collect()
+    assert counters["stats"].get("unique_graphs") == before.get("unique_graphs")
+    assert len(documents._MASKS) == masks

@@ -82,8 +82,27 @@ def test_documents_need_an_eod_and_a_kernel_that_takes_a_mask(tmp_path):
     # a dataset's record names its EOD (the bytes tokenizer's 256), and a different one is refused
     tempest = [f"data.source={REPO / 'data' / 'tempest'}", "model.vocab_size=257"]
     resolve_file(TINY, [*on, *tempest])
-    assert "the dataset's record names end-of-document id 256" in \
+    assert "the datasets' records name end-of-document id 256" in \
         rules(*tempest, "data.eod_id=3")[0][1]
+
+
+def test_a_blend_takes_the_eod_one_of_its_datasets_records(tmp_path):
+    """A dataset without a record (Megatron-LM's tools) first in a blend: the rule and the
+    ranks (runtime/loop/data.py) both take the other's record, through one function."""
+    import shutil
+
+    from dsforge.data.identity import end_of_document
+    from dsforge.data.indexed import inspect_dataset
+
+    for suffix in (".bin", ".idx"):
+        shutil.copy(REPO / "data" / f"tempest{suffix}", tmp_path / f"bare{suffix}")
+    parts = [tmp_path / "bare", REPO / "data" / "tempest"]
+    blend = ("data.source=[" + ", ".join(f"{{path: {p}, weight: 0.5}}" for p in parts) + "]")
+    resolve_file(TINY, ["data.document_masking=true", blend, "model.vocab_size=257"])
+    identities = [inspect_dataset(str(p)).identity for p in parts]
+    assert identities[0] is None and end_of_document(None, identities) == 256
+    assert end_of_document(None, identities[:1]) is None
+    assert end_of_document(7, identities) == 7
 
 
 def test_compiled_layers_with_flex_on_gpus_are_refused():
@@ -109,6 +128,42 @@ def test_plan_names_the_kernel_and_how_flops_count(tmp_path):
     assert said["kernel"] == "sdpa-mask" and "full seq x seq score matrix" in said["attention_flops"]
     assert "packed documents: attention within each, sdpa-mask" in render_plan(plan)
     assert build_plan(resolved, device="cuda")["implementations"]["documents"]["kernel"] == "flex"
+
+
+def test_a_gpu_takes_the_sdpa_backend_asked_for_and_the_memory_model_counts_the_dense_mask():
+    from dsforge.translate.kernels import document_attention, predicted_memory
+
+    resolved = resolve_file(TINY, ["data.document_masking=true", "data.eod_mask_loss=true",
+                                   f"data.source={REPO / 'data' / 'tempest'}",
+                                   "model.vocab_size=257"])
+    data = resolved.recipe.data
+    assert document_attention(data, device="cuda", sdpa_backend="auto").impl == "flex"
+    chosen = document_attention(data, device="cuda", sdpa_backend="efficient")
+    assert chosen.impl == "sdpa-mask" and "model.sdpa_backend: efficient" in chosen.why
+    # CPU ranks keep one fp32 [micro_batch, 1, seq, seq] mask; flex's block mask is small
+    layout, seq = resolved.layout, resolved.recipe.train.seq_len
+    extra = (predicted_memory(resolved, "cpu").activations
+             - predicted_memory(resolved, "cuda").activations)
+    assert extra == layout.micro_batch * seq * seq * 4
+
+
+def test_masks_are_made_once_per_microbatch_and_go_with_it():
+    """Every layer gets the same mask for one tensor of ids; the mask goes when the ids go
+    (a mask that held its ids would keep both for ever)."""
+    import gc
+
+    from dsforge.runtime.assemble import documents as attention
+
+    before = len(attention._MASKS)
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]])
+    bias = attention._dense_bias(ids, torch.float32)
+    assert attention._dense_bias(ids, torch.float32) is bias
+    assert torch.equal(bias == 0, attention.dense_mask(ids))
+    assert attention._block_mask(ids) is attention._block_mask(ids)
+    assert len(attention._MASKS) == before + 2
+    del ids, bias
+    gc.collect()
+    assert len(attention._MASKS) == before
 
 
 def test_mfu_says_how_it_counts_attention_when_documents_are_masked():

@@ -51,30 +51,36 @@ def documents(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
         yield Problem(rule="D17", fields={"data.document_masking": True,
                                           "model.sdpa_backend": recipe.model.sdpa_backend},
                       message=f"the {recipe.model.sdpa_backend} kernel takes no attention "
-                              "mask, and document masking needs one",
+                              "mask on GPU ranks, and document masking needs one",
                       fix="set model.sdpa_backend: auto (dsforge then picks flex attention on "
                           "a GPU), efficient or math")
 
 
 def eod_id(recipe: Recipe) -> int | Problem:
-    """The data's end-of-document id: data.eod_id, else the datasets' record; a Problem
-    (D17) when neither names one, or they disagree. The ranks take the same, data.eod_id
-    else the first dataset's record (runtime/loop/data.py open_sources), which this rule
-    has checked agree."""
+    """The data's end-of-document id (data/identity.py `end_of_document`, which the ranks
+    take too): data.eod_id, else the one id the datasets' records name; a Problem (D17) when
+    neither names one, or they disagree."""
+    from dsforge.data.identity import end_of_document, recorded_eods
+
     d, kind = recipe.data, data_kind(recipe.data)
-    recorded = sorted({ds.info.identity.eod_id for ds in (opened_datasets(recipe) or ())
-                       if ds.info is not None and ds.info.identity is not None})
-    if d.eod_id is not None:
-        if recorded and recorded != [d.eod_id]:
-            return Problem(rule="D17", fields={"data.eod_id": d.eod_id, "data.source": str(d.source)},
-                           message=f"the dataset's record names end-of-document id "
-                                   f"{recorded[0]}", fix="leave data.eod_id out (the record's "
-                                                         "is used), or correct it")
-        return d.eod_id
-    if len(recorded) == 1:
-        return recorded[0]
-    what = "a flat token file records no end-of-document id" if kind != "dataset" else \
-        "the dataset has no record (PREFIX.tokenizer.json) naming its end-of-document id"
-    return Problem(rule="D17", fields={**_asked(recipe), "data.source": str(d.source)},
-                   message=what, fix="set data.eod_id to the id the documents end with "
-                                     "(dsforge data inspect shows a dataset's record)")
+    identities = [ds.info.identity for ds in (opened_datasets(recipe) or ()) if ds.info is not None]
+    recorded = recorded_eods(identities)
+    source = {"data.source": str(d.source)}
+    if d.eod_id is not None and recorded and recorded != [d.eod_id]:
+        return Problem(rule="D17", fields={"data.eod_id": d.eod_id, **source},
+                       message=f"the datasets' records name end-of-document id "
+                               f"{', '.join(map(str, recorded))}",
+                       fix="leave data.eod_id out (the record's is used), or correct it")
+    eod = end_of_document(d.eod_id, identities)
+    if eod is not None:
+        return eod
+    if len(recorded) > 1:
+        what = (f"the datasets' records name different end-of-document ids "
+                f"({', '.join(map(str, recorded))}): they were made with different tokenizers")
+        fix = "blend datasets prepared with one tokenizer"
+    else:
+        what = "a flat token file records no end-of-document id" if kind != "dataset" else \
+            "the dataset has no record (PREFIX.tokenizer.json) naming its end-of-document id"
+        fix = "set data.eod_id to the id the documents end with (dsforge data inspect shows " \
+              "a dataset's record)"
+    return Problem(rule="D17", fields={**_asked(recipe), **source}, message=what, fix=fix)

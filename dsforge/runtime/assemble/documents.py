@@ -6,9 +6,9 @@ reach every layer's core attention as Megatron's `attention_mask` argument, whic
 passes through its layers (and their recompute) untouched. A query attends to a key when both
 are in the same document and the key is not after it. Two kernels (translate/kernels.py
 `document_attention` chooses, with the reason, for plan and manifest):
-- "sdpa-mask": torch's scaled_dot_product_attention with the dense boolean mask, [batch, 1,
-  seq, seq]: exact on any device, its cost the whole causal attention's (and seq^2 bytes of
-  mask);
+- "sdpa-mask": torch's scaled_dot_product_attention with the dense mask, [batch, 1, seq,
+  seq] in the attention's dtype, made once per microbatch and shared by the layers: exact on
+  any device, its cost the whole causal attention's (and seq^2 elements of mask);
 - "flex": flex attention with a block mask made from the ids once per microbatch: blocks no
   document reaches are skipped, so its cost follows the documents' lengths. Compiled (GPUs).
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +39,12 @@ def dense_mask(documents: torch.Tensor) -> torch.Tensor:
 
 def masked_sdpa(q, k, v, documents: torch.Tensor, *, scale, dropout_p: float,
                 enable_gqa: bool) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(documents), scale=scale,
-                                          dropout_p=dropout_p, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_dense_bias(documents, q.dtype),
+                                          scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)
 
 
 def flex(q, k, v, documents: torch.Tensor, *, scale, enable_gqa: bool) -> torch.Tensor:
-    """Flex attention over the block mask of `documents` (made once per ids tensor: every
-    layer, and the backward's recompute, get the same tensor)."""
+    """Flex attention over the block mask of `documents`."""
     from torch.nn.attention.flex_attention import flex_attention
 
     attend = _compiled(flex_attention) if q.device.type == "cuda" else flex_attention
@@ -58,28 +57,48 @@ def _compiled(function):
     return torch.compile(function, dynamic=False)
 
 
-_BLOCK_MASKS: dict[int, tuple[Any, Any]] = {}  # id(ids) -> (weak reference to ids, mask)
+# Each mask is made once per microbatch: every layer, and the backward's recompute, get the
+# same tensor of ids. (id(ids), what) -> (weak reference to the ids, the mask); an entry goes
+# with its ids. A mask must not hold the ids tensor itself, or neither would ever go.
+_MASKS: dict[tuple[int, Any], tuple[weakref.ref, Any]] = {}
+
+
+def _per_microbatch(documents: torch.Tensor, what: Any, make: Callable[[], Any]) -> Any:
+    key = (id(documents), what)
+    found = _MASKS.get(key)
+    if found is not None and found[0]() is documents:
+        return found[1]
+    mask = make()
+    _MASKS[key] = (weakref.ref(documents, lambda _: _MASKS.pop(key, None)), mask)
+    return mask
+
+
+def _dense_bias(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dense mask as SDPA's additive mask in the attention's dtype: SDPA takes it as it is,
+    so the layers share one [batch, 1, seq, seq] tensor (a boolean one each layer's SDPA
+    would convert, and keep the copy for its backward)."""
+    def make() -> torch.Tensor:
+        allowed = dense_mask(documents)
+        return torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(
+            ~allowed, float("-inf"))
+    return _per_microbatch(documents, dtype, make)
 
 
 def _block_mask(documents: torch.Tensor):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    found = _BLOCK_MASKS.get(id(documents))
-    if found is not None and found[0]() is documents:
-        return found[1]
-    batch, seq = documents.shape
+    def make():
+        ids = documents.detach().clone()  # the mask keeps its own copy (see _MASKS)
 
-    def same_document(b, h, q_index, kv_index):
-        return (documents[b, q_index] == documents[b, kv_index]) & (q_index >= kv_index)
+        def same_document(b, h, q_index, kv_index):
+            return (ids[b, q_index] == ids[b, kv_index]) & (q_index >= kv_index)
 
-    # compiled on a GPU: eager, it evaluates the mask over the whole seq x seq grid (1 GiB a
-    # sequence at 32k) before reducing it to blocks
-    mask = create_block_mask(same_document, batch, None, seq, seq, device=documents.device,
-                             _compile=documents.is_cuda)
-    for key in [key for key, (ref, _) in _BLOCK_MASKS.items() if ref() is None]:
-        del _BLOCK_MASKS[key]  # the microbatches whose ids are gone
-    _BLOCK_MASKS[id(documents)] = (weakref.ref(documents), mask)
-    return mask
+        # compiled on a GPU: eager, it evaluates the mask over the whole seq x seq grid (1 GiB
+        # a sequence at 32k) before reducing it to blocks
+        batch, seq = ids.shape
+        return create_block_mask(same_document, batch, None, seq, seq, device=ids.device,
+                                 _compile=ids.is_cuda)
+    return _per_microbatch(documents, "flex", make)
 
 
 def rotary_from_position_ids(model_class: type) -> type:

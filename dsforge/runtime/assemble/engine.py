@@ -106,7 +106,8 @@ def build_model(resolved: Resolved, *, device: torch.device, backend: str, timeo
     chunks = build_model_chunks(config, gpt_kwargs, device, vocab_size=recipe.model.vocab_size,
                                 kernels=kernels.impl, sdpa_backend=recipe.model.sdpa_backend,
                                 experts=experts.impl if experts else "sequential",
-                                documents=documents_for(recipe.data, device=device.type))
+                                documents=documents_for(recipe.data, device=device.type,
+                                                        sdpa_backend=recipe.model.sdpa_backend))
     startup.mark("model")
     if recipe.model.init_from:
         init_from_hugging_face(chunks, folder=recipe.model.init_from, model=recipe.model,

@@ -164,6 +164,7 @@ def _token_file_sources(resolved: Resolved, evaluate: bool) -> Sources:
 
 def _indexed_sources(resolved: Resolved, evaluate: bool) -> Sources:
     from dsforge.data.cache import default_cache_dir
+    from dsforge.data.identity import end_of_document
     from dsforge.data.indexed import inspect_dataset
     from dsforge.data.samples import MegatronSamples, build_splits
 
@@ -186,7 +187,7 @@ def _indexed_sources(resolved: Resolved, evaluate: bool) -> Sources:
             + (f", {len(splits.validation):,} validation samples" if evaluate else "")
             + f"; indices {'built' if splits.built else 'read from the cache'} in "
               f"{splits.seconds:.1f} s ({cache})")
-    eod = data.eod_id if data.eod_id is not None else (identity.eod_id if identity else None)
+    eod = end_of_document(data.eod_id, [inspect_dataset(path).identity for path, _ in parts])
     return Sources(MegatronSamples(splits.train, what="training samples"), validation, note,
                    eod=eod)
 

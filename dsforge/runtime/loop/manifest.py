@@ -108,7 +108,8 @@ def run_manifest(resolved, *, device: torch.device, optimizer, kernels, experts,
     used = implementations(optimizer, kernels=kernels.impl, kernels_why=kernels.why,
                            sdpa_backend=model.sdpa_backend, experts=experts,
                            compiled=compiled_with(model.compile), fp8=resolved.recipe.train.fp8)
-    used |= documents_summary(resolved.recipe.data, device=device.type)
+    used |= documents_summary(resolved.recipe.data, device=device.type,
+                              sdpa_backend=resolved.recipe.model.sdpa_backend)
     manifest = environment_manifest(device, asdict(resolved.layout), used)
     if resumed is not None:
         manifest["resumed"] = resumed
