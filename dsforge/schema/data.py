@@ -71,6 +71,10 @@ class DataConfig:
             c.problems.append(split)
         c.require(self.eod_id is None or self.eod_id >= 0, "D17", {"data.eod_id": self.eod_id},
                   "a token id is >= 0", "write the tokenizer's end-of-document id")
+        c.require(self.eod_id is None or self.documents, "D17", {"data.eod_id": self.eod_id},
+                  "names where documents end for the document options, and none of them is "
+                  "on: it would change nothing", "set data.document_masking: true (or "
+                  "eod_mask_loss), or leave data.eod_id out")
         c.require(not self.reset_position_ids or self.document_masking, "D17",
                   {"data.reset_position_ids": True, "data.document_masking": False},
                   "positions restarting at each document while attention still reaches the "

@@ -79,6 +79,8 @@ def test_documents_need_an_eod_and_a_kernel_that_takes_a_mask(tmp_path):
     assert found[0][0] == "D17" and "the flash kernel takes no attention mask" in found[0][1]
     assert "outside the model's vocabulary" in rules(f"data.source={tokens}", "data.eod_id=999")[0][1]
     resolve_file(TINY, [*on, f"data.source={tokens}", "data.eod_id=0"])
+    with pytest.raises(RecipeError, match="data.eod_id.*none of them is on: it would change"):
+        resolve_file(TINY, [f"data.source={tokens}", "data.eod_id=0"])
     # a dataset's record names its EOD (the bytes tokenizer's 256), and a different one is refused
     tempest = [f"data.source={REPO / 'data' / 'tempest'}", "model.vocab_size=257"]
     resolve_file(TINY, [*on, *tempest])
