@@ -101,7 +101,7 @@ def newest_published(root: Path) -> str | None:
     since = pointer.stat().st_mtime_ns if tag is not None else -1
     step = int(tag[len("step"):]) if tag is not None else -1
     for entry in sorted(root.iterdir(), reverse=True) if root.is_dir() else ():
-        if not _TAG.fullmatch(entry.name.encode()) or int(entry.name[len("step"):]) <= step:
+        if not _TAG.fullmatch(os.fsencode(entry.name)) or int(entry.name[len("step"):]) <= step:
             continue
         try:
             if (entry / COMPLETE).lstat().st_mtime_ns > since:
