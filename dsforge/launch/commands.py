@@ -89,10 +89,18 @@ def remote_shell_problems(placement: Placement, *, cwd: str, python: str) -> lis
 
 
 def launch_command(placement: Placement, job: JobSpec) -> list[str]:
-    """`python -m deepspeed.launcher.runner ... --module dsforge.runtime.rank --job WORD`."""
+    """The command that starts the job's ranks: on this machine dsforge's own launcher
+    (`python -m dsforge.launch.node --nproc N ...`, launch/node.py); over a hostfile DeepSpeed's
+    runner (`python -m deepspeed.launcher.runner --hostfile H ...`); each then runs
+    `-m dsforge.runtime.rank --job WORD` as every rank."""
+    if placement.hostfile is None:
+        address = ["--master_addr", placement.master_addr] if placement.master_addr else []
+        return [sys.executable, "-u", "-m", "dsforge.launch.node", "--nproc",
+                str(placement.world_size), *address, "--master_port", str(placement.master_port),
+                "--module", "dsforge.runtime.rank", "--job", job.encode()]
     # dsforge's preflight has checked every host; DeepSpeed's own check tries only the first
     # one, with plain ssh options.
-    checked = ["--no_ssh_check"] if placement.hostfile and placement.node_rank is None else []
+    checked = ["--no_ssh_check"] if placement.node_rank is None else []
     return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *placement_flags(placement, checked),
             "--module", "dsforge.runtime.rank", "--job", job.encode()]
 

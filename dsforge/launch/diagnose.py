@@ -65,7 +65,7 @@ def failure_report(run_dir: RunDir, code: int) -> str:
 
 def _silent_lines(silent: dict[int, str], run_dir: RunDir, codes: list[int]) -> list[str]:
     beats = read_all(run_dir)
-    seen = f"; DeepSpeed's launcher saw {', '.join(describe_code(c) for c in codes)}" if codes else ""
+    seen = f"; the launcher saw {', '.join(describe_code(c) for c in codes)}" if codes else ""
     lines = [f"  ranks that stopped without reporting an error (killed or stopped from outside?{seen}):"]
     for rank, where in sorted(silent.items())[:16]:
         host, _, pid = where.partition(" ")

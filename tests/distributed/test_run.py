@@ -59,7 +59,7 @@ def test_run_trains_and_writes_metrics(tmp_path):
     assert "[INFO]" not in result.stderr and "--job" not in result.stderr
     assert f"engine logs in {run_dir / 'job.log'}" in result.stderr
     log = (run_dir / "job.log").read_text()
-    assert "[INFO]" in log and "--job" in log
+    assert "[WARNING]" in log and "rank 1 started (pid" in log and "--job" in log
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["versions"]["deepspeed"] and manifest["layout"]["dp"] == 2
     assert "dp: 2" in (run_dir / "recipe.yaml").read_text()
@@ -86,7 +86,7 @@ def test_dry_run_prints_commands_and_starts_nothing(tmp_path):
     result = dsforge("run", TINY, "--run-dir", str(run_dir), "--dry-run")
     assert result.returncode == 0
     runner, _, plain = result.stdout.strip().splitlines()
-    assert "deepspeed.launcher.runner --num_gpus 2" in runner and "--job " in runner
+    assert "dsforge.launch.node --nproc 2" in runner and "--job " in runner
     assert plain.startswith("deepspeed --num_gpus 2") and f"run {TINY} --run-dir {run_dir}" in plain
     assert not run_dir.exists()
 

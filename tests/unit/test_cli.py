@@ -224,7 +224,7 @@ def test_dry_run_prints_the_launchers_command_and_the_plain_deepspeed_one(tmp_pa
                  "--master-port", "29555", "--step-timeout", "7", "--set", "train.steps=3")
     assert result.exit_code == 0, result.output
     launcher, comment, plain = result.output.splitlines()
-    assert "-m deepspeed.launcher.runner --num_gpus 2 --master_port 29555" in launcher
+    assert "-m dsforge.launch.node --nproc 2 --master_port 29555" in launcher
     assert comment == "# the same job as a plain deepspeed command:"
     assert plain.startswith("deepspeed --num_gpus 2 --master_port 29555 --module dsforge run")
     job = _job_word(launcher)

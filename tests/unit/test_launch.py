@@ -43,8 +43,8 @@ def test_runner_env_drops_unsafe_values_deepspeed_would_export_unquoted():
 def test_launch_commands():
     job = JobSpec(recipe_yaml="x", run_dir="/r")
     local = launch_command(Placement(world_size=4, master_port=1234), job)
-    assert local[3:9] == ["deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", "1234",
-                          "--module"]
+    assert local[3:11] == ["dsforge.launch.node", "--nproc", "4", "--master_port", "1234",
+                           "--module", "dsforge.runtime.rank", "--job"]
     multi = launch_command(Placement(world_size=16, hostfile="h", include="a@b", master_addr="10.0.0.1",
                                      master_port=5), job)
     assert ["--hostfile", "h", "--launcher", "pdsh", "--include", "a@b", "--no_ssh_check",
