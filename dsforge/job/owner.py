@@ -1,12 +1,12 @@
 """A job's processes end when the `dsforge` that started them is gone, however it went.
 
 `dsforge run` stops its job on Ctrl-C, SIGTERM, SIGHUP and timeouts by signalling the job's
-process group. A SIGKILLed dsforge can do nothing, and DeepSpeed's runner, its launcher and
-pdsh would keep the job going without it. Two watchers end it instead, neither of which needs
+process group. A SIGKILLed dsforge can do nothing, and the launcher (dsforge's, or DeepSpeed's
+runner, its launcher and pdsh) would keep the job going without it. Two watchers end it instead, neither of which needs
 a write to succeed first (the stderr a message would go to is the pipe only the dead dsforge
 read: a print there raises BrokenPipeError):
 
-- On dsforge's host, the keeper (launch/keeper.py) between dsforge and DeepSpeed's runner: the
+- On dsforge's host, the keeper (launch/keeper.py) between dsforge and the launcher: the
   kernel signals it the moment its parent dies (`die_with_parent`), and it kills the job's
   process group at once, whatever stage the job is at (starting, training, saving).
 - Every rank's supervisor (runtime/guard/supervise.py, a small process that never imports

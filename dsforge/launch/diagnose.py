@@ -5,8 +5,8 @@ Sources, most specific first (read once, job/who_failed.py): the ranks' failure 
 by their supervisors, the first failure before the peers that then lost or waited for them);
 the ranks that went silent (started, neither finished nor recorded a failure): ended from
 outside without a word, the usual cause when their peers then fail on a broken connection;
-DeepSpeed's launcher's own exit line for the code it saw (a negative code is the signal that
-ended a rank); and each rank's last heartbeat. A failure the record explains (a
+the launcher's own exit line for the code it saw (dsforge's on one machine, DeepSpeed's on a
+hostfile's hosts; a negative code is the signal that ended a rank); and each rank's last heartbeat. A failure the record explains (a
 build's cause and fix; an out-of-memory's measured peak, set against the memory model's
 prediction and the changes predicted to fit) is one line, its traceback left in the job log;
 any other shows the end of its traceback.
@@ -29,8 +29,9 @@ from dsforge.recipe import Resolved, resolve_file
 from dsforge.translate.kernels import fused_loss
 from dsforge.units import format_bytes
 
-# deepspeed/launcher/launch.py (0.19.8) logs "<cmd> exits with return code = N" for the first
-# rank it saw fail (its <cmd> is the last rank's command, so only N is trusted here).
+# Both launchers log "... exits with return code = N" for the first rank they saw fail:
+# dsforge's (launch/node.py) and deepspeed/launcher/launch.py (0.19.8), whose line names the
+# last rank's command, so only N is trusted here.
 _LAUNCHER_EXIT = re.compile(r"exits with return code = (-?\d+)")
 
 

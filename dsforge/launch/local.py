@@ -1,11 +1,12 @@
-"""Start a job's ranks on this machine through DeepSpeed's launcher, and always end them.
+"""Run a job's launcher (dsforge's on this machine, launch/node.py; DeepSpeed's runner over a
+hostfile; srun), and always end its ranks.
 
 The launcher runs in a new session (its own process group), so every rank it spawns can be
 ended by signalling the group: on Ctrl-C or SIGHUP, on a wall-clock timeout, when a stop
-request's grace runs out, or when dsforge exits. A SIGKILLed dsforge cannot do it: DeepSpeed's
-runner runs under a keeper that the kernel tells of dsforge's death and that then kills the
+request's grace runs out, or when dsforge exits. A SIGKILLed dsforge cannot do it: the
+launcher runs under a keeper that the kernel tells of dsforge's death and that then kills the
 group (launch/keeper.py), and the ranks' supervisors watch for it too (job/owner.py).
-DeepSpeed's launcher itself ends all ranks when one of them fails.
+The launcher itself ends all ranks when one of them fails.
 
 SIGTERM and SIGUSR1 (a scheduler's preemption, a time limit's warning) ask the ranks to save a
 checkpoint and stop (runtime/guard/preempt.py): dsforge passes the signal to each rank of this host

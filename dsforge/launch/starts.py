@@ -1,6 +1,7 @@
 """How `dsforge run` starts the ranks of each attempt (launch/entry.py runs them, with
-restarts): one srun inside a Slurm allocation (`SrunStarts`), or DeepSpeed's launcher on this
-machine, over a hostfile, or on one node with --no-ssh (`DeepSpeedStarts`); each makes the
+restarts): one srun inside a Slurm allocation (`SrunStarts`), or dsforge's launcher on this
+machine (launch/node.py) and DeepSpeed's over a hostfile or on one node with --no-ssh
+(`DeepSpeedStarts`); each makes the
 command line, and over a hostfile or in an allocation checks the hosts first and leaves out
 those the restarts left out (launch/host_pool.py). `--dry-run` prints what they would start.
 """
@@ -117,7 +118,8 @@ def fewer_hosts(resolved: Resolved, hostfile: Hostfile, say: Say) -> Resolved:
 
 
 class DeepSpeedStarts:
-    """DeepSpeed's launcher: this machine, a hostfile's hosts, or with --no-ssh this node. A
+    """This machine (dsforge's launcher), or DeepSpeed's: a hostfile's hosts, or with --no-ssh
+    this node. A
     restart starts the hosts again, on a new port unless --master-port gave one, after the
     hosts' preflight (pdsh, openmpi, mvapich) passes again; over a hostfile, without the hosts
     the restarts left out (`pool`, launch/host_pool.py), whose spares DeepSpeed gets a

@@ -117,8 +117,8 @@ def run_rank(job: JobSpec) -> None:
         os._exit(1)
     from dsforge.runtime.loop.bad_steps import Halted  # loaded by _train
 
-    # Exit 0 when the ranks stopped together: a non-zero code would make DeepSpeed's launcher
-    # SIGTERM this node's ranks; `dsforge run` gives the job's exit code.
+    # Exit 0 when the ranks stopped together: a non-zero code would make the launcher SIGTERM
+    # this node's ranks; `dsforge run` gives the job's exit code.
     if isinstance(stopped, Halted):
         console.halted(rank, stopped.step, stopped.what)
     elif stopped is not None:

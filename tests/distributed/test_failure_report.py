@@ -1,5 +1,5 @@
 """What `dsforge run` says when a rank dies building an op or runs out of memory, end to end
-through DeepSpeed's launcher: one line with the cause and the fix, the traceback only in the
+through its launcher: one line with the cause and the fix, the traceback only in the
 job log (job/failure.py, runtime/guard/build_failure.py, launch/diagnose.py)."""
 
 from __future__ import annotations

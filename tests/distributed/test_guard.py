@@ -15,7 +15,7 @@ save stops the run without that checkpoint (ZeRO-3's partitions); a finished run
 a larger train.steps, its losses equal to one run of the longer total when train.lr_decay_steps
 keeps the schedule, and with the schedule's rates of the new total when it does not.
 
-Through `dsforge run` and DeepSpeed's launcher: the issue's run (train.lr 1e30) exits 65 with the
+Through `dsforge run` and its launcher: the issue's run (train.lr 1e30) exits 65 with the
 report and leaves nothing running; a finished run continued with --resume says what changed.
 """
 

@@ -14,7 +14,7 @@ The other periodic saves are written in the background. Its losses and validatio
 the straight run's bitwise; both keep their newest two complete checkpoints (train.keep_last:
 2).
 
-Through `dsforge run` and DeepSpeed's launcher: SIGTERM to dsforge while a rank saves reaches
+Through `dsforge run` and its launcher: SIGTERM to dsforge while a rank saves reaches
 the ranks by pid, the save completes, the job exits 75 and says so; a second SIGTERM stops a
 job at once, with no half checkpoint as latest and nothing left running.
 """

@@ -1,4 +1,4 @@
-"""`dsforge run --max-restarts N` through DeepSpeed's launcher on 2 CPU ranks: a rank SIGKILLed
+"""`dsforge run --max-restarts N` through its launcher on 2 CPU ranks: a rank SIGKILLed
 mid-run comes back and the run ends 0 with the uninterrupted run's losses; a second loss with
 the budget used up ends with that failure's report and a summary that keeps both; an exception
 is not retried; nothing of any attempt is left running. (The policy itself: tests/unit/test_restart.py.)"""

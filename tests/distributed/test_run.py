@@ -1,5 +1,6 @@
-"""`dsforge run` end to end through DeepSpeed's launcher: a job trains, a failing or hung rank
-ends the whole job with a non-zero exit code, Ctrl-C stops every rank, nothing is left behind."""
+"""`dsforge run` end to end through its launcher (launch/node.py): a job trains, a failing or
+hung rank ends the whole job with a non-zero exit code, Ctrl-C stops every rank, nothing is
+left behind."""
 
 from __future__ import annotations
 

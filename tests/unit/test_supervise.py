@@ -39,7 +39,7 @@ run_supervised(rank, run_dir=RunDir(sys.argv[1]), rank=7)
     ("recorded", 1, True),
     ("SIGKILL", -signal.SIGKILL, True),
     ("SIGSEGV", -signal.SIGSEGV, True),
-    ("SIGTERM", -signal.SIGTERM, False),  # DeepSpeed's launcher stopping the node's ranks
+    ("SIGTERM", -signal.SIGTERM, False),  # the launcher stopping the node's ranks
 ])
 def test_supervisor_ends_like_its_rank(tmp_path, how, code, recorded):
     run_dir = RunDir(tmp_path)
@@ -114,7 +114,7 @@ def _hangs(run_dir: RunDir, ranks):
 
 @pytest.mark.parametrize("end", ["launcher SIGTERM", "SIGKILL"])
 def test_a_stopped_rank_is_the_first_failure_not_the_peers_that_waited(tmp_path, end):
-    """`end`: DeepSpeed's launcher SIGTERMs the rank and its supervisor (the supervisor ends
+    """`end`: the launcher SIGTERMs the rank and its supervisor (the supervisor ends
     the stopped rank); or the stopped rank gets SIGKILL (Slurm's end of a task)."""
     from dsforge.launch.diagnose import failure_report
 

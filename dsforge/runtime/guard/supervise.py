@@ -1,7 +1,7 @@
 """Each rank process is two: a small supervisor and the rank it forks.
 
-Only a process's parent learns how it ended. DeepSpeed's launcher is the rank's parent and
-logs one exit code for the whole node, so a rank killed from outside (SIGKILL, the kernel's
+Only a process's parent learns how it ended. The launcher (dsforge's or DeepSpeed's) is the
+rank's parent and logs one exit code for the whole node, so a rank killed from outside (SIGKILL, the kernel's
 out-of-memory killer, a segfault in a kernel) would die without a word while its peers report
 "connection reset". The supervisor forks before torch is imported (cheap: no threads, no
 engines), waits for the rank, and records how it ended when the rank wrote no failure record
@@ -35,7 +35,7 @@ from dsforge.job.run_dir import RunDir
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 STOP_REQUESTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 # Signals that end a rank as a failure of its own. SIGINT, SIGTERM and SIGHUP are requests to
-# stop: DeepSpeed's launcher sends SIGTERM to every rank of a node once one of them failed,
+# stop: the launcher sends SIGTERM to every rank of a node once one of them failed,
 # and dsforge stops jobs with them; recording those would hide the rank that failed first.
 FAILURES = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE,
             signal.SIGILL)
