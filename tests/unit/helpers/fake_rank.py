@@ -1,0 +1,25 @@
+"""A rank program for the launcher's tests (tests/unit/test_node_launcher.py): writes what it
+was given to OUT/rankN.json, then exits with CODE if it is rank FAIL, else sleeps SLEEP s.
+
+python -m tests.unit.helpers.fake_rank --local_rank=N OUT FAIL CODE SLEEP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
+         "MASTER_ADDR", "MASTER_PORT")
+
+if __name__ == "__main__":
+    local_rank, out, fail, code, sleep = sys.argv[1:6]
+    rank = int(os.environ["RANK"])
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(
+        {"argv": local_rank, "pid": os.getpid(), **{n: os.environ.get(n) for n in NAMES}}))
+    if rank == int(fail):
+        sys.exit(int(code))
+    time.sleep(float(sleep))
