@@ -39,23 +39,31 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     print(f"dsforge launcher: starting {args.nproc} rank{'s' if args.nproc > 1 else ''} "
           f"(--master_addr={args.master_addr} --master_port={args.master_port})", flush=True)
-    ranks = [_start(rank, args) for rank in range(args.nproc)]
+    ranks: list[subprocess.Popen] = []
 
     def end_all(signum: int, _frame) -> None:
+        _ignore_stops()  # a second signal must not cut the ending short
         _terminate(ranks)
         sys.exit(1)
 
+    # before the first rank starts: a signal while they start ends the ones started
     signal.signal(signal.SIGINT, end_all)
     signal.signal(signal.SIGTERM, end_all)
+    for rank in range(args.nproc):
+        ranks.append(_start(rank, args))
     failed = _wait(ranks)
     if failed is not None:
         rank, proc = failed
         print(f"dsforge launcher: rank {rank} (pid {proc.pid}) exits with return code = "
               f"{proc.returncode}; ending the other ranks", flush=True)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # already ending them
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _ignore_stops()
         _terminate(ranks)
         sys.exit(proc.returncode)
+
+
+def _ignore_stops() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

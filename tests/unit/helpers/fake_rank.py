@@ -1,5 +1,6 @@
 """A rank program for the launcher's tests (tests/unit/test_node_launcher.py): writes what it
-was given to OUT/rankN.json, then exits with CODE if it is rank FAIL, else sleeps SLEEP s.
+was given to OUT/rankN.json, then exits with CODE if it is rank FAIL (once every rank has
+written its file), else sleeps SLEEP s.
 
 python -m tests.unit.helpers.fake_rank --local_rank=N OUT FAIL CODE SLEEP
 """
@@ -20,6 +21,10 @@ if __name__ == "__main__":
     rank = int(os.environ["RANK"])
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(
         {"argv": local_rank, "pid": os.getpid(), **{n: os.environ.get(n) for n in NAMES}}))
-    if rank == int(fail):
+    if rank == int(fail):  # once every rank has written its file
+        deadline = time.monotonic() + 30
+        while (len(list(Path(out).glob("rank*.json"))) < int(os.environ["WORLD_SIZE"])
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
         sys.exit(int(code))
     time.sleep(float(sleep))
