@@ -1,7 +1,8 @@
 """dsforge's own overhead per training step: `dsforge run` against a hand-written script.
 
-Both train the same tiny model with the same layout through the same DeepSpeed launcher
-(benchmarks/overhead/handwritten.py is the hand-written side). Runs alternate (A B, B A, ...)
+Both train the same tiny model with the same layout, `dsforge run` through its launcher and
+the hand-written side (benchmarks/overhead/handwritten.py) through DeepSpeed's; how the ranks
+start is outside the figure compared (below). Runs alternate (A B, B A, ...)
 in one invocation so drift in the machine's speed hits both sides alike. The figure compared
 is the loop period: the time between the ends of consecutive steps, so everything dsforge does
 per step (data, metrics, heartbeat, watchdog, progress bar) is inside it.
