@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from dsforge.ckpt.format import COMPLETE
-from dsforge.ckpt.trust import CheckpointError, newest_published, read_marker, tag_for
+from dsforge.ckpt.trust import CheckpointError, read_latest, read_marker, tag_for
 
 _TAG = re.compile(r"step[0-9]{8}")
 
@@ -42,11 +42,12 @@ def complete_checkpoints(root: Path) -> dict[int, str]:
 def to_delete(root: Path, keep_last: int) -> list[str]:
     """The tags pruning would delete (oldest first): complete checkpoints older than the one
     `latest` names, beyond the newest keep_last (which count `latest`). None when keep_last is
-    0 or nothing is published."""
+    0 or nothing is published. By `latest` itself: a newer save whose publish was cut short
+    (trust.newest_published, which a resume takes) is newer still, and never deleted."""
     if keep_last <= 0:
         return []
     try:
-        latest = newest_published(root)
+        latest = read_latest(root)
         latest_step = read_marker(root, latest)["step"] if latest else None
     except (CheckpointError, OSError):
         return []  # latest unreadable: delete nothing
