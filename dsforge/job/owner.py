@@ -2,9 +2,9 @@
 
 `dsforge run` stops its job on Ctrl-C, SIGTERM, SIGHUP and timeouts by signalling the job's
 process group. A SIGKILLed dsforge can do nothing, and the launcher (dsforge's, or DeepSpeed's
-runner, its launcher and pdsh) would keep the job going without it. Two watchers end it instead, neither of which needs
-a write to succeed first (the stderr a message would go to is the pipe only the dead dsforge
-read: a print there raises BrokenPipeError):
+runner, its launcher and pdsh) would keep the job going without it. Two watchers end it
+instead, neither of which needs a write to succeed first (the stderr a message would go to is
+the pipe only the dead dsforge read: a print there raises BrokenPipeError):
 
 - On dsforge's host, the keeper (launch/keeper.py) between dsforge and the launcher: the
   kernel signals it the moment its parent dies (`die_with_parent`), and it kills the job's

@@ -4,12 +4,12 @@ Sources, most specific first (read once, job/who_failed.py): the ranks' failure 
 (job/failure.py: exception, build, oom, hang, with tracebacks; killed or stopped from outside,
 by their supervisors, the first failure before the peers that then lost or waited for them);
 the ranks that went silent (started, neither finished nor recorded a failure): ended from
-outside without a word, the usual cause when their peers then fail on a broken connection;
-the launcher's own exit line for the code it saw (dsforge's on one machine, DeepSpeed's on a
-hostfile's hosts; a negative code is the signal that ended a rank); and each rank's last heartbeat. A failure the record explains (a
-build's cause and fix; an out-of-memory's measured peak, set against the memory model's
-prediction and the changes predicted to fit) is one line, its traceback left in the job log;
-any other shows the end of its traceback.
+outside without a word, the usual cause when their peers then fail on a broken connection; the
+launcher's own exit line for the code it saw (dsforge's on one machine, DeepSpeed's on a
+hostfile's hosts; a negative code is the signal that ended a rank); and each rank's last
+heartbeat. A failure the record explains (a build's cause and fix; an out-of-memory's measured
+peak, set against the memory model's prediction and the changes predicted to fit) is one line,
+its traceback left in the job log; any other shows the end of its traceback.
 """
 
 from __future__ import annotations

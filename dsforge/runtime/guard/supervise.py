@@ -1,19 +1,20 @@
 """Each rank process is two: a small supervisor and the rank it forks.
 
 Only a process's parent learns how it ended. The launcher (dsforge's or DeepSpeed's) is the
-rank's parent and logs one exit code for the whole node, so a rank killed from outside (SIGKILL, the kernel's
-out-of-memory killer, a segfault in a kernel) would die without a word while its peers report
-"connection reset". The supervisor forks before torch is imported (cheap: no threads, no
-engines), waits for the rank, and records how it ended when the rank wrote no failure record
-of its own (job/failure.py): kind "killed" for a signal, "exited" for an error code, "stopped"
-when it was stopped from outside and never continued, stamped with the moment it stopped (its
-peers then waited for it until their watchdogs gave up). It ends the same way, so the launcher
-sees the same exit status. Signals sent to it (SIGINT, SIGHUP; SIGTERM and SIGUSR1,
-which ask the rank to save a checkpoint and stop, runtime/guard/preempt.py; SIGUSR2 for stacks) are
-passed on, so whoever signals the process it started reaches the rank; the rank dies with its
-supervisor (PR_SET_PDEATHSIG). Under srun they are not passed on: Slurm signals every process
-of a task (srun's forwarding and `scancel --signal` go through its process tracking), so the
-rank has them already, and a second stop request would end it at once.
+rank's parent and logs one exit code for the whole node, so a rank killed from outside
+(SIGKILL, the kernel's out-of-memory killer, a segfault in a kernel) would die without a word
+while its peers report "connection reset". The supervisor forks before torch is imported
+(cheap: no threads, no engines), waits for the rank, and records how it ended when the rank
+wrote no failure record of its own (job/failure.py): kind "killed" for a signal, "exited" for
+an error code, "stopped" when it was stopped from outside and never continued, stamped with the
+moment it stopped (its peers then waited for it until their watchdogs gave up). It ends the
+same way, so the launcher sees the same exit status. Signals sent to it (SIGINT, SIGHUP;
+SIGTERM and SIGUSR1, which ask the rank to save a checkpoint and stop,
+runtime/guard/preempt.py; SIGUSR2 for stacks) are passed on, so whoever signals the process it
+started reaches the rank; the rank dies with its supervisor (PR_SET_PDEATHSIG). Under srun they
+are not passed on: Slurm signals every process of a task (srun's forwarding and `scancel
+--signal` go through its process tracking), so the rank has them already, and a second stop
+request would end it at once.
 
 The supervisor also watches the job's owner (job/owner.py): it never imports torch and only
 waits, so it notices a dead `dsforge run` even while its rank is stopped, or blocked in a
