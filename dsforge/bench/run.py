@@ -1,6 +1,6 @@
 """Run a study: validate every cell, run the valid ones as jobs, record every outcome.
 
-Each cell and repeat is its own `dsforge` job (DeepSpeed's launcher, its own process group,
+Each cell and repeat is its own `dsforge` job (the launcher of launch/, its own process group,
 reaped afterwards) with a wall-clock timeout. Outcomes: ok, oom, timeout, crashed (read from
 the exit code and the ranks' failure records), or rejected (never started: an invalid recipe,
 or, for a study on this machine, a job that does not fit it, as `dsforge run` would refuse it).
@@ -56,8 +56,8 @@ from dsforge.recipe.tiny import tiny_resolved
 from dsforge.translate.kernels import predicted_memory
 
 # Exit codes of a launcher whose rank the kernel killed (SIGKILL, usually its OOM killer):
-# the signal as Python reports it, as a shell does (128 + 9), and as DeepSpeed's launcher
-# does (sys.exit(-9), i.e. -9 & 0xff).
+# the signal as Python reports it, as a shell does (128 + 9), and as the launchers do
+# (sys.exit(-9), i.e. -9 & 0xff: dsforge's, launch/node.py, and DeepSpeed's).
 _KILLED = (-9, 137, 247)
 # run_job's codes when dsforge itself was stopped: SIGHUP, Ctrl-C (SIGINT), SIGTERM.
 STOPPED = (129, 130, 143)

@@ -25,6 +25,7 @@ from dsforge.problems import Problem
 from dsforge.recipe import Resolved
 from dsforge.recipe.loader import dump_recipe
 
+DEEPSPEED_RUNNER = "deepspeed.launcher.runner"  # the module over a hostfile's hosts
 # Prefixes DeepSpeed's runner exports itself (runner.EXPORT_ENVS + the CUDA accelerator's).
 DEEPSPEED_EXPORTS = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 _PLAIN = re.compile(r"^[A-Za-z0-9_./:=,+@%-]*$")
@@ -93,15 +94,14 @@ def launch_command(placement: Placement, job: JobSpec) -> list[str]:
     (`python -m dsforge.launch.node --nproc N ...`, launch/node.py); over a hostfile DeepSpeed's
     runner (`python -m deepspeed.launcher.runner --hostfile H ...`); each then runs
     `-m dsforge.runtime.rank --job WORD` as every rank."""
-    if placement.hostfile is None:
-        address = ["--master_addr", placement.master_addr] if placement.master_addr else []
+    if placement.hostfile is None:  # the ranks meet on 127.0.0.1, as DeepSpeed's runner has them
         return [sys.executable, "-u", "-m", "dsforge.launch.node", "--nproc",
-                str(placement.world_size), *address, "--master_port", str(placement.master_port),
+                str(placement.world_size), "--master_port", str(placement.master_port),
                 "--module", "dsforge.runtime.rank", "--job", job.encode()]
     # dsforge's preflight has checked every host; DeepSpeed's own check tries only the first
     # one, with plain ssh options.
     checked = ["--no_ssh_check"] if placement.node_rank is None else []
-    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *placement_flags(placement, checked),
+    return [sys.executable, "-u", "-m", DEEPSPEED_RUNNER, *placement_flags(placement, checked),
             "--module", "dsforge.runtime.rank", "--job", job.encode()]
 
 

@@ -2,11 +2,11 @@
 
 In order: every check before any rank starts (launch/checks.py: the recipe against its world,
 --tiny, the options, the Slurm allocation, the ranks' environment, this machine), own the run
-directory, encode the job word, make the command lines (a hostfile's hosts checked by
-preflight then), then print them (`--dry-run`) or start the ranks and watch them: DeepSpeed's
-launcher on this machine, over a hostfile, or on this node only (`--no-ssh`), or one srun in
-a Slurm allocation; after a lost rank, again with `--max-restarts` (launch/restart.py). The
-steps of a run are launch/start.py's. What stops the job raises Refused or BadOptions
+directory, encode the job word, make the command lines (a hostfile's hosts checked by preflight
+then), then print them (`--dry-run`) or start the ranks and watch them: dsforge's launcher on
+this machine, DeepSpeed's over a hostfile or on this node only (`--no-ssh`), or one srun in a
+Slurm allocation; after a lost rank, again with `--max-restarts` (launch/restart.py). The steps
+of a run are launch/start.py's. What stops the job raises Refused or BadOptions
 (launch/refusal.py); cli.py prints them.
 """
 

@@ -1,14 +1,15 @@
-"""The keeper: `python -m dsforge.launch.keeper PARENT COMMAND...` runs COMMAND (DeepSpeed's
-runner) for `dsforge run`, whose child it is, and ends the job the moment dsforge dies.
+"""The keeper: `python -m dsforge.launch.keeper PARENT COMMAND...` runs COMMAND (the launcher:
+dsforge's, launch/node.py, or DeepSpeed's runner) for `dsforge run`, whose child it is, and
+ends the job the moment dsforge dies.
 
-dsforge starts it in a new session, so the keeper leads the job's process group: the runner,
-DeepSpeed's launcher, pdsh and ssh, and this machine's ranks. The kernel sends the keeper
+dsforge starts it in a new session, so the keeper leads the job's process group: the launcher,
+DeepSpeed's per-node launcher, pdsh and ssh, and this machine's ranks. The kernel sends the keeper
 SIGHUP when its parent dies however it dies (PR_SET_PDEATHSIG, job/owner.py), and the keeper
 then kills the whole group, before any rank need have started and whatever state the ranks
 are in; ranks on other hosts see their ssh session close and end themselves (their
 supervisors' watch, job/owner.py). Signals dsforge sends the group (SIGINT, SIGTERM) are for
-the runner: the keeper waits for it and exits as it exited, so to dsforge the keeper is the
-runner. It writes nothing: its output is dsforge's pipe, which may have no reader.
+the launcher: the keeper waits for it and exits as it exited, so to dsforge the keeper is the
+launcher. It writes nothing: its output is dsforge's pipe, which may have no reader.
 """
 
 from __future__ import annotations

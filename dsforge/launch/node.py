@@ -15,7 +15,7 @@ ends). As DeepSpeed's launcher:
 Unlike it, it leaves CUDA_VISIBLE_DEVICES as the user set it (DeepSpeed's sets 0..N-1 over
 it): rank LOCAL_RANK takes the LOCAL_RANK-th visible GPU.
 
-Run as `python -m dsforge.launch.node --nproc N --master_addr A --master_port P --module
+Run as `python -m dsforge.launch.node --nproc N [--master_addr A] --master_port P --module
 PROGRAM ARGS...`; it imports nothing heavier than psutil.
 """
 
@@ -53,10 +53,10 @@ def main(argv: list[str] | None = None) -> None:
         ranks.append(_start(rank, args))
     failed = _wait(ranks)
     if failed is not None:
+        _ignore_stops()  # the failing rank's code is the exit code, whatever comes now
         rank, proc = failed
         print(f"dsforge launcher: rank {rank} (pid {proc.pid}) exits with return code = "
               f"{proc.returncode}; ending the other ranks", flush=True)
-        _ignore_stops()
         _terminate(ranks)
         sys.exit(proc.returncode)
 
@@ -89,6 +89,9 @@ def _start(rank: int, args: argparse.Namespace) -> subprocess.Popen:
            "WORLD_SIZE": str(args.nproc), "LOCAL_SIZE": str(args.nproc), "CROSS_RANK": "0",
            "CROSS_SIZE": "1", "MASTER_ADDR": args.master_addr,
            "MASTER_PORT": str(args.master_port)}
+    # what importing DeepSpeed set in its launcher, and so in every rank, before torch's first
+    # CUDA check (deepspeed/__init__.py)
+    env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     command = [sys.executable, "-u", "-m", args.module, f"--local_rank={rank}", *args.program_args]
     proc = subprocess.Popen(command, env=env)
     print(f"dsforge launcher: rank {rank} started (pid {proc.pid}): {shlex.join(command)}",
@@ -112,25 +115,20 @@ def _wait(ranks: list[subprocess.Popen]) -> tuple[int, subprocess.Popen] | None:
 
 
 def _terminate(ranks: list[subprocess.Popen]) -> None:
-    """SIGTERM to every rank and everything it started; SIGKILL to what is left after
-    TERM_GRACE_S."""
-    procs = []
-    for proc in ranks:
-        try:
-            parent = psutil.Process(proc.pid)
-            procs += [parent, *parent.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
+    """SIGTERM to every process this launcher started, ranks and what they started, found as
+    its descendants (a rank forked while a signal came, before its Popen returned, is one);
+    SIGKILL to what is left after TERM_GRACE_S."""
+    procs = psutil.Process().children(recursive=True)
     for proc in procs:
         try:
             proc.terminate()
-        except psutil.NoSuchProcess:
+        except psutil.Error:
             pass
     _, alive = psutil.wait_procs(procs, timeout=TERM_GRACE_S)
     for proc in alive:
         try:
             proc.kill()
-        except psutil.NoSuchProcess:
+        except psutil.Error:
             pass
     for proc in ranks:
         proc.poll()  # reap

@@ -15,7 +15,8 @@ from pathlib import Path
 from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir, set_aside
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.steps import step_text
-from dsforge.launch.commands import Placement, job_spec, launch_command, runner_env
+from dsforge.launch.commands import (DEEPSPEED_RUNNER, Placement, job_spec, launch_command,
+                                     runner_env)
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.local import STOP_GRACE_S, StopAsked, free_port, run_job
 from dsforge.launch.output import JobView
@@ -68,7 +69,8 @@ def launch_and_watch(command: list[str], run_dir: RunDir, ranks: int, *, timeout
     all stopped early with a checkpoint (a signal, train.time_limit) give EXIT_RESUMABLE.
     `srun`: the command is srun (launch/slurm.py), with `extra_env` for its tasks. `asked`
     notes a stop somebody asked for (launch/local.StopAsked)."""
-    env, dropped = runner_env(os.environ)
+    # only DeepSpeed's runner pastes variables into a shell (over a hostfile's hosts)
+    env, dropped = runner_env(os.environ) if DEEPSPEED_RUNNER in command else (dict(os.environ), [])
     env.update(extra_env or {})
     env[JOB_DIR_ENV] = str(run_dir.absolute())  # tags every local process of the job
     for name in dropped:

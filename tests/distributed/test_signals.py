@@ -83,11 +83,11 @@ def test_a_sigkilled_dsforge_still_takes_its_job_down(tmp_path, moment):
     run_dir = tmp_path / "run"
     proc = _start(run_dir)
     try:
-        if moment == "start-up":  # the runner started, no rank yet
+        if moment == "start-up":  # the launcher started, no rank yet
             _wait_for(lambda: job_processes(run_dir), proc)
         else:
             _wait_for_training(run_dir, proc)
-            assert len(job_processes(run_dir)) >= 3  # DeepSpeed's runner, its launcher, ranks
+            assert len(job_processes(run_dir)) >= 3  # the launcher and the ranks (and supervisors)
         if moment == "a rank stopped":
             os.kill(_rank_pid(run_dir, 1), signal.SIGSTOP)
         proc.kill()  # SIGKILL: dsforge can do nothing itself

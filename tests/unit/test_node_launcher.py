@@ -1,6 +1,6 @@
 """dsforge's launcher of one machine's ranks (dsforge/launch/node.py), with a rank program
 that starts in milliseconds: each rank's environment, a failing rank ending the others with
-its exit code, and SIGTERM ending them all."""
+its exit code (a signal's too), and SIGTERM or SIGINT ending them all."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from tests.conftest import REPO
 
@@ -50,18 +51,20 @@ def test_every_rank_gets_its_place_in_the_job(tmp_path):
     assert "--master_addr=127.0.0.1 --master_port=4321" in output
 
 
-def test_a_failing_rank_ends_the_others_and_gives_its_exit_code(tmp_path):
-    proc = _launch(tmp_path, fail=1, code=3, sleep=120)
+@pytest.mark.parametrize("code, exit_code", [(3, 3), (-9, 256 - 9)])  # -9: SIGKILLed
+def test_a_failing_rank_ends_the_others_and_gives_its_exit_code(tmp_path, code, exit_code):
+    proc = _launch(tmp_path, fail=1, code=code, sleep=120)
     output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 3, output
-    assert "rank 1 (pid" in output and "exits with return code = 3" in output
+    assert proc.returncode == exit_code, output
+    assert "rank 1 (pid" in output and f"exits with return code = {code}" in output
     assert not any(_alive(seen["pid"]) for seen in _ranks(tmp_path))
 
 
-def test_sigterm_ends_every_rank(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_every_rank(tmp_path, signum):
     proc = _launch(tmp_path, sleep=120)
     ranks = _ranks(tmp_path)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, output
     assert not any(_alive(seen["pid"]) for seen in ranks)

@@ -1,6 +1,6 @@
-"""A rank program for the launcher's tests (tests/unit/test_node_launcher.py): writes what it
-was given to OUT/rankN.json, then exits with CODE if it is rank FAIL (once every rank has
-written its file), else sleeps SLEEP s.
+"""A rank program for the launcher's tests (tests/unit/test_node_launcher.py): writes what it was
+given to OUT/rankN.json, then exits with CODE (killed by signal -CODE when negative) if it is
+rank FAIL (once every rank has written its file), else sleeps SLEEP s.
 
 python -m tests.unit.helpers.fake_rank --local_rank=N OUT FAIL CODE SLEEP
 """
@@ -26,5 +26,7 @@ if __name__ == "__main__":
         while (len(list(Path(out).glob("rank*.json"))) < int(os.environ["WORLD_SIZE"])
                and time.monotonic() < deadline):
             time.sleep(0.02)
+        if int(code) < 0:  # killed by that signal
+            os.kill(os.getpid(), -int(code))
         sys.exit(int(code))
     time.sleep(float(sleep))
