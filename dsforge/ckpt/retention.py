@@ -11,33 +11,13 @@ incomplete directory that no resume takes, not a damaged "complete" one.
 
 from __future__ import annotations
 
-import re
 import shutil
-import stat
 from pathlib import Path
 from typing import Callable
 
 from dsforge.ckpt.format import COMPLETE
-from dsforge.ckpt.trust import CheckpointError, read_latest, read_marker, tag_for
-
-_TAG = re.compile(r"step[0-9]{8}")
-
-
-def complete_checkpoints(root: Path) -> dict[int, str]:
-    """step -> tag of every directory under `root` that holds a readable completion marker
-    for its own name."""
-    found = {}
-    for entry in sorted(root.iterdir()) if root.is_dir() else ():
-        try:
-            if not _TAG.fullmatch(entry.name) or not stat.S_ISDIR(entry.lstat().st_mode):
-                continue
-            record = read_marker(root, entry.name)
-        except (CheckpointError, OSError):
-            continue
-        if tag_for(record["step"]) == entry.name:
-            found[record["step"]] = entry.name
-    return found
-
+from dsforge.ckpt.trust import (CheckpointError, complete_checkpoints, read_latest, read_marker,
+                                tag_for)
 
 def to_delete(root: Path, keep_last: int) -> list[str]:
     """The tags pruning would delete (oldest first): complete checkpoints older than the one

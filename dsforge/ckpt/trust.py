@@ -97,19 +97,31 @@ def newest_published(root: Path) -> str | None:
     `latest` was. A `latest` written by hand to go back to an earlier checkpoint is newer than
     every marker, so going back still works."""
     tag = read_latest(root)
-    pointer = root / LATEST
-    since = pointer.stat().st_mtime_ns if tag is not None else -1
+    since = (root / LATEST).stat().st_mtime_ns if tag is not None else -1
     step = int(tag[len("step"):]) if tag is not None else -1
-    for entry in sorted(root.iterdir(), reverse=True) if root.is_dir() else ():
-        if not _TAG.fullmatch(os.fsencode(entry.name)) or int(entry.name[len("step"):]) <= step:
-            continue
+    for newer, newer_tag in sorted(complete_checkpoints(root).items(), reverse=True):
         try:
-            if (entry / COMPLETE).lstat().st_mtime_ns > since:
-                read_marker(root, entry.name)
-                return entry.name
-        except (CheckpointError, OSError):
-            continue  # a save that never finished, or a marker not to trust: not published
+            if newer > step and (root / newer_tag / COMPLETE).stat().st_mtime_ns > since:
+                return newer_tag
+        except OSError:
+            continue
     return tag
+
+
+def complete_checkpoints(root: Path) -> dict[int, str]:
+    """step -> tag of every directory under `root` that holds a readable completion marker
+    for its own name, oldest first."""
+    found = {}
+    for entry in sorted(root.iterdir()) if root.is_dir() else ():
+        try:
+            if not _TAG.fullmatch(os.fsencode(entry.name)) or not stat.S_ISDIR(entry.lstat().st_mode):
+                continue
+            record = read_marker(root, entry.name)
+        except (CheckpointError, OSError):
+            continue
+        if tag_for(record["step"]) == entry.name:
+            found[record["step"]] = entry.name
+    return found
 
 
 def read_latest(root: Path) -> str | None:

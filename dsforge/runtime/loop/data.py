@@ -187,7 +187,9 @@ def _indexed_sources(resolved: Resolved, evaluate: bool) -> Sources:
             + (f", {len(splits.validation):,} validation samples" if evaluate else "")
             + f"; indices {'built' if splits.built else 'read from the cache'} in "
               f"{splits.seconds:.1f} s ({cache})")
-    eod = end_of_document(data.eod_id, [inspect_dataset(path).identity for path, _ in parts])
+    # the other datasets' records only where documents are looked for (the first one's is read)
+    others = [inspect_dataset(path).identity for path, _ in parts[1:]] if data.documents else []
+    eod = end_of_document(data.eod_id, [identity, *others]) if data.documents else None
     return Sources(MegatronSamples(splits.train, what="training samples"), validation, note,
                    eod=eod)
 
