@@ -29,7 +29,7 @@ from dsforge.job.word import JobSpec, check_names
 from dsforge.recipe import resolve_file
 from dsforge.runtime.assemble.build_locks import clear_stale_locks
 from dsforge.runtime.guard.drills import (FAULT_ENV, NumericDrill, StopDrill, host_down,
-                                          inject_fault, parse_fault, save_fault)
+                                          inject_fault, parse_fault, passing_fault, save_fault)
 from dsforge.runtime.guard.preempt import Stopped, StopRequest
 from dsforge.runtime.guard.record import record_for
 from dsforge.runtime.guard.supervise import run_supervised
@@ -181,6 +181,7 @@ def _train(job: JobSpec, rank: int, progress: dict, console: RankConsole,
         heartbeat.beat(step)
         inject_fault(fault, rank, step)
         host_down(fault, rank, step, run_dir)
+        passing_fault(fault, rank, step, run_dir, device)
         stop_drill.before(step)
         numeric_drill.before_step(step)
 

@@ -1,7 +1,8 @@
 """`dsforge run --max-restarts N` through its launcher on 2 CPU ranks: a rank SIGKILLed
 mid-run comes back and the run ends 0 with the uninterrupted run's losses; a second loss with
 the budget used up ends with that failure's report and a summary that keeps both; an exception
-is not retried; nothing of any attempt is left running. (The policy itself: tests/unit/test_restart.py.)"""
+is not retried; a failed collective (the collective drill) is, and trains on to the same losses;
+nothing of any attempt is left running. (The policy itself: tests/unit/test_restart.py.)"""
 
 from __future__ import annotations
 
@@ -141,4 +142,18 @@ def test_an_exception_is_not_retried(tmp_path):
     assert "injected fault on rank 1 at step 4" in done.stderr
     assert "dsforge: not restarted: an exception repeats" in done.stderr, done.stderr[-3000:]
     assert "restarting" not in done.stderr and not run_dir.attempts.exists()
+    assert not _job_processes(run_dir.path)
+
+
+def test_a_failed_collective_is_retried_and_trains_on_exactly(uninterrupted, tmp_path):
+    """The collective drill (once per run directory, as a link that flapped): its record's kind
+    is retried, and the restart resumes from the last checkpoint to the uninterrupted losses."""
+    run_dir = RunDir(tmp_path / "run")
+    done = dsforge("run", TINY, *RUN, "--run-dir", str(run_dir), "--max-restarts", "1",
+                   env={"DSFORGE_INJECT_FAULT": "collective:1:5"}, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "restarting (1 of 1) from the checkpoint after step" in done.stderr, done.stderr[-3000:]
+    cause = json.loads(run_dir.summary.read_text())["restart_causes"][0]
+    assert cause["kind"] == "collective" and "collective drill" in cause["message"], cause
+    assert losses(run_dir) == uninterrupted
     assert not _job_processes(run_dir.path)

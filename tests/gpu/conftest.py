@@ -1,9 +1,9 @@
-"""The GPU tests' training runs: three `dsforge run`s of the smoke recipe on one GPU, started
-together once per session and shared by every test (skipped without a GPU).
+"""The GPU tests' training runs: `dsforge run`s of the smoke recipe and the tiny MoE on one GPU,
+started together once per session and shared by every test (skipped without a GPU).
 
 A `dsforge run` on a GPU spends ~20-40 s starting (imports, NCCL, DeepSpeed's engine) and well
 under a second on 30 steps of the smoke model, so the tests share runs, and the runs share
-the GPU at the same time: they check losses and what was built, never speed. All three use one
+the GPU at the same time: they check losses and what was built, never speed. All use one
 rank, the same seed and data order, and lr 3e-4: at the recipe's 3e-3 the loss spikes near
 the end of the warm-up and two bf16 runs that differ only in rounding part by up to 5% a step
 (measured on the CPU, flash against math attention, 30 steps); at 3e-4 the same pair agrees
@@ -17,6 +17,10 @@ runs here is the kernels' or the precision's, not the training's chaos.
   moe_sequential, moe_grouped
            recipes/tiny_moe.yaml on the same text at ep 1 in bf16, its experts Megatron's
            SequentialMLP or dsforge's grouped ones (model.moe.experts)
+  drill_device, drill_nan
+           the default run with a checkpoint every 5 steps and a drill
+           (runtime/guard/drills.py) in step 10: a real device-side assert with
+           --max-restarts 1, and a NaN loss
 
 Each run gets its own empty TORCH_EXTENSIONS_DIR, so a DeepSpeed op built at run time would
 show there. The GPU kit (benchmarks/gpu/kit_results.py) reads the runs' metrics from
@@ -49,6 +53,11 @@ RUNS = {  # name -> (recipe, --set overrides)
     "moe_sequential": (TINY_MOE, (*MOE_ON_TEXT, "model.moe.experts=sequential")),
     "moe_grouped": (TINY_MOE, (*MOE_ON_TEXT, "model.moe.experts=grouped")),
 }
+# name -> (DSFORGE_INJECT_FAULT, more `dsforge run` options): runs of the default recipe that
+# fail on purpose (tests/gpu/test_gpu_failures.py)
+DRILLS = {"drill_device": ("device:0:10", ("--max-restarts", "1")), "drill_nan": ("nan:0:10", ())}
+RUNS.update({name: (SMOKE, ("train.precision=bf16", "train.checkpoint_every=5"))
+             for name in DRILLS})
 RUNS_FOLDER = "gpu-runs"  # under pytest's base folder; the kit's table reads it
 RUN_TIMEOUT_S = 600
 
@@ -72,7 +81,9 @@ def _command(name: str, run_dir: Path) -> list[str]:
     recipe, overrides = RUNS[name]
     sets = [word for item in (*overrides, "parallel.dp=1", f"train.steps={STEPS}",
                               f"train.lr={LR}") for word in ("--set", item)]
-    return [sys.executable, "-m", "dsforge", "run", str(recipe), *sets, "--run-dir", str(run_dir)]
+    options = DRILLS[name][1] if name in DRILLS else ()
+    return [sys.executable, "-m", "dsforge", "run", str(recipe), *sets, *options,
+            "--run-dir", str(run_dir)]
 
 
 def _start(name: str, folder: Path) -> tuple[subprocess.Popen, GpuRun]:
@@ -80,6 +91,8 @@ def _start(name: str, folder: Path) -> tuple[subprocess.Popen, GpuRun]:
     extensions.mkdir(parents=True)
     log = (folder / f"{name}.out").open("w")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}
+    if name in DRILLS:
+        env["DSFORGE_INJECT_FAULT"] = DRILLS[name][0]
     proc = subprocess.Popen(_command(name, run_dir), cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return proc, GpuRun(name=name, run_dir=run_dir, extensions_dir=extensions, returncode=-1,

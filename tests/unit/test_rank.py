@@ -23,3 +23,24 @@ def test_ranks_share_the_cpus_unless_the_user_chose():
     assert threads_per_rank({"LOCAL_SIZE": str(cpus * 4)}) == 1
     assert threads_per_rank({"LOCAL_SIZE": "2"}) == max(1, cpus // 2)
     assert threads_per_rank({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}) is None
+
+
+@pytest.mark.parametrize("kind", ["collective", "device"])
+def test_passing_drills_fail_once_per_run_directory_with_their_kind(tmp_path, kind):
+    """What a restart gets past: the record says collective or device, and the next attempt
+    (the marker left in the run directory) trains on."""
+    import torch
+
+    from dsforge.job.run_dir import RunDir
+    from dsforge.runtime.guard.drills import passing_fault
+    from dsforge.runtime.guard.record import record_for
+
+    run_dir, cpu = RunDir(tmp_path), torch.device("cpu")
+    fault = parse_fault(f"{kind}:1:4")
+    passing_fault(fault, 0, 4, run_dir, cpu)  # another rank
+    passing_fault(fault, 1, 3, run_dir, cpu)  # another step
+    with pytest.raises(RuntimeError) as caught:
+        passing_fault(fault, 1, 4, run_dir, cpu)
+    record = record_for(caught.value, rank=1, step=4, detail="")
+    assert record.kind == kind and "step 5" in record.message, record.message
+    passing_fault(fault, 1, 4, run_dir, cpu)  # the restart: gone

@@ -10,6 +10,13 @@ A rank that fails or stops:
 - save-exit kills RANK while it saves the checkpoint of STEP, after writing its files;
   save-hang makes RANK's save of STEP (its writer, or the training thread where it writes)
   hang there instead, for the watchdog to end;
+- collective | device raise what a failed collective or a failed GPU raises when RANK starts
+  STEP, once per run directory (a marker under RUN_DIR/drills), as a link that flapped or a
+  one-off ECC error would: a restart (--max-restarts) gets past them. collective raises
+  torch's DistBackendError, as NCCL does on the rank whose communicator failed (a one-GPU
+  world has no peer to lose); device on a GPU rank makes a real device-side assert (an index
+  out of bounds), which leaves the process's CUDA context unusable, and on a CPU rank raises
+  torch's AcceleratorError with CUDA's message;
 - host-down:HOST:STEP (HOST a host of the hostfile, not a rank): the ranks on HOST mark it
   failed (RUN_DIR/drills, job/hosts.py: the launcher's preflight then reports it unreachable)
   and SIGKILL themselves when they start STEP; a restart leaves the host out
@@ -52,8 +59,9 @@ NUMERIC_KINDS = ("nan", "nan-from", "spike", "nan-weights")
 SPIKE_FACTOR = 10.0
 
 FAULT_ENV = "DSFORGE_INJECT_FAULT"
+PASSING_KINDS = ("collective", "device")  # what a restart gets past (launch/restart.py RETRIED)
 FAULT_KINDS = ("raise", "hang", "exit", "oom", "build", "save-exit", "save-hang", "stop",
-               "stop-eval", "stop-save", "host-down", *NUMERIC_KINDS)
+               "stop-eval", "stop-save", "host-down", *PASSING_KINDS, *NUMERIC_KINDS)
 _STEP_FAULTS = ("raise", "hang", "exit", "oom", "build")  # act when a step starts
 
 
@@ -77,6 +85,29 @@ def host_down(fault, rank: int, step: int, run_dir: RunDir) -> None:
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def passing_fault(fault, rank: int, step: int, run_dir: RunDir, device: "torch.device") -> None:
+    """The collective and device drills, when `rank` starts `step`: once per run directory."""
+    if fault is None or fault[0] not in PASSING_KINDS or (fault[1], fault[2]) != (rank, step):
+        return
+    marker = run_dir.path / "drills" / f"{fault[0]}-{rank}-{step}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()  # before the failure: the rank may not get further
+    import torch
+
+    where = f"on rank {rank} at {step_text(step)}"
+    if fault[0] == "collective":
+        raise torch.distributed.DistBackendError(
+            f"injected: NCCL communicator was aborted {where} (collective drill)")
+    why = "a CPU rank has no device to fail"
+    if device.type == "cuda":
+        torch.zeros(1, device=device)[torch.ones(1, dtype=torch.long, device=device)]
+        torch.cuda.synchronize(device)  # the assert surfaces here, as CUDA's error
+        why = "the device-side assert it made did not surface"
+    raise torch.AcceleratorError(f"CUDA error: injected {where} (device drill: {why})")
 
 
 def inject_fault(fault: tuple[str, int, int] | None, rank: int, step: int) -> None:
