@@ -62,6 +62,23 @@ def test_documents_are_found_before_the_sequence_is_sharded():
     assert plain.documents is None and plain.loss_mask is None
 
 
+def test_the_validation_loss_weighs_each_batch_by_the_tokens_that_count():
+    """With data.eod_mask_loss, the mean over validation batches is Megatron's: the losses and
+    the counted tokens summed before the division, not a mean of batch means."""
+    from dsforge.runtime.loop.step import validation_mean
+
+    def batch(counted: float) -> list:  # weigh_loss's factor at dp x cp x grad_accum = 4
+        return [data_mod.Microbatch(tokens=None, labels=None, position_ids=None,
+                                    loss_norm=torch.tensor([4.0 / counted]))]
+
+    means, counts = [torch.tensor(2.0), torch.tensor(5.0)], [30.0, 10.0]
+    weighed = [(m, data_mod.batch_weight(batch(c))) for m, c in zip(means, counts)]
+    assert validation_mean(weighed).item() == pytest.approx((2 * 30 + 5 * 10) / 40)
+    plain = [(m, data_mod.batch_weight([data_mod.Microbatch(tokens=None, labels=None,
+                                                            position_ids=None)])) for m in means]
+    assert validation_mean(plain).item() == pytest.approx(3.5)
+
+
 def test_documents_need_an_eod_and_a_kernel_that_takes_a_mask(tmp_path):
     tokens = tmp_path / "tokens.u16"
     torch.randint(1, 250, (4096,), dtype=torch.int16).numpy().tofile(tokens)

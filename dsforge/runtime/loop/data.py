@@ -278,6 +278,13 @@ def weigh_loss(batches: list[Microbatch], *, layout, group, device) -> list[Micr
     return [dataclasses.replace(mb, loss_norm=norm) for mb in batches]
 
 
+def batch_weight(batches: list[Microbatch]) -> torch.Tensor | None:
+    """A validation batch's weight in the mean over batches: with data.eod_mask_loss its
+    counted tokens up to weigh_loss's constant factor (Megatron sums the losses and the tokens
+    of its evaluation batches before it divides); None, all alike, without."""
+    return None if not batches or batches[0].loss_norm is None else 1.0 / batches[0].loss_norm
+
+
 def rank_microbatches(source: Source, index: int, resolved: Resolved, *, eod: int | None,
                       device) -> list[Microbatch]:
     """This rank's microbatches of global batch `index` of `source`, by its data-parallel and

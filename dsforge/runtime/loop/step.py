@@ -210,6 +210,16 @@ def eval_unpipelined(engine, batches: list[Microbatch], device) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
+def validation_mean(losses: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """The mean of (batch loss, batch_weight) pairs: weighted by the tokens that count where
+    the loss is masked, plain otherwise."""
+    values = torch.stack([loss for loss, _ in losses])
+    if losses[0][1] is None:
+        return values.mean()
+    weights = torch.stack([weight.reshape(()) for _, weight in losses]).to(values)
+    return (values * weights).sum() / weights.sum()
+
+
 def eval_pipelined(chunks, batches: list[Microbatch], *, seq_len: int, micro_batch: int,
                    device) -> torch.Tensor | None:
     """Megatron's schedule with forward_only=True: the same p2p pattern as training, minus the

@@ -206,14 +206,14 @@ class Trainer:
                     loss = step_mod.eval_pipelined(self.chunks, batches, seq_len=train.seq_len,
                                                    micro_batch=layout.micro_batch, device=self.device)
                 if loss is not None:
-                    losses.append(loss)
+                    losses.append((loss, data_mod.batch_weight(batches)))
         finally:
             for chunk in self.chunks:
                 chunk.train()
             if self.compiled is not None:  # evaluation's graphs (no grad) are not recompiles
                 self.compiled.rebaseline()
         if losses:
-            val_loss = health.mean_over_replicas(torch.stack(losses).mean())
+            val_loss = health.mean_over_replicas(step_mod.validation_mean(losses))
             if self.reporter:
                 self.reporter.evaluation(step, val_loss)
 
