@@ -82,7 +82,8 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
         return lambda: start.launch_and_watch(
             how.command, run_dir, how.ranks or ranks, timeout=clock.left(),
             verbose=options.verbose, say=say, stop_grace=options.stop_grace,
-            extra_env=how.srun_env, srun=how.srun_env is not None, asked=asked)
+            extra_env=how.srun_env, srun=how.srun_env is not None, asked=asked,
+            through_runner=how.through_runner)
 
     def again(job: JobSpec):
         """A restart's start, once the job fits again: this machine's check, and the hosts'

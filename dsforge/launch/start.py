@@ -15,8 +15,7 @@ from pathlib import Path
 from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir, set_aside
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.steps import step_text
-from dsforge.launch.commands import (DEEPSPEED_RUNNER, Placement, job_spec, launch_command,
-                                     runner_env)
+from dsforge.launch.commands import Placement, job_spec, launch_command, runner_env
 from dsforge.launch.diagnose import failure_report
 from dsforge.launch.local import STOP_GRACE_S, StopAsked, free_port, run_job
 from dsforge.launch.output import JobView
@@ -62,15 +61,15 @@ def own_run_dir(given: Path | None, resolved: Resolved, *, resume: bool, joining
 def launch_and_watch(command: list[str], run_dir: RunDir, ranks: int, *, timeout: float | None,
                      verbose: bool, say: Say, stop_grace: float = STOP_GRACE_S,
                      extra_env: dict[str, str] | None = None, srun: bool = False,
-                     asked: StopAsked | None = None) -> int:
+                     asked: StopAsked | None = None, through_runner: bool = False) -> int:
     """Run the job with dsforge's lines on the terminal and everything in RUN_DIR/job.log.
     Success is every one of its `ranks` reporting completion, not only the launcher's exit
     code (a launcher killed by a signal, or a cut remote command, can exit 0). Ranks that
     all stopped early with a checkpoint (a signal, train.time_limit) give EXIT_RESUMABLE.
     `srun`: the command is srun (launch/slurm.py), with `extra_env` for its tasks. `asked`
-    notes a stop somebody asked for (launch/local.StopAsked)."""
-    # only DeepSpeed's runner pastes variables into a shell (over a hostfile's hosts)
-    env, dropped = runner_env(os.environ) if DEEPSPEED_RUNNER in command else (dict(os.environ), [])
+    notes a stop somebody asked for (launch/local.StopAsked). `through_runner`: the command is
+    DeepSpeed's runner, which pastes variables into a shell (starts.py Start)."""
+    env, dropped = runner_env(os.environ) if through_runner else (dict(os.environ), [])
     env.update(extra_env or {})
     env[JOB_DIR_ENV] = str(run_dir.absolute())  # tags every local process of the job
     for name in dropped:

@@ -42,6 +42,9 @@ class Start:
     shown: str
     srun_env: dict[str, str] | None = None  # srun's MASTER_ADDR and MASTER_PORT
     ranks: int | None = None  # the ranks it starts, when not the job's first world (fewer hosts)
+    # DeepSpeed's runner over a hostfile: it pastes variables into each node's shell, so the
+    # environment it gets is runner_env's (launch/commands.py)
+    through_runner: bool = False
 
 
 class SrunStarts:
@@ -156,7 +159,8 @@ class DeepSpeedStarts:
         command = launch_command(placement, job)
         shown = shlex.join(command) + "\n" + plain_form(options, placement, job.directory)
         return Start(command, shown, ranks=self.resolved.layout.world_size
-                      if options.node_rank is None else None)
+                     if options.node_rank is None else None,
+                     through_runner=placement.hostfile is not None)
 
     def _preflight(self, job: JobSpec) -> None:
         """The hosts in use checked; HostsFailed names those that fail it."""

@@ -254,11 +254,29 @@ def test_a_local_restart_starts_the_same_job_word_on_a_new_port(tmp_path):
     again = starts.again(dataclasses.replace(job, resume=True, restarts=[{"attempt": 1}]))
     port = lambda command: command[command.index("--master_port") + 1]  # noqa: E731
     assert port(first.command) != port(again.command)
+    assert not first.through_runner and not again.through_runner  # dsforge's own launcher
     assert (_word(first.command).resume, _word(again.command).resume) == (False, True)
     assert _word(again.command).started_at == job.started_at
     fixed = DeepSpeedStarts(dataclasses.replace(options, master_port=29555), resolve_file(recipe),
                              say=lambda line: None)
     assert port(fixed.again(job).command) == "29555"  # --master-port is kept
+
+
+def test_only_deepspeeds_runner_gets_the_runners_environment(tmp_path):
+    """Over a hostfile the start says it goes through DeepSpeed's runner, for which
+    launch_and_watch leaves out what the runner would paste into a shell unquoted
+    (runner_env); dsforge's own launcher gets the environment as it is (above)."""
+    from dsforge.launch.starts import DeepSpeedStarts, RunOptions
+    from dsforge.recipe import resolve_file
+    from tests.conftest import REPO
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    recipe = str(REPO / "recipes" / "tiny.yaml")
+    options = RunOptions(recipe=recipe, hostfile=str(hostfile), dry_run=True)
+    start = DeepSpeedStarts(options, resolve_file(recipe, hostfile=hostfile),
+                            say=lambda line: None).first(_job(RunDir(tmp_path / "run")))
+    assert start.through_runner and "deepspeed.launcher.runner" in start.command
 
 
 def test_nothing_to_set_aside_makes_no_attempt(tmp_path):
