@@ -16,6 +16,13 @@ at RECIPE's shapes, term by term (docs/search.md "Calibration").
 - Attention (forward and backward, `model.sdpa_backend`, at the recipe's microbatch and
   sequence length) sets `attention_efficiency`: its rate on the FLOPs dsforge counts for it,
   as a share of the peak.
+- The float8 GEMM (calibrate/float8_timing.py): torchao's float8 product as train.fp8 runs it
+  (its scaling, else tensorwise) against bf16's, forward and backward at a layer's product
+  shapes, sets `fp8_gemm_speedup` where torchao and the device run it (on a CPU torch's
+  reference product: timed, not a GPU's figure).
+- An MoE recipe's experts (calibrate/expert_timing.py), as its layout runs them (grouped GEMM
+  or per-expert loop), one layer at one microbatch, set `expert_efficiency`: their rate on
+  the FLOPs dsforge counts for them, as a share of the peak.
 - The memory bandwidth (a copy) is measured and written beside the profile; the cost model has
   no term of its own for it yet.
 - The recipe's own layers (calibrate/layers.py): on a GPU the host floors and the work
@@ -35,6 +42,9 @@ from pathlib import Path
 
 import click
 
+from dsforge.calibrate.expert_timing import (cpu_estimate_flops, expert_efficiency, expert_line,
+                                              time_experts)
+from dsforge.calibrate.float8_timing import cpu_estimate, float8_line, float8_speedup, time_float8
 from dsforge.calibrate.kernel_timing import device_name, measured_on
 from dsforge.calibrate.layers import layer_fields, layer_lines, measure_layers
 from dsforge.cost.profile import ClusterProfile, default_profile, profile_text, provenance_lines
@@ -61,15 +71,17 @@ def calibrate_main(resolved: Resolved, *, out: Path, gpu: str | None, device: st
     click.echo(f"dsforge: calibrating {resolved.recipe.name} on {device_name(on)} for a "
                f"{profile.gpu.name} profile", err=True)
     log = engine_log(out)
-    gemms, optimizer, attention, bandwidth, layers = _measure(resolved, on, reps, log)
+    gemms, optimizer, side, layers = _measure(resolved, on, reps, log)
     profile = dataclasses.replace(profile, gemm_knee_tokens=gemms["knee"])
     measured = dataclasses.replace(
         profile, compute_efficiency=min(1.0, gemms["rate"] / modelled_gemm_rate(resolved, profile, 1.0)),
-        attention_efficiency=attention_efficiency(attention, profile),
+        attention_efficiency=attention_efficiency(side["attention"], profile),
         measured_on=measured_on(on),
         measured_runs=0, **optimizer_fields(resolved, profile, optimizer),
-        **layer_fields(layers, on.type, resolved, gemms["rate"], attention))
-    lines = _report(resolved, measured, gemms, optimizer, attention, bandwidth, layers, on.type)
+        expert_efficiency=expert_efficiency(side["experts"], profile.gpu.peak_bf16_flops),
+        fp8_gemm_speedup=float8_speedup(side["fp8"]) or profile.fp8_gemm_speedup,  # where timed
+        **layer_fields(layers, on.type, resolved, gemms["rate"], side["attention"]))
+    lines = _report(resolved, measured, gemms, optimizer, side, layers, on.type)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, profile_text(measured, "\n".join(lines)))
     click.echo("\n".join(lines + [f"wrote {out}: use it with dsforge plan --search --profile {out}",
@@ -89,12 +101,12 @@ def _measure(resolved: Resolved, on, reps: int, log: Path) -> tuple:
         try:
             gemms = gemm_rate(resolved, on, reps)
             optimizer = optimizer_cost(resolved, on, reps)
-            attention, bandwidth = _side_figures(resolved, on, reps)
+            side = _side_figures(resolved, on, reps)
             # last: on a CPU it installs the CPU backend
             layers = measure_layers(resolved, on, reps)
         finally:
             leave_world()
-    return gemms, optimizer, attention, bandwidth, layers
+    return gemms, optimizer, side, layers
 
 
 def leave_world() -> None:
@@ -108,20 +120,26 @@ def leave_world() -> None:
 
 def refuse_a_long_cpu_calibration(resolved: Resolved, on, reps: int) -> None:
     """A GPU-sized recipe's GEMMs on a CPU take hours: estimated from this CPU's rate at a
-    small product, refused (exit 2) with the fix before anything is measured."""
+    small product, refused (exit 2) with the fix before anything is measured. The GEMMs are
+    the dense ones at three sizes, the experts' and the float8 timing's (whose rate is probed
+    only where the rest fits: importing torchao takes seconds)."""
     from dsforge.calibrate.kernel_timing import Gemm, model_gemms, time_gemm
 
     tokens = resolved.layout.micro_batch * resolved.recipe.train.seq_len
     gemms = model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp)
     per_size = sum(3 * g.flops for g in gemms)
-    flops = per_size * sum(1 / f for f in TOKEN_FRACTIONS) * (reps + GEMM_WARMUP)
+    flops = (per_size * sum(1 / f for f in TOKEN_FRACTIONS) * (reps + GEMM_WARMUP)
+             + cpu_estimate_flops(resolved, reps))
     probe = Gemm("probe", 512, 512, 512, 1)
     rate = 3 * probe.flops / sum(time_gemm(probe, on, _dtype(resolved), 3, warmup=1).values())
     seconds = flops / rate
     if seconds <= CPU_GEMM_LIMIT_S:
+        fp8_flops, fp8_s = cpu_estimate(resolved, on, reps, rate)
+        flops, seconds = flops + fp8_flops, seconds + fp8_s
+    if seconds <= CPU_GEMM_LIMIT_S:
         return
     click.echo(f"{resolved.recipe.name}: dsforge calibrate on this CPU would spend ~{seconds / 60:.0f} "
-               f"minutes in the recipe's GEMMs ({flops / 1e12:.0f} TFLOP at ~{rate / 1e9:.0f} "
+               f"minutes in the recipe's GEMMs ({flops / 1e12:.0f} TFLOP at ~{flops / seconds / 1e9:.0f} "
                f"GFLOP/s). Fix: run it where the recipe trains (a GPU: --device cuda), or on the "
                "CPU calibrate a CPU-sized recipe (e.g. recipes/tiny.yaml)", err=True)
     raise SystemExit(EXIT_INVALID)
@@ -278,19 +296,23 @@ def attention_efficiency(attention: dict, profile: ClusterProfile) -> float | No
     return min(1.0, timed["tflops_full_matrix"] * 1e12 / profile.gpu.peak_bf16_flops)
 
 
-def _side_figures(resolved: Resolved, on, reps: int) -> tuple[dict, float]:
+def _side_figures(resolved: Resolved, on, reps: int) -> dict:
+    """Attention, the memory bandwidth, the float8 GEMM and the MoE experts."""
     from dsforge.calibrate.kernel_timing import memory_bandwidth, time_attention
 
     m, lay = resolved.recipe.model, resolved.layout
     attention = time_attention(m, lay.micro_batch, resolved.recipe.train.seq_len, on,
                                _dtype(resolved), reps, warmup=2, backends=(m.sdpa_backend,))
     copy = GPU_COPY_MIB if on.type == "cuda" else CPU_COPY_MIB
-    return attention, memory_bandwidth(on, copy)
+    return {"attention": attention, "bandwidth": memory_bandwidth(on, copy),
+            "fp8": time_float8(resolved, on, reps),
+            "experts": time_experts(resolved, on, _dtype(resolved), reps)}
 
 
-def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, attention: dict,
-            bandwidth: float, layers: dict | str, device_type: str) -> list[str]:
+def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, side: dict,
+            layers: dict | str, device_type: str) -> list[str]:
     """What was measured, for the terminal and the profile's comments."""
+    attention, bandwidth = side["attention"], side["bandwidth"]
     [(backend, timed)] = attention["backends"].items()
     attention_text = (f"{timed['tflops_full_matrix']:.3g} TFLOP/s (full-matrix count): "
                       f"attention_efficiency {profile.attention_efficiency:.4g}"
@@ -318,6 +340,8 @@ def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, att
                  "machine?), so all of it is fixed cost; calibrate again on an idle machine or "
                  "with more --reps)"),
               f"attention ({backend}), forward and backward: {attention_text}",
+              float8_line(side["fp8"], profile, device_type),
+              expert_line(side["experts"], profile, resolved.recipe.name),
               f"memory bandwidth (a copy): {bandwidth / 1e9:.3g} GB/s; not a term of the cost "
               "model yet"]
     on_gpu = device_type == "cuda"

@@ -121,6 +121,12 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The GPU's compute capability, what decides its float8 and grouped GEMM kernels; None on
+    a CPU."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
 def measured_on(device: torch.device) -> str:
     """The device and today's date: what a measured profile is true of (its `measured_on`)."""
     return f"{device_name(device)}, {time.strftime('%Y-%m-%d', time.gmtime())}"

@@ -32,9 +32,10 @@ under each layer's grad-enabled forward (cost.host_wait), not an addition: the t
 the points determine it (cost/floor_fit.py searches them; the linear terms are solved at
 each).
 
-The refitted profile: compute_efficiency / a (and a measured attention_efficiency / (a + d):
-the compute term holds the attention), microbatch_layer_s = f, zero3_gather_layer_s = g (or
-the floors, host_layer_s and host_layer_zero3_s), other_s_per_token_hidden = o, the
+The refitted profile: compute_efficiency / a (and a measured attention_efficiency / (a + d)
+and expert_efficiency / a: the compute term holds the attention and the experts),
+microbatch_layer_s = f, zero3_gather_layer_s = g (or the floors, host_layer_s and
+host_layer_zero3_s), other_s_per_token_hidden = o, the
 optimizer's fixed cost and bytes x b, the bandwidths / c and the p2p latency x c. With 3 or
 more points each is predicted from a refit without it (leave-one-out); the median of
 those errors becomes the profile's prediction_error, the band `dsforge plan --search` draws
@@ -316,9 +317,11 @@ def apply(profile: ClusterProfile, coefficients: dict[str, float]) -> ClusterPro
     attention_scale = max(a + coefficients.get("attention", 0.0), 1e-6)
     attention = (None if profile.attention_efficiency is None
                  else min(1.0, profile.attention_efficiency / attention_scale))
+    experts = (None if profile.expert_efficiency is None  # in compute, with the GEMMs
+               else min(1.0, profile.expert_efficiency / a))
     return dataclasses.replace(
         profile, compute_efficiency=min(1.0, profile.compute_efficiency / a),
-        attention_efficiency=attention,
+        attention_efficiency=attention, expert_efficiency=experts,
         microbatch_layer_s=coefficients["fixed"], zero3_gather_layer_s=coefficients["gathers"],
         other_s_per_token_hidden=coefficients.get("other", profile.other_s_per_token_hidden),
         host_layer_s=coefficients.get("host", profile.host_layer_s),

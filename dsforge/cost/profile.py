@@ -47,6 +47,13 @@ class ClusterProfile:
     # assumes. `dsforge calibrate` measures it (an H200 at 4,096 tokens: 0.66, while its GEMMs
     # reached 0.77 there).
     attention_efficiency: float | None = None
+    # The share of peak an MoE model's routed experts reach on their FLOPs as dsforge counts
+    # them (the top_k experts' gate, up and down projections, forward and backward:
+    # estimate/flops.py), run as the recipe runs them (model.moe.experts: the grouped GEMM or
+    # the per-expert loop), each expert with its share of a microbatch's tokens: products far
+    # shorter than the dense layers'. None: the experts at the GEMMs' rate, as every default
+    # profile assumes. `dsforge calibrate` measures it for an MoE recipe.
+    expert_efficiency: float | None = None
     # The work outside the GEMMs and attention (norms, SwiGLU, rotary, residuals, the loss's
     # share), in seconds per token, layer and hidden unit (cost.py `other`). 0: the efficiency
     # above absorbs it, as in every default profile. --measure's refit fits it where runs of
@@ -64,7 +71,9 @@ class ClusterProfile:
     # work, its ceiling all of it. train.fp8's float8 GEMMs run the transformer layers' linear
     # layers this many times faster than bf16's (twice the peak, less the casts' and scales'
     # kernels); eager, torchao's unfused casts add this share of `other` (torchao: float8
-    # gains 6-10% eager, +28% over compile compiled, Llama-3 8B on H100s).
+    # gains 6-10% eager, +28% over compile compiled, Llama-3 8B on H100s). `dsforge
+    # calibrate` measures the speedup: torchao's float8 product against bf16's at the
+    # recipe's layer shapes, forward and backward.
     compiled_other_share: float = 0.6
     fp8_gemm_speedup: float = 1.6
     fp8_eager_cast_share: float = 0.5
@@ -179,6 +188,7 @@ class ProfileFile:
     inter_node_gbps: float | None = None
     compute_efficiency: float | None = None
     attention_efficiency: float | None = None
+    expert_efficiency: float | None = None
     other_s_per_token_hidden: float | None = None
     gemm_knee_tokens: float | None = None
     compiled_other_share: float | None = None
@@ -216,6 +226,7 @@ _RANGES = {
     "inter_node_gbps": (lambda v: v > 0, "> 0"),
     "compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),  # a share of the peak
     "attention_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "expert_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "other_s_per_token_hidden": (lambda v: v >= 0, ">= 0"),
     "gemm_knee_tokens": (lambda v: v >= 0, ">= 0"),
     "compiled_other_share": (lambda v: 0 < v <= 1, "in (0, 1]"),  # compiling removes no work

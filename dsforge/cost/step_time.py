@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from dsforge.cost.profile import ClusterProfile
 from dsforge.estimate.bubble import bubble_fraction
 from dsforge.estimate.context_parallel import step_exchange_bytes
-from dsforge.estimate.flops import flops_per_token, pipeline_rank_flops
+from dsforge.estimate.flops import flops_per_token, pipeline_rank_expert_flops, pipeline_rank_flops
 from dsforge.estimate.memory import largest_stage_params
 from dsforge.recipe.resolve import Layout, Resolved
 from dsforge.schema import ModelConfig, padded_vocab_size
@@ -148,15 +148,30 @@ def modelled_gemm_rate(resolved: Resolved, profile: ClusterProfile, efficiency: 
 def compute_split(resolved: Resolved, profile: ClusterProfile,
                   flop_rate: float | None = None) -> tuple[float, float]:
     """The compute row's seconds as (matrix products, attention): the busiest pipeline rank's
-    (the last: it adds the output layer) FLOPs at the GEMMs' rate, its attention at its own
-    measured rate where the profile has one (else at the GEMMs')."""
+    (the last: it adds the output layer) FLOPs at the GEMMs' rate, its attention and its MoE
+    experts' products each at their own measured rate where the profile has one (else at the
+    GEMMs')."""
     lay, m, t = resolved.layout, resolved.recipe.model, resolved.recipe.train
     flop_rate = _flop_rate(resolved, profile) if flop_rate is None else flop_rate
-    dense, attention = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)
+    dense, attention, experts = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing,
+                                                    lay.pp, lay.vpp)
     attention_rate = (flop_rate if profile.attention_efficiency is None
                       else profile.gpu.peak_bf16_flops * profile.attention_efficiency)
     tokens = lay.grad_accum * (lay.micro_batch * t.seq_len // lay.cp) / lay.tp
-    return tokens * dense / flop_rate, tokens * attention / attention_rate
+    return (_matrix_seconds(tokens, dense, experts, flop_rate, profile),
+            tokens * attention / attention_rate)
+
+
+def _matrix_seconds(tokens: float, dense: float, experts: float, flop_rate: float,
+                    profile: ClusterProfile) -> float:
+    """Seconds of `tokens` x `dense` FLOPs of matrix products, of which `experts` a token are
+    the routed experts': all at the GEMMs' rate, or the experts' at the profile's
+    expert_efficiency of the peak where it has one (the grouped GEMM or the per-expert loop
+    runs short products, slower than the dense layers' GEMMs)."""
+    if profile.expert_efficiency is None:
+        return tokens * dense / flop_rate  # every default profile: the same figure, to the bit
+    expert_rate = profile.gpu.peak_bf16_flops * profile.expert_efficiency
+    return tokens * (dense - experts) / flop_rate + tokens * experts / expert_rate
 
 
 def float8_gemm_seconds(resolved: Resolved, profile: ClusterProfile, gemm: float) -> float:
@@ -165,7 +180,7 @@ def float8_gemm_seconds(resolved: Resolved, profile: ClusterProfile, gemm: float
     m, t, lay = resolved.recipe.model, resolved.recipe.train, resolved.layout
     if t.fp8 == "none":
         return gemm
-    dense, _ = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)
+    dense, _, _ = _busiest_rank_flops(m, t.seq_len, t.activation_checkpointing, lay.pp, lay.vpp)
     last = pipeline_rank_flops(m, 0, t.activation_checkpointing, pp=lay.pp, vpp=lay.vpp, rank=lay.pp - 1)
     has_output = dense > 0 and last == dense  # the busiest rank holds the output layer
     output = 6.0 * m.hidden_size * padded_vocab_size(m.vocab_size, lay.tp) if has_output else 0.0
@@ -250,14 +265,16 @@ def gather_count(resolved: Resolved) -> float:
 
 @functools.lru_cache(maxsize=1024)
 def _busiest_rank_flops(m: ModelConfig, seq_len: int, checkpointing: str, pp: int,
-                        vpp: int) -> tuple[float, float]:
+                        vpp: int) -> tuple[float, float, float]:
     """Hardware FLOPs per token of the busiest pipeline rank (candidates share them), as
-    (matrix products, attention): the attention's are what a sequence of 0 tokens drops."""
+    (matrix products, attention, the routed experts' share of the matrix products): the
+    attention's are what a sequence of 0 tokens drops."""
     busiest = max(range(pp), key=lambda r: pipeline_rank_flops(m, seq_len, checkpointing, pp=pp,
                                                                 vpp=vpp, rank=r))
     total = pipeline_rank_flops(m, seq_len, checkpointing, pp=pp, vpp=vpp, rank=busiest)
     dense = pipeline_rank_flops(m, 0, checkpointing, pp=pp, vpp=vpp, rank=busiest)
-    return dense, total - dense
+    experts = pipeline_rank_expert_flops(m, checkpointing, pp=pp, vpp=vpp, rank=busiest)
+    return dense, total - dense, experts
 
 
 def _tp_layer_seconds(m: ModelConfig, lay: Layout, checkpointing: str, activation: float,

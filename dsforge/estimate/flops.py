@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsforge.estimate.params import count_params, layer_matmul_params, stage_layers
+from dsforge.estimate.params import (count_params, layer_expert_params, layer_matmul_params,
+                                     stage_layers)
 from dsforge.schema import ModelConfig
 
 
@@ -60,6 +61,15 @@ def pipeline_rank_flops(m: ModelConfig, seq_len: int, checkpointing: str, *, pp:
     forward = matmul + attention * len(layers)
     recompute = {"none": 0.0, "selective": attention * len(layers), "full": forward}[checkpointing]
     return 3.0 * forward + recompute
+
+
+def pipeline_rank_expert_flops(m: ModelConfig, checkpointing: str, *, pp: int, vpp: int,
+                               rank: int) -> float:
+    """The routed experts' share of pipeline_rank_flops (hardware FLOPs per token of rank
+    `rank`, counted as it counts them): their forward x 3, and once more where full
+    checkpointing recomputes the forward. 0 for a dense model."""
+    forward = 2.0 * sum(layer_expert_params(m, layer) for layer in stage_layers(m.num_layers, pp, vpp, rank))
+    return 3.0 * forward + (forward if checkpointing == "full" else 0.0)
 
 
 def mfu(tokens_per_second_per_gpu: float, flops_per_token_: float, peak_flops: float | None) -> float | None:

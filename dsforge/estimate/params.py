@@ -46,8 +46,16 @@ def layer_matmul_params(m: ModelConfig, layer: int) -> int:
     6N of FLOPs): attention, and the MLP or the router and the top_k routed experts."""
     attention = attention_params(m, with_bias=False)
     if m.is_moe_layer(layer):
-        return attention + router_params(m) + m.moe.top_k * mlp_params(m, m.moe.ffn_hidden_size, with_bias=False)
+        return attention + router_params(m) + layer_expert_params(m, layer)
     return attention + mlp_params(m, m.ffn_hidden_size, with_bias=False)
+
+
+def layer_expert_params(m: ModelConfig, layer: int) -> int:
+    """The routed experts' share of layer_matmul_params: the top_k experts' MLPs a token
+    goes through in an MoE layer (0 in a dense one)."""
+    if not m.is_moe_layer(layer):
+        return 0
+    return m.moe.top_k * mlp_params(m, m.moe.ffn_hidden_size, with_bias=False)
 
 
 def count_params(m: ModelConfig, vocab_size: int | None = None) -> ParamCounts:

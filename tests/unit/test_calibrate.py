@@ -224,6 +224,10 @@ def test_dsforge_calibrate_writes_a_profile_the_search_reads(tmp_path):
     assert "a layer at 256 tokens at ZeRO-3: forward " in done.stdout  # and its ZeRO-3 forward
     assert written.host_layer_s == written.host_layer_zero3_s == 0.0
     assert written.other_s_per_token_hidden == 0.0
+    # The float8 product is timed on a CPU too (torch's reference one); a dense model has no
+    # experts to time.
+    assert written.fp8_gemm_speedup > 0 and "a CPU's figure" in done.stdout
+    assert written.expert_efficiency is None and "MoE experts: none in tiny's model" in done.stdout
     searched = subprocess.run([sys.executable, "-m", "dsforge", "plan", "--search", "recipes/tiny.yaml",
                                "--gpus", "1", "--profile", str(out)], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
