@@ -139,10 +139,20 @@ def time_passes(resolved: Resolved, device: torch.device, reps: int, backward: b
         engine.destroy()
         del engine, container
         parallel_state.destroy_model_parallel()
+        _forget_aux_losses()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return medians
+
+
+def _forget_aux_losses() -> None:
+    """Megatron's routers log their load-balancing loss into a process-wide tracker whose
+    tensors are sized by the first model's layer count; the next model (3 layers after 1)
+    would index past them."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
 
 
 def build_layers(resolved: Resolved, device: torch.device):

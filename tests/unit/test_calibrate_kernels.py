@@ -189,3 +189,6 @@ def test_dsforge_calibrate_of_an_moe_recipe_writes_both_figures(tmp_path):
     assert "MoE experts (sequential: auto: torch's grouped GEMM has no fast CPU kernel)" in done.stdout
     assert "float8 GEMMs (tensorwise: the recipe's train.fp8 is none) at a layer's shapes" in done.stdout
     assert "Failed to load" not in done.stderr  # torchao's import lines are not the command's
+    # its layers too: 1 and 3 MoE layers, one after the other (Megatron's aux-loss tracker)
+    assert "the recipe's layers: not measured" not in done.stdout
+    assert "a layer at 256 tokens (ZeRO-0): forward" in done.stdout

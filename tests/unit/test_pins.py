@@ -266,3 +266,15 @@ def test_grouped_experts_rely_on_these_internals():
     assert list(inspect.signature(SequentialMLP.forward).parameters) == [
         "self", "permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"]
     assert "self.local_experts = torch.nn.ModuleList()" in inspect.getsource(SequentialMLP.__init__)
+
+
+def test_calibrating_moe_layers_relies_on_these_internals():
+    """calibrate/layer_timing.py empties Megatron's layer-wise aux-loss tracker between models of
+    different layer counts: a dict, its tensors sized by the first model's layers."""
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils
+
+    assert isinstance(moe_utils.get_moe_layer_wise_logging_tracker(), dict)
+    assert 'torch.zeros(num_layers, device=loss.device)' in \
+        inspect.getsource(moe_utils.save_to_aux_losses_tracker)
