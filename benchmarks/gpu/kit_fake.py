@@ -16,7 +16,7 @@ from dsforge.job.metrics_file import PHASES
 from dsforge.job.run_dir import RunDir
 from dsforge.units import GiB
 from kit_plan import RunSpec, StudySpec
-from kit_steps import CALIBRATED, Step, prediction, resolve_run, write_study
+from kit_steps import CALIBRATED, CALIBRATED_MOE, Step, prediction, resolve_run, write_study
 from kit_results import GPU_RUNS, shape
 
 FAKE_MFU = 0.40  # the invented runs' MFU
@@ -41,8 +41,8 @@ def write_fake_inputs(steps: list[Step], work: Path, gpu: str) -> dict[str, dict
             _fake_tests(work)
         elif step.kind == "adam":
             _fake_adam(work, gpu)
-        elif step.kind == "calibrate":
-            _fake_profile(work, gpu)
+        elif step.kind in ("calibrate", "calibrate-moe"):
+            _fake_profile(work / (CALIBRATED if step.kind == "calibrate" else CALIBRATED_MOE), gpu)
         elif step.kind == "search":
             _fake_loop(step, work)
         elif step.kind == "peer":
@@ -116,13 +116,13 @@ def _fake_peer(step: Step, work: Path, gpu: str) -> None:
     out.write_text(json.dumps(data))
 
 
-def _fake_profile(work: Path, gpu: str) -> None:
+def _fake_profile(path: Path, gpu: str) -> None:
     import dataclasses
 
     from dsforge.cost.profile import default_profile, profile_text
 
     fake = dataclasses.replace(default_profile(gpu), measured_on="FAKE (dry run)")
-    (work / CALIBRATED).write_text(profile_text(fake, "invented by the dry run"))
+    path.write_text(profile_text(fake, "invented by the dry run"))
 
 
 def _write(path: Path, data) -> None:

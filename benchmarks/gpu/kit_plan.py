@@ -191,7 +191,8 @@ class Measurement:
     runs: tuple[RunSpec, ...] = ()
     studies: tuple[StudySpec, ...] = ()
     peers: tuple[PeerSpec, ...] = ()
-    script: str | None = None  # "gpu-tests", "gemm", "adam-step", "calibrate" or "search"
+    script: str | None = None  # "gpu-tests", "gemm", "adam-step", "calibrate", "calibrate-moe"
+    # or "search"
     estimate: Estimate | None = None  # for a script
     timeout_s: float = 0.0
 
@@ -377,6 +378,15 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
                       "and knee, the optimizer step's fixed cost and bytes a parameter, "
                       "attention, memory bandwidth, the host floors at ZeRO-0 and ZeRO-3 and the "
                       "layer's work outside its GEMMs, as a --profile file"),
+    # Issue 47: the grouped GEMM timed by calibrate on a GPU (expert_efficiency), at the
+    # shipped MoE's shapes, beside the MoE runs whose step it prices.
+    Measurement(name="calibrate-moe", script="calibrate-moe", timeout_s=300,
+                estimate=Estimate(60, "guess: the 7B's calibrate (47 s measured) at the MoE's "
+                                      "smaller GEMMs, with its grouped experts and float8 "
+                                      "product timed"),
+                about="dsforge calibrate recipes/moe_1gpu.yaml on the kit's GPU: its experts as "
+                      "it runs them (grouped GEMM: expert_efficiency) and the float8 product "
+                      "(fp8_gemm_speedup) beside the dense figures, as a --profile file"),
     # Issue 23's loop on the kit's GPU, after `calibrate` in `profiles`: dsforge plan --search
     # --measure from the profile calibrate wrote (LOOP_RECIPES, loop_argv).
     Measurement(name="loop", script="search", timeout_s=420,
@@ -432,7 +442,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "sweeps": ("mfu-1b", "breakdown-cost"),
     "offload": ("7b-offload",),
     "profiles": ("calibrate", "loop"),
-    "experts": ("moe-experts",),
+    "experts": ("moe-experts", "calibrate-moe"),
     "peers": ("peers",),
     "compile-fp8": ("compile-fp8",),
     "fp8-loss": ("fp8-loss",),

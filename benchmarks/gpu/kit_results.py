@@ -28,7 +28,7 @@ from dsforge.job.metrics_file import is_validation
 from dsforge.job.run_dir import RunDir
 import kit_peers
 from kit_plan import MEASUREMENTS, RunSpec, StudySpec
-from kit_steps import CALIBRATED, Step, resolve_run
+from kit_steps import CALIBRATED, CALIBRATED_MOE, Step, resolve_run
 from kit_wheels import dsforge_version
 
 PRECISION_TOLERANCE = 0.05  # |bf16 - fp32| / fp32 of the last-10-step mean loss
@@ -203,7 +203,8 @@ def collect(steps: list[Step], records: dict[str, dict], work: Path, gpu: str) -
               "env": read_json(work / "env.json"), "gemm": read_json(work / "gemm.json"),
               "gpu_tests": junit_counts(work / "gpu-tests.xml"), "precision": precision_row(work),
               "kernels": kernels_row(work), "adam": read_json(work / "adam_step.json"),
-              "profile": calibrated_profile(work), "loop": loop_result(work),
+              "profile": calibrated_profile(work),
+              "profile_moe": calibrated_profile(work, CALIBRATED_MOE), "loop": loop_result(work),
               "runs": [], "studies": {}, "peers": []}
     for step in steps:
         if step.kind in ("run", "skip") and isinstance(step.spec, RunSpec):
@@ -228,13 +229,14 @@ def peer_rows(steps: list[Step], records: dict, runs: list[dict], work: Path, gp
     return out
 
 
-def calibrated_profile(work: Path) -> dict | None:
-    """The fields of the profile the calibrate step wrote, None where it wrote none."""
+def calibrated_profile(work: Path, name: str = CALIBRATED) -> dict | None:
+    """The fields of the profile a calibrate step wrote (`name` in the work folder), None where
+    it wrote none."""
     import dataclasses
 
     from dsforge.cost.profile import read_profile
 
-    path = work / CALIBRATED
+    path = work / name
     return dataclasses.asdict(read_profile(path)) if path.is_file() else None
 
 

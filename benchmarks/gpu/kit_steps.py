@@ -17,7 +17,7 @@ from dsforge.hardware import gpu_by_key
 from dsforge.recipe import Resolved, resolve_file
 from dsforge.translate.kernels import choose_kernels
 from dsforge.units import GiB
-from kit_plan import (END_S, ENV, INSTALL, KIT_DIR, ONE_B, PLANNED_GPUS, REPORT, SEVEN_B, THREE_B,
+from kit_plan import (END_S, ENV, INSTALL, KIT_DIR, MOE, ONE_B, PLANNED_GPUS, REPORT, SEVEN_B, THREE_B,
                       Estimate, Measurement, PeerSpec, RunSpec, StudySpec, corpus,
                       data_overrides, select)
 from kit_records import DEFAULT_WORK
@@ -176,9 +176,11 @@ def script_step(m: Measurement, ctx: Context, calibrated: bool = False) -> Step:
     its profile)."""
     argv = {"gpu-tests": _pytest_argv, "gemm": _gemm_argv, "adam-step": _adam_argv,
             "calibrate": _calibrate_argv,
+            "calibrate-moe": lambda c: _calibrate_argv(c, MOE, CALIBRATED_MOE),
             "search": lambda c: loop_argv(c, calibrated)}[m.script](ctx)
     kind = {"gpu-tests": "pytest", "gemm": "gemm", "adam-step": "adam",
-            "calibrate": "calibrate", "search": "search"}[m.script]
+            "calibrate": "calibrate", "calibrate-moe": "calibrate-moe",
+            "search": "search"}[m.script]
     return Step(name=m.name, kind=kind, argv=argv, expected_s=m.estimate.seconds,
                 basis=m.estimate.basis, timeout_s=m.timeout_s, measurement=m.name)
 
@@ -205,11 +207,13 @@ def _adam_argv(ctx: Context) -> tuple[str, ...]:
 
 
 CALIBRATED = "profile-7b.yaml"  # in the work folder, archived with it
+CALIBRATED_MOE = "profile-moe.yaml"  # the MoE's (calibrate-moe), beside it
 
 
-def _calibrate_argv(ctx: Context) -> tuple[str, ...]:
-    return (ctx.python, "-m", "dsforge", "calibrate", SEVEN_B, "--gpu", ctx.gpu, "--out",
-            str(ctx.work / CALIBRATED))
+def _calibrate_argv(ctx: Context, recipe: str = SEVEN_B,
+                    out: str = CALIBRATED) -> tuple[str, ...]:
+    return (ctx.python, "-m", "dsforge", "calibrate", recipe, "--gpu", ctx.gpu, "--out",
+            str(ctx.work / out))
 
 
 # The loop's model per GPU: one that fills it at 8 sequences a step, whose top layouts differ

@@ -17,7 +17,7 @@ from kit_format import num as _num
 from kit_format import pct
 from kit_plan import MEASUREMENTS, PREDICTED_SPEEDUP
 from kit_results import KERNEL_ATOL, KERNEL_RTOL, PRECISION_TOLERANCE, shape
-from kit_steps import CALIBRATED, LOOP_TOP
+from kit_steps import CALIBRATED, CALIBRATED_MOE, LOOP_TOP
 
 
 def _gib(value) -> str:
@@ -309,17 +309,22 @@ def _render_adam(result: dict) -> str:
             + "\n".join(lines))
 
 
+PROFILE_FIELDS = ("compute_efficiency", "attention_efficiency", "expert_efficiency",
+                  "fp8_gemm_speedup", "gemm_knee_tokens", "optimizer_bytes_per_param",
+                  "optimizer_bytes_per_param_fp32", "optimizer_fixed_s", "host_layer_s",
+                  "host_layer_zero3_s", "other_s_per_token_hidden")
+
+
 def _render_profile(result: dict) -> str:
-    p = result.get("profile")
-    if not p:
-        return ""
-    fields = ("compute_efficiency", "attention_efficiency", "gemm_knee_tokens",
-              "optimizer_bytes_per_param", "optimizer_bytes_per_param_fp32", "optimizer_fixed_s",
-              "host_layer_s", "host_layer_zero3_s", "other_s_per_token_hidden")
-    lines = ["| field | measured |", "|---|---:|"] + [f"| {f} | {_num(p.get(f), '.4g')} |"
-                                                     for f in fields]
-    return (f"### The profile dsforge calibrate measured ({p['measured_on']}, "
-            f"{CALIBRATED}; its comments hold every figure)\n" + "\n".join(lines))
+    """The calibrated profiles: the 7B's (`calibrate`) and the MoE's (`calibrate-moe`)."""
+    shown = [(name, result.get(key)) for name, key in ((CALIBRATED, "profile"),
+                                                       (CALIBRATED_MOE, "profile_moe"))]
+    return "\n\n".join(
+        f"### The profile dsforge calibrate measured ({p['measured_on']}, {name}; its comments "
+        "hold every figure)\n" + "\n".join(
+            ["| field | measured |", "|---|---:|"]
+            + [f"| {f} | {_num(p.get(f), '.4g')} |" for f in PROFILE_FIELDS])
+        for name, p in shown if p)
 
 
 def _render_loop(result: dict) -> str:

@@ -523,6 +523,21 @@ def test_the_calibrate_step_writes_a_profile_the_table_shows(tmp_path):
     assert "| gemm_knee_tokens | 256 |" in table
 
 
+def test_the_experts_selection_calibrates_the_moe_beside_its_runs(tmp_path):
+    """Issue 47: the grouped GEMM timed on the kit's GPU (expert_efficiency) at the shipped
+    MoE's shapes, its profile beside the 7B's in the work folder and in the table."""
+    ctx = kit.Context(gpu="h200", python="PY", work=tmp_path)
+    steps = kit_steps.steps(kit_plan.select(["experts"]), ctx)
+    [step] = [s for s in steps if s.kind == "calibrate-moe"]
+    assert step.argv == ("PY", "-m", "dsforge", "calibrate", "recipes/moe_1gpu.yaml", "--gpu",
+                         "h200", "--out", str(tmp_path / kit_steps.CALIBRATED_MOE))
+    kit_fake.write_fake_inputs([step], tmp_path, "h200")
+    table = kit_table.render(kit_results.collect([step], {}, tmp_path, "h200"))
+    assert f"(FAKE (dry run), {kit_steps.CALIBRATED_MOE};" in table
+    assert kit_steps.CALIBRATED + ";" not in table  # no 7B profile was written
+    assert "| expert_efficiency | - |" in table and "| fp8_gemm_speedup | 1.6 |" in table
+
+
 def test_the_loop_starts_from_the_profile_calibrate_wrote_in_the_same_command(tmp_path):
     """Issue 23's loop on the kit's GPU (`profiles`): the search's top layouts of the model that
     fills the GPU, measured as trials and refitted, from calibrate's profile where calibrate
