@@ -32,9 +32,9 @@ def host_of_rank(encoded: str, rank: int) -> str | None:
 
 
 def down_marker(run_dir: RunDir, host: str) -> Path:
-    return run_dir.path / "drills" / f"down-{host}"
+    return run_dir.drills / f"down-{host}"
 
 
 def marked_down(run_dir: RunDir) -> list[str]:
     """Hosts the host-down drill marked as failed."""
-    return sorted(p.name.removeprefix("down-") for p in (run_dir.path / "drills").glob("down-*"))
+    return sorted(p.name.removeprefix("down-") for p in run_dir.drills.glob("down-*"))

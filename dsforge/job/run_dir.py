@@ -125,6 +125,12 @@ class RunDir:
         return self.path / "heartbeats"
 
     @property
+    def drills(self) -> Path:
+        """What the drills of DSFORGE_INJECT_FAULT left for the whole run, every attempt
+        (runtime/guard/drills.py): a host marked down, a drill that fires once."""
+        return self.path / "drills"
+
+    @property
     def attempts(self) -> Path:
         """What each earlier attempt left (`set_aside`, before a restart or a --resume):
         attempts/N/ holds attempt N's failures/, heartbeats/ and ranks/, and everything it
@@ -190,11 +196,13 @@ def set_aside(run_dir: RunDir, *, everything: bool = False) -> RunDir | None:
     pid files (a rank of an earlier, larger world would look silent; its pid may be reused).
     With `everything`, all it wrote (metrics, manifest, trackers' files, incomplete
     checkpoints) but the job log, which every attempt appends to, the recipe, earlier
-    attempts and the hostfiles (the next attempt's is written first): for a start from
+    attempts, the hostfiles (the next attempt's is written first) and the drills' markers
+    (a drill that fired once stays fired): for a start from
     scratch. The folder it made, or None with nothing to move."""
     moved = [run_dir.failures, run_dir.heartbeats, run_dir.ranks]
     if everything:
-        stay = {run_dir.job_log, run_dir.recipe, run_dir.attempts, run_dir.hostfiles}
+        stay = {run_dir.job_log, run_dir.recipe, run_dir.attempts, run_dir.hostfiles,
+                run_dir.drills}
         moved = [p for p in run_dir.path.iterdir() if p not in stay]
     moved = [p for p in moved if p.exists()]
     if not moved:

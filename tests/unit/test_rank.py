@@ -31,7 +31,7 @@ def test_passing_drills_fail_once_per_run_directory_with_their_kind(tmp_path, ki
     (the marker left in the run directory) trains on."""
     import torch
 
-    from dsforge.job.run_dir import RunDir
+    from dsforge.job.run_dir import RunDir, set_aside
     from dsforge.runtime.guard.drills import passing_fault
     from dsforge.runtime.guard.record import record_for
 
@@ -43,4 +43,5 @@ def test_passing_drills_fail_once_per_run_directory_with_their_kind(tmp_path, ki
         passing_fault(fault, 1, 4, run_dir, cpu)
     record = record_for(caught.value, rank=1, step=4, detail="")
     assert record.kind == kind and "step 5" in record.message, record.message
+    set_aside(run_dir, everything=True)  # a restart from the start (no checkpoint yet)
     passing_fault(fault, 1, 4, run_dir, cpu)  # the restart: gone

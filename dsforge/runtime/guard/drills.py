@@ -91,7 +91,7 @@ def passing_fault(fault, rank: int, step: int, run_dir: RunDir, device: "torch.d
     """The collective and device drills, when `rank` starts `step`: once per run directory."""
     if fault is None or fault[0] not in PASSING_KINDS or (fault[1], fault[2]) != (rank, step):
         return
-    marker = run_dir.path / "drills" / f"{fault[0]}-{rank}-{step}"
+    marker = run_dir.drills / f"{fault[0]}-{rank}-{step}"
     if marker.exists():
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
