@@ -45,7 +45,7 @@ import click
 from dsforge.calibrate.expert_timing import (cpu_estimate_flops, expert_efficiency, expert_line,
                                               time_experts)
 from dsforge.calibrate.float8_timing import cpu_estimate, float8_line, float8_speedup, time_float8
-from dsforge.calibrate.kernel_timing import device_name, measured_on
+from dsforge.calibrate.kernel_timing import device_name, measured_on, recipe_dtype
 from dsforge.calibrate.layers import layer_fields, layer_lines, measure_layers
 from dsforge.cost.profile import ClusterProfile, default_profile, profile_text, provenance_lines
 from dsforge.cost.step_time import modelled_gemm_rate
@@ -131,7 +131,7 @@ def refuse_a_long_cpu_calibration(resolved: Resolved, on, reps: int) -> None:
     flops = (per_size * sum(1 / f for f in TOKEN_FRACTIONS) * (reps + GEMM_WARMUP)
              + cpu_estimate_flops(resolved, reps))
     probe = Gemm("probe", 512, 512, 512, 1)
-    rate = 3 * probe.flops / sum(time_gemm(probe, on, _dtype(resolved), 3, warmup=1).values())
+    rate = 3 * probe.flops / sum(time_gemm(probe, on, recipe_dtype(resolved), 3, warmup=1).values())
     seconds = flops / rate
     if seconds <= CPU_GEMM_LIMIT_S:
         fp8_flops, fp8_s = cpu_estimate(resolved, on, reps, rate)
@@ -158,12 +158,6 @@ def _base_profile(resolved: Resolved, gpu: str | None, on) -> ClusterProfile:
         click.echo(f"dsforge: {torch.cuda.get_device_name(on)} is not in dsforge's GPU table; the "
                    f"profile plans for {key} (--gpu chooses)", err=True)
     return default_profile(key, gpus_per_node=cluster.gpus_per_node if cluster else 8)
-
-
-def _dtype(resolved: Resolved):
-    import torch
-
-    return torch.float32 if resolved.recipe.train.precision == "fp32" else torch.bfloat16
 
 
 TOKEN_FRACTIONS = (1, 2, 4)  # the microbatch's tokens, a half and a quarter of them
@@ -198,7 +192,7 @@ def _gemm_rate_at(resolved: Resolved, on, reps: int, tokens: int) -> tuple[float
 
     rows, flops, seconds = [], 0.0, 0.0
     for g in model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp):
-        passes = time_gemm(g, on, _dtype(resolved), reps, warmup=GEMM_WARMUP)
+        passes = time_gemm(g, on, recipe_dtype(resolved), reps, warmup=GEMM_WARMUP)
         flops += 3 * g.count * g.flops
         seconds += g.count * sum(passes.values())
         rows.append((g, passes))
@@ -302,11 +296,11 @@ def _side_figures(resolved: Resolved, on, reps: int) -> dict:
 
     m, lay = resolved.recipe.model, resolved.layout
     attention = time_attention(m, lay.micro_batch, resolved.recipe.train.seq_len, on,
-                               _dtype(resolved), reps, warmup=2, backends=(m.sdpa_backend,))
+                               recipe_dtype(resolved), reps, warmup=2, backends=(m.sdpa_backend,))
     copy = GPU_COPY_MIB if on.type == "cuda" else CPU_COPY_MIB
     return {"attention": attention, "bandwidth": memory_bandwidth(on, copy),
             "fp8": time_float8(resolved, on, reps),
-            "experts": time_experts(resolved, on, _dtype(resolved), reps)}
+            "experts": time_experts(resolved, on, recipe_dtype(resolved), reps)}
 
 
 def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, side: dict,

@@ -121,6 +121,11 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
+def recipe_dtype(resolved) -> torch.dtype:
+    """What the recipe's products run in: fp32, or bf16 for a 16-bit recipe."""
+    return torch.float32 if resolved.recipe.train.precision == "fp32" else torch.bfloat16
+
+
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """The GPU's compute capability, what decides its float8 and grouped GEMM kernels; None on
     a CPU."""

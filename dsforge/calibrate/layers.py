@@ -3,8 +3,8 @@ floors and the work outside the GEMMs and attention, as profile fields and repor
 
 On a GPU the host launches kernels beside the device, so a layer's forward at a handful of
 tokens is the host's floor (`host_layer_s`, `host_layer_zero3_s`), and a layer's forward and
-backward at the recipe's shapes, less its GEMMs and attention, is the `other` row's work
-(`other_s_per_token_hidden`). On a CPU the host is the device: both are reported, and the
+backward at the recipe's shapes, less its GEMMs and attention (and an MoE layer's experts),
+is the `other` row's work (`other_s_per_token_hidden`). On a CPU the host is the device: both are reported, and the
 profile keeps neither (the refit's additive costs stand for them there).
 """
 
@@ -34,9 +34,23 @@ def measure_layers(resolved: Resolved, on, reps: int) -> dict | str:
     warnings.filterwarnings("ignore", module=r"megatron\.")
     try:
         return {"floors": host_floors(resolved, on, reps), "work": layer_work(resolved, on, reps),
-                "zero3": zero3_forward(resolved, on, reps)}
+                "zero3": zero3_forward(resolved, on, reps),
+                "experts": _layer_experts(resolved, on, reps)}
     except Exception as exc:  # reported, and the profile keeps the GPU's defaults
         return f"{type(exc).__name__}: {exc}"
+
+
+def _layer_experts(resolved: Resolved, on, reps: int) -> dict | None:
+    """An MoE layer's experts as the timed layer runs them (one device: every expert, the
+    recipe's microbatch), to take out of its time with its GEMMs; None for a dense model."""
+    from dsforge.calibrate.expert_timing import time_experts
+    from dsforge.calibrate.kernel_timing import recipe_dtype
+    from dsforge.calibrate.layer_timing import recipe_shaped
+
+    if resolved.recipe.model.moe is None:
+        return None
+    timed = recipe_shaped(resolved, 1, 0)
+    return time_experts(timed, on, recipe_dtype(timed), reps)
 
 
 def layer_fields(layers: dict | str, device_type: str, resolved: Resolved, gemm_rate: float,
@@ -85,26 +99,43 @@ def zero3_paced(layers: dict) -> bool:
 def other_work(resolved: Resolved, layers: dict, gemm_rate: float, attention: dict) -> dict | str:
     """One layer's forward and backward at the recipe's shapes less its GEMMs (their FLOPs at
     the measured rate) and its attention (timed alone), per token and hidden unit; or why it
-    is not measured: a model with experts (its expert loop is not the dense GEMMs), an
-    attention without a kernel here, or a layer the host's launching paces."""
-    from dsforge.calibrate.kernel_timing import model_gemms
-
+    is not measured: a model that mixes dense and MoE layers (the slope between 1 and 3 layers
+    is neither kind), an attention or experts without a kernel here, or a layer the host's
+    launching paces. An MoE layer's experts (timed alone) and router are taken out in place of
+    the dense MLP: what is left is the same work plus the tokens' dispatch and SwiGLU over
+    their top_k copies."""
     m, work = resolved.recipe.model, layers["work"]
     if not rises(work["forward_backward_s"]):
         return NOT_RESOLVED
-    if m.moe is not None:
-        return "the model has experts; its expert loop is not the dense GEMMs this subtracts"
+    if m.moe is not None and m.moe.frequency != 1:
+        return (f"model.moe.frequency {m.moe.frequency}: the slope between 1 and 3 layers mixes "
+                "dense and MoE layers")
     [timed] = attention["backends"].values()
     if "seconds" not in timed:
         return "the attention had no kernel at these shapes"
+    experts = layers.get("experts") or {"seconds": 0.0}
+    if "seconds" not in experts:
+        return "the experts had no kernel at these shapes"
     floor = layers["floors"][0]["per_layer_s"]
     if work["forward_per_layer_s"] < HOST_BOUND * floor:
         return (f"the layer's forward ({work['forward_per_layer_s'] * 1e3:.3g} ms) is within "
                 f"{HOST_BOUND}x the host's floor ({floor * 1e3:.3g} ms): host-bound at these shapes")
-    gemm_s = 3 * sum(g.flops for g in model_gemms(m, work["tokens"]) if g.name != "logits") / gemm_rate
-    rest = max(0.0, work["per_layer_s"] - gemm_s - timed["seconds"])
-    return {"gemm_s": gemm_s, "attention_s": timed["seconds"], "rest_s": rest,
-            "per_token_hidden_s": rest / (work["tokens"] * m.hidden_size)}
+    gemm_s = 3 * sum(g.flops for g in _layer_gemms(m, work["tokens"])) / gemm_rate
+    rest = max(0.0, work["per_layer_s"] - gemm_s - timed["seconds"] - experts["seconds"])
+    return {"gemm_s": gemm_s, "attention_s": timed["seconds"], "experts_s": experts["seconds"],
+            "rest_s": rest, "per_token_hidden_s": rest / (work["tokens"] * m.hidden_size)}
+
+
+def _layer_gemms(m, tokens: int) -> list:
+    """The dense products of one layer at one device's widths: attention's, and the MLP's or,
+    in an MoE layer, the router's (the experts are timed on their own)."""
+    from dsforge.calibrate.kernel_timing import Gemm, model_gemms
+
+    gemms = [g for g in model_gemms(m, tokens) if g.name != "logits"]
+    if m.moe is None:
+        return gemms
+    return [g for g in gemms if g.name in ("qkv", "proj")] + [
+        Gemm("router", tokens, m.hidden_size, m.moe.num_experts, 1)]
 
 
 def layer_lines(layers: dict | str, profile: ClusterProfile, resolved: Resolved, gemm_rate: float,
@@ -128,8 +159,10 @@ def layer_lines(layers: dict | str, profile: ClusterProfile, resolved: Resolved,
     work = layers["work"]
     other = other_work(resolved, layers, gemm_rate, attention)
     text = (f"{other['rest_s'] * 1e3:.3g} ms beyond its GEMMs ({other['gemm_s'] * 1e3:.3g} ms at "
-            f"the rate above) and attention ({other['attention_s'] * 1e3:.3g} ms): "
-            f"{other['per_token_hidden_s']:.3g} s a token and hidden unit"
+            f"the rate above), attention ({other['attention_s'] * 1e3:.3g} ms)"
+            + (f" and experts ({other['experts_s'] * 1e3:.3g} ms)"
+               if resolved.recipe.model.moe is not None else "")
+            + f": {other['per_token_hidden_s']:.3g} s a token and hidden unit"
             if isinstance(other, dict) else f"the rest not measured: {other}")
     kept = ("other_s_per_token_hidden" if on_gpu and isinstance(other, dict)
             else "not in the profile" if not on_gpu else "other_s_per_token_hidden kept")

@@ -236,7 +236,7 @@ def test_a_slope_the_larger_count_did_not_time_longer_is_reported_and_kept_out()
     assert f"forward 10 ms ({NOT_RESOLVED})" in lines[1] and "the rest not measured" in lines[1]
 
 
-def test_the_other_work_is_not_measured_where_the_host_paces_the_layer_or_experts_run():
+def test_the_other_work_is_not_measured_where_the_host_paces_the_layer():
     from dsforge.calibrate.layers import layer_fields, other_work
 
     resolved = _layout("train.micro_batch=2")
@@ -244,5 +244,26 @@ def test_the_other_work_is_not_measured_where_the_host_paces_the_layer_or_expert
     assert "host-bound" in other_work(resolved, host_bound, 600e12, ATTENTION)
     assert "other_s_per_token_hidden" not in layer_fields(host_bound, "cuda", resolved, 600e12,
                                                           ATTENTION)
-    moe = resolve_file(REPO / "recipes" / "moe_1gpu.yaml")
-    assert "experts" in other_work(moe, _measured_layers(), 600e12, ATTENTION)
+
+
+def test_an_moe_layers_other_work_is_what_its_experts_router_and_attention_leave():
+    """Every layer an MoE layer (moe_1gpu): its experts, timed alone as the layer runs them,
+    and its router and attention products come out of its time in place of a dense MLP's; a
+    model that mixes dense and MoE layers (frequency 2) is not measured: the slope between 1
+    and 3 layers is neither kind."""
+    from dsforge.calibrate.layers import layer_lines, other_work
+
+    moe = resolve_file(REPO / "recipes" / "moe_1gpu.yaml", ["train.micro_batch=2"])
+    m, rate = moe.recipe.model, 600e12
+    layers = {**_measured_layers(), "experts": {"seconds": 0.012}}
+    h, heads, groups, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
+    gemm_s = 6 * 8192 * h * ((heads + 2 * groups) * d + heads * d + m.moe.num_experts) / rate
+    other = other_work(moe, layers, rate, ATTENTION)
+    assert other["gemm_s"] == pytest.approx(gemm_s)
+    assert other["rest_s"] == pytest.approx(0.030 - gemm_s - 0.004 - 0.012)
+    lines = layer_lines(layers, FLOORED, moe, rate, ATTENTION, on_gpu=True)
+    assert "attention (4 ms) and experts (12 ms)" in lines[1]
+    no_kernel = {**layers, "experts": {"error": "no grouped GEMM"}}
+    assert other_work(moe, no_kernel, rate, ATTENTION) == "the experts had no kernel at these shapes"
+    mixed = resolve_file(REPO / "recipes" / "moe_1gpu.yaml", ["model.moe.frequency=2"])
+    assert "mixes dense and MoE layers" in other_work(mixed, layers, rate, ATTENTION)
