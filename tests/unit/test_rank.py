@@ -45,3 +45,10 @@ def test_passing_drills_fail_once_per_run_directory_with_their_kind(tmp_path, ki
     assert record.kind == kind and "step 5" in record.message, record.message
     set_aside(run_dir, everything=True)  # a restart from the start (no checkpoint yet)
     passing_fault(fault, 1, 4, run_dir, cpu)  # the restart: gone
+
+
+def test_the_passing_drills_are_kinds_a_restart_gets_past():
+    from dsforge.launch.restart import RETRIED
+    from dsforge.runtime.guard.drills import PASSING_KINDS
+
+    assert set(PASSING_KINDS) <= set(RETRIED)

@@ -60,6 +60,7 @@ SPIKE_FACTOR = 10.0
 
 FAULT_ENV = "DSFORGE_INJECT_FAULT"
 PASSING_KINDS = ("collective", "device")  # what a restart gets past (launch/restart.py RETRIED)
+WATCHDOG_SETTLE_S = 1.0  # the device drill waits for NCCL's watchdog to retire finished work
 FAULT_KINDS = ("raise", "hang", "exit", "oom", "build", "save-exit", "save-hang", "stop",
                "stop-eval", "stop-save", "host-down", *PASSING_KINDS, *NUMERIC_KINDS)
 _STEP_FAULTS = ("raise", "hang", "exit", "oom", "build")  # act when a step starts
@@ -104,6 +105,12 @@ def passing_fault(fault, rank: int, step: int, run_dir: RunDir, device: "torch.d
             f"injected: NCCL communicator was aborted {where} (collective drill)")
     why = "a CPU rank has no device to fail"
     if device.type == "cuda":
+        # NCCL's watchdog wakes every ~100 ms and aborts the process if work it still tracks
+        # meets the error; the last step's collectives are retired first, so the error
+        # reaches this thread and its record, as an error inside a step's kernels would
+        # (a real one may also be found by the watchdog first: recorded as killed, SIGABRT).
+        torch.cuda.synchronize(device)
+        time.sleep(WATCHDOG_SETTLE_S)
         torch.zeros(1, device=device)[torch.ones(1, dtype=torch.long, device=device)]
         torch.cuda.synchronize(device)  # the assert surfaces here, as CUDA's error
         why = "the device-side assert it made did not surface"
