@@ -382,11 +382,10 @@ MEASUREMENTS: dict[str, Measurement] = {m.name: m for m in (
     # shipped MoE's shapes, beside the MoE runs whose step it prices.
     Measurement(name="calibrate-moe", script="calibrate-moe", timeout_s=300,
                 estimate=Estimate(60, "guess: the 7B's calibrate (47 s measured) at the MoE's "
-                                      "smaller GEMMs, with its grouped experts and float8 "
-                                      "product timed"),
+                                      "smaller GEMMs, with its grouped experts timed"),
                 about="dsforge calibrate recipes/moe_1gpu.yaml on the kit's GPU: its experts as "
-                      "it runs them (grouped GEMM: expert_efficiency) and the float8 product "
-                      "(fp8_gemm_speedup) beside the dense figures, as a --profile file"),
+                      "it runs them (grouped GEMM: expert_efficiency) beside the dense figures, "
+                      "as a --profile file"),
     # Issue 23's loop on the kit's GPU, after `calibrate` in `profiles`: dsforge plan --search
     # --measure from the profile calibrate wrote (LOOP_RECIPES, loop_argv).
     Measurement(name="loop", script="search", timeout_s=420,

@@ -16,10 +16,11 @@ at RECIPE's shapes, term by term (docs/search.md "Calibration").
 - Attention (forward and backward, `model.sdpa_backend`, at the recipe's microbatch and
   sequence length) sets `attention_efficiency`: its rate on the FLOPs dsforge counts for it,
   as a share of the peak.
-- The float8 GEMM (calibrate/float8_timing.py): torchao's float8 product as train.fp8 runs it
-  (its scaling, else tensorwise) against bf16's, forward and backward at a layer's product
-  shapes, sets `fp8_gemm_speedup` where torchao and the device run it (on a CPU torch's
-  reference product: timed, not a GPU's figure).
+- The float8 GEMM (calibrate/float8_timing.py): torch's scaled product in a linear layer's
+  three passes, its operands cast as torchao casts them for train.fp8's scaling (else
+  tensorwise), against bf16's at a layer's product shapes, sets `fp8_gemm_speedup` (the
+  products alone: the casts are the `other` row's) for a dense model where torchao and the
+  device run it (on a CPU torch's reference product: timed, not a GPU's figure).
 - An MoE recipe's experts (calibrate/expert_timing.py), as its layout runs them (grouped GEMM
   or per-expert loop), one layer at one microbatch, set `expert_efficiency`: their rate on
   the FLOPs dsforge counts for them, as a share of the peak.
@@ -45,7 +46,7 @@ import click
 from dsforge.calibrate.expert_timing import (cpu_estimate_flops, expert_efficiency, expert_line,
                                               time_experts)
 from dsforge.calibrate.float8_timing import cpu_estimate, float8_line, float8_speedup, time_float8
-from dsforge.calibrate.kernel_timing import device_name, measured_on, recipe_dtype
+from dsforge.calibrate.kernel_timing import device_name, measured_on, rank_tokens, recipe_dtype
 from dsforge.calibrate.layers import layer_fields, layer_lines, measure_layers
 from dsforge.cost.profile import ClusterProfile, default_profile, profile_text, provenance_lines
 from dsforge.cost.step_time import modelled_gemm_rate
@@ -121,15 +122,18 @@ def leave_world() -> None:
 def refuse_a_long_cpu_calibration(resolved: Resolved, on, reps: int) -> None:
     """A GPU-sized recipe's GEMMs on a CPU take hours: estimated from this CPU's rate at a
     small product, refused (exit 2) with the fix before anything is measured. The GEMMs are
-    the dense ones at three sizes, the experts' and the float8 timing's (whose rate is probed
-    only where the rest fits: importing torchao takes seconds)."""
+    the dense ones at three sizes, the experts' (at the recipe's layout, and every expert on
+    one device for its layers) and the float8 timing's (whose rate is probed only where the
+    rest fits: importing torchao takes seconds)."""
     from dsforge.calibrate.kernel_timing import Gemm, model_gemms, time_gemm
+    from dsforge.calibrate.layer_timing import recipe_shaped
 
-    tokens = resolved.layout.micro_batch * resolved.recipe.train.seq_len
+    tokens = rank_tokens(resolved)
     gemms = model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp)
     per_size = sum(3 * g.flops for g in gemms)
     flops = (per_size * sum(1 / f for f in TOKEN_FRACTIONS) * (reps + GEMM_WARMUP)
-             + cpu_estimate_flops(resolved, reps))
+             + cpu_estimate_flops(resolved, reps)
+             + cpu_estimate_flops(recipe_shaped(resolved, 1, 0), reps))
     probe = Gemm("probe", 512, 512, 512, 1)
     rate = 3 * probe.flops / sum(time_gemm(probe, on, recipe_dtype(resolved), 3, warmup=1).values())
     seconds = flops / rate
@@ -168,7 +172,7 @@ def gemm_rate(resolved: Resolved, on, reps: int) -> dict:
     """The FLOP-weighted rate of one microbatch's products and of a half and a quarter of its
     tokens, each product's passes at the full microbatch, and the knee that fits the rates:
     rate(t) = full / (1 + knee / t) is a line in 1/t."""
-    tokens = resolved.layout.micro_batch * resolved.recipe.train.seq_len
+    tokens = rank_tokens(resolved)
     sizes = sorted({max(1, tokens // f) for f in TOKEN_FRACTIONS}, reverse=True)
     measured = {t: _gemm_rate_at(resolved, on, reps, t) for t in sizes}
     rates = {t: measured[t][0] for t in sizes}

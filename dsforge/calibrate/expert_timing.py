@@ -7,8 +7,8 @@ recipe's layout runs them (translate/experts.py choose_experts, for this device)
 torch's grouped GEMM through runtime/assemble/grouped_moe.py's `_GroupedLinear` over the rows
 in its aligned buffer (`aligned_rows`), or `sequential`, one F.linear per expert as
 Megatron's SequentialMLP runs them. One MoE layer at one microbatch: rows = its tokens (a
-context-parallel rank's shard) x top_k, spread evenly over num_experts / ep experts (a
-balanced router), hidden -> 2 x ffn (gate and up) and ffn -> hidden (ffn / etp on an
+context-parallel rank's shard; etp / tp of it under tensor parallelism) x top_k, spread
+evenly over num_experts / ep experts (a balanced router), hidden -> 2 x ffn (gate and up) and ffn -> hidden (ffn / etp on an
 expert-tensor-parallel rank), forward and backward (input and weight gradients). The FLOPs
 counted are 6 x rows x 3 x hidden x ffn, as estimate/flops.py counts the experts: the
 alignment's padding rows cost time and no FLOPs. SwiGLU and the token dispatch are the
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsforge.calibrate.kernel_timing import device_capability, median_seconds
+from dsforge.calibrate.kernel_timing import device_capability, median_seconds, rank_tokens
 from dsforge.recipe.resolve import Resolved
 
 WARMUP = 2
@@ -46,10 +46,12 @@ class ExpertShape:
 def expert_shape(resolved: Resolved) -> ExpertShape | None:
     """One MoE layer's expert products on a rank at the recipe's microbatch; None for a dense
     model."""
-    m, lay, t = resolved.recipe.model, resolved.layout, resolved.recipe.train
+    m, lay = resolved.recipe.model, resolved.layout
     if m.moe is None:
         return None
-    tokens = lay.micro_batch * t.seq_len // lay.cp
+    # Sequence parallelism leaves each tp rank 1/tp of the tokens; the dispatcher gathers them
+    # over the expert-tensor-parallel group only, so a rank's experts see etp/tp of them.
+    tokens = rank_tokens(resolved) * lay.etp // lay.tp
     return ExpertShape(rows=tokens * m.moe.top_k, experts=m.moe.num_experts // lay.ep,
                        hidden=m.hidden_size, ffn=m.moe.ffn_hidden_size // lay.etp)
 

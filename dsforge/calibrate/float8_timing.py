@@ -1,22 +1,27 @@
 """`dsforge calibrate`'s float8 figure: `fp8_gemm_speedup`, how many times faster train.fp8's
-float8 GEMMs run the transformer layers' linear layers than bf16's (cost/step_time.py
+float8 GEMMs are than bf16's at the transformer layers' linear layers (cost/step_time.py
 float8_gemm_seconds).
 
-Timed is the product a rank runs (runtime/assemble/fp8.py float8_product: torchao's
-`matmul_with_hp_or_float8_args`, its casts and scales included) against bf16's F.linear, both
-forward and backward (input and weight gradients) through autograd, at the layers' product
-shapes at the recipe's microbatch (kernel_timing.model_gemms: QKV, the attention's output
-projection, fc1, fc2; not the output layer, which stays bf16). The scaling is the recipe's
-train.fp8, else tensorwise. One size only (the recipe's microbatch), as the speedup is a ratio
-at the shapes the planner prices. Where torchao is missing or the GPU has no float8 GEMM
-(translate/fp8.py), nothing is timed and the profile keeps its figure. A CPU runs torch's
-reference float8 product (emulated, slower than bf16): timed, so a CPU's calibration
-exercises the path, but its figure says nothing of a GPU's.
+Timed are the GEMMs themselves: torch's scaled matrix product (`torch._scaled_mm`, what
+torchao's float8 linear calls) in each of a linear layer's three passes (the output, the
+input's gradient, the weight's), on operands cast to float8 and laid out beforehand with the
+dtypes, scale shapes and fast-accumulation settings of torchao's config for the scaling (the
+one the ranks use, runtime/assemble/fp8.py), against the same three products in bf16
+(kernel_timing.time_gemm). The casts and scales are left out: the cost model counts them in
+the `other` row (fp8_eager_cast_share eager, fused under model.compile), so the speedup here
+is the products' alone. At a layer's product shapes at a rank's microbatch (QKV, the
+attention's output projection, fc1, fc2; not the output layer, which stays bf16). The
+scaling is the recipe's train.fp8, else tensorwise. Nothing is timed, and the profile keeps
+its figure, where torchao is missing, the GPU has no float8 GEMM for the scaling
+(translate/fp8.py), the model has experts (train.fp8 does not apply: FP4) or a width has no
+float8 kernel. A CPU runs torch's reference float8 product (slower than bf16 there): timed,
+so the path is exercised, but its figure is not a GPU's.
 """
 
 from __future__ import annotations
 
-from dsforge.calibrate.kernel_timing import Gemm, device_capability, median_seconds, model_gemms
+from dsforge.calibrate.kernel_timing import (Gemm, device_capability, median_seconds,
+                                             model_gemms, rank_tokens, time_gemm)
 from dsforge.recipe.resolve import Resolved
 
 WARMUP = 2
@@ -36,69 +41,80 @@ def scaling_text(recipe) -> str:
     return "tensorwise: the recipe's train.fp8 is none"
 
 
-def why_not_timed(scaling: str, on) -> str | None:
-    """Why the float8 product cannot run on `on` (None: it can): torchao missing (X1) or a
-    GPU older than the scaling's kernel (FP6), as translate/fp8.py rules for the ranks. A CPU
-    is asked about as a GPU of unknown capability: its own FP6 (no float8 training on CPU
+def why_not_timed(resolved: Resolved, on) -> str | None:
+    """Why the float8 GEMMs are not timed for `resolved` on `on` (None: they are): a model
+    with experts (FP4), torchao missing (X1: its config gives the casts' dtypes) or a GPU
+    older than the scaling's kernel (FP6), as translate/fp8.py rules for the ranks. A CPU is
+    asked about as a GPU of unknown capability: its own FP6 (no float8 training on CPU
     ranks, slower there than bf16) does not stop a timing, torch's reference product runs."""
     from dsforge.translate.fp8 import fp8_device_problems, torchao_installed
 
-    problems = fp8_device_problems(scaling, device="cuda", capability=device_capability(on),
+    if resolved.recipe.model.moe is not None:
+        return "[FP4] train.fp8 is for dense models; the experts' GEMMs stay bf16"
+    problems = fp8_device_problems(scaling_timed(resolved.recipe), device="cuda",
+                                   capability=device_capability(on),
                                    torchao_available=torchao_installed())
     return "; ".join(f"[{p.rule}] {p.message}" for p in problems) or None
 
 
 def layer_gemms(resolved: Resolved) -> list[Gemm]:
-    """A layer's products at the recipe's microbatch: the ones train.fp8 runs in float8."""
-    tokens = resolved.layout.micro_batch * resolved.recipe.train.seq_len
-    return [g for g in model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp)
-            if g.name != "logits"]
+    """A layer's products at a rank's microbatch: the ones train.fp8 runs in float8."""
+    return [g for g in model_gemms(resolved.recipe.model, rank_tokens(resolved),
+                                   tp=resolved.layout.tp) if g.name != "logits"]
 
 
 def time_float8(resolved: Resolved, on, reps: int) -> dict:
-    """{"scaling", "bf16_s", "fp8_s" (a microbatch's layer products, forward and backward,
-    each product x its count), "flops"}, or {"scaling", "skipped": why}."""
-    import torch.nn.functional as F
+    """{"scaling", "bf16_s", "fp8_s" (a microbatch's layer products, their three passes, each
+    product x its count), "flops"}, or {"scaling", "skipped": why}."""
+    import torch
 
-    scaling = scaling_timed(resolved.recipe)
-    why = why_not_timed(scaling, on)
+    scaling = scaling_text(resolved.recipe)
+    why = why_not_timed(resolved, on)
     if why:
-        return {"scaling": scaling_text(resolved.recipe), "skipped": why}
-    product = _float8_product(scaling)
+        return {"scaling": scaling, "skipped": why}
     bf16_s = fp8_s = flops = 0.0
     try:
         for g in layer_gemms(resolved):
-            bf16_s += g.count * time_product(F.linear, g, on, reps)
-            fp8_s += g.count * time_product(product, g, on, reps)
+            bf16_s += g.count * sum(time_gemm(g, on, torch.bfloat16, reps, WARMUP).values())
+            fp8_s += g.count * sum(time_scaled_gemm(g, scaling_timed(resolved.recipe), on,
+                                                    reps).values())
             flops += 3 * g.count * g.flops
     except RuntimeError as exc:  # no float8 kernel for these shapes (e.g. a width not x16)
-        return {"scaling": scaling_text(resolved.recipe),
+        return {"scaling": scaling,
                 "skipped": f"no float8 product at these shapes: {str(exc).splitlines()[0][:200]}"}
-    return {"scaling": scaling_text(resolved.recipe), "bf16_s": bf16_s, "fp8_s": fp8_s,
-            "flops": flops}
+    return {"scaling": scaling, "bf16_s": bf16_s, "fp8_s": fp8_s, "flops": flops}
 
 
-def time_product(product, g: Gemm, on, reps: int, warmup: int = WARMUP) -> float:
-    """Seconds of `product(x, w)` (x [m, k], w [n, k] as nn.Linear holds it, in bf16) and its
-    backward to both x and w, at g's shape."""
+def time_scaled_gemm(g: Gemm, scaling: str, on, reps: int, warmup: int = WARMUP) -> dict:
+    """Seconds of each pass of one float8 product at g's shape (x [m, k], the weight w [n, k]
+    as nn.Linear holds it, the output's gradient dy [m, n]), each operand as torchao's config
+    casts it: the output x @ w.T, the input's gradient dy @ w, the weight's dy.T @ x; the
+    second operand column-major, as the kernel takes it."""
+    from torchao.float8.config import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(scaling)
+    rowwise = scaling == "rowwise"
+    passes = {"forward": (g.m, g.k, g.n, config.cast_config_input, config.cast_config_weight,
+                          config.gemm_config_output),
+              "input_grad": (g.m, g.n, g.k, config.cast_config_grad_output,
+                             config.cast_config_weight_for_grad_input, config.gemm_config_grad_input),
+              "weight_grad": (g.n, g.m, g.k, config.cast_config_grad_output_for_grad_weight,
+                              config.cast_config_input_for_grad_weight,
+                              config.gemm_config_grad_weight)}
+    return {name: median_seconds(_scaled_product(*shape, on, rowwise), on, reps, warmup)
+            for name, shape in passes.items()}
+
+
+def _scaled_product(rows: int, inner: int, cols: int, cast_a, cast_b, gemm, on, rowwise: bool):
+    """a [rows, inner] @ b [inner, cols] in float8 (b column-major), bf16 out: a callable."""
     import torch
 
-    x = torch.randn(g.m, g.k, device=on, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(g.n, g.k, device=on, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(g.m, g.n, device=on, dtype=torch.bfloat16)
-    return median_seconds(lambda: torch.autograd.grad(product(x, w), (x, w), dy), on, reps, warmup)
-
-
-def _float8_product(scaling: str):
-    """The rank's float8 product. Importing torchao logs the optional kernels it could not
-    load (none of them float8's) and a torch deprecation: not this command's lines."""
-    import logging
-
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    from dsforge.runtime.assemble.fp8 import float8_product
-
-    return float8_product(scaling)
+    a = torch.randn(rows, inner, device=on).to(cast_a.target_dtype)
+    b = torch.randn(cols, inner, device=on).to(cast_b.target_dtype).t()  # column-major
+    scale_a = torch.ones(rows, 1, device=on) if rowwise else torch.tensor(1.0, device=on)
+    scale_b = torch.ones(1, cols, device=on) if rowwise else torch.tensor(1.0, device=on)
+    return lambda: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b,
+                                    out_dtype=torch.bfloat16, use_fast_accum=gemm.use_fast_accum)
 
 
 def float8_speedup(timed: dict) -> float | None:
@@ -110,11 +126,11 @@ def cpu_estimate(resolved: Resolved, on, reps: int, rate: float) -> tuple[float,
     """(FLOPs, seconds) the float8 timing would take on this CPU: its bf16 products at `rate`
     (the CPU's dense rate), its float8 ones at the float8 product's rate at a 512^3 product
     (torch's reference float8 product: several times slower than the dense one here)."""
-    scaling = scaling_timed(resolved.recipe)
-    if why_not_timed(scaling, on):
+    if why_not_timed(resolved, on):
         return 0.0, 0.0
     flops = sum(3 * g.flops for g in layer_gemms(resolved)) * (reps + WARMUP)
-    probe_s = time_product(_float8_product(scaling), PROBE, on, 3, warmup=1)
+    probe_s = sum(time_scaled_gemm(PROBE, scaling_timed(resolved.recipe), on, 3,
+                                   warmup=1).values())
     return 2 * flops, flops / rate + flops * probe_s / (3 * PROBE.flops)
 
 
@@ -127,6 +143,6 @@ def float8_line(timed: dict, profile, device_type: str) -> str:
     rate = {k: timed["flops"] / timed[f"{k}_s"] / 1e12 for k in ("fp8", "bf16")}
     cpu = ("; a CPU's figure (torch's reference float8 product), not a GPU's"
            if device_type != "cuda" else "")
-    return (f"{chosen}) at a layer's shapes, forward and backward: {rate['fp8']:.3g} TFLOP/s "
-            f"against bf16's {rate['bf16']:.3g}: fp8_gemm_speedup {profile.fp8_gemm_speedup:.4g}"
-            f"{cpu}")
+    return (f"{chosen}) at a layer's shapes, the products alone (the casts are the other "
+            f"row's), three passes: {rate['fp8']:.3g} TFLOP/s against bf16's {rate['bf16']:.3g}: "
+            f"fp8_gemm_speedup {profile.fp8_gemm_speedup:.4g}{cpu}")

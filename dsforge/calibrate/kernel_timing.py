@@ -121,6 +121,13 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
+def rank_tokens(resolved) -> int:
+    """The tokens of one microbatch on a rank, what its products run over: micro_batch x
+    seq_len, a context-parallel shard of it under cp (as the cost model counts them,
+    cost/step_time.py modelled_gemm_rate)."""
+    return resolved.layout.micro_batch * resolved.recipe.train.seq_len // resolved.layout.cp
+
+
 def recipe_dtype(resolved) -> torch.dtype:
     """What the recipe's products run in: fp32, or bf16 for a 16-bit recipe."""
     return torch.float32 if resolved.recipe.train.precision == "fp32" else torch.bfloat16

@@ -31,22 +31,18 @@ LINEARS = (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
 
 def float8_linears(chunks, scaling: str) -> int:
     """Each transformer layer's linear layers to float8 products; returns how many."""
-    product = float8_product(scaling)
-    count = 0
-    for layer in transformer_layers(chunks):
-        for block, name in LINEARS:
-            getattr(getattr(layer, block), name)._forward_impl = product
-            count += 1
-    return count
-
-
-def float8_product(scaling: str):
-    """The product each linear layer gets: `(input, weight, bias=None, **megatron_options)`
-    in float8 with `scaling`'s config (dsforge calibrate times this same function)."""
     from torchao.float8.config import Float8LinearConfig
 
     config = Float8LinearConfig.from_recipe_name(scaling)
-    return functools.partial(_float8_product, config=config, mm_config=_mm_config(config))
+    mm_config = _mm_config(config)
+    count = 0
+    for layer in transformer_layers(chunks):
+        for block, name in LINEARS:
+            linear = getattr(getattr(layer, block), name)
+            linear._forward_impl = functools.partial(_float8_product, config=config,
+                                                     mm_config=mm_config)
+            count += 1
+    return count
 
 
 def _mm_config(config):
