@@ -97,6 +97,17 @@ def test_the_experts_are_timed_as_the_recipe_runs_them(impl):
     assert f"expert_efficiency {efficiency:.4g}" in line
 
 
+def test_a_ranks_experts_see_etp_over_tp_of_its_tokens():
+    """tp 2 with sequence parallelism holds half the tokens on a rank; at etp 2 the dispatcher
+    gathers them back over the expert-tensor group (and halves each expert's width), at etp 1
+    it does not."""
+    common = ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2")
+    folded = expert_timing.expert_shape(_tiny_moe(*common, "parallel.etp=1", world_size=4))
+    assert (folded.rows, folded.ffn) == (256, 96)  # 2 x 128 tokens / tp 2 x top-2
+    whole = expert_timing.expert_shape(_tiny_moe(*common, "parallel.etp=2", world_size=4))
+    assert (whole.rows, whole.ffn) == (512, 48)
+
+
 def test_the_rows_spread_over_the_experts_with_the_remainder_first():
     shape = expert_timing.ExpertShape(rows=10, experts=4, hidden=8, ffn=8)
     assert shape.counts() == [3, 3, 2, 2]
