@@ -367,6 +367,9 @@ def _coefficients_line(calibration: Calibration) -> str:
     if c.get("attention"):
         parts.append(f"attention x{c['compute'] + c['attention']:.3g} (efficiency "
                      f"{before.attention_efficiency:.3g} -> {after.attention_efficiency:.3g})")
+    if before.expert_efficiency is not None:  # scaled with the GEMMs (apply)
+        parts.append(f"experts' efficiency {before.expert_efficiency:.3g} -> "
+                     f"{after.expert_efficiency:.3g}")
     parts += [f"{c['other'] * 1e12:.3g} ps a token, layer and hidden unit outside them",
               f"{c['fixed'] * 1e3:.3g} ms per microbatch and layer",
               f"{c['gathers'] * 1e3:.3g} ms per ZeRO-3 layer gather",

@@ -181,6 +181,9 @@ def test_the_refit_scales_a_measured_expert_rate_with_the_gemms():
     coefficients = {"compute": 2.0, "fixed": 0.0, "gathers": 0.0, "optimizer": 1.0, "communication": 1.0}
     assert cal.apply(measured, coefficients).expert_efficiency == pytest.approx(0.2)
     assert cal.apply(H100, coefficients).expert_efficiency is None
+    full = {**coefficients, "other": 0.0, "host": 0.0, "host_zero3": 0.0}
+    line = cal._coefficients_line(cal.Calibration(measured, cal.apply(measured, full), full, []))
+    assert "experts' efficiency 0.4 -> 0.2" in line
 
 
 def test_a_profile_file_holds_expert_efficiency_in_range(tmp_path):
