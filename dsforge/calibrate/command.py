@@ -126,14 +126,12 @@ def refuse_a_long_cpu_calibration(resolved: Resolved, on, reps: int) -> None:
     one device for its layers) and the float8 timing's (whose rate is probed only where the
     rest fits: importing torchao takes seconds)."""
     from dsforge.calibrate.kernel_timing import Gemm, model_gemms, time_gemm
-    from dsforge.calibrate.layer_timing import recipe_shaped
 
     tokens = rank_tokens(resolved)
     gemms = model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp)
     per_size = sum(3 * g.flops for g in gemms)
     flops = (per_size * sum(1 / f for f in TOKEN_FRACTIONS) * (reps + GEMM_WARMUP)
-             + cpu_estimate_flops(resolved, reps)
-             + cpu_estimate_flops(recipe_shaped(resolved, 1, 0), reps))
+             + cpu_estimate_flops(resolved, reps))
     probe = Gemm("probe", 512, 512, 512, 1)
     rate = 3 * probe.flops / sum(time_gemm(probe, on, recipe_dtype(resolved), 3, warmup=1).values())
     seconds = flops / rate

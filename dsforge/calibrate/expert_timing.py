@@ -127,9 +127,14 @@ def sequential_step(shape: ExpertShape, on, dtype):
 
 
 def cpu_estimate_flops(resolved: Resolved, reps: int) -> float:
-    """FLOPs the experts' timing runs (the CPU's estimate counts them at its dense rate)."""
+    """FLOPs the experts' timings run (the CPU's estimate counts them at its dense rate): at
+    the recipe's layout, and with every expert on one device for its layers (calibrate/layers.py)."""
+    from dsforge.calibrate.layer_timing import recipe_shaped
+
     shape = expert_shape(resolved)
-    return 0.0 if shape is None else shape.flops * (reps + WARMUP)
+    if shape is None:
+        return 0.0
+    return (shape.flops + expert_shape(recipe_shaped(resolved, 1, 0)).flops) * (reps + WARMUP)
 
 
 def expert_efficiency(timed: dict | None, peak_flops: float) -> float | None:

@@ -4,8 +4,8 @@ floors and the work outside the GEMMs and attention, as profile fields and repor
 On a GPU the host launches kernels beside the device, so a layer's forward at a handful of
 tokens is the host's floor (`host_layer_s`, `host_layer_zero3_s`), and a layer's forward and
 backward at the recipe's shapes, less its GEMMs and attention (and an MoE layer's experts),
-is the `other` row's work (`other_s_per_token_hidden`). On a CPU the host is the device: both are reported, and the
-profile keeps neither (the refit's additive costs stand for them there).
+is the `other` row's work (`other_s_per_token_hidden`). On a CPU the host is the device: both
+are reported, and the profile keeps neither (the refit's additive costs stand for them there).
 """
 
 from __future__ import annotations

@@ -108,6 +108,14 @@ def test_a_ranks_experts_see_etp_over_tp_of_its_tokens():
     assert (whole.rows, whole.ffn) == (512, 48)
 
 
+def test_a_cpus_refusal_counts_both_expert_timings():
+    """At the recipe's layout (2 of 4 experts a rank) and on the layers' one device (all 4):
+    the same 512 rows a layer, so twice the FLOPs."""
+    resolved = _tiny_moe()
+    one = expert_timing.expert_shape(resolved).flops
+    assert expert_timing.cpu_estimate_flops(resolved, reps=3) == 2 * one * (3 + expert_timing.WARMUP)
+
+
 def test_the_rows_spread_over_the_experts_with_the_remainder_first():
     shape = expert_timing.ExpertShape(rows=10, experts=4, hidden=8, ffn=8)
     assert shape.counts() == [3, 3, 2, 2]
