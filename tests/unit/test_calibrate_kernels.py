@@ -204,15 +204,24 @@ def test_a_profile_file_holds_expert_efficiency_in_range(tmp_path):
 
 
 def test_dsforge_calibrate_of_an_moe_recipe_writes_its_experts_figure(tmp_path):
-    """Its own process (DeepSpeed's engines need a process group): tiny_moe on this CPU."""
+    """Its own process (DeepSpeed's engines need a process group): tiny_moe in bf16 on this
+    CPU. Also what the engines print: DeepSpeed's bf16 engines print their memory
+    (see_memory_usage) to stdout, where the report goes; those lines go to the profile's
+    .engines.log, the report stays dsforge's."""
     import subprocess
     import sys
 
     out = tmp_path / "moe.yaml"
     done = subprocess.run([sys.executable, "-m", "dsforge", "calibrate", "recipes/tiny_moe.yaml",
-                           "--device", "cpu", "--reps", "1", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=240)
+                           "--set", "train.precision=bf16", "--device", "cpu", "--reps", "1",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
+    log = tmp_path / "moe.engines.log"
+    assert "begin bf16_optimizer" in log.read_text()
+    assert "bf16_optimizer" not in done.stdout + done.stderr and "MA " not in done.stdout
+    assert done.stdout.startswith("Measured by dsforge calibrate")
+    assert done.stdout.rstrip().endswith(f"the engines' own output: {log}")
+    assert "destroy_process_group" not in done.stderr
     written = read_profile(out)
     assert 0 < written.expert_efficiency <= 1
     assert written.fp8_gemm_speedup == H100.fp8_gemm_speedup  # FP4: no float8 in an MoE
