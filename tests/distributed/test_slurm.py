@@ -130,8 +130,11 @@ def test_restarts_inside_the_allocation_then_a_requeue_without_the_failing_node(
     env = {**cluster.env, "DSFORGE_INJECT_FAULT": f"host-down:{node}:30"}
     job_id = cluster.run("sbatch", "--parsable", str(script), env=env).stdout.strip().split(";")[0]
     kill_rank_at(RunDir(run_dir), 1, 3, after_restarts=0, deadline=time.monotonic() + 150)
+    # The script requeues the job held (pending from then on), then sets ExcNodeList (retried
+    # until Slurm takes it) and releases it: wait for the list, not only for pending.
     _until(lambda: cluster.job(job_id).get("Restarts") == "1"
-           and cluster.job(job_id).get("JobState") == "PENDING", 180, cluster, job_id)
+           and cluster.job(job_id).get("JobState") == "PENDING"
+           and cluster.job(job_id).get("ExcNodeList") not in (None, "(null)"), 180, cluster, job_id)
     job, output = cluster.job(job_id), _output(run_dir, job_id)
     assert job["ExcNodeList"] == node, output
     assert "rank 1 died" in output and "restarting (1 of 2) from the start" in output
