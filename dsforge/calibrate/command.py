@@ -102,7 +102,7 @@ def _measure(resolved: Resolved, on, reps: int, log: Path) -> tuple:
         try:
             gemms = gemm_rate(resolved, on, reps)
             optimizer = optimizer_cost(resolved, on, reps)
-            side = _side_figures(resolved, on, reps)
+            side = _side_figures(resolved, on, reps, gemms)
             # last: on a CPU it installs the CPU backend
             layers = measure_layers(resolved, on, reps)
         finally:
@@ -125,15 +125,14 @@ def refuse_a_long_cpu_calibration(resolved: Resolved, on, reps: int) -> None:
     the dense ones at three sizes, the experts' (at the recipe's layout, and every expert on
     one device for its layers) and the float8 timing's (whose rate is probed only where the
     rest fits: importing torchao takes seconds)."""
-    from dsforge.calibrate.kernel_timing import Gemm, model_gemms, time_gemm
+    from dsforge.calibrate.kernel_timing import PROBE, WARMUP, model_gemms, time_gemm
 
     tokens = rank_tokens(resolved)
     gemms = model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp)
     per_size = sum(3 * g.flops for g in gemms)
-    flops = (per_size * sum(1 / f for f in TOKEN_FRACTIONS) * (reps + GEMM_WARMUP)
+    flops = (per_size * sum(1 / f for f in TOKEN_FRACTIONS) * (reps + WARMUP)
              + cpu_estimate_flops(resolved, reps))
-    probe = Gemm("probe", 512, 512, 512, 1)
-    rate = 3 * probe.flops / sum(time_gemm(probe, on, recipe_dtype(resolved), 3, warmup=1).values())
+    rate = 3 * PROBE.flops / sum(time_gemm(PROBE, on, recipe_dtype(resolved), 3, warmup=1).values())
     seconds = flops / rate
     if seconds <= CPU_GEMM_LIMIT_S:
         fp8_flops, fp8_s = cpu_estimate(resolved, on, reps, rate)
@@ -163,7 +162,6 @@ def _base_profile(resolved: Resolved, gpu: str | None, on) -> ClusterProfile:
 
 
 TOKEN_FRACTIONS = (1, 2, 4)  # the microbatch's tokens, a half and a quarter of them
-GEMM_WARMUP = 2
 
 
 def gemm_rate(resolved: Resolved, on, reps: int) -> dict:
@@ -190,11 +188,11 @@ def knee_of(rates: dict[int, float]) -> float:
 
 
 def _gemm_rate_at(resolved: Resolved, on, reps: int, tokens: int) -> tuple[float, list]:
-    from dsforge.calibrate.kernel_timing import model_gemms, time_gemm
+    from dsforge.calibrate.kernel_timing import WARMUP, model_gemms, time_gemm
 
     rows, flops, seconds = [], 0.0, 0.0
     for g in model_gemms(resolved.recipe.model, tokens, tp=resolved.layout.tp):
-        passes = time_gemm(g, on, recipe_dtype(resolved), reps, warmup=GEMM_WARMUP)
+        passes = time_gemm(g, on, recipe_dtype(resolved), reps, warmup=WARMUP)
         flops += 3 * g.count * g.flops
         seconds += g.count * sum(passes.values())
         rows.append((g, passes))
@@ -292,17 +290,21 @@ def attention_efficiency(attention: dict, profile: ClusterProfile) -> float | No
     return min(1.0, timed["tflops_full_matrix"] * 1e12 / profile.gpu.peak_bf16_flops)
 
 
-def _side_figures(resolved: Resolved, on, reps: int) -> dict:
-    """Attention, the memory bandwidth, the float8 GEMM and the MoE experts."""
-    from dsforge.calibrate.kernel_timing import memory_bandwidth, time_attention
+def _side_figures(resolved: Resolved, on, reps: int, gemms: dict) -> dict:
+    """Attention, the memory bandwidth, the float8 GEMM and the MoE experts. A bf16 recipe's
+    GEMMs (`gemms`, gemm_rate's) are the float8 timing's bf16 side, not timed again."""
+    import torch
 
-    m, lay = resolved.recipe.model, resolved.layout
-    attention = time_attention(m, lay.micro_batch, resolved.recipe.train.seq_len, on,
-                               recipe_dtype(resolved), reps, warmup=2, backends=(m.sdpa_backend,))
+    from dsforge.calibrate.kernel_timing import WARMUP, memory_bandwidth, time_attention
+
+    m, lay, dtype = resolved.recipe.model, resolved.layout, recipe_dtype(resolved)
+    attention = time_attention(m, lay.micro_batch, resolved.recipe.train.seq_len, on, dtype, reps,
+                               warmup=WARMUP, backends=(m.sdpa_backend,))
     copy = GPU_COPY_MIB if on.type == "cuda" else CPU_COPY_MIB
+    bf16 = {g.name: passes for g, passes in gemms["rows"]} if dtype is torch.bfloat16 else None
     return {"attention": attention, "bandwidth": memory_bandwidth(on, copy),
-            "fp8": time_float8(resolved, on, reps),
-            "experts": time_experts(resolved, on, recipe_dtype(resolved), reps)}
+            "fp8": time_float8(resolved, on, reps, bf16_timed=bf16),
+            "experts": time_experts(resolved, on, dtype, reps)}
 
 
 def _report(resolved, profile: ClusterProfile, gemms: dict, optimizer: dict, side: dict,

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsforge.calibrate.kernel_timing import device_capability, median_seconds, rank_tokens
+from dsforge.calibrate.kernel_timing import WARMUP, device_capability, median_seconds, rank_tokens
 from dsforge.recipe.resolve import Resolved
-
-WARMUP = 2
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,9 @@ so the path is exercised, but its figure is not a GPU's.
 
 from __future__ import annotations
 
-from dsforge.calibrate.kernel_timing import (Gemm, device_capability, median_seconds,
-                                             model_gemms, rank_tokens, time_gemm)
+from dsforge.calibrate.kernel_timing import (PROBE, WARMUP, Gemm, device_capability,
+                                             median_seconds, model_gemms, rank_tokens, time_gemm)
 from dsforge.recipe.resolve import Resolved
-
-WARMUP = 2
-PROBE = Gemm("probe", 512, 512, 512, 1)  # the product a CPU's float8 rate is estimated from
 
 
 def scaling_timed(recipe) -> str:
@@ -63,21 +60,24 @@ def layer_gemms(resolved: Resolved) -> list[Gemm]:
                                    tp=resolved.layout.tp) if g.name != "logits"]
 
 
-def time_float8(resolved: Resolved, on, reps: int) -> dict:
+def time_float8(resolved: Resolved, on, reps: int,
+                bf16_timed: dict[str, dict] | None = None) -> dict:
     """{"scaling", "bf16_s", "fp8_s" (a microbatch's layer products, their three passes, each
-    product x its count), "flops"}, or {"scaling", "skipped": why}."""
+    product x its count), "flops"}, or {"scaling", "skipped": why}. `bf16_timed`: the
+    products' passes already timed in bf16 at these shapes, by name (calibrate's GEMM rate
+    for a bf16 recipe); the others are timed here."""
     import torch
 
-    scaling = scaling_text(resolved.recipe)
+    scaling, timed = scaling_text(resolved.recipe), scaling_timed(resolved.recipe)
     why = why_not_timed(resolved, on)
     if why:
         return {"scaling": scaling, "skipped": why}
     bf16_s = fp8_s = flops = 0.0
     try:
         for g in layer_gemms(resolved):
-            bf16_s += g.count * sum(time_gemm(g, on, torch.bfloat16, reps, WARMUP).values())
-            fp8_s += g.count * sum(time_scaled_gemm(g, scaling_timed(resolved.recipe), on,
-                                                    reps).values())
+            bf16 = (bf16_timed or {}).get(g.name) or time_gemm(g, on, torch.bfloat16, reps, WARMUP)
+            bf16_s += g.count * sum(bf16.values())
+            fp8_s += g.count * sum(time_scaled_gemm(g, timed, on, reps).values())
             flops += 3 * g.count * g.flops
     except RuntimeError as exc:  # no float8 kernel for these shapes (e.g. a width not x16)
         return {"scaling": scaling,
@@ -90,9 +90,7 @@ def time_scaled_gemm(g: Gemm, scaling: str, on, reps: int, warmup: int = WARMUP)
     as nn.Linear holds it, the output's gradient dy [m, n]), each operand as torchao's config
     casts it: the output x @ w.T, the input's gradient dy @ w, the weight's dy.T @ x; the
     second operand column-major, as the kernel takes it."""
-    from torchao.float8.config import Float8LinearConfig
-
-    config = Float8LinearConfig.from_recipe_name(scaling)
+    config = _torchao_config(scaling)
     rowwise = scaling == "rowwise"
     passes = {"forward": (g.m, g.k, g.n, config.cast_config_input, config.cast_config_weight,
                           config.gemm_config_output),
@@ -103,6 +101,19 @@ def time_scaled_gemm(g: Gemm, scaling: str, on, reps: int, warmup: int = WARMUP)
                               config.gemm_config_grad_weight)}
     return {name: median_seconds(_scaled_product(*shape, on, rowwise), on, reps, warmup)
             for name, shape in passes.items()}
+
+
+def _torchao_config(scaling: str):
+    """torchao's float8 config for `scaling`, as the ranks make it. Importing torchao logs the
+    optional kernels it could not load (none of them these) and a torch deprecation: not this
+    command's lines."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from torchao.float8.config import Float8LinearConfig
+
+    return Float8LinearConfig.from_recipe_name(scaling)
 
 
 def _scaled_product(rows: int, inner: int, cols: int, cast_a, cast_b, gemm, on, rowwise: bool):

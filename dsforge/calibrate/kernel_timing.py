@@ -30,6 +30,13 @@ class Gemm:
         return 2.0 * self.m * self.k * self.n
 
 
+# Calls before the timed ones (the first pays for allocation, a GPU's kernel choice) in every
+# kernel timing here, and the small product a CPU's rate is estimated from before a long
+# calibration is refused (calibrate/command.py).
+WARMUP = 2
+PROBE = Gemm("probe", 512, 512, 512, 1)
+
+
 def model_gemms(model, tokens: int, divisor: int = 1, tp: int = 1) -> list[Gemm]:
     """The products of one microbatch through the model (dsforge's Llama-style layer), on one
     of `tp` tensor-parallel ranks: column-parallel outputs (QKV, fc1, the vocabulary) and

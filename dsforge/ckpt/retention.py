@@ -19,6 +19,7 @@ from dsforge.ckpt.format import COMPLETE
 from dsforge.ckpt.trust import (CheckpointError, complete_checkpoints, read_latest, read_marker,
                                 tag_for)
 
+
 def to_delete(root: Path, keep_last: int) -> list[str]:
     """The tags pruning would delete (oldest first): complete checkpoints older than the one
     `latest` names, beyond the newest keep_last (which count `latest`). None when keep_last is

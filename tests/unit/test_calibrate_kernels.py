@@ -43,6 +43,12 @@ def test_the_float8_product_is_timed_against_bf16_at_the_layer_shapes():
     assert timed["bf16_s"] > 0 and timed["fp8_s"] > 0, timed
     assert float8_timing.float8_speedup(timed) == pytest.approx(timed["bf16_s"] / timed["fp8_s"])
     assert timed["scaling"] == "tensorwise: the recipe's train.fp8 is none"
+    # A bf16 recipe's products, timed already by the GEMM rate, are not timed again.
+    passes = {"forward": 1.0, "input_grad": 2.0, "weight_grad": 3.0}
+    gemms = float8_timing.layer_gemms(resolved)
+    reused = float8_timing.time_float8(resolved, CPU, reps=1,
+                                       bf16_timed={g.name: passes for g in gemms})
+    assert reused["bf16_s"] == 6.0 * sum(g.count for g in gemms)
     line = float8_timing.float8_line(timed, dataclasses.replace(H100, fp8_gemm_speedup=0.25), "cpu")
     assert "fp8_gemm_speedup 0.25; a CPU's figure" in line
     # What a CPU's refusal counts for it: both sides' FLOPs, bf16's at the dense rate given.
