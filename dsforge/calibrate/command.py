@@ -104,7 +104,7 @@ def _measure(resolved: Resolved, on, reps: int, log: Path) -> tuple:
             optimizer = optimizer_cost(resolved, on, reps)
             side = _side_figures(resolved, on, reps, gemms)
             # last: on a CPU it installs the CPU backend
-            layers = measure_layers(resolved, on, reps)
+            layers = measure_layers(resolved, on, reps, experts=side["experts"])
         finally:
             leave_world()
     return gemms, optimizer, side, layers

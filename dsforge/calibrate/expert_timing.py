@@ -126,13 +126,15 @@ def sequential_step(shape: ExpertShape, on, dtype):
 
 def cpu_estimate_flops(resolved: Resolved, reps: int) -> float:
     """FLOPs the experts' timings run (the CPU's estimate counts them at its dense rate): at
-    the recipe's layout, and with every expert on one device for its layers (calibrate/layers.py)."""
+    the recipe's layout, and with every expert on one device for its layers (calibrate/layers.py)
+    where that is another shape."""
     from dsforge.calibrate.layer_timing import recipe_shaped
 
     shape = expert_shape(resolved)
     if shape is None:
         return 0.0
-    return (shape.flops + expert_shape(recipe_shaped(resolved, 1, 0)).flops) * (reps + WARMUP)
+    shapes = {shape, expert_shape(recipe_shaped(resolved, 1, 0))}
+    return sum(s.flops for s in shapes) * (reps + WARMUP)
 
 
 def expert_efficiency(timed: dict | None, peak_flops: float) -> float | None:

@@ -23,10 +23,12 @@ ZERO3_PACED = 1.1
 NOT_RESOLVED = "not resolved: 3 layers took no longer than 1 (a busy machine?)"
 
 
-def measure_layers(resolved: Resolved, on, reps: int) -> dict | str:
+def measure_layers(resolved: Resolved, on, reps: int, experts: dict | None = None) -> dict | str:
     """{"floors": per ZeRO stage, "work": the layer at the recipe's shapes}, or why they could
-    not be measured: the figures before them still make a profile. Megatron's import warnings
-    (no Transformer Engine, no Apex) are not this command's lines."""
+    not be measured: the figures before them still make a profile. `experts`: the experts
+    already timed at the recipe's layout (expert_timing.time_experts), reused where the timed
+    layer runs the same products. Megatron's import warnings (no Transformer Engine, no Apex)
+    are not this command's lines."""
     import warnings
 
     from dsforge.calibrate.layer_timing import host_floors, layer_work, zero3_forward
@@ -35,21 +37,24 @@ def measure_layers(resolved: Resolved, on, reps: int) -> dict | str:
     try:
         return {"floors": host_floors(resolved, on, reps), "work": layer_work(resolved, on, reps),
                 "zero3": zero3_forward(resolved, on, reps),
-                "experts": _layer_experts(resolved, on, reps)}
+                "experts": _layer_experts(resolved, on, reps, experts)}
     except Exception as exc:  # reported, and the profile keeps the GPU's defaults
         return f"{type(exc).__name__}: {exc}"
 
 
-def _layer_experts(resolved: Resolved, on, reps: int) -> dict | None:
+def _layer_experts(resolved: Resolved, on, reps: int, experts: dict | None) -> dict | None:
     """An MoE layer's experts as the timed layer runs them (one device: every expert, the
-    recipe's microbatch), to take out of its time with its GEMMs; None for a dense model."""
-    from dsforge.calibrate.expert_timing import time_experts
+    recipe's microbatch), to take out of its time with its GEMMs; None for a dense model.
+    At a layout that already runs them so (ep, etp, tp and cp 1) `experts` is that timing."""
+    from dsforge.calibrate.expert_timing import expert_shape, time_experts
     from dsforge.calibrate.kernel_timing import recipe_dtype
     from dsforge.calibrate.layer_timing import recipe_shaped
 
     if resolved.recipe.model.moe is None:
         return None
     timed = recipe_shaped(resolved, 1, 0)
+    if experts is not None and experts["shape"] == expert_shape(timed):
+        return experts
     return time_experts(timed, on, recipe_dtype(timed), reps)
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsforge.calibrate import expert_timing, float8_timing
+from dsforge.calibrate import expert_timing, float8_timing, layers
 from dsforge.cost import fit as cal
 from dsforge.cost.profile import default_profile, read_profile
 from dsforge.cost.step_time import _flop_rate, step_time
@@ -120,6 +120,20 @@ def test_a_cpus_refusal_counts_both_expert_timings():
     resolved = _tiny_moe()
     one = expert_timing.expert_shape(resolved).flops
     assert expert_timing.cpu_estimate_flops(resolved, reps=3) == 2 * one * (3 + expert_timing.WARMUP)
+
+
+def test_experts_already_timed_on_one_device_are_not_timed_again():
+    """At ep 1 on one rank the layer's experts are the recipe's: the layers reuse that
+    timing, and the CPU's refusal counts it once; at ep 2 they time every expert again."""
+    alone = _tiny_moe("parallel.ep=1", "parallel.dp=1", world_size=1)
+    one = expert_timing.expert_shape(alone).flops
+    assert expert_timing.cpu_estimate_flops(alone, reps=3) == one * (3 + expert_timing.WARMUP)
+    timed = {"impl": "sequential", "why": "", "shape": expert_timing.expert_shape(alone),
+             "seconds": 1.0}
+    assert layers._layer_experts(alone, CPU, 1, timed) is timed
+    spread = _tiny_moe()
+    again = layers._layer_experts(spread, CPU, 1, expert_timing.time_experts(spread, CPU, torch.float32, 1))
+    assert again["shape"].experts == 4 and "seconds" in again
 
 
 def test_the_rows_spread_over_the_experts_with_the_remainder_first():
