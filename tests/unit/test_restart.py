@@ -279,6 +279,29 @@ def test_only_deepspeeds_runner_gets_the_runners_environment(tmp_path):
     assert start.through_runner and "deepspeed.launcher.runner" in start.command
 
 
+@pytest.mark.parametrize("through_runner", [False, True])
+def test_launch_and_watch_gives_the_runners_environment_only_through_the_runner(
+        tmp_path, monkeypatch, through_runner):
+    """What the start plan says reaches the job's environment: DeepSpeed's runner gets its
+    .deepspeed_env lookup pointed at nothing and loses a value it would paste unquoted."""
+    from dsforge.launch import start
+
+    seen = {}
+
+    def fake_run_job(command, *, env, **_):
+        seen.update(env)
+        return 1
+
+    monkeypatch.setattr(start, "run_job", fake_run_job)
+    monkeypatch.setenv("PYTHONPATH", "/a b/$(id)")
+    lines = []
+    start.launch_and_watch(["true"], RunDir(tmp_path), 1, timeout=None, verbose=False,
+                           say=lines.append, through_runner=through_runner)
+    assert ("DS_ENV_FILE" in seen) is through_runner
+    assert ("PYTHONPATH" in seen) is not through_runner
+    assert any("PYTHONPATH is forwarded inside the job" in line for line in lines) is through_runner
+
+
 def test_nothing_to_set_aside_makes_no_attempt(tmp_path):
     run_dir = RunDir(tmp_path)
     run_dir.metrics.write_text("x\n")  # a resume keeps the steps before its checkpoint
