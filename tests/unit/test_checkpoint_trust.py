@@ -348,3 +348,12 @@ def test_save_records_every_file_and_its_size(tmp_path, monkeypatch):
     assert set(record["files"]) == {"dsforge_rng_rank00000.pt", "dsforge_state/rank00000.safetensors"}
     assert record["files"]["dsforge_state/rank00000.safetensors"] == 7 and not stale.exists()
     check_complete(root, record)
+    # A complete one of another trajectory (`latest` set back by hand) claims nothing while
+    # the step is saved again, and keeps none of its files.
+    (root / "step00000003" / "from_another_layout.pt").write_bytes(b"old")
+    again = checkpoint.take_snapshot(Engine(), root, step=3, world_size=1, rank=0)
+    assert list((root / "step00000003").iterdir()) == []
+    again.state.copy(None)
+    checkpoint.write_files(again)
+    checkpoint.publish(root, 3, world_size=1, recipe=RECIPE)
+    assert "from_another_layout.pt" not in latest_complete(root)["files"]

@@ -99,13 +99,18 @@ def publish(root: Path, step: int, *, world_size: int, recipe: dict[str, Any]) -
 
 
 def _fresh_directory(directory: Path, rank: int) -> None:
-    """The checkpoint's directory, empty: an earlier save of the same step that never
-    completed (its job died, and a resume came back to that step, maybe on another layout)
-    would leave files no rank of this save overwrites, and the marker would list them."""
+    """The checkpoint's directory, empty. An earlier save of the same step (its job died, and
+    a resume came back to that step, maybe on another layout; or a complete one of another
+    trajectory, after `latest` was set back by hand) would leave files no rank of this save
+    overwrites, which the marker would then list, and a complete one would claim to be
+    complete while its files are written over. Its marker goes first, so a save cut short
+    here leaves nothing that claims to be complete. A save never writes the step it resumed
+    from (its first save is of a step it trained), so this is never `latest`'s checkpoint."""
     if rank == 0:
-        if directory.exists() and not (directory / COMPLETE).exists():
+        (directory / COMPLETE).unlink(missing_ok=True)
+        if directory.exists():
             shutil.rmtree(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True)
     torch.distributed.barrier()
 
 
