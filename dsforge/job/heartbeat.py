@@ -53,11 +53,16 @@ class Heartbeat:
 
 
 def read_all(run_dir: RunDir) -> dict[int, tuple[int, float]]:
-    """rank -> (step, seconds since its last beat)."""
+    """rank -> (step, seconds since its last beat). A file that cannot be read (set aside by
+    a restart between the listing and the read) or does not parse is left out: its reader
+    is recording how a rank ended, which must not fail on it."""
     now, beats = time.time(), {}
     for rank, path in run_dir.heartbeat_files():
-        step, stamp = path.read_text().split()
-        beats[rank] = (int(step), now - float(stamp))
+        try:
+            step, stamp = path.read_text().split()
+            beats[rank] = (int(step), now - float(stamp))
+        except (OSError, ValueError):
+            continue
     return beats
 
 

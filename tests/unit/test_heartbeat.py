@@ -21,3 +21,13 @@ def test_heartbeat_file_follows_the_beats_off_the_hot_path(tmp_path):
     heartbeat.beat(8)
     heartbeat.flush()
     assert read_all(run_dir)[3][0] == 8
+
+
+def test_a_heartbeat_that_cannot_be_read_is_left_out(tmp_path):
+    """The supervisor reads the beats while recording how its rank ended: a file cut short or
+    set aside by a restart between the listing and the read must not fail it."""
+    run_dir = RunDir(tmp_path)
+    run_dir.heartbeats.mkdir(parents=True)
+    (run_dir.heartbeats / "rank00000").write_text("")
+    (run_dir.heartbeats / "rank00001").write_text(f"5 {time.time()}")
+    assert list(read_all(run_dir)) == [1]
