@@ -52,3 +52,23 @@ def test_the_passing_drills_are_kinds_a_restart_gets_past():
     from dsforge.runtime.guard.drills import PASSING_KINDS
 
     assert set(PASSING_KINDS) <= set(RETRIED)
+
+
+@pytest.mark.parametrize("eval_at", [7, 10])
+def test_stop_eval_fires_before_the_first_validation_batch_from_its_step_on(monkeypatch, eval_at):
+    """stop-eval:0:7 with validation after step 7, or only after step 10: the supervisor gets
+    SIGUSR1 before that validation's first batch (a second call for one step), once."""
+    import signal
+
+    from dsforge.runtime.guard import drills
+
+    sent = []
+    monkeypatch.setattr(drills.os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    drill = drills.StopDrill(parse_fault("stop-eval:0:7"), 0, owner="", request=None)
+    for step in range(5, 12):
+        drill.before(step)  # the step starts
+        if step == eval_at:
+            drill.before(step)  # its first validation batch
+            assert sent == [(os.getppid(), signal.SIGUSR1)]
+            drill.before(step)
+    assert len(sent) == 1

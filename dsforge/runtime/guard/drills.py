@@ -174,17 +174,19 @@ class StopDrill:
 
     def __init__(self, fault, rank: int, owner: str, request: StopRequest):
         self.armed = fault is not None and fault[0] in ("stop", "stop-eval") and fault[1] == rank
-        self.fault, self.owner, self.request, self.calls = fault, owner, request, 0
+        self.fault, self.owner, self.request = fault, owner, request
+        self.last_step: int | None = None
 
     def before(self, step: int) -> None:
-        """Called when a step starts and before each of its validation batches."""
-        if not self.armed or step != self.fault[2]:
+        """Called when a step starts and before each of its validation batches (with the
+        step's index again: a second call for one step is a validation batch)."""
+        repeat, self.last_step = step == self.last_step, step
+        if not self.armed or step < self.fault[2]:
             return
-        self.calls += 1
-        if self.fault[0] == "stop" and self.calls == 1:
+        if self.fault[0] == "stop" and step == self.fault[2]:
             self.armed = False
             signal_the_job(self.owner, self.request)
-        elif self.fault[0] == "stop-eval" and self.calls == 2:
+        elif self.fault[0] == "stop-eval" and repeat:  # the first validation batch from STEP on
             self.armed = False
             os.kill(os.getppid(), signal.SIGUSR1)  # the supervisor passes it on to this rank
 
