@@ -246,6 +246,23 @@ def test_the_guard_relies_on_these_internals():
     assert "self.dataset_index[idx]" in blended and "self.dataset_sample_index[idx]" in blended
 
 
+def test_fp16s_loss_scale_is_read_where_dsforge_reads_it():
+    """runtime/loop/metrics.py `loss_scale` reads DeepSpeed's fp16 wrappers' `loss_scale`, the
+    scale their backward multiplies the loss by (step.py gives the MoE aux loss the same)."""
+    import inspect
+
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for zero0 in (FP16_Optimizer, FP16_UnfusedOptimizer):
+        assert "return self.loss_scale_config.cur_scale" in inspect.getsource(zero0.loss_scale.fget)
+        assert "* self.loss_scale_config.cur_scale" in inspect.getsource(zero0.backward)
+    for sharded in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        assert "return self.loss_scaler.cur_scale" in inspect.getsource(sharded.loss_scale.fget)
+
+
 def test_grouped_experts_rely_on_these_internals():
     """runtime/assemble/grouped_moe.py: MoELayer's forward goes route -> preprocess -> dispatch ->
     routed_experts_compute -> combine -> postprocess (dsforge's on-device dispatch overrides the

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
+from dsforge.runtime.loop import step
 from dsforge.runtime.loop.step import census_at_last_backward, step_with_census
 
 
@@ -48,3 +49,20 @@ def test_the_optimizer_census_runs_inside_each_torch_step_and_is_removed_after()
     assert calls == ["optimizer", "optimizer"]
     step_with_census(engine, None)
     assert calls == ["optimizer", "optimizer"]  # the hook is gone
+
+
+def test_the_moe_aux_loss_gradient_carries_fp16s_loss_scale(monkeypatch):
+    """DeepSpeed's fp16 backward multiplies the loss by its scale and its update divides every
+    gradient by it: the aux loss's gradient, set apart by Megatron's MoEAuxLossAutoScaler,
+    must carry it too (it was 2^16 x too weak at the start of an fp16 run)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale",
+                        MoEAuxLossAutoScaler.main_loss_backward_scale)  # restored after
+    fp16 = SimpleNamespace(fp16_enabled=lambda: True, optimizer=SimpleNamespace(loss_scale=65536.0))
+    bf16 = SimpleNamespace(fp16_enabled=lambda: False, optimizer=SimpleNamespace())
+    assert (step._fp16_loss_scale(fp16), step._fp16_loss_scale(bf16)) == (65536.0, 1.0)
+    step._scale_moe_aux_loss(0.5 * step._fp16_loss_scale(fp16), torch.device("cpu"))
+    aux = torch.tensor(2.0, requires_grad=True)
+    MoEAuxLossAutoScaler.apply(torch.zeros(1, requires_grad=True), aux).sum().backward()
+    assert aux.grad.item() == 0.5 * 65536

@@ -75,10 +75,11 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
 
 
 def loss_scale(optimizer, precision: str) -> float | None:
-    """fp16's dynamic loss scale (DeepSpeed's optimizer wrapper holds it); None otherwise."""
+    """fp16's dynamic loss scale (DeepSpeed's optimizer wrapper holds it: its `loss_scale`,
+    at ZeRO 0 as at 1-3, where `cur_scale` exists at 1-3 only); None otherwise."""
     if precision != "fp16":
         return None
-    scale = getattr(optimizer, "cur_scale", None)
+    scale = getattr(optimizer, "loss_scale", None)
     return None if scale is None else float(scale)
 
 

@@ -28,6 +28,7 @@ import torch
 
 from dsforge.runtime.loop.breakdown import OFF
 from dsforge.runtime.loop.data import Microbatch
+from dsforge.runtime.loop.metrics import loss_scale
 
 
 def _loss_of(chunk_output: torch.Tensor, mb: Microbatch) -> torch.Tensor:
@@ -93,7 +94,7 @@ def step_unpipelined(engine, batches: list[Microbatch], device, census: Census |
                      clock=OFF) -> torch.Tensor:
     """`clock` (runtime/loop/breakdown.py) marks each microbatch's forward, backward and
     `engine.step()` (the optimizer phase: an update only after the last microbatch)."""
-    _scale_moe_aux_loss(_context_parallel_size() / len(batches), device)
+    _scale_moe_aux_loss(_context_parallel_size() / len(batches) * _fp16_loss_scale(engine), device)
     losses = []
     for i, mb in enumerate(batches):
         last = i == len(batches) - 1
@@ -280,6 +281,16 @@ def _context_parallel_size() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_context_parallel_world_size()
+
+
+def _fp16_loss_scale(engine) -> float:
+    """What engine.backward() multiplies the loss by before its backward, and DeepSpeed's
+    update divides every gradient by: fp16's dynamic loss scale, else 1. The MoE aux loss's
+    gradient, set apart from the loss, must carry it too (as Megatron's schedules give it
+    their grad_scale_func's scale), or fp16 would leave the load balancing cur_scale x too weak."""
+    if not engine.fp16_enabled():
+        return 1.0
+    return loss_scale(engine.optimizer, "fp16") or 1.0
 
 
 def _scale_moe_aux_loss(scale: float, device) -> None:
