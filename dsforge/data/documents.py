@@ -41,5 +41,21 @@ def loss_mask(inputs: torch.Tensor, eod: int) -> torch.Tensor:
 
 
 def document_lengths(documents: torch.Tensor) -> list[int]:
-    """The lengths of the documents of one sample's ids, in order (for the attention's cost)."""
+    """The lengths of the documents of one sample's ids, in order."""
     return torch.unique_consecutive(documents, return_counts=True)[1].tolist()
+
+
+def score_pairs(documents: torch.Tensor) -> int:
+    """The (query, key) pairs of the score matrices attention within documents computes, in
+    estimate/flops.py's count (each document's full square, the causal half not taken): the
+    sum over the rows of [batch, seq] ids of their documents' squared lengths. seq^2 a row
+    without documents."""
+    rows, seq = documents.shape
+    flat = documents.long() + torch.arange(rows).unsqueeze(1) * seq  # each row's ids apart
+    counts = torch.bincount(flat.flatten())
+    return int((counts * counts).sum())
+
+
+def attention_share(pairs: float, sequences: int, seq_len: int) -> float:
+    """The share of the sequences' full score matrices (seq_len^2 each) that `pairs` are."""
+    return pairs / (sequences * seq_len * seq_len)

@@ -36,9 +36,13 @@ def attention_flops_forward(m: ModelConfig, seq_len: int) -> float:
     return 4.0 * m.num_layers * seq_len * m.num_attention_heads * m.head_dim
 
 
-def flops_per_token(m: ModelConfig, seq_len: int, checkpointing: str = "none") -> FlopsPerToken:
+def flops_per_token(m: ModelConfig, seq_len: int, checkpointing: str = "none", *,
+                    attention_share: float = 1.0) -> FlopsPerToken:
+    """`attention_share`: the share of each sequence's seq x seq score matrix counted (1: all
+    of it; attention within packed documents counts each document's own square,
+    data/documents.py `attention_share`)."""
     matmul_forward = 2.0 * count_params(m).matmul_active
-    attention_forward = attention_flops_forward(m, seq_len)
+    attention_forward = attention_flops_forward(m, seq_len) * attention_share
     model = 3.0 * (matmul_forward + attention_forward)
     recompute = {"none": 0.0, "selective": attention_forward,
                  "full": matmul_forward + attention_forward}[checkpointing]

@@ -87,12 +87,13 @@ def document_attention(data: DataConfig, *, device: str, sdpa_backend: str) -> K
                                      "causal attention's cost")
 
 
-# How the FLOPs of MFU and the plan count attention with documents masked: as without (the
-# convention of estimate/flops.py), which overstates the work done by the share of the
-# score matrix no document reaches.
-DOCUMENT_FLOPS = ("the full seq x seq score matrix of each sequence, as without masking "
-                  "(docs/flops.md; attention within documents does less: MFU is then an "
-                  "upper bound)")
+# How the plan's FLOPs count attention with documents masked: as without (the convention of
+# estimate/flops.py; the plan reads no documents), which overstates the work by the share of
+# the score matrix no document reaches. A run counts both (runtime/loop/meter.py).
+DOCUMENT_FLOPS = ("the full seq x seq score matrix of each sequence, as without masking (the "
+                  "plan reads no documents); a run's metrics count it so in `mfu` and each "
+                  "document's own square, from the step's documents, in `mfu_documents` "
+                  "(docs/flops.md)")
 
 
 def documents_summary(data: DataConfig, *, device: str, sdpa_backend: str) -> dict:

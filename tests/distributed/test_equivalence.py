@@ -338,20 +338,32 @@ def test_flat_token_file_layout_matches_single_process(results, name):
     _assert_matches(results, name, "ref_dense_file")
 
 
+def _assert_same_documents(results, name: str, reference: str) -> None:
+    """Each step's share of the score matrices within documents, counted on the ranks that
+    hold a loss and summed over the world (one count per replica, not one per cp rank): the
+    single process's, exactly (whole numbers in float32)."""
+    shares = [r["attention_share"] for r in _steps(results[name])]
+    assert shares == [r["attention_share"] for r in _steps(results[reference])], name
+    assert all(0 < share < 1 for share in shares), shares
+
+
 @pytest.mark.parametrize("name", [*WORLD2_DOCS, *WORLD4_DOCS])
 def test_packed_documents_layout_matches_single_process(results, name):
     _assert_matches(results, name, "ref_docs")
+    _assert_same_documents(results, name, "ref_docs")
 
 
 @pytest.mark.parametrize("name", WORLD2_MOE_DOCS)
 def test_packed_documents_moe_layout_matches_single_process(results, name):
     _assert_matches(results, name, "ref_moe_docs")
+    _assert_same_documents(results, name, "ref_moe_docs")
 
 
 def test_masking_documents_changes_the_computation(results):
     """The document cases are another computation than the plain ones (the test can fail)."""
     docs, plain = _steps(results["ref_docs"]), _steps(results["ref_dense"])
     assert all(abs(d["loss"] - p["loss"]) > 1e-4 for d, p in zip(docs[1:], plain[1:]))
+    assert all(p["attention_share"] is None for p in plain)
 
 
 @pytest.mark.parametrize("with_eval", NO_EVAL)

@@ -57,6 +57,8 @@ def test_documents_are_found_before_the_sequence_is_sharded():
     assert mb.position_ids.tolist() == [[1, 2, 3, 4, 0, 1, 2, 3]]  # positions 4..11
     assert mb.tokens.tolist() == [PACKED[4:12]]
     assert mb.loss_mask.tolist() == [[1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]]
+    assert mb.score_pairs == 74  # the whole sequence's documents, on every cp rank
+    assert data_mod.score_pairs([mb, mb]) == 148.0
     (plain,) = data_mod.microbatches(_Rows(), step=0, global_batch=1, micro_batch=1,
                                      grad_accum=1, dp=1, dp_rank=0, vocab_size=32)
     assert plain.documents is None and plain.loss_mask is None
@@ -192,8 +194,30 @@ def test_mfu_says_how_it_counts_attention_when_documents_are_masked():
                "median_tokens_per_s": 65536, "median_tokens_per_s_per_gpu": 65536,
                "median_mfu": 0.41}
     assert format_summary(summary).endswith("MFU 41.0%")
-    assert format_summary({**summary, "mfu_attention_flops": "the full seq x seq ..."}).endswith(
-        "MFU 41.0% (attention counted over whole sequences: an upper bound, documents masked)")
+    masked = {**summary, "median_attention_share": 0.125, "median_mfu_documents": 0.35}
+    assert format_summary(masked).endswith("MFU 41.0% (attention over whole sequences; 35.0% "
+                                           "within documents, 12.5% of the score matrices)")
+    on_cpu = {**masked, "median_mfu": None, "median_mfu_documents": None}
+    assert format_summary(on_cpu).endswith("MFU n/a (attention over whole sequences; 12.5% of "
+                                           "the score matrices)")
+
+
+def test_the_score_pairs_within_documents_are_each_documents_square():
+    """Documents of 3, 5, 6 and 2 tokens in one row, one document of 16 in the next: the
+    pairs are 9 + 25 + 36 + 4 and 256; MFU within documents counts that share of the full
+    squares' attention FLOPs."""
+    from dsforge.data.documents import attention_share, score_pairs
+    from dsforge.estimate.flops import flops_per_token
+    from dsforge.recipe import load_recipe
+
+    ids = document_ids(torch.tensor([PACKED, [1] * 16]), EOD)
+    assert score_pairs(ids) == 74 + 256
+    share = attention_share(score_pairs(ids), sequences=2, seq_len=16)
+    assert share == (74 + 256) / 512
+    m = load_recipe(TINY, []).model
+    full, none = flops_per_token(m, 16), flops_per_token(m, 16, attention_share=0.0)
+    within = flops_per_token(m, 16, attention_share=share)
+    assert within.model == pytest.approx(none.model + share * (full.model - none.model))
 
 
 @pytest.fixture(scope="module")

@@ -82,10 +82,12 @@ def test_a_spike_is_measured_against_a_full_window():
                                           skipped=False)).action == "stop"
 
 
-def _reduced(loss_sum: torch.Tensor, writing: int = 0) -> torch.Tensor:
-    """What the step's all-reduce (health.reduce_step) leaves: the sum of the ranks' loss shares
-    and the number of ranks still writing a checkpoint."""
-    return torch.stack([loss_sum, torch.tensor(float(writing))])
+def _reduced(loss_sum: torch.Tensor, writing: int = 0, pairs: float = 0.0) -> torch.Tensor:
+    """What the step's all-reduce (health.reduce_step) leaves: the sum of the ranks' loss
+    shares, the number of ranks still writing a checkpoint, the mean step time's sum and the
+    score pairs within documents."""
+    return torch.stack([loss_sum, torch.tensor(float(writing)), torch.tensor(0.0),
+                        torch.tensor(pairs)])
 
 
 def test_the_loss_shares_and_what_every_rank_reads_from_them():
@@ -103,6 +105,9 @@ def test_the_loss_shares_and_what_every_rank_reads_from_them():
     assert seen.bad_loss and seen.bad_norm and seen.skipped and math.isinf(seen.loss)
     assert not health.view(_reduced(first), replicas=1, grad_norm=None, applied=True).bad_norm
     assert health.ranks_writing(_reduced(first, writing=3)) == 3
+    # two context-parallel ranks of one replica each counted its whole sequences' pairs
+    assert health.view(_reduced(first, pairs=44.0), replicas=2, grad_norm=None, applied=True,
+                       cp=2).score_pairs == 22.0
     loss = torch.tensor(3.0)
     share = health.loss_share(loss, adds_loss=True, device=device)
     share += 1  # the rank's own loss stays its own

@@ -179,7 +179,7 @@ tracker.log_step(SimpleNamespace(step=0, warmup=True, loss=1.0, grad_norm=None, 
                                  step_time_s=1.0, tokens_per_s=1.0, tokens_per_s_per_gpu=1.0,
                                  tflops_per_gpu=0.0, mfu=None, hfu=None, peak_memory_bytes=1,
                                  memory_source="test", ended_at=None, loss_scale=None,
-                                 breakdown_s=None))
+                                 breakdown_s=None, attention_share=None, mfu_documents=None))
 tracker.log_eval(0, 1.0)
 tracker.close()
 print(json.dumps({"backends": tracker.backends, "loaded": sorted(

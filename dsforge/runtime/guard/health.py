@@ -54,6 +54,9 @@ class StepView:
     bad_norm: bool  # the global gradient norm was not finite (DeepSpeed's overflow sentinel: inf)
     skipped: bool  # DeepSpeed did not apply the update
     grad_norm: float | None = None  # DeepSpeed's global gradient norm (None: not computed)
+    # the global batch's score pairs within documents (runtime/loop/data.py score_pairs; 0
+    # without document masking)
+    score_pairs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,14 @@ def loss_share(loss: torch.Tensor | None, *, adds_loss: bool,
     return loss.detach().float().reshape(()).clone()
 
 
-def reduce_step(share: torch.Tensor, *, writing: bool = False,
-                last_step_s: float = 0.0) -> torch.Tensor:
+def reduce_step(share: torch.Tensor, *, writing: bool = False, last_step_s: float = 0.0,
+                score_pairs: float = 0.0) -> torch.Tensor:
     """The step's one all-reduce over the world: each rank's loss share, whether its
-    background writer has a checkpoint not yet written, and how long its previous step took
-    (`view`, `ranks_writing` and `mean_last_step_s` read them)."""
+    background writer has a checkpoint not yet written, how long its previous step took
+    and, from the ranks that add a loss share, their microbatches' score pairs within
+    documents (`view`, `ranks_writing` and `mean_last_step_s` read them)."""
     reduced = torch.stack([share, share.new_tensor(float(writing)),
-                           share.new_tensor(last_step_s)])
+                           share.new_tensor(last_step_s), share.new_tensor(score_pairs)])
     torch.distributed.all_reduce(reduced)
     return reduced
 
@@ -97,15 +101,17 @@ def mean_last_step_s(reduced: torch.Tensor, world_size: int) -> float:
     return reduced[2].item() / world_size
 
 
-def view(reduced: torch.Tensor, *, replicas: int, grad_norm, applied: bool) -> StepView:
+def view(reduced: torch.Tensor, *, replicas: int, grad_norm, applied: bool,
+         cp: int = 1) -> StepView:
     """The step as every rank sees it: the reduced loss (the host waits for the device here)
     over the `replicas` that added to it, DeepSpeed's global gradient norm (a tensor, a float
-    or None) and was_step_applied()."""
-    loss = reduced[0].item() / replicas
+    or None) and was_step_applied(). The `cp` context-parallel ranks of a replica each count
+    its whole sequences' score pairs."""
+    loss, pairs = (value / divisor for value, divisor in zip(reduced[[0, 3]].tolist(), (replicas, cp)))
     norm = None if grad_norm is None else float(grad_norm)
     return StepView(loss=loss, bad_loss=not math.isfinite(loss),
                     bad_norm=norm is not None and not math.isfinite(norm), skipped=not applied,
-                    grad_norm=norm)
+                    grad_norm=norm, score_pairs=pairs)
 
 
 def mean_over_replicas(loss: torch.Tensor) -> float:

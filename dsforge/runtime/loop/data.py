@@ -223,6 +223,9 @@ class Microbatch:
     # (`weigh_loss`)
     loss_mask: torch.Tensor | None = None
     loss_norm: torch.Tensor | None = None
+    # data.document_masking: the (query, key) pairs attention within the whole sequences'
+    # documents scores (data/documents.py score_pairs), for MFU within documents
+    score_pairs: int | None = None
 
 
 def microbatches(source: Source, *, step: int, global_batch: int, micro_batch: int,
@@ -256,12 +259,17 @@ def _documents(inputs: torch.Tensor, keep: torch.Tensor, documents: Documents,
     from dsforge.data import documents as found
 
     ids = found.document_ids(inputs, documents.eod)
-    extra = {"documents": ids} if documents.masking else {}
+    extra = {"documents": ids, "score_pairs": found.score_pairs(ids)} if documents.masking else {}
     if documents.reset_positions:
         positions = found.reset_positions(ids)[:, keep].contiguous()
     if documents.eod_mask_loss:
         extra["loss_mask"] = found.loss_mask(inputs, documents.eod)[:, keep].contiguous()
     return positions, extra
+
+
+def score_pairs(batches: list[Microbatch]) -> float:
+    """The score pairs within documents of `batches` (0 without document masking)."""
+    return float(sum(mb.score_pairs or 0 for mb in batches))
 
 
 def weigh_loss(batches: list[Microbatch], *, layout, group, device) -> list[Microbatch]:

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from dsforge.data.documents import attention_share
 from dsforge.estimate.flops import flops_per_token
 from dsforge.files import write_atomic
 from dsforge.hardware import gpu_for_device_name
@@ -60,6 +61,7 @@ class StepMeter:
                loss_scale: float | None) -> StepRecord:
         """The step's metrics record from what every rank saw of it (health.StepView)."""
         layout, train = self.resolved.layout, self.resolved.recipe.train
+        within = self._within_documents(seen.score_pairs)
         # A skipped update's norm is DeepSpeed's overflow sentinel (inf), not a measurement.
         return make_record(
             step=step, warmup=step < self.first_timed_step, loss=seen.loss,
@@ -68,7 +70,19 @@ class StepMeter:
             world_size=layout.world_size, flops_per_token=self.flops.model,
             hardware_flops_per_token=self.flops.hardware, peak_flops=self.peak_flops,
             device=self.device, ended_at=ended_at, loss_scale=loss_scale,
-            data_time_s=data_time, breakdown_s=phases)
+            data_time_s=data_time, breakdown_s=phases, **within)
+
+    def _within_documents(self, score_pairs: float) -> dict:
+        """With documents masked, the step's share of the score matrices within its
+        documents and the model FLOPs a token counting attention there (make_record's
+        arguments); {} otherwise. `mfu` keeps the whole sequences' count (docs/flops.md)."""
+        recipe = self.resolved.recipe
+        if not recipe.data.document_masking:
+            return {}
+        share = attention_share(score_pairs, self.resolved.layout.global_batch, recipe.train.seq_len)
+        flops = flops_per_token(recipe.model, recipe.train.seq_len,
+                                recipe.train.activation_checkpointing, attention_share=share)
+        return {"attention_share": share, "document_flops_per_token": flops.model}
 
     def warn(self, problem: str) -> None:
         """Once per run: what went wrong measuring a step (a measurement bug, not training's):

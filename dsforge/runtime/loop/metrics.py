@@ -52,6 +52,10 @@ class StepRecord:
     # DeepSpeed did not apply this step's update: its gradients were not finite (the guard's
     # bad steps, runtime/guard/health.py) or, in fp16, the loss scaler overflowed.
     skipped: bool = False
+    # data.document_masking: the share of the step's full seq x seq score matrices that lies
+    # within documents (data/documents.py), and MFU with attention counted there only
+    attention_share: float | None = None
+    mfu_documents: float | None = None
 
 
 def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, step_time_s: float,
@@ -59,7 +63,11 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                 hardware_flops_per_token: float, peak_flops: float | None,
                 device: torch.device, ended_at: float | None = None,
                 loss_scale: float | None = None, data_time_s: float | None = None,
-                breakdown_s: dict[str, float] | None = None, skipped: bool = False) -> StepRecord:
+                breakdown_s: dict[str, float] | None = None, skipped: bool = False,
+                attention_share: float | None = None,
+                document_flops_per_token: float | None = None) -> StepRecord:
+    """`document_flops_per_token`: the model FLOPs with attention counted within the step's
+    documents (`attention_share` of the full count), for `mfu_documents`."""
     tokens_per_s = tokens_per_step / step_time_s
     per_gpu = tokens_per_s / world_size
     memory, source = peak_memory(device)
@@ -71,7 +79,9 @@ def make_record(*, step: int, warmup: bool, loss: float, grad_norm, lr: float, s
                       hfu=mfu(per_gpu, hardware_flops_per_token, peak_flops),
                       peak_memory_bytes=memory, memory_source=source, ended_at=ended_at,
                       loss_scale=loss_scale, data_time_s=data_time_s, breakdown_s=breakdown_s,
-                      skipped=skipped)
+                      skipped=skipped, attention_share=attention_share,
+                      mfu_documents=None if document_flops_per_token is None else
+                      mfu(per_gpu, document_flops_per_token, peak_flops))
 
 
 def loss_scale(optimizer, precision: str) -> float | None:
@@ -149,13 +159,28 @@ class MetricsWriter:
             "final_val_loss": self.evals[-1].val_loss if self.evals else None,
             "val_losses": [[r.step, r.val_loss] for r in self.evals],
             "median_breakdown_s": median_breakdown(r.breakdown_s for r in measured),
+            **_documents_summary(measured),
         }
+
+
+def _documents_summary(measured: list[StepRecord]) -> dict:
+    """With documents masked: the median share of the score matrices within documents and
+    the median MFU counted there ({} otherwise)."""
+    shares = [r.attention_share for r in measured if r.attention_share is not None]
+    if not shares:
+        return {}
+    mfus = [r.mfu_documents for r in measured if r.mfu_documents is not None]
+    return {"median_attention_share": statistics.median(shares),
+            "median_mfu_documents": statistics.median(mfus) if mfus else None}
 
 
 def format_summary(summary: dict) -> str:
     mfu_text = f"{summary['median_mfu']:.1%}" if summary["median_mfu"] is not None else "n/a"
-    if summary["median_mfu"] is not None and summary.get("mfu_attention_flops"):
-        mfu_text += " (attention counted over whole sequences: an upper bound, documents masked)"
+    if summary.get("median_attention_share") is not None:
+        within = summary["median_mfu_documents"]
+        mfu_text += (f" (attention over whole sequences; {within:.1%} within documents, "
+                     if within is not None else " (attention over whole sequences; ")
+        mfu_text += f"{summary['median_attention_share']:.1%} of the score matrices)"
     val = summary.get("final_val_loss")
     val_text = f", validation loss {val:.4f}" if val is not None else ""
     return (f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}{val_text}; median over "

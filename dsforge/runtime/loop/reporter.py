@@ -21,7 +21,6 @@ from dsforge.recipe import Resolved
 from dsforge.runtime.loop.metrics import (MetricsWriter, StepRecord, format_breakdown,
                                           format_summary)
 from dsforge.runtime.loop.tracking import open_tracker
-from dsforge.translate.kernels import DOCUMENT_FLOPS
 from dsforge.units import MiB
 
 
@@ -38,8 +37,6 @@ class Reporter:
             self.metrics.keep_steps_before(resumed_at)
         self.tracker = open_tracker(recipe, run_dir, resumed_at=resumed_at,
                                     warn=lambda text: console.say(f"dsforge: warning: {text}"))
-        # how MFU counts attention when documents are masked (translate/kernels.py)
-        self.mfu_attention = DOCUMENT_FLOPS if recipe.data.document_masking else None
 
     def step(self, record: StepRecord, *, show: bool) -> None:
         """A step's record; `show`: its progress line now (False when an evaluation follows,
@@ -72,8 +69,7 @@ class Reporter:
         self.tracker.close()
         summary = {**self.metrics.summary(), "startup_s": startup_s,
                    "restarts": len(restarts), "restart_causes": restarts,
-                   "checkpoints": checkpoints,
-                   **({"mfu_attention_flops": self.mfu_attention} if self.mfu_attention else {})}
+                   "checkpoints": checkpoints}
         write_atomic(self.run_dir.summary, json_text(summary, indent=2) + "\n")
         if not closing_line:
             return

@@ -50,6 +50,7 @@ def step_scalars(record: StepRecord) -> Scalars:
         "train/loss_scale": record.loss_scale,
         "perf/tokens_per_s": record.tokens_per_s, "perf/tflops_per_gpu": record.tflops_per_gpu,
         "perf/mfu": record.mfu, "perf/hfu": record.hfu, "perf/step_time_s": record.step_time_s,
+        "perf/mfu_documents": record.mfu_documents, "perf/attention_share": record.attention_share,
         "memory/peak_bytes": record.peak_memory_bytes,
         # the step breakdown (docs/breakdown.md), one scalar per phase
         **{f"time/{phase}_s": seconds for phase, seconds in (record.breakdown_s or {}).items()},

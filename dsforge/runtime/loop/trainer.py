@@ -143,10 +143,11 @@ class Trainer:
             reduced = health.reduce_step(health.loss_share(loss, adds_loss=self._adds_loss,
                                                            device=self.device),
                                          writing=self.checkpointer.writing(),
-                                         last_step_s=self.save_interval.last_step_s)
+                                         last_step_s=self.save_interval.last_step_s,
+                                         score_pairs=data_mod.score_pairs(batches) * self._adds_loss)
         marked = clock.stop()
         layout = self.resolved.layout
-        seen = health.view(reduced, replicas=layout.dp * layout.cp,  # waits for the device
+        seen = health.view(reduced, replicas=layout.dp * layout.cp, cp=layout.cp,  # a host sync
                            grad_norm=self.engine.get_global_grad_norm(),
                            applied=self.engine.was_step_applied())
         elapsed = self.save_interval.last_step_s = time.perf_counter() - start
