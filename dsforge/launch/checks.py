@@ -142,6 +142,11 @@ def check_option_pairs(options) -> None:
     """--no-ssh's and --launcher slurm's companions, and --max-restarts where it cannot work."""
     if options.node_rank is not None:
         _check_no_ssh_options(options)
+    if options.resume_or_start and (options.resume or options.node_rank is not None
+                                    or options.run_dir is None):
+        raise BadOptions("--resume-or-start decides for itself whether --run-dir holds a run to "
+                         "resume: it needs --run-dir, and takes neither --resume nor --no-ssh "
+                         "(each node would decide alone: give --resume there)")
     if options.max_restarts and options.node_rank is not None:
         raise BadOptions(NO_SSH_RESTARTS)
     slurm = options.launcher == "slurm"

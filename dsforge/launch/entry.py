@@ -12,6 +12,7 @@ of a run are launch/start.py's. What stops the job raises Refused or BadOptions
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -61,6 +62,7 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
     options, resolved = checked.options, checked.resolved
     if checked.slurm_plan is not None:
         run_dir = _own_run_dir(options, resolved, say, joining=False, peers_may_join=False)
+        options = _resuming(options, run_dir)
         job = options.job(resolved, run_dir, env=checked.env, slurm=True)
         starts = SrunStarts(options, checked.slurm_plan, resolved, say)
     else:
@@ -70,6 +72,7 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
         run_dir = _own_run_dir(options, resolved, say,
                                joining=options.node_rank is not None and options.node_rank > 0,
                                peers_may_join=options.node_rank is not None)
+        options = _resuming(options, run_dir)
         job = options.job(resolved, run_dir, env=checked.env)
     how = starts.first(job)
     if options.dry_run:
@@ -125,13 +128,22 @@ def _own_run_dir(options: RunOptions, resolved: Resolved, say: Say, *, joining: 
     try:
         run_dir, lock = start.own_run_dir(options.run_dir, resolved, resume=options.resume,
                                           joining=joining, create=not options.dry_run, say=say,
-                                          peers_may_join=peers_may_join)
+                                          peers_may_join=peers_may_join,
+                                          or_start=options.resume_or_start)
     except RunDirError as exc:
         raise BadOptions(str(exc)) from None
     except CheckpointError as exc:
         raise BadOptions(f"cannot resume: {exc}") from None
     _HELD.append(lock)
     return run_dir
+
+
+def _resuming(options: RunOptions, run_dir: RunDir) -> RunOptions:
+    """With --resume-or-start, --resume where the run directory holds a checkpoint (after
+    _own_run_dir looked, and set aside an earlier attempt's files where it holds none)."""
+    if not options.resume_or_start:
+        return options
+    return dataclasses.replace(options, resume=start.resumed_here(run_dir))
 
 
 def _ranks_started_here(options: RunOptions, resolved: Resolved) -> int:

@@ -47,6 +47,12 @@ RUN_OPTIONS = (
                       "before the job is stopped at once."),
     click.option("--resume", is_flag=True,
                  help="Continue the run in --run-dir from its latest complete checkpoint."),
+    click.option("--resume-or-start", is_flag=True,
+                 help="Continue the run in --run-dir from its latest complete checkpoint where it "
+                      "has one; where it has none (a job that ended before its first checkpoint), "
+                      "start it there from the beginning, what it wrote set aside in "
+                      "RUN_DIR/attempts/. For a scheduler that starts the same command again "
+                      "(a Slurm requeue: dsforge sbatch's script uses it)."),
     MAX_RESTARTS,
     click.option("--exclude-after", type=click.IntRange(min=1), default=None, metavar="K",
                  help="With --max-restarts, over --hostfile or in a Slurm allocation: leave a host "
@@ -105,6 +111,7 @@ class RunOptions:
     timeout: float | None = None  # seconds for the whole job
     stop_grace: float = STOP_GRACE_S  # seconds to save and exit after a stop request
     resume: bool = False
+    resume_or_start: bool = False  # resume, or start over in the run directory (start.py)
     max_restarts: int = 0  # starts again after a lost rank (launch/restart.py)
     exclude_after: int | None = None  # failures before a host is left out (launch/host_pool.py)
     spare_nodes: int = 0  # the Slurm allocation's nodes that stand by for restarts

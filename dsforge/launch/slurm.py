@@ -301,11 +301,9 @@ DSFORGE=({' '.join(q(w) for w in job.dsforge)})
 # --stop-grace: after a stop request the ranks get this long to save before dsforge stops
 # them at once; it ends before Slurm kills the job. --max-restarts N (when given): after a
 # lost rank, dsforge run runs srun again in this allocation from the last checkpoint.
-ARGS=(--launcher slurm --run-dir "$RUN_DIR" --stop-grace {job.stop_grace_s}{' ' + args if args else ''})
-# A requeued job (or a job submitted again) continues from the run's latest checkpoint.
-if [ -e "$RUN_DIR/checkpoints/latest" ]; then
-    ARGS+=(--resume)
-fi
+# --resume-or-start: a requeued job (or a job submitted again) continues from the run's
+# newest complete checkpoint; one that ended before its first starts again from the beginning.
+ARGS=(--launcher slurm --run-dir "$RUN_DIR" --stop-grace {job.stop_grace_s} --resume-or-start{' ' + args if args else ''})
 
 # dsforge run runs in the background so that this shell can take Slurm's signal: with
 # --signal=B:... Slurm signals this shell only. The trap passes SIGTERM or SIGUSR1 on to

@@ -30,14 +30,17 @@ STOPPED_CODES = (130, 129, 138, 143)
 
 
 def own_run_dir(given: Path | None, resolved: Resolved, *, resume: bool, joining: bool,
-                create: bool, say: Say, peers_may_join: bool = False) -> tuple[RunDir, Lock | None]:
+                create: bool, say: Say, peers_may_join: bool = False,
+                or_start: bool = False) -> tuple[RunDir, Lock | None]:
     """The run directory of --run-dir `given`: a new, empty one (a fresh name without
     `given`); or, to resume or join, the existing one (with a checkpoint this recipe can
     continue from, to resume: the earlier attempt's records are set aside, job/run_dir.py).
-    Unless joining another node's run or only printing commands, the returned lock makes this
-    process its owner: keep it until exit. Raises RunDirError or CheckpointError."""
-    from dsforge.ckpt.trust import check_resumable
-
+    `or_start` (--resume-or-start): resume where `given` holds a complete checkpoint, else
+    start there from the beginning. Unless joining another node's run or only printing
+    commands, the returned lock makes this process its owner: keep it until exit. Raises
+    RunDirError or CheckpointError."""
+    if or_start:
+        return _resume_or_start(given, resolved, create=create, say=say)
     if not (resume or joining):
         run_dir = new_run_dir(given, resolved.recipe.name, create=create,
                               peers_may_join=peers_may_join)
@@ -46,16 +49,49 @@ def own_run_dir(given: Path | None, resolved: Resolved, *, resume: bool, joining
     run_dir = existing_run_dir(given, resume=resume, create=create)
     lock = claim(run_dir, fresh=False, peers_may_join=peers_may_join) if resume and create else None
     if resume:
-        record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),
-                                 resolved.layout.world_size)
-        say(f"dsforge: resuming {run_dir} after step {record['step']}")
-        if create and not peers_may_join:  # other nodes' ranks may already write there
-            set_aside(run_dir)
-        for change in record["layout_changes"]:
-            say(f"  new layout: {change}")
-        for change in record["changes"]:
-            say(f"  changed: {change}")
+        _resume(run_dir, resolved, set_aside_records=create and not peers_may_join, say=say)
     return run_dir, lock
+
+
+def _resume(run_dir: RunDir, resolved: Resolved, *, set_aside_records: bool, say: Say) -> None:
+    """Check that `resolved` can continue the run in `run_dir` (CheckpointError if not), say
+    how, and set the earlier attempt's records aside (`set_aside_records`: not where other
+    nodes' ranks may already write there)."""
+    from dsforge.ckpt.trust import check_resumable
+
+    record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe), resolved.layout.world_size)
+    say(f"dsforge: resuming {run_dir} after step {record['step']}")
+    if set_aside_records:
+        set_aside(run_dir)
+    for change in record["layout_changes"]:
+        say(f"  new layout: {change}")
+    for change in record["changes"]:
+        say(f"  changed: {change}")
+
+
+def _resume_or_start(given: Path, resolved: Resolved, *, create: bool,
+                     say: Say) -> tuple[RunDir, Lock | None]:
+    """--resume-or-start: own `given` (made if missing) first, then look: with a complete
+    checkpoint it is resumed, as --resume would; without one, what an earlier attempt wrote
+    there (a job that ended before its first checkpoint) is set aside, and the run starts
+    from the beginning. The job word's `resume` follows (resumed_here)."""
+    run_dir = existing_run_dir(given, resume=False, create=create)
+    lock = claim(run_dir, fresh=False) if create else None
+    if resumed_here(run_dir):
+        _resume(run_dir, resolved, set_aside_records=create, say=say)
+        return run_dir, lock
+    kept = set_aside(run_dir, everything=True) if create else None
+    say(f"dsforge: {run_dir} holds no complete checkpoint: starting its run from the beginning"
+        + (f" (what an earlier attempt wrote is in {kept})" if kept else ""))
+    return run_dir, lock
+
+
+def resumed_here(run_dir: RunDir) -> bool:
+    """Whether `run_dir` holds a complete checkpoint to continue from (--resume-or-start's
+    choice, made by _resume_or_start and read again for the job word)."""
+    from dsforge.ckpt.trust import latest_complete
+
+    return run_dir.checkpoints.is_dir() and latest_complete(run_dir.checkpoints) is not None
 
 
 def launch_and_watch(command: list[str], run_dir: RunDir, ranks: int, *, timeout: float | None,

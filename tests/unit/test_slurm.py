@@ -113,8 +113,8 @@ def test_sbatch_script_lines():
     script = _script()
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --time=4:00:00", "#SBATCH --partition=gpu", "#SBATCH --signal=B:TERM@300",
-                 "#SBATCH --requeue", "--stop-grace 285 --set train.steps=9)",
-                 'scontrol requeue "$SLURM_JOB_ID"', "ARGS+=(--resume)"):
+                 "#SBATCH --requeue", "--stop-grace 285 --resume-or-start --set train.steps=9)",
+                 'scontrol requeue "$SLURM_JOB_ID"'):
         assert line in script
     assert "--account" not in script and "--gpus-per-node" not in _script(gpus_per_node=0)
     assert "--no-kill" not in script
