@@ -170,6 +170,13 @@ def job_processes(directory: Path) -> list[int]:
     return sorted(found)
 
 
+def names_run_dir(pid: int, directory: Path) -> bool:
+    """Whether process `pid`'s `--job` word (job/word.py) names the run directory
+    `directory`: a rank of that job, wherever its launcher started it."""
+    named = _job_run_dir(_read(f"/proc/{pid}/cmdline").split(b"\0"))
+    return named is not None and Path(named).resolve() == Path(directory).resolve()
+
+
 def _read(path: str) -> bytes:
     try:
         with open(path, "rb") as f:

@@ -33,6 +33,7 @@ from dsforge.job.run_dir import RunDir
 from dsforge.job.pids import started_ranks
 from dsforge.job.signals import STOP_SIGNALS
 from dsforge.launch.keeper import keeper_command
+from dsforge.lock import names_run_dir
 
 EXIT_TIMEOUT = 124  # the job ran past --timeout (as coreutils' timeout exits)
 # How long ranks get to exit after the group is signalled before it is killed.
@@ -324,9 +325,11 @@ def _signal_pid(pid: int, sig: int) -> None:
 
 def signal_ranks(run_dir: RunDir, pgid: int, sig: int, skip: set[int] = frozenset()) -> set[int]:
     """Send `sig` to every rank of this host that wrote its pid file (launch/diagnose.py) and
-    is a rank of this job: in process group `pgid`, running the rank program, and the child of
-    a rank's supervisor (runtime/guard/supervise.py), which would pass the signal on a second time.
-    Returns the pids signalled (not those in `skip`)."""
+    is a rank of this job: in process group `pgid` or with a job word naming `run_dir` (over
+    a hostfile pdsh starts even this host's ranks through ssh, whose sshd gives them a session
+    of their own), running the rank program, and the child of a rank's supervisor
+    (runtime/guard/supervise.py), which would pass the signal on a second time. Returns the
+    pids signalled (not those in `skip`)."""
     host, sent = socket.gethostname(), set()
     for where in started_ranks(run_dir).values():
         rank_host, _, pid_text = where.partition(" ")
@@ -334,7 +337,8 @@ def signal_ranks(run_dir: RunDir, pgid: int, sig: int, skip: set[int] = frozense
             continue
         pid = int(pid_text)
         try:
-            if os.getpgid(pid) != pgid or not _is_supervised_rank(pid):
+            ours = os.getpgid(pid) == pgid or names_run_dir(pid, run_dir.path)
+            if not ours or not _is_supervised_rank(pid):
                 continue
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):

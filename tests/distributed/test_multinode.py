@@ -118,6 +118,23 @@ def test_killing_one_nodes_rank_ends_the_whole_job(loopback_hosts, hostfile, tmp
     assert not _job_processes(run_dir)
 
 
+def test_a_stop_request_reaches_this_hosts_ranks_started_over_pdsh(loopback_hosts, hostfile,
+                                                                     tmp_path):
+    """SIGTERM to `dsforge run` over a hostfile (the stop drill sends it): pdsh starts even this
+    host's ranks through sshd, in sessions of their own, and they are asked all the same: they
+    save and the job exits 75 at once, not after --stop-grace with SIGTERM's 143."""
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    result = dsforge("run", TINY, "--set", "train.steps=50", "--hostfile", str(hostfile),
+                     "--master-addr", "127.0.0.1", "--run-dir", str(run_dir), "--stop-grace", "90",
+                     env={**loopback_hosts.env, "DSFORGE_INJECT_FAULT": "stop:0:2"})
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert "with a complete checkpoint: resumable, exit code 75" in result.stderr
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step00000003"
+    assert time.monotonic() - start < 90
+    assert not _job_processes(run_dir)
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     """The restart tests' job, uninterrupted, on this machine (a checkpoint every 2 steps)."""

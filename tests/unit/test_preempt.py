@@ -192,10 +192,12 @@ _FAKE_RANKS = textwrap.dedent("""
 """)
 
 
-def _fake_job(run_dir: RunDir, seconds=0.0):
-    """A stand-in launcher: a supervisor and its rank; the rank writes its pid file."""
-    proc = subprocess.Popen([sys.executable, "-c", _FAKE_RANKS, str(run_dir), "dsforge.runtime.rank"],
-                            start_new_session=True, cwd=REPO)
+def _fake_job(run_dir: RunDir, seconds=0.0, job_word: str | None = None):
+    """A stand-in launcher: a supervisor and its rank; the rank writes its pid file.
+    `job_word`: the rank's `--job` word, as a real rank's command line has it."""
+    word = ["--job", job_word] if job_word else []
+    proc = subprocess.Popen([sys.executable, "-c", _FAKE_RANKS, str(run_dir), "dsforge.runtime.rank",
+                             *word], start_new_session=True, cwd=REPO)
     deadline = time.monotonic() + 20
     while not (run_dir.path / "child").exists():
         assert time.monotonic() < deadline
@@ -220,6 +222,32 @@ def test_signal_ranks_reaches_only_the_jobs_supervised_ranks(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_signal_ranks_reaches_this_jobs_ranks_in_another_session(tmp_path):
+    """Over a hostfile pdsh starts even this host's ranks through ssh, whose sshd gives them a
+    session (and process group) of their own: a rank whose job word names the run directory
+    is this job's all the same; one naming another directory is not."""
+    import base64
+    import json
+
+    run_dir = RunDir(tmp_path)
+
+    def word(directory) -> str:
+        return base64.urlsafe_b64encode(json.dumps({"run_dir": str(directory)}).encode()).decode()
+
+    for named, expected in ((tmp_path / "other", False), (tmp_path, True)):
+        proc, child = _fake_job(run_dir, job_word=word(named))
+        try:
+            assert local.signal_ranks(run_dir, os.getpgid(0), signal.SIGUSR1) == (
+                {child} if expected else set())
+            if expected:
+                assert proc.wait(timeout=20) == 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            (run_dir.path / "child").unlink()
 
 
 def _send_later(*signals, after=0.3):
