@@ -19,6 +19,7 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from dsforge.job.word import forwarded_env
 from dsforge.launch.commands import Placement, remote_shell_problems
@@ -62,6 +63,7 @@ def checked_run(options, say: Say) -> Checked:
         options, resolved = _at_tiny_size(options, resolved, say)
     warn(resolved.warnings, say)
     check_option_pairs(options)
+    check_rank_imports(Path.cwd())
     slurm_plan = None
     if options.launcher == "slurm":
         slurm_plan = plan_slurm(options.recipe, resolved, device=options.device,
@@ -73,6 +75,25 @@ def checked_run(options, say: Say) -> Checked:
     if not options.skip_fit_check:
         check_this_machine(options, resolved, say)
     return Checked(options=options, resolved=resolved, slurm_plan=slurm_plan, env=env)
+
+
+def check_rank_imports(cwd: Path) -> None:
+    """BadOptions when the ranks would import another dsforge than this command's: they start
+    as `python -m dsforge.runtime.rank`, which puts the current folder first on sys.path, so a
+    ./dsforge there wins. A clone's top folder holds no __init__.py and would import as an
+    empty namespace package (its data/ folder then hiding dsforge.data: every rank fails at
+    import); another checkout would run other code than this command checked."""
+    import dsforge
+
+    ours = Path(dsforge.__file__).resolve().parent
+    found = next((p for p in (cwd / "dsforge", cwd / "dsforge.py") if p.exists()), None)
+    if found is None or found.resolve() == ours:
+        return
+    what = ("a folder without __init__.py (a clone's top folder?)" if found.is_dir()
+            and not (found / "__init__.py").exists() else "another copy of dsforge")
+    raise BadOptions(f"the ranks would import dsforge from {found}, {what}, not from {ours}, "
+                     "which this command runs: `python -m` puts the current folder first on the "
+                     f"ranks' module path. Run dsforge from another folder (e.g. cd {found})")
 
 
 def refuse(source: str, problems: list[Problem], advice: str = "") -> None:
@@ -128,7 +149,7 @@ def shrink_to_tiny(recipe: str, resolved: Resolved, overrides, say: Say) -> Reso
 
 def layout_text(lay) -> str:
     """e.g. '32 ranks: dp2 x tp4 x pp4 x vpp5 + sequence parallel'."""
-    parts = [f"{lay.world_size} ranks: dp{lay.dp}", f"tp{lay.tp}"]
+    parts = [f"{lay.world_size} rank{'s' if lay.world_size > 1 else ''}: dp{lay.dp}", f"tp{lay.tp}"]
     parts += [f"pp{lay.pp}"] if lay.pp > 1 else []
     parts += [f"vpp{lay.vpp}"] if lay.vpp > 1 else []
     parts += [f"cp{lay.cp}"] if lay.cp > 1 else []

@@ -60,8 +60,22 @@ def failure_report(run_dir: RunDir, code: int) -> str:
         lines += _record_lines(records, run_dir)
     elif silent:
         lines += _silent_lines(silent, run_dir, launcher_exit_codes(log_text))
+    else:  # no rank got as far as its supervisor (e.g. Python could not import dsforge)
+        lines += _log_tail(log_text)
     lines.append(f"  every rank's output and the engines' logs: {log}")
     return "\n".join(lines + [summarize(run_dir)])
+
+
+LOG_TAIL_LINES = 12
+
+
+def _log_tail(log_text: str) -> list[str]:
+    """The job log's last lines, for a job whose ranks failed before they could record why."""
+    tail = [line for line in log_text.splitlines() if line.strip()][-LOG_TAIL_LINES:]
+    if not tail:
+        return ["  no rank started, and the job log is empty"]
+    return ["  no rank got as far as recording a failure; the job log ends:"] + \
+        ["    " + line for line in tail]
 
 
 def _silent_lines(silent: dict[int, str], run_dir: RunDir, codes: list[int]) -> list[str]:

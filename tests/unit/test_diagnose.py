@@ -172,3 +172,28 @@ def test_one_allocation_larger_than_the_device(tmp_path):
     assert advice.endswith("the memory model predicts 106.9 GiB (at the optimizer step), but the "
                            "rank needed 281.0 GiB, 174.1 GiB beyond it and more than the device "
                            "holds: look at the allocation in the traceback")
+
+
+def test_a_job_whose_ranks_never_started_shows_the_end_of_its_log(tmp_path):
+    """Ranks that fail before their supervisor runs (Python cannot import dsforge) record
+    nothing: the report quotes the job log instead of only "no rank reported progress"."""
+    run_dir = RunDir(tmp_path)
+    run_dir.job_log.write_text("noise\n" + "Traceback (most recent call last):\n"
+                               "ModuleNotFoundError: No module named 'dsforge.data.tokenizers'\n")
+    report = failure_report(run_dir, 1)
+    assert "no rank got as far as recording a failure; the job log ends:" in report
+    assert "    ModuleNotFoundError: No module named 'dsforge.data.tokenizers'" in report
+
+
+def test_a_clones_top_folder_in_the_way_of_the_ranks_imports_is_refused(tmp_path):
+    """`python -m` puts the current folder first: from the folder holding a clone, ./dsforge
+    (no __init__.py) would be the ranks' dsforge."""
+    from dsforge.launch.checks import check_rank_imports
+    from dsforge.launch.refusal import BadOptions
+    from tests.conftest import REPO
+
+    check_rank_imports(REPO)  # the package itself: fine
+    check_rank_imports(tmp_path)  # no dsforge here: fine
+    (tmp_path / "dsforge" / "data").mkdir(parents=True)
+    with pytest.raises(BadOptions, match="a folder without __init__.py .a clone's top folder"):
+        check_rank_imports(tmp_path)
