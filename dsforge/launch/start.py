@@ -17,7 +17,8 @@ from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.steps import step_text
 from dsforge.launch.commands import Placement, job_spec, launch_command, runner_env
 from dsforge.launch.diagnose import failure_report
-from dsforge.launch.local import STOP_GRACE_S, StopAsked, free_port, run_job
+from dsforge.job.heartbeat import summarize
+from dsforge.launch.local import EXIT_TIMEOUT, STOP_GRACE_S, StopAsked, free_port, run_job
 from dsforge.launch.output import JobView
 from dsforge.launch.refusal import Say
 from dsforge.launch.smoke import compare_losses
@@ -135,6 +136,9 @@ def launch_and_watch(command: list[str], run_dir: RunDir, ranks: int, *, timeout
         code = 1
     if code in STOPPED_CODES:
         say(f"dsforge: stopped (exit code {code}); what was written is in {run_dir}")
+    elif code == EXIT_TIMEOUT:  # not a failure: the limit the user gave
+        say(f"dsforge: stopped at --timeout (exit code {code}); what was written is in "
+            f"{run_dir}\n{summarize(run_dir)}")
     elif code != 0:
         say(failure_report(run_dir, code))
     return code
@@ -168,8 +172,13 @@ def _stopped(run_dir: RunDir, stopped_ranks: dict[int, tuple[int, str, bool]], s
 
 def check_tiny_layout(tiny: Resolved, run_dir: RunDir, *, env: dict[str, str],
                       timeout: float | None, verbose: bool, say: Say) -> int:
-    """Train the same tiny model on one rank and compare losses; 1 if they disagree."""
+    """Train the same tiny model on one rank and compare losses; 1 if they disagree. A
+    layout that is the reference's already (one rank, one sequence a microbatch) has nothing
+    to compare."""
     reference = reference_resolved(tiny)
+    if reference.layout == tiny.layout:
+        say("dsforge: the layout is the single-rank reference's: nothing to compare")
+        return 0
     ref_dir = run_dir.reference
     ref_dir.path.mkdir()
     job = job_spec(reference, ref_dir, device="cpu", backend="gloo", env=env)
