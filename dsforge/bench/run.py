@@ -270,7 +270,7 @@ def fit_refusal(resolved: Resolved, device: str) -> str | None:
 
 def resolve_cell(study: Study, recipe_path: Path, cell: Cell, tiny: bool = False) -> Resolved:
     resolved = resolve_file(recipe_path, cell.overrides, world_size=study.world_size,
-                            hostfile=study.hostfile)
+                            hostfile=study.hostfile, world_size_from="the study's world_size")
     return tiny_resolved(resolved, cell.overrides) if tiny else resolved
 
 

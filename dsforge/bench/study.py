@@ -4,7 +4,7 @@
 name: zero_study_cpu
 recipe: ../tiny.yaml            # relative to the study file
 world_size: 2                   # or hostfile: ...
-set: {train.seq_len: 128}       # overrides applied to every cell
+set: {parallel.dp: -1}          # overrides applied to every cell (dp: what the world leaves)
 axes:                           # the cartesian product is the set of cells
   zero.stage: [0, 1, 2, 3]
   schedule: [none, 1f1b, interleaved:2]    # pipeline schedule; needs pipeline_stages

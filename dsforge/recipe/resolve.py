@@ -63,11 +63,13 @@ class Resolved:
 
 
 def topology_for(recipe: Recipe, *, world_size: int | None = None,
-                 hostfile: Hostfile | None = None) -> tuple[Topology | None, list[Problem]]:
-    """The world this recipe runs in, from every source that names one; conflicts are errors."""
+                 hostfile: Hostfile | None = None,
+                 world_size_from: str = "--world-size") -> tuple[Topology | None, list[Problem]]:
+    """The world this recipe runs in, from every source that names one; conflicts are errors.
+    `world_size_from`: where the user gave `world_size` (a study's `world_size:`, not a flag)."""
     sources: list[tuple[str, int]] = []
     if world_size is not None:
-        sources.append(("--world-size", world_size))
+        sources.append((world_size_from, world_size))
     if hostfile is not None:
         sources.append((f"hostfile {hostfile.source} (total slots)", hostfile.total_slots))
     if recipe.cluster is not None:
@@ -131,7 +133,7 @@ def resolve(recipe: Recipe, topology: Topology) -> Resolved:
 
 def resolve_file(path: str | Path, overrides: Iterable[str] = (), *, world_size: int | None = None,
                  hostfile: str | Path | None = None, include: str = "",
-                 exclude: str = "") -> Resolved:
+                 exclude: str = "", world_size_from: str = "--world-size") -> Resolved:
     """Load the recipe at `path` (with `section.field=value` overrides), place it in the world
     given by `world_size`, the hostfile (narrowed by DeepSpeed's --include/--exclude) or the
     recipe itself, validate and resolve it. Raises RecipeError with every problem found;
@@ -148,7 +150,8 @@ def resolve_file(path: str | Path, overrides: Iterable[str] = (), *, world_size:
         problems.extend(exc.problems)
     if problems:
         raise RecipeError(problems)
-    topology, problems = topology_for(recipe, world_size=world_size, hostfile=hosts)
+    topology, problems = topology_for(recipe, world_size=world_size, hostfile=hosts,
+                                      world_size_from=world_size_from)
     if problems:
         raise RecipeError(problems)
     return resolve(recipe, topology)
