@@ -32,14 +32,17 @@ def _recipe_options(command):
 
 
 def _or_exit(command, *args, **kwargs):
-    """What `command` returns; its refusals printed (exit 2), bad options click's usage error."""
+    """What `command` returns; its refusals printed (exit 2), bad options too, as click's
+    errors are but without the usage lines (most name a run directory or a checkpoint, not
+    the command line's grammar)."""
     try:
         return command(*args, **kwargs)
     except Refused as refused:
         refused.report()
         sys.exit(EXIT_INVALID)
     except BadOptions as exc:
-        raise click.UsageError(str(exc)) from None
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(EXIT_INVALID)
 
 
 _say = functools.partial(click.echo, err=True)  # one of dsforge's own lines, on stderr

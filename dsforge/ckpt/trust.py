@@ -349,7 +349,11 @@ def check_resumable(run_dir: RunDir, recipe: dict[str, Any], world_size: int) ->
     root = run_dir.checkpoints
     record = latest_complete(root)
     if record is None:
-        raise CheckpointError(f"no complete checkpoint under {root}")
+        raise CheckpointError(
+            f"no complete checkpoint under {root}: the run saved none to continue from (it "
+            "ran with train.checkpoint_every: 0, or ended before its first save); start it "
+            "again in a new --run-dir (or with --resume-or-start in this one), with "
+            "train.checkpoint_every: N to make it resumable")
     check_safe_to_load(root, record["tag"])
     check_complete(root, record)
     differences = recipe_differences(record["recipe"], recipe)

@@ -1,6 +1,6 @@
 """What stops a command before anything starts, as exceptions cli.py turns into exit code 2:
-`Refused` reports its problems (and advice) on stderr, `BadOptions` becomes click's usage
-error (the usage line, then the message); and the warnings that do not stop it (`warn`).
+`Refused` reports its problems (and advice) on stderr, `BadOptions` its message ("Error: ...");
+and the warnings that do not stop it (`warn`).
 Light on purpose: `dsforge validate` imports it. What `dsforge run` refuses, and in which
 order, is launch/checks.py's.
 """

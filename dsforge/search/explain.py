@@ -108,8 +108,8 @@ def tie_reason(a, b) -> str:
         won = "the same layout complexity and memory"
     change = a.time.total / b.time.total - 1
     if change > 0:
-        return (f"won a tie on {won}: predicted {change:.1%} slower, inside the model's "
-                f"+-{a.error:.1%} error (bands overlap)")
+        return (f"won a tie on {won}: predicted {change:.1%} slower, but their bands of "
+                f"+-{a.error:.1%} each overlap")
     return f"won a tie on {won}, and predicted {-change:.1%} faster"
 
 

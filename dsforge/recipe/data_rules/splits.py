@@ -129,7 +129,15 @@ def _one_global_batch(recipe: Recipe, ctx: Context, parts: list) -> Iterator[Pro
                           f"batch needs: {batch} x train.seq_len + 1 = {global_batch} x "
                           f"{t.seq_len} + 1 = {need:,}",
                   fix="use more data (a larger dataset or blend), or "
-                      + use(options, f"a global batch of at most {most} sequences"))
+                      + use(options, _smaller_batch(most, (held - 1) // global_batch)))
+
+
+def _smaller_batch(sequences: int, seq_len: int) -> str:
+    """D11's fix where no nearby value was found to work: what would fit in the data."""
+    if sequences >= 1:
+        return f"a global batch of at most {sequences} sequences"
+    return (f"a train.seq_len of at most {seq_len:,} tokens" if seq_len >= 1
+            else "a dataset that holds one global batch")
 
 
 def _sizes(datasets: list[Dataset]) -> str:
