@@ -39,7 +39,9 @@ class StepMeter:
         self.flops = flops_per_token(recipe.model, recipe.train.seq_len,
                                      recipe.train.activation_checkpointing)
         gpu = gpu_for_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-        self.peak_flops = gpu.peak_bf16_flops if gpu else None  # None: MFU not available
+        # None: MFU not shown. Under train.fp8 the GEMMs run against float8's peak and the rest
+        # against bf16's, so no one peak makes a meaningful figure (torchtitan hides it too).
+        self.peak_flops = gpu.peak_bf16_flops if gpu and recipe.train.fp8 == "none" else None
         self.resolved, self.device = resolved, device
         self.census, self.first_timed_step = census, first_timed_step
         self.censuses: dict[str, dict[str, int]] = {}  # point of the step -> live tensor bytes

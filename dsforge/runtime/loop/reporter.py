@@ -81,7 +81,8 @@ class Reporter:
 def postfix(r: StepRecord, last_eval: tuple[int, float] | None) -> str:
     mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
     norm = f"{r.grad_norm:.3f}" if r.grad_norm is not None else "n/a"
-    val = f" | val {last_eval[1]:.4f}" if last_eval is not None else ""
+    # the step it followed, as the line counts steps (from 1): later lines repeat it
+    val = f" | val {last_eval[1]:.4f} (step {last_eval[0] + 1})" if last_eval is not None else ""
     if r.skipped:
         norm = "n/a, update skipped"
     return (f"loss {r.loss:.4f}{val} | gnorm {norm} | lr {r.lr:.2e} | {r.step_time_s * 1e3:.0f} ms | "
