@@ -6,8 +6,9 @@
 - Any other file is plain text and one whole document. It is read in pieces of at most
   PIECE_BYTES cut after a line break, so no file is ever held in memory whole; each piece is
   tokenized on its own and stored as one sequence of the document (the format's sequences
-  within a document), the last one ending with the EOD. Tokens can differ from tokenizing the
-  whole file at once only where a piece is cut, right after a newline.
+  within a document), each ending with the EOD (prepare.py _Encoder: Megatron's GPTDataset
+  packs sequences, not documents). Tokens can differ from tokenizing the whole file at once
+  only where a piece is cut, right after a newline.
 - A folder stands for the files under it (recursively, hidden ones left out) whose names end in
   one of CORPUS_SUFFIXES; a glob (*, ?, [..], ** recursive) for the files it matches. Each
   INPUT's files are taken in sorted order, INPUTs in the order given, a file named twice once.

@@ -325,7 +325,11 @@ def _receive(pipe, batches: "queue.SimpleQueue") -> None:
 
 class _Encoder:
     """A batch -> its token ids: JSON lines parsed, texts tokenized, the EOD appended to each
-    document's last piece; a document without text or tokens counted as empty, length 0."""
+    piece with tokens and to each document's last piece; a document without text or tokens
+    counted as empty, length 0. Every sequence ends with the EOD because Megatron's GPTDataset
+    shuffles, splits and packs sequences, not documents: a long text's piece without one would
+    run straight into whatever sequence the shuffle put after it, one text to the model and to
+    data.document_masking."""
 
     def __init__(self, spec: _EncoderSpec):
         self.tokenizer = load_tokenizer(spec.tokenizer)
@@ -342,7 +346,7 @@ class _Encoder:
             ids = np.asarray(next(encoded) if text is not None else [], dtype=self.dtype)
             if start and end and not len(ids):  # a whole document without a token: skipped
                 empty += 1
-            elif end:
+            elif end or len(ids):
                 ids = np.concatenate([ids, self.eod])
             pieces.append(ids)
             lengths.append(len(ids))

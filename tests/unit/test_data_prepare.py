@@ -177,7 +177,9 @@ def test_a_long_text_file_is_one_document_of_several_sequences(bpe_tokenizer, tm
     pieces = [t for b in batches(expand_inputs([str(TEMPEST)]), piece_bytes=8192)
               for t in b.texts("text")]
     play, after = documents(result.prefix)
-    assert play == [i for ids in tokenizer.encode(pieces) for i in ids] + [0]  # one EOD, last
+    # each piece ends with the EOD: Megatron's GPTDataset packs sequences, not documents
+    assert play == [i for ids in tokenizer.encode(pieces) for i in [*ids, 0]]
+    assert all(sequence[-1] == 0 for sequence in dataset)
     assert after == list(tokenizer.encode(["after"])[0]) + [0]
 
 

@@ -10,7 +10,8 @@ samples every time, so successive validation losses are comparable.
 - synthetic: tokens drawn from a generator seeded by (seed, stream, sample id); validation is
   a second stream.
 - indexed (Megatron dataset prefixes, one or a weighted blend): Megatron-Core's GPTDataset and
-  BlendedDataset (dsforge/data/samples.py), split into train/validation/test by documents.
+  BlendedDataset (dsforge/data/samples.py), split into train/validation/test by the
+  dataset's sequences (one a document in what `dsforge data prepare` writes).
 - a flat token file: a flat array of uint16/uint32 ids read through a memory map, cut into
   windows of seq_len + 1 (consecutive windows share one token); the split cuts the windows
   into contiguous train/validation/test ranges, each visited in a seeded random order that
