@@ -93,6 +93,10 @@ def split_problem(split: str) -> Problem | None:
         fix = 'use e.g. data.split: "98,1,1"'
     else:
         fix = "use data.split: \"" + ",".join(f"{100 * v / total:.4g}" for v in values) + "\""
+        given = len(re.split(r"[,/]", split))
+        if 1 < total < 100 and given < 3:  # percent with a share left out: the rest for it
+            rest = ",".join(f"{v:g}" for v in [*values[:given], 100 - total])
+            fix = f'use data.split: "{rest}" (the rest for the next share), or {fix[4:]}'
     return Problem(rule="D6", fields={"data.split": split},
                    message=f"adds up to {total:g}: the shares of train, validation and test are "
                            "percent adding up to 100 (or fractions adding up to 1)", fix=fix)

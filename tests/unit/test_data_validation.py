@@ -473,6 +473,7 @@ def test_bad_blend_weights_are_refused_when_the_recipe_is_read(source, rule, fie
     ("0,0,0", 'data.split: "98,1,1"'),
     ("a,b", 'data.split: "98,1,1"'),
     ("1,2,3,4", 'data.split: "98,1,1"'),
+    ("90,5", 'data.split: "90,5,5" (the rest for the next share)'),
 ])
 def test_a_split_that_does_not_add_up_is_refused_with_one_that_does(split, fix):
     with pytest.raises(RecipeError) as caught:
