@@ -34,7 +34,7 @@ from dsforge.translate.kernels import (choose_kernels, documents_summary, fused_
 from dsforge.translate.megatron import (gpt_model_kwargs, parallel_state_kwargs,
                                         transformer_config_kwargs)
 from dsforge.translate.optimizer import adam_impl, ops_built_at_run_time
-from dsforge.units import GiB, format_bytes
+from dsforge.units import GiB, MiB, format_bytes
 
 
 def plan_device(choice: str = "auto") -> str:
@@ -268,30 +268,39 @@ def _render_groups(plan: dict[str, Any]) -> str:
 
 def _render_model(plan: dict[str, Any]) -> str:
     p = plan["params"]
-    return (f"Model\n  parameters: {p['total'] / 1e9:.3f} B total, {p['active'] / 1e9:.3f} B active"
-            f" per token; vocabulary padded to {p['padded_vocab_size']}\n"
-            f"  FLOPs per token: {plan['flops_per_token'] / 1e9:.2f} GFLOP model (MFU), "
-            f"{plan['hardware_flops_per_token'] / 1e9:.2f} GFLOP with recomputation (HFU)")
+    billions = p["total"] >= 1e8  # a tiny model's count in millions, not "0.001 B"
+    scale, unit = (1e9, "B") if billions else (1e6, "M")
+    return (f"Model\n  parameters: {p['total'] / scale:.3f} {unit} total, "
+            f"{p['active'] / scale:.3f} {unit} active per token; vocabulary padded to "
+            f"{p['padded_vocab_size']}\n"
+            f"  FLOPs per token: {_flops(plan['flops_per_token'])} model (MFU), "
+            f"{_flops(plan['hardware_flops_per_token'])} with recomputation (HFU)")
+
+
+def _flops(n: float) -> str:
+    return f"{n / 1e9:.2f} GFLOP" if n >= 1e8 else f"{n / 1e6:.2f} MFLOP"
 
 
 def _render_memory(plan: dict[str, Any]) -> str:
     m = plan["memory_bytes"]
     stage = plan["deepspeed"]["zero_optimization"]["stage"]
-    backward = ", ".join(f"{k} {m[k] / GiB:.2f}"
+    # GiB, or MiB where the whole peak is under one GiB (a tiny model would read 0.00 throughout)
+    size, unit = (GiB, "GiB") if m["total"] >= GiB else (MiB, "MiB")
+    backward = ", ".join(f"{k} {m[k] / size:.2f}"
                          for k in ("params", "grads", "bucket", "optimizer", "activations", "buffers"))
-    step = (f"params {m['params'] / GiB:.2f}, grads {m['step_grads'] / GiB:.2f}, "
-            + (f"bucket {m['step_bucket'] / GiB:.2f}, " if m["step_bucket"] else "")
-            + f"optimizer {m['optimizer'] / GiB:.2f}, fp32 gradient and its sources {m['step_buffers'] / GiB:.2f}")
-    lines = [f"Memory per GPU (estimate, GiB, worst pipeline rank {plan['memory_worst_pipeline_rank']}, ZeRO {stage})",
-             f"  last backward: {backward} = {m['backward_total'] / GiB:.2f}",
-             f"  optimizer step: {step} = {m['step_total'] / GiB:.2f}",
-             f"  peak (the {m['peak']}) {m['total'] / GiB:.2f}"]
+    step = (f"params {m['params'] / size:.2f}, grads {m['step_grads'] / size:.2f}, "
+            + (f"bucket {m['step_bucket'] / size:.2f}, " if m["step_bucket"] else "")
+            + f"optimizer {m['optimizer'] / size:.2f}, fp32 gradient and its sources {m['step_buffers'] / size:.2f}")
+    lines = [f"Memory per GPU (estimate, {unit}, worst pipeline rank {plan['memory_worst_pipeline_rank']}, ZeRO {stage})",
+             f"  last backward: {backward} = {m['backward_total'] / size:.2f}",
+             f"  optimizer step: {step} = {m['step_total'] / size:.2f}",
+             f"  peak (the {m['peak']}) {m['total'] / size:.2f}"]
     gpu = plan["gpu"]
     if gpu:
         verdict = "fits" if gpu["fits"] else "DOES NOT FIT"
-        lines[-1] += f" of {gpu['memory_bytes'] / GiB:.0f} on {gpu['name']}: {verdict}"
+        lines[-1] += f" of {gpu['memory_bytes'] / size:.0f} on {gpu['name']}: {verdict}"
     stages = " | ".join(
-        f"ZeRO {s}: " + (f"{v['total'] / GiB:.1f}" if v["total"] is not None
+        f"ZeRO {s}: " + (f"{v['total'] / size:.1f}" if v["total"] is not None
                          else f"rejected ({', '.join(v['rejected_by'])})")
         for s, v in plan["memory_by_zero_stage"].items())
     lines.append(f"  by stage: {stages}")
