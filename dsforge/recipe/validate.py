@@ -257,12 +257,24 @@ def context_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
 
 
 def sequence_length(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
-    """T6: training sequences must fit the model's position range."""
-    t, m = recipe.train, recipe.model
+    """T6: training sequences must fit the model's position range. T9: under sequence
+    parallelism each tensor-parallel rank holds 1/tp of a rank's sequence (its cp shard):
+    Megatron scatters the embeddings' output along the sequence and asserts that it divides
+    (mappings.py `_split_along_first_dim`); nothing pads it, so the job would fail at step 1."""
+    t, m, p = recipe.train, recipe.model, recipe.parallel
     if t.seq_len > m.max_seq_len:
         yield Problem(rule="T6", fields={"train.seq_len": t.seq_len, "model.max_seq_len": m.max_seq_len},
                       message="seq_len exceeds the model's max_seq_len",
                       fix=f"use train.seq_len <= {m.max_seq_len}, or raise model.max_seq_len")
+    if p.sequence_parallel and p.tp > 1 and t.seq_len % p.cp == 0 and t.seq_len // p.cp % p.tp:
+        step = p.tp * p.cp * (2 if p.cp > 1 else 1)  # with T7's 2 x cp chunks
+        below = t.seq_len // step * step
+        yield Problem(rule="T9", fields={"train.seq_len": t.seq_len, "parallel.tp": p.tp,
+                                         "parallel.cp": p.cp, "parallel.sequence_parallel": True},
+                      message=f"sequence parallelism splits each rank's sequence (seq_len / cp) "
+                              f"into tp = {p.tp} equal parts",
+                      fix=f"use a train.seq_len that is a multiple of {step} (e.g. "
+                          f"{below or step}), or parallel.sequence_parallel: false")
 
 
 def expert_parallel(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
@@ -344,6 +356,19 @@ def _expert_grid(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
                                "parallel.etp": divisors_that_work(recipe, ctx, "E1",
                                                                   "parallel.etp", world)},
                               "change parallel.ep or parallel.etp"))
+
+
+def fp16_without_zero(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
+    """Z7: DeepSpeed 0.19.8's engine.backward multiplies the loss by fp16's loss scale only for
+    its ZeRO optimizers; its ZeRO-0 fp16 wrappers (FP16_Optimizer, FP16_UnfusedOptimizer) still
+    divide the gradients by that scale in step(), so every update would run on gradients the
+    loss scale (65536 at the start, growing) too small (tests/unit/test_pins.py pins both)."""
+    if recipe.train.precision == "fp16" and recipe.zero.stage == 0:
+        yield Problem(rule="Z7", fields={"train.precision": "fp16", "zero.stage": 0},
+                      message="DeepSpeed 0.19.8 does not scale the loss for its fp16 optimizer "
+                              "without ZeRO, yet divides the gradients by the loss scale: every "
+                              "update would be the loss scale (65536 and up) too small",
+                      fix="use zero.stage: 1 (or more) with fp16, or train.precision: bf16")
 
 
 def zero_with_pipeline(recipe: Recipe, ctx: Context) -> Iterator[Problem]:
@@ -442,7 +467,7 @@ RULES: tuple[Rule, ...] = (
     parallel_arithmetic, tensor_parallel_in_node, batch_arithmetic, pipeline_layers,
     pipeline_microbatches, pipeline_embeddings, tensor_parallel_shapes, context_parallel,
     sequence_length,
-    expert_parallel, zero_with_pipeline, optimizer_offload, compiled_layers, fp8, *DATA_RULES,
+    expert_parallel, zero_with_pipeline, fp16_without_zero, optimizer_offload, compiled_layers, fp8, *DATA_RULES,
     profile_within_run,
     optional_packages,
     hugging_face_start,

@@ -55,6 +55,9 @@ CROSS_SECTION_CASES = [
      ["parallel.cp=4", "train.seq_len=96", "model.num_kv_heads=4"], 8),
     ("T7", ["parallel.cp=4"], 8, ["parallel.cp=2"], 8),  # tiny has 2 KV heads
     ("T7", ["parallel.cp=2", "parallel.tp=2"], 8, ["parallel.cp=2", "model.num_kv_heads=4", "parallel.tp=2"], 8),
+    # Sequence parallelism splits each rank's sequence into tp parts (Megatron asserted at step 1)
+    ("T9", ["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=127"], 8,
+     ["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=126"], 8),
     ("E1", ["parallel.ep=2"], 8, [*MOE, "parallel.ep=2"], 8),
     ("E3", [*MOE, "parallel.tp=2"], 8, [*MOE, "parallel.tp=2", "parallel.sequence_parallel=true"], 8),
     ("E4", [*MOE, "model.bias=true", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"], 8,
@@ -70,6 +73,7 @@ CROSS_SECTION_CASES = [
      [*MOE, "parallel.ep=2", "zero.stage=1", "train.checkpoint_every=2"], 8),
     ("Z2", ["parallel.pp=2", "parallel.vpp=2", "zero.stage=2", "zero.offload_optimizer=cpu"], 8,
      ["parallel.pp=2", "zero.stage=2", "zero.offload_optimizer=cpu"], 8),
+    ("Z7", ["train.precision=fp16", "zero.stage=0"], 8, ["train.precision=fp16", "zero.stage=1"], 8),
     ("Z2", ["parallel.pp=2", "zero.stage=2", "train.precision=fp16"], 8,
      ["parallel.pp=2", "zero.stage=2", "train.precision=bf16"], 8),
     ("Z2", ["parallel.pp=2", "zero.stage=1", "train.precision=fp16"], 8,
