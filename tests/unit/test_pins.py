@@ -247,19 +247,30 @@ def test_the_guard_relies_on_these_internals():
 
 
 def test_fp16s_loss_scale_is_read_where_dsforge_reads_it():
-    """runtime/loop/metrics.py `loss_scale` reads DeepSpeed's fp16 wrappers' `loss_scale`, the
-    scale their backward multiplies the loss by (step.py gives the MoE aux loss the same)."""
+    """runtime/loop/metrics.py `loss_scale` reads DeepSpeed's fp16 wrappers' `loss_scale`.
+    engine.backward multiplies the loss by it for the ZeRO optimizers only (step.py gives the
+    MoE aux loss the same scale there); the ZeRO-0 wrappers are no ZeROOptimizer, and their
+    step() still divides by it, which rule Z7 refuses. When DeepSpeed scales for them too,
+    this fails: drop Z7 then."""
     import inspect
 
+    from deepspeed.runtime import engine
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    source = inspect.getsource(engine)
+    backward = source[source.index("    def backward(self, loss"):]
+    backward = backward[:backward.index("\n    def ", 10)]
+    assert "if isinstance(self.optimizer, ZeROOptimizer):\n                loss = self.optimizer.scale_if_loss(loss)" in backward
     for zero0 in (FP16_Optimizer, FP16_UnfusedOptimizer):
+        assert not issubclass(zero0, ZeROOptimizer)
         assert "return self.loss_scale_config.cur_scale" in inspect.getsource(zero0.loss_scale.fget)
-        assert "* self.loss_scale_config.cur_scale" in inspect.getsource(zero0.backward)
+        assert "self.loss_scale_config.cur_scale" in inspect.getsource(zero0.unscale_and_clip_grads)
     for sharded in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        assert issubclass(sharded, ZeROOptimizer)
         assert "return self.loss_scaler.cur_scale" in inspect.getsource(sharded.loss_scale.fget)
 
 

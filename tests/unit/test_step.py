@@ -59,9 +59,16 @@ def test_the_moe_aux_loss_gradient_carries_fp16s_loss_scale(monkeypatch):
 
     monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale",
                         MoEAuxLossAutoScaler.main_loss_backward_scale)  # restored after
-    fp16 = SimpleNamespace(fp16_enabled=lambda: True, optimizer=SimpleNamespace(loss_scale=65536.0))
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    class Sharded(ZeROOptimizer):  # DeepSpeed's ZeRO-1/2/3 optimizers, whose loss it scales
+        loss_scale = 65536.0
+
+    fp16 = SimpleNamespace(fp16_enabled=lambda: True, optimizer=Sharded())
     bf16 = SimpleNamespace(fp16_enabled=lambda: False, optimizer=SimpleNamespace())
-    assert (step._fp16_loss_scale(fp16), step._fp16_loss_scale(bf16)) == (65536.0, 1.0)
+    unscaled = SimpleNamespace(fp16_enabled=lambda: True,  # ZeRO 0 (rule Z7): DeepSpeed does not scale
+                               optimizer=SimpleNamespace(loss_scale=65536.0))
+    assert [step._fp16_loss_scale(e) for e in (fp16, bf16, unscaled)] == [65536.0, 1.0, 1.0]
     step._scale_moe_aux_loss(0.5 * step._fp16_loss_scale(fp16), torch.device("cpu"))
     aux = torch.tensor(2.0, requires_grad=True)
     MoEAuxLossAutoScaler.apply(torch.zeros(1, requires_grad=True), aux).sum().backward()

@@ -287,8 +287,11 @@ def _fp16_loss_scale(engine) -> float:
     """What engine.backward() multiplies the loss by before its backward, and DeepSpeed's
     update divides every gradient by: fp16's dynamic loss scale, else 1. The MoE aux loss's
     gradient, set apart from the loss, must carry it too (as Megatron's schedules give it
-    their grad_scale_func's scale), or fp16 would leave the load balancing cur_scale x too weak."""
-    if not engine.fp16_enabled():
+    their grad_scale_func's scale), or fp16 would leave the load balancing cur_scale x too weak.
+    DeepSpeed 0.19.8 scales only for its ZeRO optimizers (fp16 without ZeRO is rule Z7's)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    if not engine.fp16_enabled() or not isinstance(engine.optimizer, ZeROOptimizer):
         return 1.0
     return loss_scale(engine.optimizer, "fp16") or 1.0
 
