@@ -170,11 +170,9 @@ def job_processes(directory: Path) -> list[int]:
     return sorted(found)
 
 
-def names_run_dir(pid: int, directory: Path) -> bool:
-    """Whether process `pid`'s `--job` word (job/word.py) names the run directory
-    `directory`: a rank of that job, wherever its launcher started it."""
-    named = _job_run_dir(_read(f"/proc/{pid}/cmdline").split(b"\0"))
-    return named is not None and Path(named).resolve() == Path(directory).resolve()
+def job_word_of(pid: int) -> dict | None:
+    """Process `pid`'s `--job` word (job/word.py), decoded; None without one."""
+    return _job_word(_read(f"/proc/{pid}/cmdline").split(b"\0"))
 
 
 def _read(path: str) -> bytes:
@@ -186,11 +184,17 @@ def _read(path: str) -> bytes:
 
 
 def _job_run_dir(args: list[bytes]) -> str | None:
+    word = _job_word(args)
+    return word.get("run_dir") if word is not None else None
+
+
+def _job_word(args: list[bytes]) -> dict | None:
     for flag, word in zip(args, args[1:]):
         if flag == b"--job" or flag.startswith(b"--job="):
             word = flag.partition(b"=")[2] if flag.startswith(b"--job=") else word
             try:
-                return json.loads(base64.urlsafe_b64decode(word))["run_dir"]
-            except (binascii.Error, ValueError, KeyError, TypeError):
+                decoded = json.loads(base64.urlsafe_b64decode(word))
+            except (binascii.Error, ValueError, TypeError):
                 return None
+            return decoded if isinstance(decoded, dict) else None
     return None

@@ -33,7 +33,8 @@ from dsforge.job.run_dir import RunDir
 from dsforge.job.pids import started_ranks
 from dsforge.job.signals import STOP_SIGNALS
 from dsforge.launch.keeper import keeper_command
-from dsforge.lock import names_run_dir
+from dsforge.job.owner import current_owner
+from dsforge.lock import job_word_of
 
 EXIT_TIMEOUT = 124  # the job ran past --timeout (as coreutils' timeout exits)
 # How long ranks get to exit after the group is signalled before it is killed.
@@ -325,19 +326,20 @@ def _signal_pid(pid: int, sig: int) -> None:
 
 def signal_ranks(run_dir: RunDir, pgid: int, sig: int, skip: set[int] = frozenset()) -> set[int]:
     """Send `sig` to every rank of this host that wrote its pid file (launch/diagnose.py) and
-    is a rank of this job: in process group `pgid` or with a job word naming `run_dir` (over
-    a hostfile pdsh starts even this host's ranks through ssh, whose sshd gives them a session
-    of their own), running the rank program, and the child of a rank's supervisor
-    (runtime/guard/supervise.py), which would pass the signal on a second time. Returns the
-    pids signalled (not those in `skip`)."""
-    host, sent = socket.gethostname(), set()
+    is a rank of this job: in process group `pgid` or with a job word whose owner is this
+    process (over a hostfile pdsh starts even this host's ranks through ssh, whose sshd gives
+    them a session of their own; the run directory alone would also name the ranks another
+    --no-ssh node's dsforge started there), running the rank program, and the child of a
+    rank's supervisor (runtime/guard/supervise.py), which would pass the signal on a second
+    time. Returns the pids signalled (not those in `skip`)."""
+    host, sent, owner = socket.gethostname(), set(), current_owner()
     for where in started_ranks(run_dir).values():
         rank_host, _, pid_text = where.partition(" ")
         if rank_host != host or not pid_text.isdigit() or int(pid_text) in skip:
             continue
         pid = int(pid_text)
         try:
-            ours = os.getpgid(pid) == pgid or names_run_dir(pid, run_dir.path)
+            ours = os.getpgid(pid) == pgid or (job_word_of(pid) or {}).get("owner") == owner
             if not ours or not _is_supervised_rank(pid):
                 continue
             os.kill(pid, sig)

@@ -226,18 +226,23 @@ def test_signal_ranks_reaches_only_the_jobs_supervised_ranks(tmp_path):
 
 def test_signal_ranks_reaches_this_jobs_ranks_in_another_session(tmp_path):
     """Over a hostfile pdsh starts even this host's ranks through ssh, whose sshd gives them a
-    session (and process group) of their own: a rank whose job word names the run directory
-    is this job's all the same; one naming another directory is not."""
+    session (and process group) of their own: a rank whose job word names this process as its
+    owner is this job's all the same. One another dsforge started into the same run directory
+    (--no-ssh nodes on one machine) is not: it gets its own dsforge's request, and a second
+    one would kill it unsaved."""
     import base64
     import json
 
+    from dsforge.job.owner import current_owner
+
     run_dir = RunDir(tmp_path)
 
-    def word(directory) -> str:
-        return base64.urlsafe_b64encode(json.dumps({"run_dir": str(directory)}).encode()).decode()
+    def word(owner: str) -> str:
+        spec = {"run_dir": str(tmp_path), "owner": owner}
+        return base64.urlsafe_b64encode(json.dumps(spec).encode()).decode()
 
-    for named, expected in ((tmp_path / "other", False), (tmp_path, True)):
-        proc, child = _fake_job(run_dir, job_word=word(named))
+    for owner, expected in (("node-b:4242:1234", False), (current_owner(), True)):
+        proc, child = _fake_job(run_dir, job_word=word(owner))
         try:
             assert local.signal_ranks(run_dir, os.getpgid(0), signal.SIGUSR1) == (
                 {child} if expected else set())
