@@ -20,6 +20,8 @@ def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
     `skip_fit_check` (bench/run.py `fit_refusal`)."""
     from dsforge.bench.run import bench_study
     from dsforge.bench.study import check_study, load_study
+    from dsforge.launch.checks import check_rank_imports
+    from dsforge.launch.refusal import BadOptions
 
     try:
         parsed, recipe_path = load_study(study)
@@ -29,6 +31,11 @@ def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
     problems = check_study(parsed, recipe_path)
     if problems:  # before any cell runs
         print_problems(study, problems)
+        return EXIT_INVALID
+    try:  # its cells' ranks start as dsforge run's do
+        check_rank_imports(Path.cwd())
+    except BadOptions as exc:
+        click.echo(f"Error: {exc}", err=True)
         return EXIT_INVALID
     if tiny:  # never mixed with the study's real results
         parsed = dataclasses.replace(parsed, name=f"{parsed.name}-tiny")

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,21 +80,27 @@ def checked_run(options, say: Say) -> Checked:
 
 def check_rank_imports(cwd: Path) -> None:
     """BadOptions when the ranks would import another dsforge than this command's: they start
-    as `python -m dsforge.runtime.rank`, which puts the current folder first on sys.path, so a
-    ./dsforge there wins. A clone's top folder holds no __init__.py and would import as an
-    empty namespace package (its data/ folder then hiding dsforge.data: every rank fails at
-    import); another checkout would run other code than this command checked."""
+    as `python -m dsforge.runtime.rank` in `cwd`, which puts it first on sys.path. A clone's
+    top folder there (./dsforge without __init__.py) wins over an editable install's finder as
+    an empty namespace package (its data/ folder then hides dsforge.data: every rank fails at
+    import), and another checkout would run other code than this command checked. Python
+    itself is asked, the way the ranks start, only where `cwd` holds a dsforge at all."""
     import dsforge
 
     ours = Path(dsforge.__file__).resolve().parent
-    found = next((p for p in (cwd / "dsforge", cwd / "dsforge.py") if p.exists()), None)
-    if found is None or found.resolve() == ours:
+    here = [p for p in (cwd / "dsforge", cwd / "dsforge.py") if p.exists()]
+    if not here or here[0].resolve() == ours:
         return
-    what = ("a folder without __init__.py (a clone's top folder?)" if found.is_dir()
-            and not (found / "__init__.py").exists() else "another copy of dsforge")
-    raise BadOptions(f"the ranks would import dsforge from {found}, {what}, not from {ours}, "
-                     "which this command runs: `python -m` puts the current folder first on the "
-                     f"ranks' module path. Run dsforge from another folder (e.g. cd {found})")
+    asked = subprocess.run([sys.executable, "-c", "import dsforge; print(dsforge.__file__)"],
+                           cwd=cwd, capture_output=True, text=True, timeout=120)
+    theirs = asked.stdout.strip().splitlines()[-1] if asked.stdout.strip() else "None"
+    if asked.returncode == 0 and theirs != "None" and Path(theirs).resolve().parent == ours:
+        return
+    what = (f"{here[0]}, a folder without __init__.py (a clone's top folder?)"
+            if theirs == "None" else theirs)
+    raise BadOptions(f"the ranks would import dsforge from {what}, not from {ours}, which this "
+                     "command runs: they start with `python -m` here, which puts this folder "
+                     "first on their module path. Run dsforge from another folder")
 
 
 def refuse(source: str, problems: list[Problem], advice: str = "") -> None:
