@@ -49,6 +49,10 @@ def write_batch_script(recipe: str, *, nodes: int | None, gpus_per_node: int | N
     name = resolved.recipe.name
     run_dir = (run_dir or runs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     run_dir.parent.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there
+    if run_dir.is_dir() and any(run_dir.iterdir()):  # the script runs --resume-or-start
+        say(f"dsforge: note: {run_dir} is not empty: the job continues its run from the newest "
+            "complete checkpoint, or, with none, sets what is there aside in attempts/ and "
+            "starts over")
     job = slurm.BatchJob(
         recipe=str(Path(recipe).absolute()), run_dir=str(run_dir), job_name=f"dsforge-{name}",
         nodes=nodes, tasks_per_node=world // nodes, gpus_per_node=gpus_per_node,

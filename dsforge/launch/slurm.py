@@ -324,7 +324,7 @@ wait "$PID" 2>/dev/null; LAST=$?
 [ "$LAST" != 127 ] && CODE=$LAST
 
 # 75: the ranks stopped with a complete checkpoint (a signal, or train.time_limit). Requeue
-# this job: it starts again later, with --resume (above). Any other code is final: 65 (the
+# this job: it starts again later and resumes (--resume-or-start, above). Any other code is final: 65 (the
 # training went bad: non-finite values or a loss spike) needs a change the report names.
 # $RUN_DIR/requeue_exclude: dsforge run left failing nodes out and the nodes left could not
 # hold the job. Slurm changes a job's excluded nodes only while it is pending: requeue it held,

@@ -81,7 +81,12 @@ def _resume_or_start(given: Path, resolved: Resolved, *, create: bool,
     if resumed_here(run_dir):
         _resume(run_dir, resolved, set_aside_records=create, say=say)
         return run_dir, lock
-    kept = set_aside(run_dir, everything=True) if create else None
+    if not create:  # a dry run moves nothing
+        used = run_dir.path.is_dir() and any(run_dir.path.iterdir())
+        say(f"dsforge: {run_dir} holds no complete checkpoint: the run would start from the "
+            "beginning" + (", what is there set aside in attempts/" if used else ""))
+        return run_dir, lock
+    kept = set_aside(run_dir, everything=True)
     say(f"dsforge: {run_dir} holds no complete checkpoint: starting its run from the beginning"
         + (f" (what an earlier attempt wrote is in {kept})" if kept else ""))
     return run_dir, lock
