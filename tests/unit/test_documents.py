@@ -310,3 +310,34 @@ def _run(model, inputs, positions, ids, labels) -> tuple[float, list[torch.Tenso
 
 if __name__ == "__main__":
     _child(Path(sys.argv[1]))
+
+
+def test_the_meter_counts_a_steps_attention_within_its_documents():
+    """A step whose documents hold a quarter of the score matrices' pairs: attention_share
+    0.25, and with a known peak mfu_documents on those FLOPs beside mfu on the full count;
+    a run without masking records neither."""
+    from dsforge.estimate.flops import flops_per_token
+    from dsforge.runtime.guard.health import StepView
+    from dsforge.runtime.loop.meter import StepMeter
+
+    masked = resolve_file(TINY, ["data.document_masking=true", "model.vocab_size=257",
+                                 f"data.source={REPO / 'data' / 'tempest'}"])
+    seq, batch = masked.recipe.train.seq_len, masked.layout.global_batch
+
+    def record(resolved, pairs):
+        meter = StepMeter(resolved, device=torch.device("cpu"), census=False,
+                          first_timed_step=0, warn=print)
+        meter.peak_flops = 1e12  # a CPU has none: as on a GPU of that peak
+        seen = StepView(loss=1.0, bad_loss=False, bad_norm=False, skipped=False,
+                        score_pairs=pairs)
+        return meter.record(0, seen, lr=0.1, elapsed=1.0, ended_at=0.0, data_time=0.0,
+                            phases=None, loss_scale=None)
+
+    got = record(masked, batch * seq * seq / 4)
+    m = masked.recipe.model
+    assert got.attention_share == 0.25
+    assert got.mfu == pytest.approx(got.tokens_per_s_per_gpu * flops_per_token(m, seq).model / 1e12)
+    assert got.mfu_documents == pytest.approx(
+        got.tokens_per_s_per_gpu * flops_per_token(m, seq, attention_share=0.25).model / 1e12)
+    plain = record(resolve_file(TINY), 0.0)
+    assert plain.attention_share is None and plain.mfu_documents is None and plain.mfu is not None
