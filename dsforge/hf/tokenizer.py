@@ -15,6 +15,7 @@ that is no longer on this machine is reported, not fatal: the weights are still 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -23,7 +24,8 @@ from typing import Any, Mapping
 
 from dsforge.data.errors import DataError
 from dsforge.data.identity import TokenizerIdentity, read_record
-from dsforge.data.tokenizers import BYTES, BYTES_EOD, TOKENIZER_FILES, load_tokenizer
+from dsforge.data.tokenizers import (BYTES, BYTES_EOD, TOKENIZER_FILES, TokenizerSpec,
+                                     load_tokenizer)
 from dsforge.files import write_atomic
 
 
@@ -46,8 +48,8 @@ def tokenizer_files(recipe: Mapping[str, Any], folder: Path) -> TokenizerFiles:
             f"no tokenizer files: the run used dsforge's bytes tokenizer (ids 0-{BYTES_EOD - 1} "
             f"are UTF-8 bytes, {BYTES_EOD} ends a document), which no Hugging Face tokenizer "
             "class reproduces"])
-    try:
-        identity = load_tokenizer(name).identity
+    try:  # with the end-of-document token the dataset was prepared with (--eod-token)
+        identity = load_tokenizer(TokenizerSpec(name, recorded.eod_token if recorded else None)).identity
     except DataError as exc:
         return TokenizerFiles(notes=[f"no tokenizer files: the run's tokenizer cannot be loaded "
                                      f"here ({exc})"])
@@ -55,8 +57,18 @@ def tokenizer_files(recipe: Mapping[str, Any], folder: Path) -> TokenizerFiles:
         return TokenizerFiles(notes=[f"no tokenizer files: {name} has changed since the dataset "
                                      f"was prepared with it (sha256 {recorded.sha256[:12]} then, "
                                      f"{identity.sha256[:12]} now)"])
+    identity = _trained_eod(identity, (recipe.get("data") or {}).get("eod_id"))
     return TokenizerFiles(written=_copy(Path(name).expanduser(), identity, folder),
                           eos_token_id=identity.eod_id)
+
+
+def _trained_eod(identity: TokenizerIdentity, eod_id: int | None) -> TokenizerIdentity:
+    """`identity` with the end-of-document id the run trained with: data.eod_id where the
+    recipe names one (a token file, or a dataset without a record), else the tokenizer's."""
+    if eod_id is None or eod_id == identity.eod_id:
+        return identity
+    token = next((t for t, i in identity.special_ids.items() if i == eod_id), None)
+    return dataclasses.replace(identity, eod_id=eod_id, eod_token=token)
 
 
 def _tokenizer_of(data: Mapping[str, Any]) -> tuple[str | None, TokenizerIdentity | None]:

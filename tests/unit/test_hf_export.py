@@ -393,6 +393,33 @@ def test_the_tokenizer_travels_with_the_model(tmp_path, bpe_tokenizer):
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == loaded.eos_token_id
 
 
+def test_the_eod_a_dataset_was_prepared_with_is_the_exports_eos(tmp_path):
+    """A dataset prepared with --eod-token <|doc|> (the tokenizer's default would be
+    <|endoftext|>): the exported tokenizer and config end a sequence where the model learned
+    to, and a recipe's data.eod_id names it where there is no record."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dsforge.data.identity import write_record
+    from dsforge.data.tokenizers import TokenizerSpec, load_tokenizer
+    from dsforge.hf.tokenizer import tokenizer_files
+
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, "<|doc|>": 2, **{c: i + 3 for i, c in enumerate("abc")}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|doc|>"])
+    tokenizer.save(str(tmp_path / "tok.json"))
+    identity = load_tokenizer(TokenizerSpec(str(tmp_path / "tok.json"), eod_token="<|doc|>")).identity
+    write_record(tmp_path / "corpus", identity, {"documents": 1})
+    for out, data in ((tmp_path / "a", {"source": str(tmp_path / "corpus")}),
+                      (tmp_path / "b", {"source": str(tmp_path / "tokens.bin"), "eod_id": 2,
+                                        "tokenizer": str(tmp_path / "tok.json")})):
+        out.mkdir()
+        files = tokenizer_files({"data": data}, out)
+        assert files.eos_token_id == 2, data
+        assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|doc|>"
+
+
 def test_bytes_and_missing_tokenizers_are_reported_not_copied(dense_run, tmp_path):
     run, reader = dense_run
     recipe = {**reader.recipe, "data": {**reader.recipe["data"], "tokenizer": "bytes"}}
