@@ -14,7 +14,7 @@ from typing import Any
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
 from dsforge.estimate.context_parallel import exchange_bytes, exchange_passes, step_exchange_bytes
 from dsforge.estimate.flops import flops_per_token
-from dsforge.estimate.memory import estimate_memory, largest_stage_params
+from dsforge.estimate.memory import largest_stage_params
 from dsforge.estimate.memory_fixes import zero_at_stage
 from dsforge.estimate.params import count_params
 from dsforge.estimate.save_cost import save_cost
@@ -29,8 +29,8 @@ from dsforge.translate.deepspeed_config import deepspeed_config
 from dsforge.translate.device import check_device
 from dsforge.translate.experts import choose_experts
 from dsforge.translate.groups import rank_groups
-from dsforge.translate.kernels import (choose_kernels, documents_summary, fused_loss,
-                                      liger_installed)
+from dsforge.translate.kernels import (choose_kernels, documents_summary, liger_installed,
+                                      predicted_memory)
 from dsforge.translate.megatron import (gpt_model_kwargs, parallel_state_kwargs,
                                         transformer_config_kwargs)
 from dsforge.translate.optimizer import adam_impl, ops_built_at_run_time
@@ -55,9 +55,8 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
     model, train, zero = recipe.model, recipe.train, recipe.zero
     params = count_params(model)
     flops = flops_per_token(model, train.seq_len, train.activation_checkpointing)
-    fused = fused_loss(model, tp=layout.tp, device=device,
-                       per_token_loss=recipe.data.eod_mask_loss)
-    memory = estimate_memory(model=model, train=train, zero=zero, layout=layout, fused_loss=fused)
+    # as the launcher's fit check asks it (the fused loss, a dense document mask)
+    memory = predicted_memory(resolved, device)
     warnings = [str(p) for p in resolved.warnings]
     kernels = choose_kernels(model, device=device, liger_available=liger_installed())
     # The GPU's compute capability is read by the ranks: a plan knows the device type only.
@@ -90,7 +89,7 @@ def build_plan(resolved: Resolved, *, device: str = "auto") -> dict[str, Any]:
         "hardware_flops_per_token": flops.hardware,
         "memory_bytes": memory.to_dict(),
         "memory_worst_pipeline_rank": memory.pipeline_rank,
-        "memory_by_zero_stage": _memory_by_stage(resolved, fused),
+        "memory_by_zero_stage": _memory_by_stage(resolved, device),
         "gpu": _gpu_fit(resolved, memory.total, warnings),
         "bubble_fraction": bubble_fraction(layout.pp, layout.vpp, layout.num_microbatches),
         "bubble_share_of_step": bubble_share_of_step(layout.pp, layout.vpp, layout.num_microbatches),
@@ -155,17 +154,17 @@ def _node_summary(resolved: Resolved) -> dict[str, Any]:
     return {"node_slots": list(top.node_slots), "tp_within_node": within}
 
 
-def _memory_by_stage(resolved: Resolved, fused: bool) -> dict[str, dict[str, Any]]:
+def _memory_by_stage(resolved: Resolved, device: str) -> dict[str, dict[str, Any]]:
     """Estimated peak bytes per GPU at ZeRO 0-3, all else unchanged, or the rules that reject it."""
-    recipe, layout = resolved.recipe, resolved.layout
+    recipe = resolved.recipe
     result: dict[str, dict[str, Any]] = {}
     for stage in range(4):
         candidate = dataclasses.replace(recipe, zero=zero_at_stage(recipe.zero, stage))
         rejected = sorted({p.rule for p in errors(validate(candidate, resolved.topology))})
         total = None
         if not rejected:
-            total = int(estimate_memory(model=recipe.model, train=recipe.train, zero=candidate.zero,
-                                        layout=layout, fused_loss=fused).total)
+            total = int(predicted_memory(dataclasses.replace(resolved, recipe=candidate),
+                                         device).total)
         result[str(stage)] = {"total": total, "rejected_by": rejected}
     return result
 

@@ -58,16 +58,17 @@ def fit_limit(*, capacity: float, predicted: float, needed: float,
     return capacity * (1.0 - headroom) - max(0.0, needed - predicted)
 
 
-def estimate(resolved: Resolved, *, fused_loss: bool = False) -> MemoryEstimate:
-    """The memory model's most loaded rank for a resolved recipe (`fused_loss`: see
-    estimate_memory)."""
+def estimate(resolved: Resolved, *, fused_loss: bool = False,
+             document_mask: bool = False) -> MemoryEstimate:
+    """The memory model's most loaded rank for a resolved recipe (`fused_loss`,
+    `document_mask`: see estimate_memory)."""
     r = resolved.recipe
     return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=resolved.layout,
-                           fused_loss=fused_loss)
+                           fused_loss=fused_loss, document_mask=document_mask)
 
 
 def memory_fixes(resolved: Resolved, limit: float, *, shown: int = SHOWN,
-                 fused_loss: bool = False) -> list[MemoryFix]:
+                 fused_loss: bool = False, document_mask: bool = False) -> list[MemoryFix]:
     """Up to `shown` valid variants predicted at or under `limit` bytes, none holding another
     one's changes: the fewest levers moved first, then the most memory used (the least
     recompute, the fewest extra microbatches)."""
@@ -77,7 +78,7 @@ def memory_fixes(resolved: Resolved, limit: float, *, shown: int = SHOWN,
             candidate = resolve(recipe, resolved.topology)
         except RecipeError:
             continue
-        predicted = estimate(candidate, fused_loss=fused_loss).total
+        predicted = estimate(candidate, fused_loss=fused_loss, document_mask=document_mask).total
         if predicted <= limit:
             found.append(MemoryFix(changes=changes, predicted=predicted))
     found.sort(key=lambda f: (f.levers, -f.predicted))

@@ -26,7 +26,7 @@ from dsforge.job.steps import step_text
 from dsforge.job.who_failed import who_failed
 from dsforge.problems import RecipeError
 from dsforge.recipe import Resolved, resolve_file
-from dsforge.translate.kernels import fused_loss
+from dsforge.translate.kernels import dense_document_mask, fused_loss
 from dsforge.units import format_bytes
 
 # Both launchers log "... exits with return code = N" for the first rank they saw fail:
@@ -128,9 +128,11 @@ def run_recipe(run_dir: RunDir) -> Resolved | None:
 def memory_advice(memory: dict, resolved: Resolved) -> str:
     """The memory model's peak for `resolved` against what a rank measured when it ran out,
     and the changes predicted to fit (estimate/memory_fixes.py)."""
-    fused = fused_loss(resolved.recipe.model, tp=resolved.layout.tp, device="cuda",  # a GPU ran out
-                       per_token_loss=resolved.recipe.data.eod_mask_loss)
-    peak = estimate(resolved, fused_loss=fused)
+    r = resolved.recipe
+    kinds = {"fused_loss": fused_loss(r.model, tp=resolved.layout.tp, device="cuda",  # a GPU ran out
+                                      per_token_loss=r.data.eod_mask_loss),
+             "document_mask": dense_document_mask(r, device="cuda")}
+    peak = estimate(resolved, **kinds)
     where = f"pipeline rank {peak.pipeline_rank}, " if resolved.layout.pp > 1 else ""
     said = f"the memory model predicts {format_bytes(peak.total)} ({where}at the {peak.peak_moment})"
     capacity, needed = memory["capacity"], needed_bytes(memory)
@@ -143,7 +145,7 @@ def memory_advice(memory: dict, resolved: Resolved) -> str:
                 f"and more than the device holds: look at the allocation in the traceback")
     less = f", less the {format_bytes(beyond)} measured beyond the prediction" if beyond > 0 else ""
     under = f"{format_bytes(limit)} ({1 - HEADROOM:.0%} of {format_bytes(capacity)}{less})"
-    fixes = memory_fixes(resolved, limit, fused_loss=fused)
+    fixes = memory_fixes(resolved, limit, **kinds)
     if not fixes:
         return (f"{said}; no change of activation checkpointing, micro-batch or ZeRO stage is "
                 f"predicted under {under}: `dsforge plan --search` finds layouts that fit "

@@ -125,15 +125,22 @@ def fused_loss(model: ModelConfig, *, tp: int, device: str, per_token_loss: bool
     return choose_kernels(model, device=device, liger_available=liger_installed()).impl == "liger"
 
 
+def dense_document_mask(recipe, *, device: str) -> bool:
+    """Whether ranks on `device` hold a dense [s, s] document mask (the memory model counts
+    it: estimate/memory.py)."""
+    documents = document_attention(recipe.data, device=device, sdpa_backend=recipe.model.sdpa_backend)
+    return documents is not None and documents.impl == "sdpa-mask"
+
+
 def predicted_memory(resolved: Resolved, device: str) -> MemoryEstimate:
     """The memory model's estimate for the resolved recipe's ranks on `device`, with the loss
-    their kernels compute (fused_loss): the one way every command asks it."""
+    their kernels compute (fused_loss) and the document mask they hold: the one way every
+    command asks it."""
     r, lay = resolved.recipe, resolved.layout
-    documents = document_attention(r.data, device=device, sdpa_backend=r.model.sdpa_backend)
     return estimate_memory(model=r.model, train=r.train, zero=r.zero, layout=lay,
                            fused_loss=fused_loss(r.model, tp=lay.tp, device=device,
                                                  per_token_loss=r.data.eod_mask_loss),
-                           document_mask=documents is not None and documents.impl == "sdpa-mask")
+                           document_mask=dense_document_mask(r, device=device))
 
 
 def device_problems(model: ModelConfig, *, device: str, precision: str,

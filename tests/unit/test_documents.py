@@ -149,6 +149,10 @@ def test_plan_names_the_kernel_and_how_flops_count(tmp_path):
     assert said["kernel"] == "sdpa-mask" and "full seq x seq score matrix" in said["attention_flops"]
     assert "packed documents: attention within each, sdpa-mask" in render_plan(plan)
     assert build_plan(resolved, device="cuda")["implementations"]["documents"]["kernel"] == "flex"
+    # the plan's memory is the fit check's: with the dense mask CPU ranks hold
+    from dsforge.translate.kernels import predicted_memory
+    assert plan["memory_bytes"]["total"] == predicted_memory(resolved, "cpu").total
+    assert plan["memory_by_zero_stage"]["1"]["total"] == int(predicted_memory(resolved, "cpu").total)
 
 
 def test_a_gpu_takes_the_sdpa_backend_asked_for_and_the_memory_model_counts_the_dense_mask():
