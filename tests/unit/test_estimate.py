@@ -136,10 +136,14 @@ def test_interleaving_raises_activation_memory_by_the_megatron_factor():
     recomputed = layer_activation_bytes(plain.recipe.model, 0, checkpointing="none", **kw)
     # Rank 0 holds 4 layers. In flight: 1F1B pp = 4 microbatches; interleaved
     # ((p-1)*2 + (v-1)*p + 1) / v = 11/2 = 5.5 = 4 x (1 + (p-1)/(p v)). Plus one layer recomputed.
+    width = 2  # the tiny recipe trains in fp32: 4 bytes where the per-layer count has 2
     for resolved, in_flight in ((plain, 4), (inter, 5.5)):
         r = resolved.recipe
         assert activation_bytes(r.model, r.train, resolved.layout, 0) == pytest.approx(
-            in_flight * 4 * stored + recomputed)
+            width * (in_flight * 4 * stored + recomputed))
+    bf16 = resolve(make_recipe(*base, "train.precision=bf16"), Topology(world_size=4))
+    assert activation_bytes(bf16.recipe.model, bf16.recipe.train, bf16.layout, 0) == \
+        pytest.approx(4 * 4 * stored + recomputed)
 
 
 def test_checkpointing_and_sequence_parallel_reduce_activations():
