@@ -348,7 +348,7 @@ def _rank_memory(model: ModelConfig, train: TrainConfig, zero: ZeroConfig, layou
     kw = dict(stage=zero.stage, precision=train.precision, offload_optimizer_ratio=ratio,
               offload_params=zero.offload_params == "cpu", flat_fp32_grads=zero0_flattens(train))
     dense = model_states(psi.dense, shards=layout.dp_cp, **kw)
-    expert = model_states(psi.expert, shards=layout.edp, **kw)
+    expert = model_states(psi.expert, shards=layout.expert_shards, **kw)
     buffers = (4 * psi.largest_layer if zero.stage == 3 else 0.0) + float8_buffer_bytes(model, train, layout)
     bucket = reduce_bucket_bytes(model, layout, zero.stage, train.precision)
     return MemoryEstimate(

@@ -53,6 +53,15 @@ class Layout:
         the dense gradients reduce over (runtime/assemble/engine.py MegatronMPU)."""
         return self.dp * self.cp
 
+    @property
+    def expert_shards(self) -> int:
+        """The ranks ZeRO partitions an expert's states over: with ep > 1 the expert-data-
+        parallel group (runtime/assemble/moe_glue.py registers Megatron's with DeepSpeed); at
+        ep 1 Megatron marks the experts allreduce, so they are dense parameters to DeepSpeed,
+        partitioned over dp x cp like the rest (at etp < tp every tensor-parallel rank holds a
+        whole copy, its gradient summed over tp by runtime/assemble/grads.py)."""
+        return self.edp if self.ep > 1 else self.dp_cp
+
 
 @dataclass(frozen=True, kw_only=True)
 class Resolved:

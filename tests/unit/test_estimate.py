@@ -353,3 +353,22 @@ def test_the_fused_loss_is_what_ranks_started_here_run(monkeypatch):
     assert not kernels.fused_loss(torch_kernels, tp=1, device="cuda")
     monkeypatch.setattr(kernels, "liger_installed", lambda: False)
     assert not kernels.fused_loss(m, tp=1, device="cuda")
+
+
+def test_experts_at_ep_1_are_partitioned_like_dense_parameters():
+    """At ep 1 Megatron marks the experts allreduce: DeepSpeed partitions their states over
+    dp x cp like the rest, each tensor-parallel rank holding a whole copy at etp 1; with
+    ep > 1 over the expert-data-parallel group it was given (runtime/assemble/moe_glue.py)."""
+    from dsforge.estimate.memory import model_states, stage_params
+
+    moe = ("model.preset=tiny-moe", "parallel.tp=2", "parallel.sequence_parallel=true",
+           "parallel.etp=1", "parallel.dp=-1")
+    replicated = resolve(make_recipe(*moe, "parallel.ep=1"), Topology(world_size=8)).layout
+    assert (replicated.dp_cp, replicated.edp, replicated.expert_shards) == (4, 8, 4)
+    spread = resolve(make_recipe(*moe, "parallel.ep=2"), Topology(world_size=8)).layout
+    assert spread.expert_shards == spread.edp == 4
+    r = resolve(make_recipe(*moe, "parallel.ep=1"), Topology(world_size=8))
+    psi = stage_params(r.recipe.model, r.layout, 0)
+    expected = sum(model_states(p, stage=1, shards=4, precision="fp32").optimizer
+                   for p in (psi.dense, psi.expert))
+    assert _memory(*moe, "parallel.ep=1").optimizer == pytest.approx(expected)
