@@ -26,8 +26,9 @@ from dsforge.schema import ModelConfig
 
 
 class HFWeights:
-    """The global tensors of `model` from the safetensors of `folder`; a context manager that
-    keeps each file it has opened until it exits."""
+    """The global tensors of `model` from the safetensors of `folder`; a context manager. The
+    files one global tensor is read from are closed once it is read, so an importing rank
+    holds one parameter's pages at a time, not the folder's (docs/export.md)."""
 
     def __init__(self, folder: Path, model: ModelConfig, padded_vocab: int):
         self.folder, self.model, self.padded_vocab = Path(folder), model, padded_vocab
@@ -40,8 +41,7 @@ class HFWeights:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._open.clear()
-        self._stack.close()
+        self._close_files()
 
     def names(self) -> list[str]:
         """Every global tensor name the model has."""
@@ -53,8 +53,16 @@ class HFWeights:
             raise KeyError(f"{name} is not a tensor of the recipe's model as a Hugging Face "
                            f"{'Mixtral' if self.model.moe else 'Llama'} holds it")
         parts = self._parts[name]
-        return global_tensor(self.model, self.padded_vocab, parts,
-                             {p.hf_name: self.read_tensor(p.hf_name) for p in parts})
+        try:
+            return global_tensor(self.model, self.padded_vocab, parts,
+                                 {p.hf_name: self.read_tensor(p.hf_name) for p in parts})
+        finally:  # pages read through an open map stay resident (ckpt/reader.py): one tensor's only
+            self._close_files()
+
+    def _close_files(self) -> None:
+        self._open.clear()
+        self._stack.close()
+        self._stack = contextlib.ExitStack()
 
     def read_tensor(self, hf_name: str) -> torch.Tensor:
         file = self._files.get(hf_name)
