@@ -225,7 +225,10 @@ def layer_activation_bytes(m: ModelConfig, layer: int, *, seq_len: int, micro_ba
     if not fused_attention and checkpointing == "none":
         attention += 4 * m.num_attention_heads * seq_len / tp
     if m.is_moe_layer(layer):
-        routed = m.moe.top_k * (2 * h + 6 * m.moe.ffn_hidden_size / layout.etp)
+        # A rank's experts see etp / tp of its tokens: sequence parallelism leaves each
+        # tensor-parallel rank 1/tp of them, and the dispatcher gathers them back over the
+        # expert-tensor-parallel group only (calibrate/expert_timing.py times the same rows).
+        routed = m.moe.top_k * (2 * h + 6 * m.moe.ffn_hidden_size / layout.etp) * layout.etp / tp
         mlp = routed
     else:
         mlp = 6 * m.ffn_hidden_size / tp

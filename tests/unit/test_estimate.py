@@ -372,3 +372,22 @@ def test_experts_at_ep_1_are_partitioned_like_dense_parameters():
     expected = sum(model_states(p, stage=1, shards=4, precision="fp32").optimizer
                    for p in (psi.dense, psi.expert))
     assert _memory(*moe, "parallel.ep=1").optimizer == pytest.approx(expected)
+
+
+def test_a_ranks_experts_keep_activations_for_etp_over_tp_of_its_tokens():
+    """tp 2 with sequence parallelism leaves a rank half the tokens; at etp 1 the dispatcher
+    does not gather them back, so its experts keep the routed copies of that half only (at
+    etp 2 of all of them, each expert half as wide)."""
+    from dsforge.estimate.memory import layer_activation_bytes
+
+    moe = ("model.preset=tiny-moe", "parallel.tp=2", "parallel.sequence_parallel=true",
+           "parallel.dp=-1", "parallel.ep=1")
+    kw = dict(seq_len=64, micro_batch=1, checkpointing="none")
+    per = {}
+    for etp in (1, 2):
+        r = resolve(make_recipe(*moe, f"parallel.etp={etp}"), Topology(world_size=4))
+        m = r.recipe.model
+        per[etp] = layer_activation_bytes(m, 0, layout=r.layout, **kw)
+    h, ffn, top_k, tokens = m.hidden_size, m.moe.ffn_hidden_size, m.moe.top_k, 64
+    assert per[2] - per[1] == pytest.approx(
+        tokens * top_k * ((2 * h + 6 * ffn / 2) - (2 * h + 6 * ffn) / 2))
