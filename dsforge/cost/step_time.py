@@ -358,7 +358,8 @@ def _optimizer_seconds(resolved: Resolved, worst, profile: ClusterProfile) -> fl
     partition it over the data-parallel group, ZeRO-0 updates every parameter the GPU holds."""
     lay, recipe = resolved.layout, resolved.recipe
     sharded = recipe.zero.stage >= 1
-    params = worst.dense / (lay.dp_cp if sharded else 1) + worst.expert / (lay.expert_shards if sharded else 1)
+    params = (worst.dense / (lay.dp_cp if sharded else 1)
+              + worst.expert / (lay.expert_shards if sharded else 1))
     per_param = (profile.optimizer_bytes_per_param_fp32 if recipe.train.precision == "fp32"
                  else profile.optimizer_bytes_per_param)
     return profile.optimizer_fixed_s + params * per_param / profile.gpu.memory_bandwidth

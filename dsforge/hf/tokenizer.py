@@ -48,8 +48,9 @@ def tokenizer_files(recipe: Mapping[str, Any], folder: Path) -> TokenizerFiles:
             f"no tokenizer files: the run used dsforge's bytes tokenizer (ids 0-{BYTES_EOD - 1} "
             f"are UTF-8 bytes, {BYTES_EOD} ends a document), which no Hugging Face tokenizer "
             "class reproduces"])
-    try:  # with the end-of-document token the dataset was prepared with (--eod-token)
-        identity = load_tokenizer(TokenizerSpec(name, recorded.eod_token if recorded else None)).identity
+    eod_token = recorded.eod_token if recorded else None  # the dataset's --eod-token
+    try:
+        identity = load_tokenizer(TokenizerSpec(name, eod_token)).identity
     except DataError as exc:
         return TokenizerFiles(notes=[f"no tokenizer files: the run's tokenizer cannot be loaded "
                                      f"here ({exc})"])

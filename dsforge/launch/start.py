@@ -60,7 +60,8 @@ def _resume(run_dir: RunDir, resolved: Resolved, *, set_aside_records: bool, say
     nodes' ranks may already write there)."""
     from dsforge.ckpt.trust import check_resumable
 
-    record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe), resolved.layout.world_size)
+    record = check_resumable(run_dir, dataclasses.asdict(resolved.recipe),
+                             resolved.layout.world_size)
     say(f"dsforge: resuming {run_dir} after step {record['step']}")
     if set_aside_records:
         set_aside(run_dir)

@@ -128,7 +128,8 @@ def fused_loss(model: ModelConfig, *, tp: int, device: str, per_token_loss: bool
 def dense_document_mask(recipe, *, device: str) -> bool:
     """Whether ranks on `device` hold a dense [s, s] document mask (the memory model counts
     it: estimate/memory.py)."""
-    documents = document_attention(recipe.data, device=device, sdpa_backend=recipe.model.sdpa_backend)
+    documents = document_attention(recipe.data, device=device,
+                                   sdpa_backend=recipe.model.sdpa_backend)
     return documents is not None and documents.impl == "sdpa-mask"
 
 

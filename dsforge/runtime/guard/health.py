@@ -107,11 +107,12 @@ def view(reduced: torch.Tensor, *, replicas: int, grad_norm, applied: bool,
     over the `replicas` that added to it, DeepSpeed's global gradient norm (a tensor, a float
     or None) and was_step_applied(). The `cp` context-parallel ranks of a replica each count
     its whole sequences' score pairs."""
-    loss, pairs = (value / divisor for value, divisor in zip(reduced[[0, 3]].tolist(), (replicas, cp)))
+    loss_sum, pairs = reduced[[0, 3]].tolist()  # the host waits for the device here
+    loss = loss_sum / replicas
     norm = None if grad_norm is None else float(grad_norm)
     return StepView(loss=loss, bad_loss=not math.isfinite(loss),
                     bad_norm=norm is not None and not math.isfinite(norm), skipped=not applied,
-                    grad_norm=norm, score_pairs=pairs)
+                    grad_norm=norm, score_pairs=pairs / cp)
 
 
 def mean_over_replicas(loss: torch.Tensor) -> float:

@@ -81,7 +81,8 @@ class StepMeter:
         recipe = self.resolved.recipe
         if not recipe.data.document_masking:
             return {}
-        share = attention_share(score_pairs, self.resolved.layout.global_batch, recipe.train.seq_len)
+        share = attention_share(score_pairs, self.resolved.layout.global_batch,
+                                recipe.train.seq_len)
         flops = flops_per_token(recipe.model, recipe.train.seq_len,
                                 recipe.train.activation_checkpointing, attention_share=share)
         return {"attention_share": share, "document_flops_per_token": flops.model}
