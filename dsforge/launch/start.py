@@ -12,12 +12,12 @@ import dataclasses
 import os
 from pathlib import Path
 
+from dsforge.job.heartbeat import summarize
 from dsforge.job.run_dir import RunDir, claim, existing_run_dir, new_run_dir, set_aside
 from dsforge.job.signals import EXIT_NONFINITE, EXIT_RESUMABLE
 from dsforge.job.steps import step_text
 from dsforge.launch.commands import Placement, job_spec, launch_command, runner_env
 from dsforge.launch.diagnose import failure_report
-from dsforge.job.heartbeat import summarize
 from dsforge.launch.local import EXIT_TIMEOUT, STOP_GRACE_S, StopAsked, free_port, run_job
 from dsforge.launch.output import JobView
 from dsforge.launch.refusal import Say
