@@ -25,8 +25,8 @@ from dsforge.launch.preflight import run_command, ssh_command
 # loopback hosts share this machine.
 _END = ("import base64, binascii, json, os, signal, sys\nfrom pathlib import Path\n"
         f"JOB_DIR_ENV = {lock.JOB_DIR_ENV!r}\n"
-        + "".join(inspect.getsource(f) + "\n" for f in (lock._read, lock._job_run_dir,
-                                                        lock.job_processes))
+        + "".join(inspect.getsource(f) + "\n" for f in (lock._read, lock._job_word,
+                                                        lock._job_run_dir, lock.job_processes))
         + "found = [p for p in job_processes(sys.argv[1]) if p != int(sys.argv[2])]\n"
         "for pid in found:\n"
         "    try:\n"

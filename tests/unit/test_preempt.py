@@ -441,3 +441,16 @@ def test_a_signal_while_the_job_is_stopped_ends_it_at_once(tmp_path, capsys):
     code = local.run_job([sys.executable, "-c", ignores], timeout_s=60)
     assert code == 130 and time.monotonic() - started < local.GRACE_S
     assert "interrupted; stopping every rank" in capsys.readouterr().err
+
+
+def test_the_remote_end_script_runs_without_dsforge(tmp_path):
+    """launch/remote_end.py sends lock.py's functions as text to a host's ssh session, where
+    dsforge need not import: the script must hold every function they call (a helper left
+    out failed only on the pdsh restart path, as a NameError on the remote host)."""
+    from dsforge.launch import remote_end
+
+    script = tmp_path / "end.py"
+    script.write_text(remote_end._END)
+    done = subprocess.run([sys.executable, "-I", str(script), str(tmp_path / "run"), "1"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "", done.stderr[-2000:]
