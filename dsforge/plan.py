@@ -14,7 +14,7 @@ from typing import Any
 from dsforge.estimate.bubble import bubble_fraction, bubble_share_of_step
 from dsforge.estimate.context_parallel import exchange_bytes, exchange_passes, step_exchange_bytes
 from dsforge.estimate.flops import flops_per_token
-from dsforge.estimate.memory import largest_stage_params
+from dsforge.estimate.memory import largest_stage_params, training_element_bytes
 from dsforge.estimate.memory_fixes import zero_at_stage
 from dsforge.estimate.params import count_params
 from dsforge.estimate.save_cost import save_cost
@@ -119,7 +119,7 @@ def _context_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
     """Ulysses' all-to-alls (estimate/context_parallel.py): the bytes one rank sends in one
     layer's forward for one microbatch, and per step over its pipeline rank's layers."""
     m, lay, train = resolved.recipe.model, resolved.layout, resolved.recipe.train
-    element_bytes = 4 if train.precision == "fp32" else 2
+    element_bytes = training_element_bytes(train.precision)
     tokens = lay.micro_batch * train.seq_len // lay.cp
     return {"bytes_per_layer_forward": exchange_bytes(m, lay, tokens, element_bytes),
             "passes": exchange_passes(train.activation_checkpointing),
@@ -134,7 +134,7 @@ def _data_parallel_traffic(resolved: Resolved) -> dict[str, Any]:
     from dsforge.cost.step_time import dp_traffic
 
     recipe, lay = resolved.recipe, resolved.layout
-    grad_bytes = 4 if recipe.train.precision == "fp32" else 2
+    grad_bytes = training_element_bytes(recipe.train.precision)
     worst = largest_stage_params(recipe.model, lay)
     ring = lambda d: (d - 1) / d  # noqa: E731
     unit = grad_bytes * (worst.dense * ring(lay.dp_cp) + worst.expert * ring(lay.edp))

@@ -210,6 +210,11 @@ def _largest_stage_params(m: ModelConfig, tp: int, pp: int, vpp: int, ep: int, e
                key=lambda p: p.dense + p.expert)
 
 
+def training_element_bytes(precision: str) -> int:
+    """Bytes of one element in the training dtype (`train.precision`): 4 in fp32, else 2."""
+    return 4 if precision == "fp32" else 2
+
+
 def layer_activation_bytes(m: ModelConfig, layer: int, *, seq_len: int, micro_batch: int,
                            layout: Layout, checkpointing: str, fused_attention: bool = True) -> float:
     """Activation bytes one layer keeps for one microbatch until its backward pass. A
@@ -244,7 +249,7 @@ def activation_bytes(m: ModelConfig, train: TrainConfig, layout: Layout, rank: i
     layers = stage_layers(m.num_layers, layout.pp, layout.vpp, rank)
     # layer_activation_bytes counts 16-bit activations: fp32 training keeps its in 4 bytes
     # (the saved-tensor counter measured 2,848 bytes a token in bf16, 5,664 in fp32)
-    width = 2.0 if train.precision == "fp32" else 1.0
+    width = training_element_bytes(train.precision) / 2
     kept = per_kind_of_layer(m, lambda i: layer_activation_bytes(
         m, i, checkpointing=train.activation_checkpointing, **kw))
     per_microbatch = width * sum(kept(i) for i in layers)
@@ -324,7 +329,7 @@ def document_mask_bytes(train: TrainConfig, layout: Layout, rank: int) -> float:
     document_attention): one [micro_batch, 1, seq, seq] mask in the attention's dtype for each
     microbatch in flight, shared by its layers (runtime/assemble/documents.py). Ulysses gives
     each rank whole sequences, so cp does not divide it."""
-    element = 4 if train.precision == "fp32" else 2
+    element = training_element_bytes(train.precision)
     in_flight = math.ceil(_microbatches_in_flight(layout, rank))
     return float(layout.micro_batch * train.seq_len ** 2 * element * in_flight)
 
@@ -408,4 +413,4 @@ def reduce_bucket_bytes(model: ModelConfig, layout: Layout, stage: int, precisio
     kept (measured by the census: 1.9 GiB in fp32 when the bucket was DeepSpeed's 5e8)."""
     if stage == 0:
         return 0.0
-    return (4 if precision == "fp32" else 2) * reduce_bucket_elements(model, layout, stage)
+    return training_element_bytes(precision) * reduce_bucket_elements(model, layout, stage)
