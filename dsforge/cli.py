@@ -201,7 +201,7 @@ def bench(study, **options):
     """Run every cell of STUDY (a sweep over recipe fields) into OUT/results.db, skipping finished
     cells. Exit status: 0 every cell has a result, 2 invalid study or unusable OUT, 75 cells busy
     or the database locked (run again later), 130/143 stopped by Ctrl-C/SIGTERM (docs/bench.md)."""
-    sys.exit(bench_main(study, **options))
+    sys.exit(_or_exit(bench_main, study, **options))
 
 
 @main.command()

@@ -21,7 +21,6 @@ def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
     from dsforge.bench.run import bench_study
     from dsforge.bench.study import check_study, load_study
     from dsforge.launch.checks import check_rank_imports
-    from dsforge.launch.refusal import BadOptions
 
     try:
         parsed, recipe_path = load_study(study)
@@ -32,11 +31,7 @@ def bench_main(study: str, out: Path | None, *, retry_failed: bool, tiny: bool,
     if problems:  # before any cell runs
         print_problems(study, problems)
         return EXIT_INVALID
-    try:  # its cells' ranks start as dsforge run's do
-        check_rank_imports(Path.cwd())
-    except BadOptions as exc:
-        click.echo(f"Error: {exc}", err=True)
-        return EXIT_INVALID
+    check_rank_imports(Path.cwd())  # its cells' ranks start as dsforge run's do (BadOptions)
     if tiny:  # never mixed with the study's real results
         parsed = dataclasses.replace(parsed, name=f"{parsed.name}-tiny")
     out = out or Path("benchmarks") / parsed.name
