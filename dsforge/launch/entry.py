@@ -59,10 +59,9 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
     """Run the job and return `dsforge run`'s exit code; `show` prints `--dry-run`'s lines.
     With --max-restarts, a job that loses a rank starts again (launch/restart.py)."""
     checked = checks.checked_run(options, say)
-    options, resolved = checked.options, checked.resolved
+    options, resolved = _resuming(checked.options), checked.resolved
     if checked.slurm_plan is not None:
         run_dir = _own_run_dir(options, resolved, say, joining=False, peers_may_join=False)
-        options = _resuming(options, run_dir)
         job = options.job(resolved, run_dir, env=checked.env, slurm=True)
         starts = SrunStarts(options, checked.slurm_plan, resolved, say)
     else:
@@ -72,7 +71,6 @@ def launch(options: RunOptions, *, say: Say, show: Say) -> int:
         run_dir = _own_run_dir(options, resolved, say,
                                joining=options.node_rank is not None and options.node_rank > 0,
                                peers_may_join=options.node_rank is not None)
-        options = _resuming(options, run_dir)
         job = options.job(resolved, run_dir, env=checked.env)
     how = starts.first(job)
     if options.dry_run:
@@ -138,12 +136,18 @@ def _own_run_dir(options: RunOptions, resolved: Resolved, say: Say, *, joining: 
     return run_dir
 
 
-def _resuming(options: RunOptions, run_dir: RunDir) -> RunOptions:
-    """With --resume-or-start, --resume where the run directory holds a checkpoint (after
-    _own_run_dir looked, and set aside an earlier attempt's files where it holds none)."""
+def _resuming(options: RunOptions) -> RunOptions:
+    """With --resume-or-start, --resume where the run directory holds a complete checkpoint
+    (decided once, here: without one _own_run_dir starts the run over there). Looked at before
+    the directory is owned: only a live job could change that, and owning it refuses one."""
+    from dsforge.ckpt.trust import CheckpointError
+
     if not options.resume_or_start:
         return options
-    return dataclasses.replace(options, resume=start.resumed_here(run_dir))
+    try:
+        return dataclasses.replace(options, resume=start.resumed_here(RunDir(options.run_dir)))
+    except CheckpointError as exc:  # a damaged `latest`
+        raise BadOptions(f"cannot resume: {exc}") from None
 
 
 def _ranks_started_here(options: RunOptions, resolved: Resolved) -> int:

@@ -36,12 +36,12 @@ def own_run_dir(given: Path | None, resolved: Resolved, *, resume: bool, joining
     """The run directory of --run-dir `given`: a new, empty one (a fresh name without
     `given`); or, to resume or join, the existing one (with a checkpoint this recipe can
     continue from, to resume: the earlier attempt's records are set aside, job/run_dir.py).
-    `or_start` (--resume-or-start): resume where `given` holds a complete checkpoint, else
-    start there from the beginning. Unless joining another node's run or only printing
-    commands, the returned lock makes this process its owner: keep it until exit. Raises
-    RunDirError or CheckpointError."""
-    if or_start:
-        return _resume_or_start(given, resolved, create=create, say=say)
+    `or_start` (--resume-or-start) without `resume` (its run directory holds no complete
+    checkpoint: resumed_here): start the run over in `given`. Unless joining another node's
+    run or only printing commands, the returned lock makes this process its owner: keep it
+    until exit. Raises RunDirError or CheckpointError."""
+    if or_start and not resume:
+        return _start_over(given, create=create, say=say)
     if not (resume or joining):
         run_dir = new_run_dir(given, resolved.recipe.name, create=create,
                               peers_may_join=peers_may_join)
@@ -71,17 +71,12 @@ def _resume(run_dir: RunDir, resolved: Resolved, *, set_aside_records: bool, say
         say(f"  changed: {change}")
 
 
-def _resume_or_start(given: Path, resolved: Resolved, *, create: bool,
-                     say: Say) -> tuple[RunDir, Lock | None]:
-    """--resume-or-start: own `given` (made if missing) first, then look: with a complete
-    checkpoint it is resumed, as --resume would; without one, what an earlier attempt wrote
-    there (a job that ended before its first checkpoint) is set aside, and the run starts
-    from the beginning. The job word's `resume` follows (resumed_here)."""
+def _start_over(given: Path, *, create: bool, say: Say) -> tuple[RunDir, Lock | None]:
+    """--resume-or-start where `given` holds no complete checkpoint: own it (made if missing),
+    set aside what an earlier attempt wrote there (a job that ended before its first
+    checkpoint), and start the run from the beginning."""
     run_dir = existing_run_dir(given, resume=False, create=create)
     lock = claim(run_dir, fresh=False) if create else None
-    if resumed_here(run_dir):
-        _resume(run_dir, resolved, set_aside_records=create, say=say)
-        return run_dir, lock
     if not create:  # a dry run moves nothing
         used = run_dir.path.is_dir() and any(run_dir.path.iterdir())
         say(f"dsforge: {run_dir} holds no complete checkpoint: the run would start from the "
@@ -95,7 +90,7 @@ def _resume_or_start(given: Path, resolved: Resolved, *, create: bool,
 
 def resumed_here(run_dir: RunDir) -> bool:
     """Whether `run_dir` holds a complete checkpoint to continue from (--resume-or-start's
-    choice, made by _resume_or_start and read again for the job word)."""
+    choice, launch/entry.py `_resuming`)."""
     from dsforge.ckpt.trust import latest_complete
 
     return run_dir.checkpoints.is_dir() and latest_complete(run_dir.checkpoints) is not None

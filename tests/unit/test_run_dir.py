@@ -54,9 +54,9 @@ def test_resume_or_start_resumes_a_checkpoint_and_else_starts_over(tmp_path):
     resolved = resolve_file(REPO / "recipes" / "tiny.yaml")
     said = []
 
-    def owned(path):
-        run_dir, lock = own_run_dir(path, resolved, resume=False, joining=False, create=True,
-                                    say=said.append, or_start=True)
+    def owned(path):  # as dsforge run decides (launch/entry.py _resuming), then owns it
+        run_dir, lock = own_run_dir(path, resolved, resume=resumed_here(RunDir(path)),
+                                    joining=False, create=True, say=said.append, or_start=True)
         lock.release()
         return run_dir
 
